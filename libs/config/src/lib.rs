@@ -1,0 +1,284 @@
+//! Layered configuration for every Warden binary: built-in defaults → TOML file →
+//! `WARDEN_*` environment variables (`__` nests: `WARDEN_LEDGER__DATABASE_URL`) → the
+//! caller's overrides (CLI flags), then one [`WardenConfig::validate`] that names the bad key.
+//!
+//! One file configures the whole mesh; each binary reads its own section.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration could not be read: {0}")]
+    Load(#[from] Box<figment::Error>),
+    #[error("invalid configuration key '{key}': {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.to_string(), reason: reason.into() }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WardenConfig {
+    pub ledger: LedgerConfig,
+    pub policy: PolicyConfig,
+    pub planner: PlannerConfig,
+    pub executor: ExecutorConfig,
+    pub tools: ToolsConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LedgerConfig {
+    pub listen: String,
+    /// `sqlite://path` (embedded default) or `postgres://…`.
+    pub database_url: String,
+    pub max_connections: u32,
+    /// Largest accepted event payload or plan, in bytes.
+    pub max_payload_bytes: usize,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        LedgerConfig {
+            listen: "127.0.0.1:7101".into(),
+            database_url: "sqlite://.warden/ledger.db".into(),
+            max_connections: 16,
+            max_payload_bytes: 1 << 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyMode {
+    /// Decisions are computed and recorded, but a deny is logged, not enforced.
+    Permissive,
+    /// Default deny: anything not explicitly allowed is refused.
+    #[default]
+    Enforced,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantPolicy {
+    /// Tools this tenant may call (exact names, or a trailing `*` prefix pattern).
+    pub allow_tools: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    pub listen: String,
+    pub ledger_endpoint: String,
+    /// Ed25519 signing key seed (hex); created with mode 0600 when missing.
+    pub key_file: String,
+    pub mode: PolicyMode,
+    pub authorization_ttl_ms: u64,
+    pub tenants: BTreeMap<String, TenantPolicy>,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            listen: "127.0.0.1:7102".into(),
+            ledger_endpoint: "http://127.0.0.1:7101".into(),
+            key_file: ".warden/policy.key".into(),
+            mode: PolicyMode::Enforced,
+            authorization_ttl_ms: 60_000,
+            tenants: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PlannerConfig {
+    pub listen: String,
+    pub tool_hosts: Vec<String>,
+    pub max_steps: usize,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        PlannerConfig { listen: "127.0.0.1:7103".into(), tool_hosts: vec!["http://127.0.0.1:7105".into()], max_steps: 10 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ExecutorConfig {
+    pub listen: String,
+    pub ledger_endpoint: String,
+    pub policy_endpoint: String,
+    pub planner_endpoint: String,
+    pub tool_hosts: Vec<String>,
+    /// `redis://…` for leases shared by replicas; empty means an in-process lease store
+    /// (a single executor only — the `warden dev` shape).
+    pub redis_url: String,
+    pub lease_ttl_ms: u64,
+    pub max_concurrency: usize,
+    /// How often the sweeper looks for runs without a live lease.
+    pub sweep_interval_ms: u64,
+    pub max_plan_bytes: usize,
+    /// Identity of this replica in leases and events; generated when empty.
+    pub executor_id: String,
+}
+
+impl Default for ExecutorConfig {
+    fn default() -> Self {
+        ExecutorConfig {
+            listen: "127.0.0.1:7100".into(),
+            ledger_endpoint: "http://127.0.0.1:7101".into(),
+            policy_endpoint: "http://127.0.0.1:7102".into(),
+            planner_endpoint: "http://127.0.0.1:7103".into(),
+            tool_hosts: vec!["http://127.0.0.1:7105".into()],
+            redis_url: String::new(),
+            lease_ttl_ms: 10_000,
+            max_concurrency: 5,
+            sweep_interval_ms: 2_000,
+            max_plan_bytes: 256 * 1024,
+            executor_id: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ToolsConfig {
+    pub listen: String,
+    pub policy_endpoint: String,
+    /// Where `email.send` appends its messages, one JSON object per line.
+    pub outbox_path: String,
+}
+
+impl Default for ToolsConfig {
+    fn default() -> Self {
+        ToolsConfig {
+            listen: "127.0.0.1:7105".into(),
+            policy_endpoint: "http://127.0.0.1:7102".into(),
+            outbox_path: ".warden/outbox.jsonl".into(),
+        }
+    }
+}
+
+impl WardenConfig {
+    /// Defaults, then `file` (when given), then `WARDEN_*` variables.
+    pub fn figment(file: Option<&Path>) -> Figment {
+        let mut f = Figment::from(Serialized::defaults(WardenConfig::default()));
+        if let Some(path) = file {
+            f = f.merge(Toml::file_exact(path));
+        }
+        // Only nested keys (`WARDEN_SECTION__KEY`) are configuration; flat ones such as
+        // WARDEN_ENDPOINT or WARDEN_CONFIG belong to the CLI.
+        f.merge(Env::prefixed("WARDEN_").filter(|k| k.as_str().contains("__")).split("__"))
+    }
+
+    /// Loads and validates the configuration.
+    pub fn load(file: Option<&Path>) -> Result<WardenConfig, ConfigError> {
+        Self::from_figment(Self::figment(file))
+    }
+
+    /// Extracts and validates from any figment (tests inject values this way).
+    pub fn from_figment(f: Figment) -> Result<WardenConfig, ConfigError> {
+        let c: WardenConfig = f.extract().map_err(Box::new)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, addr) in [
+            ("ledger.listen", &self.ledger.listen),
+            ("policy.listen", &self.policy.listen),
+            ("planner.listen", &self.planner.listen),
+            ("executor.listen", &self.executor.listen),
+            ("tools.listen", &self.tools.listen),
+        ] {
+            addr.parse::<SocketAddr>().map_err(|e| invalid(key, format!("'{addr}' is not host:port ({e})")))?;
+        }
+        let mut endpoints = vec![
+            ("policy.ledger_endpoint", &self.policy.ledger_endpoint),
+            ("executor.ledger_endpoint", &self.executor.ledger_endpoint),
+            ("executor.policy_endpoint", &self.executor.policy_endpoint),
+            ("executor.planner_endpoint", &self.executor.planner_endpoint),
+            ("tools.policy_endpoint", &self.tools.policy_endpoint),
+        ];
+        endpoints.extend(self.planner.tool_hosts.iter().map(|e| ("planner.tool_hosts", e)));
+        endpoints.extend(self.executor.tool_hosts.iter().map(|e| ("executor.tool_hosts", e)));
+        for (key, e) in endpoints {
+            if !(e.starts_with("http://") || e.starts_with("https://")) {
+                return Err(invalid(key, format!("'{e}' must be an http:// or https:// URL")));
+            }
+        }
+        let db = &self.ledger.database_url;
+        if !(db.starts_with("sqlite:") || db.starts_with("postgres://") || db.starts_with("postgresql://")) {
+            return Err(invalid("ledger.database_url", "must start with sqlite:, postgres:// or postgresql://"));
+        }
+        if !self.executor.redis_url.is_empty() && !self.executor.redis_url.starts_with("redis://") {
+            return Err(invalid("executor.redis_url", "must be empty (in-process leases) or a redis:// URL"));
+        }
+        let positive = [
+            ("ledger.max_connections", self.ledger.max_connections as u64),
+            ("ledger.max_payload_bytes", self.ledger.max_payload_bytes as u64),
+            ("planner.max_steps", self.planner.max_steps as u64),
+            ("executor.max_concurrency", self.executor.max_concurrency as u64),
+            ("executor.max_plan_bytes", self.executor.max_plan_bytes as u64),
+            ("executor.sweep_interval_ms", self.executor.sweep_interval_ms),
+            ("policy.authorization_ttl_ms", self.policy.authorization_ttl_ms),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(invalid(key, "must be greater than zero"));
+        }
+        if self.executor.lease_ttl_ms < 300 {
+            return Err(invalid("executor.lease_ttl_ms", "must be at least 300 ms"));
+        }
+        for (tenant, t) in &self.policy.tenants {
+            if t.allow_tools.iter().any(|p| p.is_empty() || p[..p.len() - 1].contains('*')) {
+                return Err(invalid(
+                    &format!("policy.tenants.{tenant}.allow_tools"),
+                    "patterns are tool names with at most one trailing '*'",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use figment::providers::Serialized;
+
+    #[test]
+    fn defaults_validate() {
+        WardenConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let f = Figment::from(Serialized::defaults(WardenConfig::default()))
+            .merge(Serialized::default("executor.max_concurrency", 0));
+        let e = WardenConfig::from_figment(f).unwrap_err();
+        assert!(e.to_string().contains("executor.max_concurrency"), "{e}");
+        let f = Figment::from(Serialized::defaults(WardenConfig::default()))
+            .merge(Serialized::default("ledger.database_url", "mysql://x"));
+        assert!(WardenConfig::from_figment(f).unwrap_err().to_string().contains("ledger.database_url"));
+    }
+
+    #[test]
+    fn toml_and_unknown_keys() {
+        let f = Figment::from(Serialized::defaults(WardenConfig::default()))
+            .merge(Toml::string("[policy.tenants.acme]\nallow_tools = [\"echo\", \"kv.*\"]\n"));
+        let c = WardenConfig::from_figment(f).unwrap();
+        assert_eq!(c.policy.tenants["acme"].allow_tools, vec!["echo", "kv.*"]);
+        let f = Figment::from(Serialized::defaults(WardenConfig::default())).merge(Toml::string("[ledger]\nlisten_addr = 1\n"));
+        assert!(WardenConfig::from_figment(f).unwrap_err().to_string().contains("listen_addr"));
+    }
+}

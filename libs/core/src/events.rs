@@ -1,0 +1,110 @@
+//! Event types of a run's log and the run status each one implies.
+
+use serde::{Deserialize, Serialize};
+
+pub const RUN_SUBMITTED: &str = "run_submitted";
+pub const RUN_STARTED: &str = "run_started";
+pub const POLICY_DECISION: &str = "policy_decision";
+pub const TOOL_REQUESTED: &str = "tool_requested";
+pub const TOOL_COMPLETED: &str = "tool_completed";
+pub const TOOL_FAILED: &str = "tool_failed";
+pub const STEP_FAILED: &str = "step_failed";
+pub const STEP_CANCELLED: &str = "step_cancelled";
+pub const RUN_COMPLETED: &str = "run_completed";
+pub const RUN_FAILED: &str = "run_failed";
+pub const RUN_CANCELLED: &str = "run_cancelled";
+pub const RUN_EMPTY_PLAN: &str = "run_empty_plan";
+pub const RUN_BLOCKED: &str = "run_blocked";
+pub const RUN_REQUIRES_RECONCILIATION: &str = "run_requires_reconciliation";
+
+/// Every event type the ledger accepts.
+pub const KNOWN: &[&str] = &[
+    RUN_SUBMITTED,
+    RUN_STARTED,
+    POLICY_DECISION,
+    TOOL_REQUESTED,
+    TOOL_COMPLETED,
+    TOOL_FAILED,
+    STEP_FAILED,
+    STEP_CANCELLED,
+    RUN_COMPLETED,
+    RUN_FAILED,
+    RUN_CANCELLED,
+    RUN_EMPTY_PLAN,
+    RUN_BLOCKED,
+    RUN_REQUIRES_RECONCILIATION,
+];
+
+/// Event types that must cite a recorded allow decision (`decision_id` in the payload).
+pub const NEEDS_ALLOW: &[&str] = &[TOOL_REQUESTED, TOOL_COMPLETED];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Pending,
+    Active,
+    Paused,
+    Blocked,
+    RequiresReconciliation,
+    Completed,
+    Failed,
+    Cancelled,
+    EmptyPlan,
+}
+
+impl RunStatus {
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled | RunStatus::EmptyPlan)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Pending => "pending",
+            RunStatus::Active => "active",
+            RunStatus::Paused => "paused",
+            RunStatus::Blocked => "blocked",
+            RunStatus::RequiresReconciliation => "requires_reconciliation",
+            RunStatus::Completed => "completed",
+            RunStatus::Failed => "failed",
+            RunStatus::Cancelled => "cancelled",
+            RunStatus::EmptyPlan => "empty_plan",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<RunStatus> {
+        ALL_STATUSES.iter().copied().find(|st| st.as_str() == s)
+    }
+}
+
+pub const ALL_STATUSES: [RunStatus; 9] = [
+    RunStatus::Pending,
+    RunStatus::Active,
+    RunStatus::Paused,
+    RunStatus::Blocked,
+    RunStatus::RequiresReconciliation,
+    RunStatus::Completed,
+    RunStatus::Failed,
+    RunStatus::Cancelled,
+    RunStatus::EmptyPlan,
+];
+
+/// The status a run enters when `event_type` is appended, if it changes it.
+pub fn status_after(event_type: &str) -> Option<RunStatus> {
+    Some(match event_type {
+        RUN_SUBMITTED => RunStatus::Pending,
+        RUN_STARTED => RunStatus::Active,
+        RUN_COMPLETED => RunStatus::Completed,
+        RUN_FAILED => RunStatus::Failed,
+        RUN_CANCELLED => RunStatus::Cancelled,
+        RUN_EMPTY_PLAN => RunStatus::EmptyPlan,
+        RUN_BLOCKED => RunStatus::Blocked,
+        RUN_REQUIRES_RECONCILIATION => RunStatus::RequiresReconciliation,
+        _ => return None,
+    })
+}
+
+/// Ledger idempotency key under which the policy service records decision `decision_id`;
+/// the ledger looks cited decisions up by it.
+pub fn decision_key(decision_id: &str) -> String {
+    format!("decision:{decision_id}")
+}

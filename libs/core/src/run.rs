@@ -1,0 +1,143 @@
+//! The fold of a run's events into its current state: what the executor rebuilds after a
+//! takeover (completed outputs are reused, never re-executed) and what `GetRun` reports.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use crate::events::{self, RunStatus};
+use crate::plan::Plan;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepStatus {
+    Pending,
+    /// A decision or tool request is recorded but no outcome yet.
+    Running,
+    Completed,
+    Failed,
+    Cancelled,
+    Denied,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepView {
+    pub id: String,
+    pub tool: String,
+    pub status: StepStatus,
+    pub output: Option<Value>,
+    pub error: Option<String>,
+    pub attempts: u32,
+    /// `tool_requested` was recorded for the latest attempt and no outcome followed.
+    pub outcome_unknown: bool,
+    /// Idempotency key of the latest tool request.
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunView {
+    pub plan: Option<Plan>,
+    pub status: RunStatus,
+    pub reason: String,
+    pub steps: Vec<StepView>,
+    pub last_seq: u64,
+}
+
+impl Default for RunView {
+    fn default() -> Self {
+        RunView { plan: None, status: RunStatus::Pending, reason: String::new(), steps: Vec::new(), last_seq: 0 }
+    }
+}
+
+fn str_field<'a>(payload: &'a Value, key: &str) -> Option<&'a str> {
+    payload.get(key).and_then(Value::as_str)
+}
+
+impl RunView {
+    /// Applies one event, in seq order.
+    pub fn apply(&mut self, seq: u64, event_type: &str, step_id: &str, payload: &Value) {
+        self.last_seq = seq;
+        if let Some(st) = events::status_after(event_type) {
+            self.status = st;
+            self.reason = str_field(payload, "reason").unwrap_or_default().to_string();
+        }
+        if event_type == events::RUN_SUBMITTED {
+            if let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {
+                self.steps = plan
+                    .steps
+                    .iter()
+                    .map(|s| StepView {
+                        id: s.id.clone(),
+                        tool: s.tool.clone(),
+                        status: StepStatus::Pending,
+                        output: None,
+                        error: None,
+                        attempts: 0,
+                        outcome_unknown: false,
+                        idempotency_key: None,
+                    })
+                    .collect();
+                self.plan = Some(plan);
+            }
+            return;
+        }
+        let Some(step) = self.steps.iter_mut().find(|s| s.id == step_id) else { return };
+        match event_type {
+            events::TOOL_REQUESTED => {
+                step.status = StepStatus::Running;
+                step.attempts = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
+                step.outcome_unknown = true;
+                step.idempotency_key = str_field(payload, "idempotency_key").map(str::to_string);
+            }
+            events::TOOL_COMPLETED => {
+                step.status = StepStatus::Completed;
+                step.output = payload.get("output").cloned();
+                step.outcome_unknown = false;
+            }
+            events::TOOL_FAILED | events::STEP_FAILED => {
+                let denied = str_field(payload, "kind") == Some("policy_denied");
+                step.status = if denied { StepStatus::Denied } else { StepStatus::Failed };
+                step.error = str_field(payload, "reason").map(str::to_string);
+                step.outcome_unknown = false;
+            }
+            events::STEP_CANCELLED => {
+                step.status = StepStatus::Cancelled;
+                step.error = str_field(payload, "reason").map(str::to_string);
+            }
+            _ => {}
+        }
+    }
+
+    /// Outputs of completed steps, by step id.
+    pub fn outputs(&self) -> HashMap<String, Value> {
+        self.steps
+            .iter()
+            .filter(|s| s.status == StepStatus::Completed)
+            .map(|s| (s.id.clone(), s.output.clone().unwrap_or(Value::Null)))
+            .collect()
+    }
+
+    pub fn step(&self, id: &str) -> Option<&StepView> {
+        self.steps.iter().find(|s| s.id == id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn fold_tracks_steps_and_unknown_outcomes() {
+        let mut v = RunView::default();
+        v.apply(1, events::RUN_SUBMITTED, "", &json!({"plan": {"steps": [{"id": "a", "tool": "echo"}, {"id": "b", "tool": "echo"}]}}));
+        v.apply(2, events::RUN_STARTED, "", &json!({}));
+        v.apply(3, events::TOOL_REQUESTED, "a", &json!({"attempt": 1, "idempotency_key": "k"}));
+        v.apply(4, events::TOOL_COMPLETED, "a", &json!({"output": {"x": 1}}));
+        v.apply(5, events::TOOL_REQUESTED, "b", &json!({"attempt": 1}));
+        assert_eq!(v.status, RunStatus::Active);
+        assert_eq!(v.outputs()["a"], json!({"x": 1}));
+        assert!(v.step("b").unwrap().outcome_unknown);
+        v.apply(6, events::RUN_FAILED, "", &json!({"reason": "boom"}));
+        assert_eq!((v.status, v.reason.as_str(), v.last_seq), (RunStatus::Failed, "boom", 6));
+    }
+}

@@ -1,0 +1,213 @@
+//! gRPC plumbing every Warden server and client shares: serving with health and reflection
+//! on a bound listener, rich `INVALID_ARGUMENT` errors that name the field, and lazily
+//! connected channels.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tonic::service::Routes;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Endpoint, Server};
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+/// Largest gRPC message a Warden server or client accepts, decoded.
+pub const MAX_MESSAGE_BYTES: usize = 8 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("reflection descriptors are invalid: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("transport failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("cannot bind {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+}
+
+/// Binds `addr` (use port 0 for any free port).
+pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr: addr.to_string(), source })
+}
+
+/// Serves `routes` on `listener` with gRPC health (every name in `services` reported
+/// SERVING, plus the empty overall name) and reflection over the warden.v1 descriptors,
+/// until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    routes: Routes,
+    services: &[&str],
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
+    for s in services {
+        reporter.set_service_status(*s, tonic_health::ServingStatus::Serving).await;
+    }
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(warden_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let routes = routes.add_service(health).add_service(reflection);
+    Server::builder()
+        // Agents' steps are latency-bound request/response calls: no Nagle delay.
+        .tcp_nodelay(true)
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown)
+        .await?;
+    Ok(())
+}
+
+/// A channel that connects on first use and reconnects after failures, so services can
+/// start in any order.
+pub fn channel(endpoint: &str) -> Result<Channel, Status> {
+    Ok(Endpoint::from_shared(endpoint.to_string())
+        .map_err(|e| Status::invalid_argument(format!("invalid endpoint '{endpoint}': {e}")))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(20))
+        .connect_lazy())
+}
+
+/// `INVALID_ARGUMENT` with a field violation: the client learns which field and why.
+pub fn invalid_field(field: impl Into<String>, description: impl Into<String>) -> Status {
+    let (field, description) = (field.into(), description.into());
+    let message = format!("{field}: {description}");
+    Status::with_error_details(Code::InvalidArgument, message, ErrorDetails::with_bad_request_violation(field, description))
+}
+
+/// The field violations carried by a status, as `(field, description)` pairs.
+pub fn field_violations(status: &Status) -> Vec<(String, String)> {
+    status
+        .get_details_bad_request()
+        .map(|b| b.field_violations.into_iter().map(|v| (v.field, v.description)).collect())
+        .unwrap_or_default()
+}
+
+/// Requires a non-empty identifier field that passes [`warden_core::ids::check_id`]-style rules.
+pub fn require_id(field: &str, value: &str, check: impl Fn(&str) -> Result<(), String>) -> Result<(), Status> {
+    check(value).map_err(|reason| invalid_field(field, reason))
+}
+
+/// The address a listener is bound to, as an `http://` endpoint.
+pub fn endpoint_of(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+/// Prints the line process supervisors (the test harness, `make run`) wait for.
+pub fn announce(service: &str, addr: SocketAddr) {
+    println!("WARDEN_LISTENING {service} {}", endpoint_of(addr));
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// Unix milliseconds now.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// Conversions between the domain's types and the wire's.
+pub mod convert {
+    use warden_core::events::RunStatus;
+    use warden_proto::v1 as pb;
+
+    pub fn status_to_proto(s: RunStatus) -> pb::RunStatus {
+        match s {
+            RunStatus::Pending => pb::RunStatus::Pending,
+            RunStatus::Active => pb::RunStatus::Active,
+            RunStatus::Paused => pb::RunStatus::Paused,
+            RunStatus::Blocked => pb::RunStatus::Blocked,
+            RunStatus::RequiresReconciliation => pb::RunStatus::RequiresReconciliation,
+            RunStatus::Completed => pb::RunStatus::Completed,
+            RunStatus::Failed => pb::RunStatus::Failed,
+            RunStatus::Cancelled => pb::RunStatus::Cancelled,
+            RunStatus::EmptyPlan => pb::RunStatus::EmptyPlan,
+        }
+    }
+
+    pub fn status_from_proto(s: pb::RunStatus) -> Option<RunStatus> {
+        Some(match s {
+            pb::RunStatus::Unspecified => return None,
+            pb::RunStatus::Pending => RunStatus::Pending,
+            pb::RunStatus::Active => RunStatus::Active,
+            pb::RunStatus::Paused => RunStatus::Paused,
+            pb::RunStatus::Blocked => RunStatus::Blocked,
+            pb::RunStatus::RequiresReconciliation => RunStatus::RequiresReconciliation,
+            pb::RunStatus::Completed => RunStatus::Completed,
+            pb::RunStatus::Failed => RunStatus::Failed,
+            pb::RunStatus::Cancelled => RunStatus::Cancelled,
+            pb::RunStatus::EmptyPlan => RunStatus::EmptyPlan,
+        })
+    }
+
+    /// Decodes a repeated status field; unknown numbers are an error naming `field`.
+    pub fn statuses(field: &str, raw: &[i32]) -> Result<Vec<RunStatus>, tonic::Status> {
+        raw.iter()
+            .map(|&n| {
+                pb::RunStatus::try_from(n)
+                    .ok()
+                    .and_then(status_from_proto)
+                    .ok_or_else(|| super::invalid_field(field, format!("{n} is not a run status")))
+            })
+            .collect()
+    }
+
+    /// Lower-case name of a wire status (`completed`, `failed`, …).
+    pub fn status_name(n: i32) -> &'static str {
+        pb::RunStatus::try_from(n).ok().and_then(status_from_proto).map(RunStatus::as_str).unwrap_or("unspecified")
+    }
+
+    pub fn event_to_proto(e: &warden_core::chain::ChainedEvent) -> pb::Event {
+        pb::Event {
+            run_id: e.body.run_id.clone(),
+            seq: e.body.seq,
+            event_type: e.body.event_type.clone(),
+            payload_json: warden_core::canonical_json(&e.body.payload),
+            step_id: e.body.step_id.clone(),
+            epoch: e.body.epoch,
+            idempotency_key: e.body.idempotency_key.clone(),
+            timestamp_ms: e.body.timestamp_ms,
+            prev_hash: e.prev_hash.clone(),
+            hash: e.hash.clone(),
+        }
+    }
+
+    /// The inverse of [`event_to_proto`]; a payload that is not JSON becomes a string.
+    pub fn event_from_proto(e: &pb::Event) -> warden_core::chain::ChainedEvent {
+        warden_core::chain::ChainedEvent {
+            body: warden_core::chain::EventBody {
+                run_id: e.run_id.clone(),
+                seq: e.seq,
+                event_type: e.event_type.clone(),
+                payload: serde_json::from_str(&e.payload_json).unwrap_or_else(|_| serde_json::Value::String(e.payload_json.clone())),
+                step_id: e.step_id.clone(),
+                epoch: e.epoch,
+                idempotency_key: e.idempotency_key.clone(),
+                timestamp_ms: e.timestamp_ms,
+            },
+            prev_hash: e.prev_hash.clone(),
+            hash: e.hash.clone(),
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! Ledger errors and their gRPC codes.
+
+use tonic::Status;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("{0} not found")]
+    NotFound(String),
+    #[error("{field}: {reason}")]
+    InvalidArgument { field: String, reason: String },
+    #[error("stale fencing epoch {epoch}: the run has seen epoch {max_epoch}")]
+    Fenced { epoch: u64, max_epoch: u64 },
+    #[error("{0}")]
+    Precondition(String),
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+    #[error("internal ledger error: {0}")]
+    Internal(String),
+}
+
+impl LedgerError {
+    pub fn invalid(field: &str, reason: impl Into<String>) -> LedgerError {
+        LedgerError::InvalidArgument { field: field.to_string(), reason: reason.into() }
+    }
+}
+
+impl From<sqlx::Error> for LedgerError {
+    fn from(e: sqlx::Error) -> LedgerError {
+        match &e {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::Tls(_) => LedgerError::Unavailable(e.to_string()),
+            sqlx::Error::Database(d) => {
+                let code = d.code().unwrap_or_default();
+                // 08xxx connection exceptions, 57xxx operator intervention (shutdown),
+                // 40001/40P01 serialization and deadlock (retryable), SQLite 5/6 busy/locked.
+                if code.starts_with("08") || code.starts_with("57") || code == "40001" || code == "40P01" || code == "5" || code == "6" {
+                    LedgerError::Unavailable(e.to_string())
+                } else {
+                    LedgerError::Internal(e.to_string())
+                }
+            }
+            _ => LedgerError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<LedgerError> for Status {
+    fn from(e: LedgerError) -> Status {
+        match e {
+            LedgerError::NotFound(_) => Status::not_found(e.to_string()),
+            LedgerError::InvalidArgument { field, reason } => warden_grpc::invalid_field(field, reason),
+            LedgerError::Fenced { .. } | LedgerError::Precondition(_) => Status::failed_precondition(e.to_string()),
+            LedgerError::Unavailable(_) => Status::unavailable(e.to_string()),
+            LedgerError::Internal(_) => Status::internal(e.to_string()),
+        }
+    }
+}

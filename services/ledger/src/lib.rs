@@ -1,0 +1,46 @@
+//! The Warden ledger: the system of record. It owns runs and each run's append-only,
+//! hash-chained event log (`hash = SHA-256(prev_hash ‖ RFC 8785 JSON of the event)`),
+//! refuses writes from stale lease holders (fencing epochs), refuses tool events that cite
+//! no recorded allow decision, and deduplicates retried appends by idempotency key.
+
+pub mod error;
+pub mod server;
+pub mod store;
+
+use tokio::net::TcpListener;
+use warden_config::LedgerConfig;
+use warden_proto::v1::ledger_server::LedgerServer;
+
+pub use error::LedgerError;
+pub use server::LedgerService;
+pub use store::LedgerStore;
+
+/// Opens the store named by the configuration (running its migrations).
+pub async fn open(config: &LedgerConfig) -> Result<LedgerService, LedgerError> {
+    let store = LedgerStore::connect(&config.database_url, config.max_connections).await?;
+    Ok(LedgerService::new(store, config.max_payload_bytes))
+}
+
+/// The gRPC routes of the ledger.
+pub fn routes(service: LedgerService) -> tonic::service::Routes {
+    tonic::service::Routes::new(
+        LedgerServer::new(service)
+            .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(warden_grpc::MAX_MESSAGE_BYTES),
+    )
+}
+
+/// Service names reported by the health service.
+pub const SERVICES: &[&str] = &["warden.v1.Ledger"];
+
+/// Serves the ledger on `listener` until `shutdown`.
+pub async fn serve(
+    config: &LedgerConfig,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let service = open(config).await?;
+    tracing::info!(backend = service.store().backend().as_str(), "ledger store ready");
+    warden_grpc::serve(listener, routes(service), SERVICES, shutdown).await?;
+    Ok(())
+}

@@ -1,0 +1,435 @@
+//! Persistence of runs and events through sqlx's `Any` driver: PostgreSQL in production,
+//! SQLite embedded, one migration folder per backend and the same SQL for both.
+//!
+//! Appends to one run serialize on the run row (`UPDATE … RETURNING` takes its lock in
+//! PostgreSQL and the write lock in SQLite), so `seq` is contiguous under concurrent writers
+//! and the idempotency and fencing checks see every committed event.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
+use sqlx::migrate::Migrator;
+use sqlx::{AnyPool, Row};
+use warden_core::chain::{ChainedEvent, EventBody, GENESIS_HASH, link};
+use warden_core::events::{self, RunStatus};
+
+use crate::error::LedgerError;
+
+static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("migrations/postgres");
+static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("migrations/sqlite");
+
+/// Version of the schema contract, reported by `GetSchemaInfo`.
+pub const SCHEMA_VERSION: &str = "1";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRow {
+    pub run_id: String,
+    pub tenant: String,
+    pub status: RunStatus,
+    pub reason: String,
+    pub plan_json: String,
+    pub goal: String,
+    pub cancel_policy: i32,
+    pub last_seq: u64,
+    pub head_hash: String,
+    pub max_epoch: u64,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+/// A run to create with its `run_submitted` event.
+pub struct NewRun<'a> {
+    pub run_id: &'a str,
+    pub tenant: &'a str,
+    pub plan: Option<&'a Value>,
+    pub goal: &'a str,
+    pub idempotency_key: &'a str,
+    pub cancel_policy: i32,
+    pub now_ms: i64,
+}
+
+/// One event to append.
+pub struct NewEvent<'a> {
+    pub tenant: &'a str,
+    pub run_id: &'a str,
+    pub epoch: u64,
+    pub idempotency_key: &'a str,
+    pub event_type: &'a str,
+    pub payload: Value,
+    pub step_id: &'a str,
+    pub now_ms: i64,
+}
+
+#[derive(Clone)]
+pub struct LedgerStore {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms";
+const EVENT_COLUMNS: &str = "run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash";
+
+fn run_from_row(r: &AnyRow) -> Result<RunRow, LedgerError> {
+    let status: String = r.try_get("status")?;
+    Ok(RunRow {
+        run_id: r.try_get("run_id")?,
+        tenant: r.try_get("tenant")?,
+        status: RunStatus::parse(&status).ok_or_else(|| LedgerError::Internal(format!("unknown stored status '{status}'")))?,
+        reason: r.try_get("reason")?,
+        plan_json: r.try_get("plan_json")?,
+        goal: r.try_get("goal")?,
+        cancel_policy: r.try_get::<i64, _>("cancel_policy")? as i32,
+        last_seq: r.try_get::<i64, _>("last_seq")? as u64,
+        head_hash: r.try_get("head_hash")?,
+        max_epoch: r.try_get::<i64, _>("max_epoch")? as u64,
+        created_at_ms: r.try_get("created_at_ms")?,
+        updated_at_ms: r.try_get("updated_at_ms")?,
+    })
+}
+
+/// Decodes a stored event. A payload that is not JSON any more (tampering) decodes as a
+/// string so verification reports the bad seq instead of failing the whole read.
+pub fn event_from_row(r: &AnyRow) -> Result<ChainedEvent, LedgerError> {
+    let payload_json: String = r.try_get("payload_json")?;
+    let payload = serde_json::from_str(&payload_json).unwrap_or(Value::String(payload_json));
+    Ok(ChainedEvent {
+        body: EventBody {
+            run_id: r.try_get("run_id")?,
+            seq: r.try_get::<i64, _>("seq")? as u64,
+            event_type: r.try_get("event_type")?,
+            payload,
+            step_id: r.try_get("step_id")?,
+            epoch: r.try_get::<i64, _>("epoch")? as u64,
+            idempotency_key: r.try_get("idempotency_key")?,
+            timestamp_ms: r.try_get("timestamp_ms")?,
+        },
+        prev_hash: r.try_get("prev_hash")?,
+        hash: r.try_get("hash")?,
+    })
+}
+
+fn sqlite_url(url: &str) -> Result<String, LedgerError> {
+    let path = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
+    let file = path.split('?').next().unwrap_or_default();
+    if file.is_empty() {
+        return Err(LedgerError::invalid("ledger.database_url", "sqlite URL has no file path"));
+    }
+    if file != ":memory:" {
+        if let Some(dir) = std::path::Path::new(file).parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| LedgerError::Unavailable(format!("cannot create {}: {e}", dir.display())))?;
+        }
+    }
+    Ok(if path.contains("mode=") { format!("sqlite://{path}") } else if path.contains('?') { format!("sqlite://{path}&mode=rwc") } else { format!("sqlite://{path}?mode=rwc") })
+}
+
+impl LedgerStore {
+    /// Connects and runs the embedded migrations of the URL's backend.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<LedgerStore, LedgerError> {
+        sqlx::any::install_default_drivers();
+        let (backend, url) = if url.starts_with("sqlite:") {
+            (Backend::Sqlite, sqlite_url(url)?)
+        } else {
+            (Backend::Postgres, url.to_string())
+        };
+        let options = AnyConnectOptions::from_str(&url)
+            .map_err(|e| LedgerError::invalid("ledger.database_url", e.to_string()))?;
+        let pool = AnyPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(5))
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if backend == Backend::Sqlite {
+                        // WAL lets readers (streams, verification) run beside the writer;
+                        // NORMAL keeps every commit durable against process crashes.
+                        sqlx::Executor::execute(
+                            &mut *conn,
+                            "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=10000; PRAGMA foreign_keys=ON;",
+                        )
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(options)
+            .await?;
+        let migrator = match backend {
+            Backend::Sqlite => &SQLITE_MIGRATIONS,
+            Backend::Postgres => &POSTGRES_MIGRATIONS,
+        };
+        migrator.run(&pool).await.map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
+        Ok(LedgerStore { pool, backend })
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Creates a run with its first event, or returns the run an earlier submission with
+    /// the same `(tenant, idempotency_key)` created (`true` = deduplicated).
+    pub async fn create_run(&self, new: NewRun<'_>) -> Result<(RunRow, bool), LedgerError> {
+        if !new.idempotency_key.is_empty() {
+            if let Some(run) = self.run_by_submit_key(new.tenant, new.idempotency_key).await? {
+                return Ok((run, true));
+            }
+        }
+        let mut payload = serde_json::json!({"tenant": new.tenant, "cancel_policy": new.cancel_policy});
+        if let Some(plan) = new.plan {
+            payload["plan"] = plan.clone();
+        }
+        if !new.goal.is_empty() {
+            payload["goal"] = Value::String(new.goal.to_string());
+        }
+        let first = link(
+            EventBody {
+                run_id: new.run_id.to_string(),
+                seq: 1,
+                event_type: events::RUN_SUBMITTED.to_string(),
+                payload,
+                step_id: String::new(),
+                epoch: 0,
+                idempotency_key: events::RUN_SUBMITTED.to_string(),
+                timestamp_ms: new.now_ms,
+            },
+            GENESIS_HASH,
+        );
+        let plan_json = new.plan.map(warden_core::canonical_json).unwrap_or_default();
+        let submit_key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
+        let mut tx = self.pool.begin().await?;
+        let inserted = sqlx::query(
+            "INSERT INTO runs (run_id, tenant, status, reason, plan_json, goal, cancel_policy, submit_key, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms)
+             VALUES ($1, $2, $3, '', $4, $5, $6, $7, 1, $8, 0, $9, $9)",
+        )
+        .bind(new.run_id)
+        .bind(new.tenant)
+        .bind(RunStatus::Pending.as_str())
+        .bind(&plan_json)
+        .bind(new.goal)
+        .bind(new.cancel_policy as i64)
+        .bind(submit_key)
+        .bind(&first.hash)
+        .bind(new.now_ms)
+        .execute(&mut *tx)
+        .await;
+        if let Err(e) = inserted {
+            drop(tx);
+            // A concurrent submission with the same key won the race: return its run.
+            if let (Some(key), true) = (submit_key, is_unique_violation(&e)) {
+                if let Some(run) = self.run_by_submit_key(new.tenant, key).await? {
+                    return Ok((run, true));
+                }
+            }
+            return Err(e.into());
+        }
+        insert_event(&mut tx, &first).await?;
+        tx.commit().await?;
+        let run = self.get_run(new.run_id).await?.ok_or_else(|| LedgerError::Internal("created run vanished".into()))?;
+        Ok((run, false))
+    }
+
+    async fn run_by_submit_key(&self, tenant: &str, key: &str) -> Result<Option<RunRow>, LedgerError> {
+        let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND submit_key = $2");
+        let row = sqlx::query(&sql).bind(tenant).bind(key).fetch_optional(&self.pool).await?;
+        row.as_ref().map(run_from_row).transpose()
+    }
+
+    pub async fn get_run(&self, run_id: &str) -> Result<Option<RunRow>, LedgerError> {
+        let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $1");
+        let row = sqlx::query(&sql).bind(run_id).fetch_optional(&self.pool).await?;
+        row.as_ref().map(run_from_row).transpose()
+    }
+
+    /// Runs ordered by id, after `after` (exclusive), optionally for one tenant and statuses.
+    pub async fn list_runs(&self, tenant: Option<&str>, statuses: &[RunStatus], after: &str, limit: u32) -> Result<Vec<RunRow>, LedgerError> {
+        let mut sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id > $1");
+        let mut n = 1;
+        if tenant.is_some() {
+            n += 1;
+            sql.push_str(&format!(" AND tenant = ${n}"));
+        }
+        if !statuses.is_empty() {
+            let marks: Vec<String> = (0..statuses.len()).map(|i| format!("${}", n + 1 + i)).collect();
+            sql.push_str(&format!(" AND status IN ({})", marks.join(", ")));
+        }
+        sql.push_str(&format!(" ORDER BY run_id LIMIT {limit}"));
+        let mut q = sqlx::query(&sql).bind(after);
+        if let Some(t) = tenant {
+            q = q.bind(t);
+        }
+        for s in statuses {
+            q = q.bind(s.as_str());
+        }
+        q.fetch_all(&self.pool).await?.iter().map(run_from_row).collect()
+    }
+
+    /// Events with `seq > since_seq`, at most `limit`, in order.
+    pub async fn events(&self, run_id: &str, since_seq: u64, limit: u32) -> Result<Vec<ChainedEvent>, LedgerError> {
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}");
+        let rows = sqlx::query(&sql).bind(run_id).bind(since_seq as i64).fetch_all(&self.pool).await?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    /// Appends one event; returns it and whether it was a duplicate of an earlier append.
+    pub async fn append(&self, new: NewEvent<'_>) -> Result<(ChainedEvent, bool), LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        // Lock the run row first: everything below sees every committed event of the run.
+        let head = sqlx::query(
+            "UPDATE runs SET last_seq = last_seq + 1 WHERE run_id = $1 RETURNING tenant, status, last_seq, head_hash, max_epoch",
+        )
+        .bind(new.run_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(head) = head else { return Err(LedgerError::NotFound(format!("run '{}'", new.run_id))) };
+        let tenant: String = head.try_get("tenant")?;
+        if tenant != new.tenant {
+            return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
+        }
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND idempotency_key = $2");
+        if let Some(existing) = sqlx::query(&sql).bind(new.run_id).bind(new.idempotency_key).fetch_optional(&mut *tx).await? {
+            let existing = event_from_row(&existing)?;
+            if existing.body.event_type != new.event_type || existing.body.step_id != new.step_id {
+                return Err(LedgerError::invalid(
+                    "idempotency_key",
+                    format!("already used by a {} event of step '{}'", existing.body.event_type, existing.body.step_id),
+                ));
+            }
+            return Ok((existing, true));
+        }
+        let max_epoch = head.try_get::<i64, _>("max_epoch")? as u64;
+        if new.epoch < max_epoch {
+            return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch });
+        }
+        let status: String = head.try_get("status")?;
+        if RunStatus::parse(&status).is_some_and(RunStatus::is_terminal) {
+            return Err(LedgerError::Precondition(format!("run '{}' is {status}; it accepts no more events", new.run_id)));
+        }
+        if events::NEEDS_ALLOW.contains(&new.event_type) {
+            check_cited_allow(&mut tx, new.run_id, new.step_id, &new.payload, new.event_type).await?;
+        }
+        let seq = head.try_get::<i64, _>("last_seq")? as u64;
+        let prev_hash: String = head.try_get("head_hash")?;
+        let event = link(
+            EventBody {
+                run_id: new.run_id.to_string(),
+                seq,
+                event_type: new.event_type.to_string(),
+                payload: new.payload,
+                step_id: new.step_id.to_string(),
+                epoch: new.epoch,
+                idempotency_key: new.idempotency_key.to_string(),
+                timestamp_ms: new.now_ms,
+            },
+            &prev_hash,
+        );
+        insert_event(&mut tx, &event).await?;
+        let (status, reason) = match events::status_after(new.event_type) {
+            Some(st) => (st.as_str().to_string(), event.body.payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string()),
+            None => (status, String::new()),
+        };
+        let keep_reason = events::status_after(new.event_type).is_none();
+        sqlx::query(
+            "UPDATE runs SET head_hash = $2, max_epoch = $3, status = $4,
+                 reason = CASE WHEN $5 = 1 THEN reason ELSE $6 END, updated_at_ms = $7
+             WHERE run_id = $1",
+        )
+        .bind(new.run_id)
+        .bind(&event.hash)
+        .bind(max_epoch.max(new.epoch) as i64)
+        .bind(&status)
+        .bind(keep_reason as i64)
+        .bind(&reason)
+        .bind(new.now_ms)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok((event, false))
+    }
+}
+
+async fn insert_event(tx: &mut sqlx::Transaction<'_, sqlx::Any>, e: &ChainedEvent) -> Result<(), LedgerError> {
+    sqlx::query(
+        "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+    )
+    .bind(&e.body.run_id)
+    .bind(e.body.seq as i64)
+    .bind(&e.body.event_type)
+    .bind(warden_core::canonical_json(&e.body.payload))
+    .bind(&e.body.step_id)
+    .bind(e.body.epoch as i64)
+    .bind(&e.body.idempotency_key)
+    .bind(e.body.timestamp_ms)
+    .bind(&e.prev_hash)
+    .bind(&e.hash)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// `tool_requested` / `tool_completed` must cite a recorded allow decision for the same step.
+async fn check_cited_allow(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    run_id: &str,
+    step_id: &str,
+    payload: &Value,
+    event_type: &str,
+) -> Result<(), LedgerError> {
+    let Some(decision_id) = payload.get("decision_id").and_then(Value::as_str).filter(|d| !d.is_empty()) else {
+        return Err(LedgerError::invalid("payload_json.decision_id", format!("a {event_type} event must cite the allow decision it acts on")));
+    };
+    let row = sqlx::query("SELECT event_type, step_id, payload_json FROM events WHERE run_id = $1 AND idempotency_key = $2")
+        .bind(run_id)
+        .bind(events::decision_key(decision_id))
+        .fetch_optional(&mut **tx)
+        .await?;
+    let refused = |why: &str| Err(LedgerError::Precondition(format!("{event_type} for step '{step_id}' cites decision '{decision_id}', {why}")));
+    let Some(row) = row else { return refused("which is not recorded for this run") };
+    let (etype, dstep, dpayload): (String, String, String) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+    let outcome = serde_json::from_str::<Value>(&dpayload).ok().and_then(|p| p.get("outcome").and_then(Value::as_str).map(str::to_string));
+    if etype != events::POLICY_DECISION || dstep != step_id {
+        return refused("which is not a decision for this step");
+    }
+    if outcome.as_deref() != Some("allow") {
+        return refused("which is not an allow");
+    }
+    Ok(())
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_urls_get_create_mode() {
+        let dir = std::env::temp_dir().join(format!("warden-url-{}", std::process::id()));
+        let url = format!("sqlite://{}/x.db", dir.display());
+        assert!(sqlite_url(&url).unwrap().ends_with("x.db?mode=rwc"));
+        assert!(sqlite_url("sqlite::memory:").unwrap().contains("mode=rwc"));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

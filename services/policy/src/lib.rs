@@ -1,0 +1,38 @@
+//! The Warden policy service: the decision point every effectful call passes through.
+//! It decides (enforced mode denies by default), records every decision in the ledger with
+//! its `rule_id` and `reason` before answering, and signs allows as Ed25519
+//! authorizations bound to the exact call, which tool hosts verify before acting.
+
+pub mod keys;
+pub mod rules;
+pub mod server;
+
+use tokio::net::TcpListener;
+use warden_config::PolicyConfig;
+use warden_proto::v1::approvals_server::ApprovalsServer;
+use warden_proto::v1::capabilities_server::CapabilitiesServer;
+use warden_proto::v1::policy_server::PolicyServer;
+
+pub use server::PolicyService;
+
+/// Builds the service from configuration (loading or creating the signing key).
+pub fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
+    let key = keys::load_or_create(std::path::Path::new(&config.key_file))?;
+    let ledger = warden_grpc::channel(&config.ledger_endpoint)?;
+    Ok(PolicyService::new(config.clone(), key, ledger))
+}
+
+/// The gRPC routes of `Policy`, `Capabilities` and `Approvals`.
+pub fn routes(service: PolicyService) -> tonic::service::Routes {
+    tonic::service::Routes::new(PolicyServer::new(service))
+        .add_service(CapabilitiesServer::new(server::CapabilitiesService))
+        .add_service(ApprovalsServer::new(server::ApprovalsService))
+}
+
+pub const SERVICES: &[&str] = &["warden.v1.Policy", "warden.v1.Capabilities", "warden.v1.Approvals"];
+
+pub async fn serve(config: &PolicyConfig, listener: TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> anyhow::Result<()> {
+    let service = build(config)?;
+    warden_grpc::serve(listener, routes(service), SERVICES, shutdown).await?;
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! The `Policy` gRPC service: decide, record the decision in the ledger, sign allows.
+//! `Capabilities` and `Approvals` are part of the contract but not served by this release.
+
+use std::sync::Arc;
+
+use ed25519_dalek::SigningKey;
+use serde_json::{Value, json};
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status};
+use warden_config::PolicyConfig;
+use warden_core::auth::{AuthorizationClaims, key_id, sign};
+use warden_core::canonical::{args_digest, canonical_json};
+use warden_core::events;
+use warden_core::ids::{check_id, check_step_id, check_tool_name};
+use warden_grpc::{invalid_field, now_ms};
+use warden_proto::v1 as pb;
+use warden_proto::v1::ledger_client::LedgerClient;
+
+use crate::keys::PublishedKey;
+use crate::rules::{self, Verdict};
+
+/// Largest accepted argument document.
+pub const MAX_ARGS_BYTES: usize = 1 << 20;
+
+#[derive(Clone)]
+pub struct PolicyService {
+    config: Arc<PolicyConfig>,
+    key: Arc<SigningKey>,
+    published: Arc<Vec<PublishedKey>>,
+    ledger: LedgerClient<Channel>,
+}
+
+/// A request that passed validation, with its canonical arguments.
+struct Checked {
+    args_sha256: String,
+}
+
+fn id_field(field: &str, v: &str, check: fn(&str) -> Result<(), warden_core::ids::IdError>) -> Result<(), Status> {
+    check(v).map_err(|e| invalid_field(field, e.to_string()))
+}
+
+fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
+    id_field("tenant", &r.tenant, check_id)?;
+    id_field("run_id", &r.run_id, check_id)?;
+    id_field("step_id", &r.step_id, check_step_id)?;
+    id_field("tool", &r.tool, check_tool_name)?;
+    // K04: every mediated call carries an idempotency key.
+    id_field("idempotency_key", &r.idempotency_key, check_id)?;
+    if !r.capability_id.is_empty() {
+        id_field("capability_id", &r.capability_id, check_id)?;
+    }
+    if r.attempt == 0 {
+        return Err(invalid_field("attempt", "attempts count from 1"));
+    }
+    if r.args_json.len() > MAX_ARGS_BYTES {
+        return Err(invalid_field("args_json", format!("{} bytes is over the maximum of {MAX_ARGS_BYTES}", r.args_json.len())));
+    }
+    let args: Value = serde_json::from_str(&r.args_json).map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
+    if !args.is_object() {
+        return Err(invalid_field("args_json", "must be a JSON object"));
+    }
+    Ok(Checked { args_sha256: args_digest(&args) })
+}
+
+/// Same request, same decision id: a retried `Authorize` records nothing twice.
+fn decision_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
+    let material = canonical_json(&json!([r.tenant, r.run_id, r.step_id, r.attempt, r.tool, args_sha256, r.idempotency_key, r.capability_id]));
+    warden_core::sha256_hex(material)[..32].to_string()
+}
+
+impl PolicyService {
+    pub fn new(config: PolicyConfig, key: SigningKey, ledger: Channel) -> PolicyService {
+        let published = vec![PublishedKey { key_id: key_id(&key.verifying_key()), key: key.verifying_key(), current: true }];
+        PolicyService { config: Arc::new(config), key: Arc::new(key), published: Arc::new(published), ledger: LedgerClient::new(ledger) }
+    }
+
+    fn decision(&self, r: &pb::AuthorizeRequest, c: &Checked, ledger_seq: u64, d: &rules::RuleDecision) -> pb::Decision {
+        pb::Decision {
+            decision_id: decision_id(r, &c.args_sha256),
+            outcome: match d.verdict {
+                Verdict::Allow => pb::Outcome::Allow,
+                Verdict::Deny => pb::Outcome::Deny,
+            } as i32,
+            rule_id: d.rule_id.clone(),
+            reason: d.reason.clone(),
+            args_sha256: c.args_sha256.clone(),
+            ledger_seq,
+        }
+    }
+}
+
+fn unimplemented(what: &str) -> Status {
+    Status::unimplemented(format!("{what} is not available in this Warden release"))
+}
+
+#[tonic::async_trait]
+impl pb::policy_server::Policy for PolicyService {
+    async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
+        let r = req.into_inner();
+        let checked = validate(&r)?;
+        let rule = rules::decide(&self.config, &r.tenant, &r.tool);
+        let id = decision_id(&r, &checked.args_sha256);
+        let payload = json!({
+            "decision_id": id,
+            "attempt": r.attempt,
+            "tool": r.tool,
+            "fingerprint": format!("{}@{}", r.tool, &checked.args_sha256[..16]),
+            "args_sha256": checked.args_sha256,
+            "capability_id": r.capability_id,
+            "idempotency_key": r.idempotency_key,
+            "outcome": rule.verdict.as_str(),
+            "rule_id": rule.rule_id,
+            "reason": rule.reason,
+        });
+        // The decision is durable before anyone can act on it (K03). If the ledger cannot
+        // record it, nothing is authorized (K19).
+        let appended = self
+            .ledger
+            .clone()
+            .append_event(pb::AppendEventRequest {
+                tenant: r.tenant.clone(),
+                run_id: r.run_id.clone(),
+                epoch: r.epoch,
+                idempotency_key: events::decision_key(&id),
+                event_type: events::POLICY_DECISION.into(),
+                payload_json: payload.to_string(),
+                step_id: r.step_id.clone(),
+            })
+            .await
+            .map_err(|s| match s.code() {
+                Code::NotFound | Code::FailedPrecondition | Code::InvalidArgument => Status::new(s.code(), format!("decision not recorded: {}", s.message())),
+                _ => Status::unavailable(format!("decision could not be recorded in the ledger (failing closed): {}", s.message())),
+            })?
+            .into_inner();
+        let event = appended.event.ok_or_else(|| Status::internal("ledger returned no event"))?;
+        // A retried request gets the decision recorded the first time.
+        let recorded: Value = serde_json::from_str(&event.payload_json).unwrap_or_default();
+        let text = |k: &str| recorded.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+        let rule = rules::RuleDecision {
+            verdict: if text("outcome") == "allow" { Verdict::Allow } else { Verdict::Deny },
+            rule_id: text("rule_id"),
+            reason: text("reason"),
+        };
+        let decision = self.decision(&r, &checked, event.seq, &rule);
+        tracing::info!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, outcome = rule.verdict.as_str(), rule_id = %rule.rule_id, "policy decision");
+        let authorization = (rule.verdict == Verdict::Allow).then(|| {
+            let now = now_ms();
+            let signed = sign(
+                AuthorizationClaims {
+                    v: 1,
+                    key_id: String::new(),
+                    decision_id: decision.decision_id.clone(),
+                    tenant: r.tenant.clone(),
+                    run_id: r.run_id.clone(),
+                    step_id: r.step_id.clone(),
+                    attempt: r.attempt,
+                    tool: r.tool.clone(),
+                    args_sha256: checked.args_sha256.clone(),
+                    idempotency_key: r.idempotency_key.clone(),
+                    capability_id: r.capability_id.clone(),
+                    issued_at_ms: now,
+                    expires_at_ms: now + self.config.authorization_ttl_ms as i64,
+                },
+                &self.key,
+            );
+            pb::SignedAuthorization { claims_json: signed.claims_json, signature: signed.signature, key_id: signed.key_id }
+        });
+        Ok(Response::new(pb::AuthorizeResponse { decision: Some(decision), authorization }))
+    }
+
+    async fn get_verification_keys(&self, _: Request<pb::GetVerificationKeysRequest>) -> Result<Response<pb::GetVerificationKeysResponse>, Status> {
+        let keys = self
+            .published
+            .iter()
+            .map(|k| pb::VerificationKey { key_id: k.key_id.clone(), public_key: k.key.as_bytes().to_vec(), current: k.current })
+            .collect();
+        Ok(Response::new(pb::GetVerificationKeysResponse { keys }))
+    }
+
+    async fn record_cost(&self, _: Request<pb::RecordCostRequest>) -> Result<Response<pb::RecordCostResponse>, Status> {
+        Err(unimplemented("Policy.RecordCost"))
+    }
+
+    async fn check(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::Decision>, Status> {
+        let r = req.into_inner();
+        let checked = validate(&r)?;
+        let rule = rules::decide(&self.config, &r.tenant, &r.tool);
+        Ok(Response::new(self.decision(&r, &checked, 0, &rule)))
+    }
+}
+
+/// Answers every `Capabilities` call with UNIMPLEMENTED.
+#[derive(Clone, Default)]
+pub struct CapabilitiesService;
+
+#[tonic::async_trait]
+impl pb::capabilities_server::Capabilities for CapabilitiesService {
+    async fn issue(&self, _: Request<pb::IssueCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+        Err(unimplemented("Capabilities.Issue"))
+    }
+    async fn revoke(&self, _: Request<pb::RevokeCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+        Err(unimplemented("Capabilities.Revoke"))
+    }
+    async fn get(&self, _: Request<pb::GetCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+        Err(unimplemented("Capabilities.Get"))
+    }
+    async fn list(&self, _: Request<pb::ListCapabilitiesRequest>) -> Result<Response<pb::ListCapabilitiesResponse>, Status> {
+        Err(unimplemented("Capabilities.List"))
+    }
+}
+
+/// Answers every `Approvals` call with UNIMPLEMENTED.
+#[derive(Clone, Default)]
+pub struct ApprovalsService;
+
+#[tonic::async_trait]
+impl pb::approvals_server::Approvals for ApprovalsService {
+    async fn list(&self, _: Request<pb::ListApprovalsRequest>) -> Result<Response<pb::ListApprovalsResponse>, Status> {
+        Err(unimplemented("Approvals.List"))
+    }
+    async fn get(&self, _: Request<pb::GetApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+        Err(unimplemented("Approvals.Get"))
+    }
+    async fn approve(&self, _: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+        Err(unimplemented("Approvals.Approve"))
+    }
+    async fn deny(&self, _: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+        Err(unimplemented("Approvals.Deny"))
+    }
+    type WatchStream = tokio_stream::Empty<Result<pb::Approval, Status>>;
+    async fn watch(&self, _: Request<pb::WatchApprovalsRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        Err(unimplemented("Approvals.Watch"))
+    }
+}
