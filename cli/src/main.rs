@@ -1,1 +1,63 @@
-fn main() {}
+//! `warden`: start a development mesh, submit and inspect runs, verify ledgers, benchmark.
+
+mod bench;
+mod dev;
+mod run;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "warden", version, about = "Warden: an agent kernel where every tool call is authorized, recorded and replayable")]
+struct Cli {
+    /// The mesh's front door (the executor's Runs service).
+    #[arg(long, global = true, env = "WARDEN_ENDPOINT", default_value = "http://127.0.0.1:7100")]
+    endpoint: String,
+    /// The ledger, when it is not served at --endpoint (production shape).
+    #[arg(long, global = true, env = "WARDEN_LEDGER_ENDPOINT")]
+    ledger_endpoint: Option<String>,
+    /// Tenant to act as.
+    #[arg(long, global = true, env = "WARDEN_TENANT", default_value = "default")]
+    tenant: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Every service in one process on loopback, SQLite under ./.warden/.
+    Dev(dev::DevArgs),
+    /// Submit and inspect runs.
+    #[command(subcommand)]
+    Run(run::RunCommand),
+    /// Measure step latency and throughput (dev shape, and production shape with separate
+    /// processes, PostgreSQL and Redis).
+    Bench(bench::BenchArgs),
+}
+
+pub struct Target {
+    pub endpoint: String,
+    pub ledger_endpoint: String,
+    pub tenant: String,
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    let target = Target {
+        ledger_endpoint: cli.ledger_endpoint.clone().unwrap_or_else(|| cli.endpoint.clone()),
+        endpoint: cli.endpoint,
+        tenant: cli.tenant,
+    };
+    let result = match cli.command {
+        Command::Dev(args) => dev::run(args).await,
+        Command::Run(cmd) => run::run(&target, cmd).await,
+        Command::Bench(args) => bench::run(args).await,
+    };
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    }
+}

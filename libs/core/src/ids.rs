@@ -3,6 +3,9 @@
 /// Longest id Warden accepts (run ids, step ids, tenants, idempotency keys).
 pub const MAX_ID_LEN: usize = 128;
 
+/// Longest step id: short enough that `{run_id}:{step_id}:{attempt}` stays a valid id.
+pub const MAX_STEP_ID_LEN: usize = 64;
+
 /// Why an identifier was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdError {
@@ -10,6 +13,8 @@ pub enum IdError {
     Empty,
     #[error("must be at most {MAX_ID_LEN} characters")]
     TooLong,
+    #[error("must be at most {MAX_STEP_ID_LEN} characters")]
+    StepTooLong,
     #[error("must start with a letter or digit and contain only letters, digits, '-', '_', ':' or '.'")]
     BadCharacters,
 }
@@ -21,6 +26,9 @@ pub fn check_id(id: &str) -> Result<(), IdError> {
 
 /// Step ids may not contain '.' or ':' because templates address outputs as `{{id.output.x}}`.
 pub fn check_step_id(id: &str) -> Result<(), IdError> {
+    if id.len() > MAX_STEP_ID_LEN {
+        return Err(IdError::StepTooLong);
+    }
     check_with(id, |c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
 }
 

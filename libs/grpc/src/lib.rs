@@ -2,6 +2,8 @@
 //! on a bound listener, rich `INVALID_ARGUMENT` errors that name the field, and lazily
 //! connected channels.
 
+pub mod catalog;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -210,4 +212,19 @@ pub mod convert {
             hash: e.hash.clone(),
         }
     }
+}
+
+/// `ErrorInfo.reason` of a write refused for a stale fencing epoch.
+pub const STALE_EPOCH: &str = "STALE_EPOCH";
+
+/// `FAILED_PRECONDITION` marked as a fencing refusal, so callers can tell a lost lease
+/// from other preconditions without parsing messages.
+pub fn fenced(message: impl Into<String>) -> Status {
+    let info = ErrorDetails::with_error_info(STALE_EPOCH, "warden.v1", std::collections::HashMap::new());
+    Status::with_error_details(Code::FailedPrecondition, message, info)
+}
+
+/// Whether `status` is a fencing refusal (see [`fenced`]).
+pub fn is_fenced(status: &Status) -> bool {
+    status.code() == Code::FailedPrecondition && status.get_details_error_info().is_some_and(|i| i.reason == STALE_EPOCH)
 }

@@ -1,1 +1,152 @@
-//! placeholder
+//! The Warden executor: the `Runs` front door, and the replicas that drive runs.
+//!
+//! A run is driven by whichever replica holds its lease (Redis, with a fencing epoch every
+//! ledger write carries). The driver rebuilds the run from the ledger — completed steps are
+//! reused, never re-executed — then schedules ready steps with bounded concurrency: resolve
+//! templates, `Policy.Authorize` (recorded by the policy in the ledger), `tool_requested`,
+//! `ToolHost.Invoke` carrying the signed authorization, then `tool_completed` or
+//! `tool_failed`. A sweeper picks up every non-terminal run without a live lease, so no run
+//! is lost between submit and completion.
+
+pub mod driver;
+pub mod runs;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tonic::service::{Routes, RoutesBuilder};
+use tonic::transport::Channel;
+use warden_config::ExecutorConfig;
+use warden_grpc::catalog::ToolCatalog;
+use warden_lease::LeaseStore;
+use warden_proto::v1 as pb;
+use warden_proto::v1::ledger_client::LedgerClient;
+use warden_proto::v1::planner_client::PlannerClient;
+use warden_proto::v1::policy_client::PolicyClient;
+
+/// Everything a replica needs, shared by the front door, the drivers and the sweeper.
+#[derive(Clone)]
+pub struct Executor {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub id: String,
+    pub config: ExecutorConfig,
+    pub ledger: LedgerClient<Channel>,
+    pub policy: PolicyClient<Channel>,
+    pub planner: PlannerClient<Channel>,
+    pub catalog: ToolCatalog,
+    pub leases: LeaseStore,
+    /// Runs this replica is driving right now.
+    pub driving: Mutex<HashSet<String>>,
+}
+
+impl Executor {
+    pub async fn new(config: &ExecutorConfig) -> anyhow::Result<Executor> {
+        let id = if config.executor_id.is_empty() { format!("executor-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]) } else { config.executor_id.clone() };
+        let leases = LeaseStore::connect(&config.redis_url).await?;
+        if config.redis_url.is_empty() {
+            tracing::warn!("no executor.redis_url: using in-process leases (single executor only)");
+        }
+        let ledger = LedgerClient::new(warden_grpc::channel(&config.ledger_endpoint)?).max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES);
+        Ok(Executor {
+            inner: Arc::new(Inner {
+                id,
+                config: config.clone(),
+                ledger,
+                policy: PolicyClient::new(warden_grpc::channel(&config.policy_endpoint)?),
+                planner: PlannerClient::new(warden_grpc::channel(&config.planner_endpoint)?),
+                catalog: ToolCatalog::new(&config.tool_hosts)?,
+                leases,
+                driving: Mutex::default(),
+            }),
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    /// Starts driving `run_id` in the background unless this replica already is.
+    pub fn dispatch(&self, run_id: String) {
+        {
+            let mut d = self.inner.driving.lock().unwrap_or_else(|p| p.into_inner());
+            if !d.insert(run_id.clone()) {
+                return;
+            }
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = driver::drive(&this, &run_id).await {
+                tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+            }
+            this.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).remove(&run_id);
+        });
+    }
+
+    /// Re-dispatches every non-terminal run without a live lease, forever.
+    pub async fn sweep_forever(self) {
+        let every = Duration::from_millis(self.inner.config.sweep_interval_ms);
+        loop {
+            if let Err(e) = self.sweep_once().await {
+                tracing::warn!(error = %e, "sweep failed");
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    /// One pass of the sweeper; returns how many runs it dispatched.
+    pub async fn sweep_once(&self) -> anyhow::Result<usize> {
+        let mut dispatched = 0;
+        let mut page_token = String::new();
+        loop {
+            let page = self
+                .inner
+                .ledger
+                .clone()
+                .list_runs(pb::ListLedgerRunsRequest {
+                    tenant: String::new(),
+                    statuses: vec![pb::RunStatus::Pending as i32, pb::RunStatus::Active as i32],
+                    page_size: 500,
+                    page_token: page_token.clone(),
+                })
+                .await?
+                .into_inner();
+            for run in page.runs {
+                let mine = self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).contains(&run.run_id);
+                if !mine && !self.inner.leases.is_held(&run.run_id).await? {
+                    tracing::info!(run_id = %run.run_id, "sweeper picked up run without a live lease");
+                    self.dispatch(run.run_id);
+                    dispatched += 1;
+                }
+            }
+            if page.next_page_token.is_empty() {
+                return Ok(dispatched);
+            }
+            page_token = page.next_page_token;
+        }
+    }
+}
+
+pub const SERVICES: &[&str] = &["warden.v1.Runs"];
+
+/// Adds the `Runs` front door to `routes`.
+pub fn add_routes(routes: &mut RoutesBuilder, executor: Executor) {
+    routes.add_service(pb::runs_server::RunsServer::new(runs::RunsService::new(executor)));
+}
+
+/// Serves `Runs` and runs the sweeper until `shutdown`.
+pub async fn serve(config: &ExecutorConfig, listener: TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> anyhow::Result<()> {
+    let executor = Executor::new(config).await?;
+    tracing::info!(executor_id = executor.id(), "executor ready");
+    let sweeper = tokio::spawn(executor.clone().sweep_forever());
+    let mut routes = Routes::builder();
+    add_routes(&mut routes, executor);
+    let served = warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await;
+    sweeper.abort();
+    served?;
+    Ok(())
+}

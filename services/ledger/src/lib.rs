@@ -8,6 +8,7 @@ pub mod server;
 pub mod store;
 
 use tokio::net::TcpListener;
+use tonic::service::{Routes, RoutesBuilder};
 use warden_config::LedgerConfig;
 use warden_proto::v1::ledger_server::LedgerServer;
 
@@ -21,13 +22,13 @@ pub async fn open(config: &LedgerConfig) -> Result<LedgerService, LedgerError> {
     Ok(LedgerService::new(store, config.max_payload_bytes))
 }
 
-/// The gRPC routes of the ledger.
-pub fn routes(service: LedgerService) -> tonic::service::Routes {
-    tonic::service::Routes::new(
+/// Adds the ledger's gRPC service to `routes`.
+pub fn add_routes(routes: &mut RoutesBuilder, service: LedgerService) {
+    routes.add_service(
         LedgerServer::new(service)
             .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(warden_grpc::MAX_MESSAGE_BYTES),
-    )
+    );
 }
 
 /// Service names reported by the health service.
@@ -41,6 +42,8 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let service = open(config).await?;
     tracing::info!(backend = service.store().backend().as_str(), "ledger store ready");
-    warden_grpc::serve(listener, routes(service), SERVICES, shutdown).await?;
+    let mut routes = Routes::builder();
+    add_routes(&mut routes, service);
+    warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;
     Ok(())
 }

@@ -5,13 +5,8 @@
 //! unknown tools, missing dependencies, cycles, malformed or non-dependency template
 //! references, and more than `max_steps` steps (an error to fix, never a truncation).
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
 use tokio::net::TcpListener;
-use tokio::sync::Mutex;
-use tonic::transport::Channel;
+use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
 use warden_config::PlannerConfig;
 use warden_core::ids::check_id;
@@ -19,48 +14,20 @@ use warden_core::plan::{Plan, PlanLimits};
 use warden_grpc::invalid_field;
 use warden_proto::v1 as pb;
 use warden_proto::v1::planner_server::{Planner, PlannerServer};
-use warden_proto::v1::tool_host_client::ToolHostClient;
+use warden_grpc::catalog::ToolCatalog;
 
-/// How long a fetched catalog is trusted before tool hosts are asked again.
-const CATALOG_TTL: Duration = Duration::from_secs(5);
 /// Largest plan document accepted.
 pub const MAX_PLAN_BYTES: usize = 1 << 20;
 
 #[derive(Clone)]
 pub struct PlannerService {
     max_steps: usize,
-    hosts: Vec<ToolHostClient<Channel>>,
-    catalog: Arc<Mutex<Option<(Instant, Arc<HashMap<String, pb::ToolSpec>>)>>>,
+    catalog: ToolCatalog,
 }
 
 impl PlannerService {
     pub fn new(config: &PlannerConfig) -> anyhow::Result<PlannerService> {
-        let hosts = config.tool_hosts.iter().map(|e| Ok(ToolHostClient::new(warden_grpc::channel(e)?))).collect::<Result<_, Status>>()?;
-        Ok(PlannerService { max_steps: config.max_steps, hosts, catalog: Default::default() })
-    }
-
-    /// The union of the hosts' catalogs; the first host to declare a name wins.
-    pub async fn catalog(&self) -> Result<Arc<HashMap<String, pb::ToolSpec>>, Status> {
-        let mut cached = self.catalog.lock().await;
-        if let Some((at, c)) = cached.as_ref() {
-            if at.elapsed() < CATALOG_TTL {
-                return Ok(c.clone());
-            }
-        }
-        let mut tools = HashMap::new();
-        for host in &self.hosts {
-            let listed = host
-                .clone()
-                .list_tools(pb::ListToolsRequest::default())
-                .await
-                .map_err(|s| Status::unavailable(format!("tool catalog unavailable: {}", s.message())))?;
-            for t in listed.into_inner().tools {
-                tools.entry(t.name.clone()).or_insert(t);
-            }
-        }
-        let c = Arc::new(tools);
-        *cached = Some((Instant::now(), c.clone()));
-        Ok(c)
+        Ok(PlannerService { max_steps: config.max_steps, catalog: ToolCatalog::new(&config.tool_hosts)? })
     }
 
     /// Parses and validates plan JSON; returns the plan and its canonical JSON.
@@ -69,7 +36,7 @@ impl PlannerService {
             return Err(invalid_field("plan_json", format!("{} bytes is over the maximum of {MAX_PLAN_BYTES}", plan_json.len())));
         }
         let plan = Plan::parse(plan_json).map_err(|e| invalid_field(e.field(), e.to_string()))?;
-        let catalog = self.catalog().await?;
+        let catalog = self.catalog.tools().await?;
         let known = |t: &str| catalog.contains_key(t);
         plan.validate(&PlanLimits { max_steps: self.max_steps, known_tool: &known }).map_err(|e| invalid_field(e.field(), e.to_string()))?;
         let canonical = warden_core::canonical_json(&plan);
@@ -91,20 +58,23 @@ impl Planner for PlannerService {
     }
 
     async fn list_tools(&self, _: Request<pb::ListToolsRequest>) -> Result<Response<pb::ListToolsResponse>, Status> {
-        let catalog = self.catalog().await?;
-        let mut tools: Vec<pb::ToolSpec> = catalog.values().cloned().collect();
+        let catalog = self.catalog.tools().await?;
+        let mut tools: Vec<pb::ToolSpec> = catalog.values().map(|e| e.spec.clone()).collect();
         tools.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(Response::new(pb::ListToolsResponse { tools }))
     }
 }
 
-pub fn routes(service: PlannerService) -> tonic::service::Routes {
-    tonic::service::Routes::new(PlannerServer::new(service))
+/// Adds the planner's gRPC service to `routes`.
+pub fn add_routes(routes: &mut RoutesBuilder, service: PlannerService) {
+    routes.add_service(PlannerServer::new(service));
 }
 
 pub const SERVICES: &[&str] = &["warden.v1.Planner"];
 
 pub async fn serve(config: &PlannerConfig, listener: TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> anyhow::Result<()> {
-    warden_grpc::serve(listener, routes(PlannerService::new(config)?), SERVICES, shutdown).await?;
+    let mut routes = Routes::builder();
+    add_routes(&mut routes, PlannerService::new(config)?);
+    warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;
     Ok(())
 }

@@ -8,6 +8,7 @@ pub mod rules;
 pub mod server;
 
 use tokio::net::TcpListener;
+use tonic::service::{Routes, RoutesBuilder};
 use warden_config::PolicyConfig;
 use warden_proto::v1::approvals_server::ApprovalsServer;
 use warden_proto::v1::capabilities_server::CapabilitiesServer;
@@ -22,17 +23,20 @@ pub fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
     Ok(PolicyService::new(config.clone(), key, ledger))
 }
 
-/// The gRPC routes of `Policy`, `Capabilities` and `Approvals`.
-pub fn routes(service: PolicyService) -> tonic::service::Routes {
-    tonic::service::Routes::new(PolicyServer::new(service))
+/// Adds `Policy`, `Capabilities` and `Approvals` to `routes`.
+pub fn add_routes(routes: &mut RoutesBuilder, service: PolicyService) {
+    routes
+        .add_service(PolicyServer::new(service))
         .add_service(CapabilitiesServer::new(server::CapabilitiesService))
-        .add_service(ApprovalsServer::new(server::ApprovalsService))
+        .add_service(ApprovalsServer::new(server::ApprovalsService));
 }
 
 pub const SERVICES: &[&str] = &["warden.v1.Policy", "warden.v1.Capabilities", "warden.v1.Approvals"];
 
 pub async fn serve(config: &PolicyConfig, listener: TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> anyhow::Result<()> {
     let service = build(config)?;
-    warden_grpc::serve(listener, routes(service), SERVICES, shutdown).await?;
+    let mut routes = Routes::builder();
+    add_routes(&mut routes, service);
+    warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;
     Ok(())
 }

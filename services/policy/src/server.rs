@@ -128,7 +128,8 @@ impl pb::policy_server::Policy for PolicyService {
             })
             .await
             .map_err(|s| match s.code() {
-                Code::NotFound | Code::FailedPrecondition | Code::InvalidArgument => Status::new(s.code(), format!("decision not recorded: {}", s.message())),
+                // Fencing and tenancy refusals pass through unchanged (with their details).
+                Code::NotFound | Code::FailedPrecondition | Code::InvalidArgument => s,
                 _ => Status::unavailable(format!("decision could not be recorded in the ledger (failing closed): {}", s.message())),
             })?
             .into_inner();

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use ed25519_dalek::VerifyingKey;
 use serde_json::Value;
 use tokio::net::TcpListener;
+use tonic::service::{Routes, RoutesBuilder};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use warden_config::ToolsConfig;
@@ -139,8 +140,9 @@ impl ToolHost for ToolHostService {
     }
 }
 
-pub fn routes(service: ToolHostService) -> tonic::service::Routes {
-    tonic::service::Routes::new(ToolHostServer::new(service))
+/// Adds the demo tool host's gRPC service to `routes`.
+pub fn add_routes(routes: &mut RoutesBuilder, service: ToolHostService) {
+    routes.add_service(ToolHostServer::new(service));
 }
 
 pub const SERVICES: &[&str] = &["warden.v1.ToolHost"];
@@ -150,6 +152,8 @@ pub async fn serve(config: &ToolsConfig, listener: TcpListener, shutdown: impl s
     if let Err(e) = service.refresh_keys().await {
         tracing::warn!(error = %e, "policy keys not fetched yet; will fetch on first call");
     }
-    warden_grpc::serve(listener, routes(service), SERVICES, shutdown).await?;
+    let mut routes = Routes::builder();
+    add_routes(&mut routes, service);
+    warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;
     Ok(())
 }

@@ -1,0 +1,125 @@
+//! `warden dev`: the whole mesh in one process on one loopback port, SQLite under a local
+//! directory, in-process leases. With `--demo PLAN`, it submits the plan, prints the run's
+//! events and the ledger verification, and keeps serving.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use tonic::service::Routes;
+use warden_config::{TenantPolicy, WardenConfig};
+
+use crate::Target;
+
+#[derive(clap::Args)]
+pub struct DevArgs {
+    /// Address to serve every service on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    listen: String,
+    /// Directory for the SQLite ledger, the policy key and the outbox.
+    #[arg(long, default_value = ".warden")]
+    dir: PathBuf,
+    /// Configuration file (also WARDEN_CONFIG).
+    #[arg(long, env = "WARDEN_CONFIG")]
+    config: Option<PathBuf>,
+    /// Submit this plan once the mesh is up and show what happened.
+    #[arg(long)]
+    demo: Option<PathBuf>,
+    /// Largest plan, in steps (the planner's max_steps).
+    #[arg(long)]
+    max_steps: Option<usize>,
+}
+
+/// Tools the `default` tenant may call in dev when the configuration names no tenants.
+pub const DEV_TOOLS: &[&str] = &["echo", "text.upper", "kv.*", "email.send"];
+
+/// The dev mesh's configuration: every endpoint is the one dev endpoint.
+pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfig {
+    let mut c = base;
+    let path = |f: &str| dir.join(f).display().to_string();
+    c.ledger.database_url = format!("sqlite://{}", path("ledger.db"));
+    c.policy.key_file = path("policy.key");
+    c.policy.ledger_endpoint = endpoint.into();
+    if c.policy.tenants.is_empty() {
+        c.policy.tenants.insert("default".into(), TenantPolicy { allow_tools: DEV_TOOLS.iter().map(|s| s.to_string()).collect() });
+    }
+    c.planner.tool_hosts = vec![endpoint.into()];
+    c.executor.ledger_endpoint = endpoint.into();
+    c.executor.policy_endpoint = endpoint.into();
+    c.executor.planner_endpoint = endpoint.into();
+    c.executor.tool_hosts = vec![endpoint.into()];
+    c.executor.redis_url = String::new();
+    c.tools.policy_endpoint = endpoint.into();
+    c.tools.outbox_path = path("outbox.jsonl");
+    c
+}
+
+/// A running dev mesh.
+pub struct DevMesh {
+    pub endpoint: String,
+    pub shutdown: tokio::sync::oneshot::Sender<()>,
+    pub served: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// Starts every service on `listen` in this process.
+pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> anyhow::Result<DevMesh> {
+    let endpoint = warden_grpc::endpoint_of(listener.local_addr()?);
+    let ledger = warden_ledger::open(&config.ledger).await.context("opening the ledger")?;
+    let policy = warden_policy::build(&config.policy)?;
+    let planner = warden_planner::PlannerService::new(&config.planner)?;
+    let tools = warden_tools::ToolHostService::new(&config.tools)?;
+    let executor = warden_executor::Executor::new(&config.executor).await?;
+    let mut routes = Routes::builder();
+    warden_ledger::add_routes(&mut routes, ledger);
+    warden_policy::add_routes(&mut routes, policy);
+    warden_planner::add_routes(&mut routes, planner);
+    warden_tools::add_routes(&mut routes, tools);
+    warden_executor::add_routes(&mut routes, executor.clone());
+    let services: Vec<&str> = [warden_ledger::SERVICES, warden_policy::SERVICES, warden_planner::SERVICES, warden_tools::SERVICES, warden_executor::SERVICES].concat();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        let sweeper = tokio::spawn(executor.sweep_forever());
+        let r = warden_grpc::serve(listener, routes.routes(), &services, async {
+            let _ = rx.await;
+        })
+        .await;
+        sweeper.abort();
+        Ok(r?)
+    });
+    Ok(DevMesh { endpoint, shutdown: tx, served })
+}
+
+pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
+    warden_telemetry::init_tracing("warden-dev");
+    let mut base = WardenConfig::load(args.config.as_deref())?;
+    if let Some(n) = args.max_steps {
+        base.planner.max_steps = n;
+    }
+    std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
+    let listener = warden_grpc::bind(&args.listen).await?;
+    let endpoint = warden_grpc::endpoint_of(listener.local_addr()?);
+    let config = dev_config(base, &args.dir, &endpoint);
+    config.validate()?;
+    let mesh = start(config, listener).await?;
+    println!("warden dev: ledger, policy, planner, executor and demo tools serving on {endpoint}");
+    println!("warden dev: state in {}", args.dir.display());
+    if let Some(plan) = &args.demo {
+        let target = Target { endpoint: endpoint.clone(), ledger_endpoint: endpoint.clone(), tenant: "default".into() };
+        crate::run::demo(&target, plan).await?;
+    }
+    println!();
+    println!("Warden is serving on {endpoint} (Ctrl-C to stop). From another shell:");
+    println!("  export WARDEN_ENDPOINT={endpoint}");
+    println!("  cargo run -q -p warden -- run submit --plan examples/hello.plan.json --wait");
+    println!("  cargo run -q -p warden -- run tail <RUN_ID> --follow");
+    let DevMesh { shutdown, served, .. } = mesh;
+    tokio::select! {
+        _ = warden_grpc::shutdown_signal() => {
+            let _ = shutdown.send(());
+        }
+        r = served => {
+            r??;
+            return Ok(0);
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,232 @@
+//! `warden run …`: submit, status, tail, verify-ledger.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::json;
+use tonic::transport::Channel;
+use warden_grpc::convert::status_name;
+use warden_proto::v1 as pb;
+use warden_proto::v1::ledger_client::LedgerClient;
+use warden_proto::v1::runs_client::RunsClient;
+
+use crate::Target;
+
+#[derive(clap::Subcommand)]
+pub enum RunCommand {
+    /// Submit a plan; prints the run id (with --wait, the final status).
+    Submit {
+        #[arg(long)]
+        plan: PathBuf,
+        #[arg(long)]
+        wait: bool,
+        /// Makes the submission idempotent: resubmitting returns the first run.
+        #[arg(long)]
+        idempotency_key: Option<String>,
+    },
+    /// The run's lifecycle summary and steps.
+    Status {
+        run_id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The run's events: `seq<TAB>timestamp<TAB>event_type<TAB>step_id`.
+    Tail {
+        run_id: String,
+        /// Keep streaming until the run ends.
+        #[arg(long)]
+        follow: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Recompute the run's hash chain: prints `valid` (exit 0) or `invalid` with the first bad seq (exit 1).
+    VerifyLedger {
+        run_id: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub async fn runs_client(endpoint: &str) -> anyhow::Result<RunsClient<Channel>> {
+    Ok(RunsClient::new(warden_grpc::channel(endpoint)?))
+}
+
+pub async fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<Channel>> {
+    Ok(LedgerClient::new(warden_grpc::channel(endpoint)?).max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES))
+}
+
+/// Renders a gRPC error with its field violations.
+pub fn describe(status: &tonic::Status) -> String {
+    let mut s = format!("{:?}: {}", status.code(), status.message());
+    for (field, why) in warden_grpc::field_violations(status) {
+        s.push_str(&format!("\n  field {field}: {why}"));
+    }
+    s
+}
+
+pub async fn submit(target: &Target, plan: &Path, idempotency_key: Option<String>) -> anyhow::Result<String> {
+    let plan_json = std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
+    let resp = runs_client(&target.endpoint)
+        .await?
+        .submit_run(pb::SubmitRunRequest {
+            tenant: target.tenant.clone(),
+            plan_json,
+            goal: String::new(),
+            idempotency_key: idempotency_key.unwrap_or_default(),
+            cancel_policy: pb::CancelPolicy::Immediate as i32,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("submit refused: {}", describe(&s)))?;
+    Ok(resp.into_inner().run_id)
+}
+
+/// Polls until the run is terminal (or needs an operator) and returns it.
+pub async fn wait(target: &Target, run_id: &str) -> anyhow::Result<pb::Run> {
+    let mut client = runs_client(&target.endpoint).await?;
+    let mut delay = Duration::from_millis(20);
+    loop {
+        let run = client
+            .get_run(pb::GetRunRequest { tenant: target.tenant.clone(), run_id: run_id.to_string() })
+            .await
+            .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+            .into_inner();
+        let st = run.status();
+        use pb::RunStatus as S;
+        if matches!(st, S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation | S::Blocked) {
+            return Ok(run);
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(250));
+    }
+}
+
+fn exit_code(run: &pb::Run) -> i32 {
+    matches!(run.status(), pb::RunStatus::Completed | pb::RunStatus::EmptyPlan).then_some(0).unwrap_or(1)
+}
+
+fn run_json(run: &pb::Run) -> serde_json::Value {
+    json!({
+        "run_id": run.run_id,
+        "tenant": run.tenant,
+        "status": status_name(run.status),
+        "reason": run.reason,
+        "direct_response": run.direct_response,
+        "last_seq": run.last_seq,
+        "created_at_ms": run.created_at_ms,
+        "updated_at_ms": run.updated_at_ms,
+        "steps": run.steps.iter().map(|s| json!({
+            "id": s.id, "tool": s.tool,
+            "status": pb::StepStatus::try_from(s.status).map(|x| x.as_str_name().trim_start_matches("STEP_STATUS_").to_lowercase()).unwrap_or_default(),
+            "output": serde_json::from_str::<serde_json::Value>(&s.output_json).unwrap_or(serde_json::Value::Null),
+            "error": s.error, "attempts": s.attempts,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn print_status(run: &pb::Run) {
+    println!("run      {}", run.run_id);
+    println!("tenant   {}", run.tenant);
+    println!("status   {}", status_name(run.status));
+    if !run.reason.is_empty() {
+        println!("reason   {}", run.reason);
+    }
+    if !run.direct_response.is_empty() {
+        println!("response {}", run.direct_response);
+    }
+    for s in run_json(run)["steps"].as_array().into_iter().flatten() {
+        let detail = if s["error"].as_str().is_some_and(|e| !e.is_empty()) { s["error"].to_string() } else { s["output"].to_string() };
+        println!("  step {:<16} {:<12} {:<10} {}", s["id"].as_str().unwrap_or_default(), s["tool"].as_str().unwrap_or_default(), s["status"].as_str().unwrap_or_default(), detail);
+    }
+}
+
+fn event_line(e: &pb::Event, as_json: bool) -> String {
+    if as_json {
+        let payload: serde_json::Value = serde_json::from_str(&e.payload_json).unwrap_or_default();
+        json!({"seq": e.seq, "timestamp_ms": e.timestamp_ms, "event_type": e.event_type, "step_id": e.step_id,
+               "epoch": e.epoch, "payload": payload, "hash": e.hash}).to_string()
+    } else {
+        format!("{}\t{}\t{}\t{}", e.seq, e.timestamp_ms, e.event_type, e.step_id)
+    }
+}
+
+pub async fn tail(target: &Target, run_id: &str, follow: bool, as_json: bool) -> anyhow::Result<()> {
+    let mut stream = ledger_client(&target.ledger_endpoint)
+        .await?
+        .stream_events(pb::StreamEventsRequest { tenant: target.tenant.clone(), run_id: run_id.to_string(), since_seq: 0, follow })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+        .into_inner();
+    while let Some(e) = stream.message().await.map_err(|s| anyhow::anyhow!("{}", describe(&s)))? {
+        println!("{}", event_line(&e, as_json));
+    }
+    Ok(())
+}
+
+pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Result<i32> {
+    let v = ledger_client(&target.ledger_endpoint)
+        .await?
+        .verify_run(pb::VerifyRunRequest { tenant: target.tenant.clone(), run_id: run_id.to_string() })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+        .into_inner();
+    if as_json {
+        println!("{}", json!({"valid": v.valid, "events": v.events, "first_bad_seq": v.first_bad_seq, "reason": v.reason, "head_hash": v.head_hash}));
+    } else if v.valid {
+        println!("valid");
+    } else {
+        println!("invalid: first bad seq {} ({})", v.first_bad_seq, v.reason);
+    }
+    Ok(if v.valid { 0 } else { 1 })
+}
+
+pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
+    match cmd {
+        RunCommand::Submit { plan, wait: w, idempotency_key } => {
+            let run_id = submit(target, &plan, idempotency_key).await?;
+            println!("{run_id}");
+            if w {
+                let run = wait(target, &run_id).await?;
+                println!("{}", status_name(run.status));
+                if !run.reason.is_empty() {
+                    println!("reason: {}", run.reason);
+                }
+                return Ok(exit_code(&run));
+            }
+            Ok(0)
+        }
+        RunCommand::Status { run_id, json } => {
+            let run = runs_client(&target.endpoint)
+                .await?
+                .get_run(pb::GetRunRequest { tenant: target.tenant.clone(), run_id })
+                .await
+                .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+                .into_inner();
+            if json {
+                println!("{}", run_json(&run));
+            } else {
+                print_status(&run);
+            }
+            Ok(0)
+        }
+        RunCommand::Tail { run_id, follow, json } => {
+            tail(target, &run_id, follow, json).await?;
+            Ok(0)
+        }
+        RunCommand::VerifyLedger { run_id, json } => verify(target, &run_id, json).await,
+    }
+}
+
+/// What `make run` shows: submit, wait, events, status, verification.
+pub async fn demo(target: &Target, plan: &Path) -> anyhow::Result<()> {
+    let run_id = submit(target, plan, None).await?;
+    println!("\nsubmitted {} as run {run_id}", plan.display());
+    let run = wait(target, &run_id).await?;
+    println!("\nevents (seq, timestamp, type, step):");
+    tail(target, &run_id, false, false).await?;
+    println!();
+    print_status(&run);
+    print!("\nledger verification: ");
+    verify(target, &run_id, false).await?;
+    Ok(())
+}

@@ -1,0 +1,68 @@
+//! The tool catalog: which configured tool host serves which tool, with its declaration.
+//! Fetched from every host's `ListTools` and cached briefly, so a restarted host is seen.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Mutex;
+use tonic::Status;
+use tonic::transport::Channel;
+use warden_proto::v1 as pb;
+use warden_proto::v1::tool_host_client::ToolHostClient;
+
+const TTL: Duration = Duration::from_secs(5);
+
+/// A tool as the catalog knows it: its declaration and the index of its host.
+#[derive(Debug, Clone)]
+pub struct CatalogEntry {
+    pub spec: pb::ToolSpec,
+    pub host: usize,
+}
+
+pub type Tools = Arc<HashMap<String, CatalogEntry>>;
+
+#[derive(Clone)]
+pub struct ToolCatalog {
+    hosts: Vec<ToolHostClient<Channel>>,
+    cached: Arc<Mutex<Option<(Instant, Tools)>>>,
+}
+
+impl ToolCatalog {
+    pub fn new(endpoints: &[String]) -> Result<ToolCatalog, Status> {
+        let hosts = endpoints
+            .iter()
+            .map(|e| Ok(ToolHostClient::new(crate::channel(e)?).max_decoding_message_size(crate::MAX_MESSAGE_BYTES)))
+            .collect::<Result<_, Status>>()?;
+        Ok(ToolCatalog { hosts, cached: Default::default() })
+    }
+
+    /// The current catalog; the first host to declare a name serves it.
+    pub async fn tools(&self) -> Result<Tools, Status> {
+        let mut cached = self.cached.lock().await;
+        if let Some((at, tools)) = cached.as_ref() {
+            if at.elapsed() < TTL {
+                return Ok(tools.clone());
+            }
+        }
+        let mut tools = HashMap::new();
+        for (i, host) in self.hosts.iter().enumerate() {
+            let listed = host
+                .clone()
+                .list_tools(pb::ListToolsRequest::default())
+                .await
+                .map_err(|s| Status::unavailable(format!("tool catalog unavailable: {}", s.message())))?;
+            for spec in listed.into_inner().tools {
+                tools.entry(spec.name.clone()).or_insert(CatalogEntry { spec, host: i });
+            }
+        }
+        let tools = Arc::new(tools);
+        *cached = Some((Instant::now(), tools.clone()));
+        Ok(tools)
+    }
+
+    /// A client for host `i`.
+    pub fn host(&self, i: usize) -> ToolHostClient<Channel> {
+        self.hosts[i].clone()
+    }
+}

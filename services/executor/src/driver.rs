@@ -1,0 +1,423 @@
+//! Driving one run: lease, rebuild from the ledger, schedule the DAG, finish.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Status};
+use warden_core::canonical::{args_digest, canonical_json};
+use warden_core::events;
+use warden_core::plan::{Plan, PlanLimits, PlanStep};
+use warden_core::run::{RunView, StepStatus};
+use warden_core::template;
+use warden_grpc::convert::event_from_proto;
+use warden_lease::{LeaseError, RunLease};
+use warden_proto::v1 as pb;
+
+use crate::Executor;
+
+/// Timeout when a tool declares none (seed 000 §7).
+pub const FALLBACK_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DriveError {
+    #[error("another executor holds a newer lease (fenced)")]
+    Fenced,
+    #[error("lease lost")]
+    LeaseLost,
+    #[error("ledger: {0}")]
+    Ledger(Status),
+    #[error("lease store: {0}")]
+    Lease(#[from] LeaseError),
+}
+
+/// What one step came to.
+enum StepOutcome {
+    Completed(Value),
+    /// Failed, denied or refused; the reason is recorded in the ledger.
+    Failed(String),
+}
+
+/// The per-run context a driver and its step tasks share.
+#[derive(Clone)]
+struct RunCtx {
+    ex: Executor,
+    run_id: String,
+    tenant: String,
+    epoch: u64,
+    lost: CancellationToken,
+}
+
+impl RunCtx {
+    /// Appends an event, retrying transient ledger failures with the same idempotency key
+    /// (so a retry never doubles the event).
+    async fn append(&self, event_type: &str, step_id: &str, key: String, payload: Value) -> Result<pb::Event, DriveError> {
+        let req = pb::AppendEventRequest {
+            tenant: self.tenant.clone(),
+            run_id: self.run_id.clone(),
+            epoch: self.epoch,
+            idempotency_key: key,
+            event_type: event_type.to_string(),
+            payload_json: payload.to_string(),
+            step_id: step_id.to_string(),
+        };
+        let mut backoff = Duration::from_millis(50);
+        for attempt in 0.. {
+            match self.ex.inner.ledger.clone().append_event(req.clone()).await {
+                Ok(r) => return r.into_inner().event.ok_or_else(|| DriveError::Ledger(Status::internal("ledger returned no event"))),
+                Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
+                Err(s) if retryable(&s) && attempt < 8 && !self.lost.is_cancelled() => {
+                    tracing::debug!(run_id = %self.run_id, error = %s, "ledger append retried");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Err(s) => return Err(DriveError::Ledger(s)),
+            }
+        }
+        unreachable!("the retry loop returns")
+    }
+
+    /// Records a step's failure and returns it as the step's outcome.
+    async fn step_failed(&self, event_type: &str, step_id: &str, attempt: u32, payload: Value) -> Result<StepOutcome, DriveError> {
+        let reason = payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
+        self.append(event_type, step_id, self.step_key(step_id, attempt, "failed"), payload).await?;
+        Ok(StepOutcome::Failed(reason))
+    }
+
+    fn step_key(&self, step_id: &str, attempt: u32, what: &str) -> String {
+        format!("{}:{step_id}:{attempt}:{what}", self.run_id)
+    }
+}
+
+fn retryable(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Aborted | Code::ResourceExhausted)
+}
+
+/// Reads a run's whole log and folds it.
+pub(crate) async fn load_view(ex: &Executor, tenant: &str, run_id: &str) -> Result<(RunView, Vec<pb::Event>), Status> {
+    let mut stream = ex
+        .inner
+        .ledger
+        .clone()
+        .stream_events(pb::StreamEventsRequest { tenant: tenant.to_string(), run_id: run_id.to_string(), since_seq: 0, follow: false })
+        .await?
+        .into_inner();
+    let mut view = RunView::default();
+    let mut all = Vec::new();
+    while let Some(e) = stream.message().await? {
+        let ce = event_from_proto(&e);
+        view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
+        all.push(e);
+    }
+    Ok((view, all))
+}
+
+/// Drives `run_id` to a terminal status (or until its lease is lost).
+pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
+    let run = ex
+        .inner
+        .ledger
+        .clone()
+        .get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: run_id.to_string() })
+        .await
+        .map_err(DriveError::Ledger)?
+        .into_inner();
+    if warden_grpc::convert::status_from_proto(run.status()).is_some_and(|s| s.is_terminal()) {
+        return Ok(());
+    }
+    let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
+    let Some(lease) = ex.inner.leases.acquire(run_id, &ex.inner.id, ttl, run.max_epoch).await? else {
+        return Ok(()); // another replica drives it
+    };
+    let lost = CancellationToken::new();
+    let renewal = tokio::spawn(renew(ex.clone(), lease.clone(), ttl, lost.clone()));
+    let ctx = RunCtx { ex: ex.clone(), run_id: run_id.to_string(), tenant: run.tenant.clone(), epoch: lease.epoch, lost: lost.clone() };
+    let result = drive_leased(&ctx).await;
+    renewal.abort();
+    if let Err(e) = ex.inner.leases.release(&lease).await {
+        tracing::warn!(run_id, error = %e, "lease release failed; it will expire");
+    }
+    result
+}
+
+async fn renew(ex: Executor, lease: RunLease, ttl: Duration, lost: CancellationToken) {
+    loop {
+        tokio::time::sleep(ttl / 3).await;
+        match ex.inner.leases.renew(&lease, ttl).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(run_id = %lease.run_id, epoch = lease.epoch, "lease lost; stopping");
+                lost.cancel();
+                return;
+            }
+            Err(e) => {
+                // A holder that cannot prove it still holds the lease must stop.
+                tracing::warn!(run_id = %lease.run_id, epoch = lease.epoch, error = %e, "lease renewal failed; stopping");
+                lost.cancel();
+                return;
+            }
+        }
+    }
+}
+
+async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
+    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    if view.status.is_terminal() {
+        return Ok(());
+    }
+    ctx.append(events::RUN_STARTED, "", format!("run_started:{}", ctx.epoch), json!({"executor": ctx.ex.inner.id, "epoch": ctx.epoch}))
+        .await?;
+    let Some(plan) = view.plan.clone() else {
+        return finish(ctx, events::RUN_FAILED, json!({"reason": "run has no plan (goal-based runs need Planner.CreatePlan)"})).await;
+    };
+    if let Some(text) = &plan.direct_response {
+        return finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "direct_response": text})).await;
+    }
+    if plan.steps.is_empty() {
+        return finish(ctx, events::RUN_EMPTY_PLAN, json!({"reason": "the plan has no steps"})).await;
+    }
+    let tools = ctx.ex.inner.catalog.tools().await.map_err(DriveError::Ledger)?;
+    // Unknown outcomes (tool_requested with no result) from an earlier holder.
+    for s in view.steps.iter().filter(|s| s.outcome_unknown) {
+        let idempotent = tools.get(&s.tool).is_some_and(|t| t.spec.idempotent);
+        if !idempotent {
+            let reason = format!("step '{}' ({}) may or may not have run and the tool is not idempotent", s.id, s.tool);
+            return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": s.id})).await;
+        }
+        tracing::info!(run_id = %ctx.run_id, step_id = %s.id, "re-invoking idempotent step with an unknown outcome");
+    }
+    run_dag(ctx, &plan, view).await
+}
+
+async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), DriveError> {
+    ctx.append(event_type, "", event_type.to_string(), payload).await?;
+    tracing::info!(run_id = %ctx.run_id, outcome = event_type, "run finished");
+    Ok(())
+}
+
+async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveError> {
+    let all_tools = |_: &str| true;
+    let order = plan
+        .validate(&PlanLimits { max_steps: usize::MAX, known_tool: &all_tools })
+        .map_err(|e| DriveError::Ledger(Status::internal(format!("recorded plan no longer validates: {e}"))))?;
+    let mut status: HashMap<String, StepStatus> =
+        view.steps.iter().map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status })).collect();
+    let mut outputs = view.outputs();
+    let mut first_failure: Option<String> = view
+        .steps
+        .iter()
+        .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied))
+        .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
+    let limit = ctx.ex.inner.config.max_concurrency;
+    let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
+    loop {
+        if ctx.lost.is_cancelled() {
+            return Err(DriveError::LeaseLost);
+        }
+        // Dependents of a failed, denied or cancelled step are cancelled (in dependency order,
+        // so the cancellation cascades in one pass).
+        for &i in &order {
+            let step = &plan.steps[i];
+            if status[&step.id] != StepStatus::Pending {
+                continue;
+            }
+            let blocked = step.depends_on.iter().find(|d| matches!(status[d.as_str()], StepStatus::Failed | StepStatus::Denied | StepStatus::Cancelled));
+            if let Some(dep) = blocked {
+                let reason = format!("dependency '{dep}' did not complete");
+                ctx.append(events::STEP_CANCELLED, &step.id, ctx.step_key(&step.id, 0, "cancelled"), json!({"reason": reason})).await?;
+                status.insert(step.id.clone(), StepStatus::Cancelled);
+            }
+        }
+        for &i in &order {
+            if running.len() >= limit {
+                break;
+            }
+            let step = &plan.steps[i];
+            let ready = status[&step.id] == StepStatus::Pending && step.depends_on.iter().all(|d| status[d.as_str()] == StepStatus::Completed);
+            if !ready {
+                continue;
+            }
+            status.insert(step.id.clone(), StepStatus::Running);
+            match template::resolve(&step.params, &outputs) {
+                Ok(args) => {
+                    let (c, s) = (ctx.clone(), step.clone());
+                    running.spawn(async move {
+                        let id = s.id.clone();
+                        (id, execute_step(&c, &s, args).await)
+                    });
+                }
+                Err(e) => {
+                    let reason = format!("template resolution failed: {e}");
+                    ctx.append(events::STEP_FAILED, &step.id, ctx.step_key(&step.id, 1, "failed"), json!({"kind": "template", "reason": reason}))
+                        .await?;
+                    first_failure.get_or_insert(format!("step '{}' failed: {reason}", step.id));
+                    status.insert(step.id.clone(), StepStatus::Failed);
+                }
+            }
+        }
+        if running.is_empty() {
+            // Nothing runs and nothing became ready: every step is settled.
+            if status.values().all(|s| *s != StepStatus::Pending && *s != StepStatus::Running) {
+                break;
+            }
+            continue;
+        }
+        let joined = tokio::select! {
+            j = running.join_next() => j,
+            _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+        };
+        let Some(joined) = joined else { continue };
+        let (step_id, outcome) = joined.map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
+        match outcome? {
+            StepOutcome::Completed(out) => {
+                outputs.insert(step_id.clone(), out);
+                status.insert(step_id, StepStatus::Completed);
+            }
+            StepOutcome::Failed(why) => {
+                first_failure.get_or_insert(format!("step '{step_id}' failed: {why}"));
+                status.insert(step_id, StepStatus::Failed);
+            }
+        }
+    }
+    let count = |st: StepStatus| status.values().filter(|s| **s == st).count();
+    let summary = json!({
+        "completed": count(StepStatus::Completed),
+        "failed": count(StepStatus::Failed) + count(StepStatus::Denied),
+        "cancelled": count(StepStatus::Cancelled),
+    });
+    match first_failure {
+        None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await,
+        Some(reason) => finish(ctx, events::RUN_FAILED, json!({"reason": reason, "summary": summary})).await,
+    }
+}
+
+/// One step, one attempt: authorize, record the request, invoke, record the outcome.
+async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<StepOutcome, DriveError> {
+    let attempt = 1u32;
+    let idempotency_key = format!("{}:{}:{attempt}", ctx.run_id, step.id);
+    let fail = |kind: &str, reason: String, extra: Value| {
+        let mut payload = json!({"kind": kind, "reason": reason, "attempt": attempt, "tool": step.tool});
+        if let (Some(p), Value::Object(x)) = (payload.as_object_mut(), extra) {
+            p.extend(x);
+        }
+        payload
+    };
+    let tools = match ctx.ex.inner.catalog.tools().await {
+        Ok(t) => t,
+        Err(s) => {
+            let p = fail("tool_catalog_unavailable", s.message().to_string(), json!({}));
+            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        }
+    };
+    let Some(entry) = tools.get(&step.tool) else {
+        let p = fail("unknown_tool", format!("no tool host serves '{}'", step.tool), json!({}));
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+    };
+    let args_json = canonical_json(&args);
+    // K01/K19: without a recorded allow decision and its signed authorization, nothing runs.
+    let authorized = ctx
+        .ex
+        .inner
+        .policy
+        .clone()
+        .authorize(pb::AuthorizeRequest {
+            tenant: ctx.tenant.clone(),
+            run_id: ctx.run_id.clone(),
+            step_id: step.id.clone(),
+            attempt,
+            tool: step.tool.clone(),
+            args_json: args_json.clone(),
+            capability_id: String::new(),
+            idempotency_key: idempotency_key.clone(),
+            epoch: ctx.epoch,
+        })
+        .await;
+    let authorized = match authorized {
+        Ok(r) => r.into_inner(),
+        Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
+        Err(s) => {
+            let reason = format!("policy unavailable, failing closed: {}", s.message());
+            tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, error = %s, "no policy decision; step not executed");
+            let p = fail("policy_unavailable", reason, json!({}));
+            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        }
+    };
+    let decision = authorized.decision.unwrap_or_default();
+    let (Some(auth), pb::Outcome::Allow) = (authorized.authorization, decision.outcome()) else {
+        let p = fail(
+            "policy_denied",
+            format!("denied by policy rule '{}': {}", decision.rule_id, decision.reason),
+            json!({"decision_id": decision.decision_id, "rule_id": decision.rule_id}),
+        );
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+    };
+    ctx.append(
+        events::TOOL_REQUESTED,
+        &step.id,
+        ctx.step_key(&step.id, attempt, "requested"),
+        json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "args": args,
+               "args_sha256": args_digest(&args), "idempotency_key": idempotency_key}),
+    )
+    .await?;
+    // K08: the timeout comes only from the tool's declaration.
+    let timeout = match entry.spec.timeout_sec {
+        0 => FALLBACK_TIMEOUT,
+        s => Duration::from_secs(s as u64),
+    };
+    let mut host = ctx.ex.inner.catalog.host(entry.host);
+    let call = host.invoke(pb::InvokeRequest {
+        tenant: ctx.tenant.clone(),
+        run_id: ctx.run_id.clone(),
+        step_id: step.id.clone(),
+        attempt,
+        tool: step.tool.clone(),
+        args_json,
+        idempotency_key,
+        authorization: Some(auth),
+    });
+    let cite = json!({"decision_id": decision.decision_id});
+    let failed = |kind: &str, reason: String, extra: Value| {
+        let mut p = fail(kind, reason, cite.clone());
+        if let (Some(p), Value::Object(x)) = (p.as_object_mut(), extra) {
+            p.extend(x);
+        }
+        p
+    };
+    let outcome = match tokio::time::timeout(timeout, call).await {
+        Err(_) => Err(failed("timeout", format!("no answer within {}s (the tool's timeout_sec)", timeout.as_secs()), json!({}))),
+        Ok(Err(s)) => {
+            let kind = match s.code() {
+                Code::PermissionDenied => "authorization_refused",
+                Code::Unavailable => "tool_host_unavailable",
+                _ => "tool_host_error",
+            };
+            Err(failed(kind, s.message().to_string(), json!({})))
+        }
+        Ok(Ok(resp)) => {
+            let resp = resp.into_inner();
+            match resp.outcome {
+                Some(pb::invoke_response::Outcome::OutputJson(text)) => match serde_json::from_str::<Value>(&text) {
+                    Ok(out) => Ok((out, resp.replayed)),
+                    Err(e) => Err(failed("invalid_output", format!("tool output is not JSON: {e}"), json!({}))),
+                },
+                Some(pb::invoke_response::Outcome::Error(e)) => Err(failed("tool_error", e.message, json!({"code": e.code, "retryable": e.retryable}))),
+                None => Err(failed("invalid_output", "tool host returned no outcome".into(), json!({}))),
+            }
+        }
+    };
+    match outcome {
+        Ok((output, replayed)) => {
+            ctx.append(
+                events::TOOL_COMPLETED,
+                &step.id,
+                ctx.step_key(&step.id, attempt, "completed"),
+                json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed}),
+            )
+            .await?;
+            Ok(StepOutcome::Completed(output))
+        }
+        Err(payload) => ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await,
+    }
+}
