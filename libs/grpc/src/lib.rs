@@ -52,11 +52,12 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let routes = routes.add_service(health).add_service(reflection);
+    // Agents' steps are latency-bound request/response calls: no Nagle delay (set on the
+    // incoming stream, which owns the accepted sockets).
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     Server::builder()
-        // Agents' steps are latency-bound request/response calls: no Nagle delay.
-        .tcp_nodelay(true)
         .add_routes(routes)
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     Ok(())
 }

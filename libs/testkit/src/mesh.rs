@@ -1,0 +1,266 @@
+//! The Warden mesh as separate processes: ledger, policy, demo tool host, planner and one or
+//! more executors, each a real binary on a free port, wired by the endpoints they announce.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::Context;
+use tonic::transport::Channel;
+use warden_proto::v1::ledger_client::LedgerClient;
+use warden_proto::v1::policy_client::PolicyClient;
+use warden_proto::v1::runs_client::RunsClient;
+use warden_proto::v1::tool_host_client::ToolHostClient;
+
+use crate::procs::spawn_tied;
+
+#[derive(Clone, Debug)]
+pub struct MeshOptions {
+    /// `sqlite://…` or `postgres://…`; empty means a SQLite file in the mesh's directory.
+    pub database_url: String,
+    /// Empty means in-process leases (one executor only).
+    pub redis_url: String,
+    /// `(tenant, allowed tool patterns)`.
+    pub tenants: Vec<(String, Vec<String>)>,
+    pub max_steps: usize,
+    pub lease_ttl_ms: u64,
+    pub sweep_interval_ms: u64,
+    /// Executor replicas; 0 for tests that drive the ledger, policy and tools directly.
+    pub executors: usize,
+}
+
+impl Default for MeshOptions {
+    fn default() -> Self {
+        MeshOptions {
+            database_url: String::new(),
+            redis_url: String::new(),
+            tenants: vec![("acme".into(), vec!["echo".into(), "text.upper".into(), "kv.*".into(), "email.send".into(), "fail".into()])],
+            max_steps: 10,
+            lease_ttl_ms: 2_000,
+            sweep_interval_ms: 500,
+            executors: 1,
+        }
+    }
+}
+
+/// The directory of the workspace's built binaries (next to the running test binary).
+pub fn bin_dir() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent().context("test binary has no directory")?.to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    Ok(dir)
+}
+
+fn binary(name: &str) -> anyhow::Result<PathBuf> {
+    let p = bin_dir()?.join(name);
+    anyhow::ensure!(p.is_file(), "{} is not built: run `cargo build --workspace --bins` first", p.display());
+    Ok(p)
+}
+
+/// One service process.
+pub struct ServiceProcess {
+    pub name: &'static str,
+    pub endpoint: String,
+    bin: PathBuf,
+    env: Vec<(String, String)>,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl ServiceProcess {
+    fn start(name: &'static str, bin: PathBuf, env: Vec<(String, String)>, log: PathBuf) -> anyhow::Result<ServiceProcess> {
+        let mut p = ServiceProcess { name, endpoint: String::new(), bin, env, child: None, log };
+        p.spawn()?;
+        Ok(p)
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.envs(self.env.iter().cloned()).stdout(Stdio::piped()).stderr(log).stdin(Stdio::null());
+        let mut child = spawn_tied(cmd, libc::SIGKILL).with_context(|| format!("spawning {}", self.bin.display()))?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            for line in lines.by_ref().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("WARDEN_LISTENING ") {
+                    let _ = tx.send(rest.split_whitespace().nth(1).unwrap_or_default().to_string());
+                    break;
+                }
+            }
+            // Keep draining so the child never blocks on a full pipe.
+            for _ in lines {}
+        });
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(endpoint) => {
+                self.endpoint = endpoint;
+                self.child = Some(child);
+                Ok(())
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                anyhow::bail!("{} did not start; its log:\n{log}", self.name)
+            }
+        }
+    }
+
+    /// Kills the process at once (SIGKILL): a crash, not a shutdown.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the process again on the same address, so clients reconnect to it.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        let addr = self.endpoint.trim_start_matches("http://").to_string();
+        let key = self.env.iter().position(|(k, _)| k.ends_with("__LISTEN")).context("no listen variable")?;
+        self.env[key].1 = addr;
+        let mut last = None;
+        for _ in 0..50 {
+            match self.spawn() {
+                Ok(()) => return Ok(()),
+                // The old socket may linger for a moment.
+                Err(e) => last = Some(e),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("restart failed")))
+    }
+
+    pub fn channel(&self) -> Channel {
+        warden_grpc::channel(&self.endpoint).unwrap_or_else(|e| panic!("bad endpoint {}: {e}", self.endpoint))
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub struct Mesh {
+    pub dir: tempfile::TempDir,
+    pub database_url: String,
+    pub ledger: ServiceProcess,
+    pub policy: ServiceProcess,
+    pub tools: ServiceProcess,
+    pub planner: ServiceProcess,
+    pub executors: Vec<ServiceProcess>,
+}
+
+fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
+    let mut s = String::new();
+    s.push_str(&format!("[ledger]\ndatabase_url = \"{database_url}\"\n\n"));
+    s.push_str(&format!("[policy]\nkey_file = \"{}\"\n\n", dir.join("policy.key").display()));
+    for (tenant, tools) in &opts.tenants {
+        let list: Vec<String> = tools.iter().map(|t| format!("\"{t}\"")).collect();
+        s.push_str(&format!("[policy.tenants.{tenant}]\nallow_tools = [{}]\n\n", list.join(", ")));
+    }
+    s.push_str(&format!("[planner]\nmax_steps = {}\n\n", opts.max_steps));
+    s.push_str(&format!(
+        "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\n\n",
+        opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms
+    ));
+    s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n", dir.join("outbox.jsonl").display()));
+    s
+}
+
+impl Mesh {
+    pub async fn start(opts: MeshOptions) -> anyhow::Result<Mesh> {
+        tokio::task::spawn_blocking(move || Mesh::start_blocking(opts)).await?
+    }
+
+    fn start_blocking(opts: MeshOptions) -> anyhow::Result<Mesh> {
+        let dir = tempfile::Builder::new().prefix("warden-mesh-").tempdir()?;
+        let database_url =
+            if opts.database_url.is_empty() { format!("sqlite://{}", dir.path().join("ledger.db").display()) } else { opts.database_url.clone() };
+        let config = dir.path().join("warden.toml");
+        std::fs::write(&config, toml_config(&opts, dir.path(), &database_url))?;
+        let base = |extra: &[(&str, &str)]| {
+            let mut env = vec![("WARDEN_CONFIG".to_string(), config.display().to_string())];
+            env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            env
+        };
+        let log = |n: &str| dir.path().join(format!("{n}.log"));
+        let ledger = ServiceProcess::start("ledger", binary("warden-ledger")?, base(&[("WARDEN_LEDGER__LISTEN", "127.0.0.1:0")]), log("ledger"))?;
+        let policy = ServiceProcess::start(
+            "policy",
+            binary("warden-policy")?,
+            base(&[("WARDEN_POLICY__LISTEN", "127.0.0.1:0"), ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint)]),
+            log("policy"),
+        )?;
+        let tools = ServiceProcess::start(
+            "tools",
+            binary("warden-tools")?,
+            base(&[("WARDEN_TOOLS__LISTEN", "127.0.0.1:0"), ("WARDEN_TOOLS__POLICY_ENDPOINT", &policy.endpoint)]),
+            log("tools"),
+        )?;
+        let hosts = format!("[\"{}\"]", tools.endpoint);
+        let planner = ServiceProcess::start(
+            "planner",
+            binary("warden-planner")?,
+            base(&[("WARDEN_PLANNER__LISTEN", "127.0.0.1:0"), ("WARDEN_PLANNER__TOOL_HOSTS", &hosts)]),
+            log("planner"),
+        )?;
+        let mut executors = Vec::new();
+        for i in 0..opts.executors {
+            let id = format!("executor-{i}");
+            executors.push(ServiceProcess::start(
+                "executor",
+                binary("warden-executor")?,
+                base(&[
+                    ("WARDEN_EXECUTOR__LISTEN", "127.0.0.1:0"),
+                    ("WARDEN_EXECUTOR__LEDGER_ENDPOINT", &ledger.endpoint),
+                    ("WARDEN_EXECUTOR__POLICY_ENDPOINT", &policy.endpoint),
+                    ("WARDEN_EXECUTOR__PLANNER_ENDPOINT", &planner.endpoint),
+                    ("WARDEN_EXECUTOR__TOOL_HOSTS", &hosts),
+                    ("WARDEN_EXECUTOR__EXECUTOR_ID", &id),
+                ]),
+                log(&id),
+            )?);
+        }
+        Ok(Mesh { dir, database_url, ledger, policy, tools, planner, executors })
+    }
+
+    pub fn runs(&self) -> RunsClient<Channel> {
+        RunsClient::new(self.executors[0].channel())
+    }
+
+    pub fn ledger(&self) -> LedgerClient<Channel> {
+        LedgerClient::new(self.ledger.channel())
+    }
+
+    pub fn policy(&self) -> PolicyClient<Channel> {
+        PolicyClient::new(self.policy.channel())
+    }
+
+    pub fn tool_host(&self) -> ToolHostClient<Channel> {
+        ToolHostClient::new(self.tools.channel())
+    }
+
+    /// Lines of the demo host's email outbox.
+    pub fn outbox(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.dir.path().join("outbox.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Every service's log, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut all = String::new();
+        for p in [&self.ledger, &self.policy, &self.tools, &self.planner].into_iter().chain(self.executors.iter()) {
+            all.push_str(&format!("--- {} ---\n{}\n", p.name, std::fs::read_to_string(&p.log).unwrap_or_default()));
+        }
+        all
+    }
+}

@@ -1,0 +1,117 @@
+//! Integration and conformance tests: every service a separate process, real gRPC, a real
+//! Redis for leases and a real PostgreSQL (and SQLite) for the ledger.
+
+mod bad_input;
+mod conformance;
+mod ledger;
+mod mesh;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use tonic::transport::Channel;
+use warden_proto::v1 as pb;
+use warden_proto::v1::ledger_client::LedgerClient;
+use warden_testkit::{Mesh, MeshOptions};
+
+/// The two ledger backends every ledger test runs against.
+#[derive(Clone, Copy, Debug)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    /// A fresh, empty database for one test (empty string: SQLite in the mesh's directory).
+    pub async fn database_url(self) -> String {
+        match self {
+            Backend::Sqlite => String::new(),
+            Backend::Postgres => warden_testkit::postgres().create_database().await.expect("create test database"),
+        }
+    }
+}
+
+/// A mesh on `backend` with Redis leases and the default tenants.
+pub async fn mesh_on(backend: Backend) -> Mesh {
+    mesh_with(backend, MeshOptions::default()).await
+}
+
+pub async fn mesh_with(backend: Backend, mut opts: MeshOptions) -> Mesh {
+    opts.database_url = backend.database_url().await;
+    if opts.redis_url.is_empty() {
+        opts.redis_url = warden_testkit::redis().url.clone();
+    }
+    Mesh::start(opts).await.expect("start mesh")
+}
+
+/// A mesh without executors, for tests that write to the ledger or call policy and tools
+/// themselves (an executor's sweeper would otherwise drive their runs).
+pub async fn services_on(backend: Backend) -> Mesh {
+    mesh_with(backend, MeshOptions { executors: 0, ..MeshOptions::default() }).await
+}
+
+pub const HELLO: &str = include_str!("../../examples/hello.plan.json");
+
+pub async fn submit(mesh: &Mesh, tenant: &str, plan: &str) -> String {
+    mesh.runs()
+        .submit_run(pb::SubmitRunRequest { tenant: tenant.into(), plan_json: plan.into(), ..Default::default() })
+        .await
+        .unwrap_or_else(|s| panic!("submit failed: {s:?}"))
+        .into_inner()
+        .run_id
+}
+
+/// Waits for a run to settle; the bound only guards against a hung test, it is not a
+/// performance assertion.
+pub async fn settled(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
+    let mut runs = mesh.runs();
+    let run = warden_testkit::eventually(Duration::from_secs(90), || {
+        let mut runs = runs.clone();
+        async move {
+            let run = runs.get_run(pb::GetRunRequest { tenant: tenant.into(), run_id: run_id.into() }).await.ok()?.into_inner();
+            use pb::RunStatus as S;
+            matches!(run.status(), S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation).then_some(run)
+        }
+    })
+    .await;
+    let _ = &mut runs;
+    run.unwrap_or_else(|| panic!("run {run_id} did not settle\n{}", mesh.logs()))
+}
+
+pub async fn events(ledger: &mut LedgerClient<Channel>, tenant: &str, run_id: &str) -> Vec<pb::Event> {
+    let mut s = ledger
+        .stream_events(pb::StreamEventsRequest { tenant: tenant.into(), run_id: run_id.into(), since_seq: 0, follow: false })
+        .await
+        .expect("stream events")
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(e) = s.message().await.expect("event") {
+        out.push(e);
+    }
+    out
+}
+
+pub fn payload(e: &pb::Event) -> Value {
+    serde_json::from_str(&e.payload_json).expect("payload is JSON")
+}
+
+pub async fn verify(ledger: &mut LedgerClient<Channel>, tenant: &str, run_id: &str) -> pb::VerifyRunResponse {
+    ledger.verify_run(pb::VerifyRunRequest { tenant: tenant.into(), run_id: run_id.into() }).await.expect("verify").into_inner()
+}
+
+/// A plan of steps given as `(id, tool, params, depends_on)`.
+pub fn plan(steps: &[(&str, &str, Value, &[&str])]) -> String {
+    let steps: Vec<Value> = steps
+        .iter()
+        .map(|(id, tool, params, deps)| serde_json::json!({"id": id, "tool": tool, "params": params, "depends_on": deps}))
+        .collect();
+    serde_json::json!({ "steps": steps }).to_string()
+}
+
+/// Asserts a status is INVALID_ARGUMENT with a field violation on `field`.
+#[track_caller]
+pub fn assert_field_violation(status: &tonic::Status, field: &str) {
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    let fields = warden_grpc::field_violations(status);
+    assert!(fields.iter().any(|(f, _)| f == field), "expected a violation on '{field}', got {fields:?} ({})", status.message());
+}

@@ -1,0 +1,92 @@
+//! One real run through every service, as separate processes.
+
+use serde_json::json;
+use warden_proto::v1 as pb;
+
+use crate::*;
+
+async fn hello_plan_runs_through_every_service(backend: Backend) {
+    let mesh = mesh_on(backend).await;
+    let run_id = submit(&mesh, "acme", HELLO).await;
+    let run = settled(&mesh, "acme", &run_id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}: {}\n{}", run.reason, run_id, mesh.logs());
+    let outputs: std::collections::HashMap<String, Value> =
+        run.steps.iter().map(|s| (s.id.clone(), serde_json::from_str(&s.output_json).unwrap_or(Value::Null))).collect();
+    assert_eq!(outputs["shout"], json!({"text": "HELLO, WARDEN"}));
+    assert_eq!(outputs["recall"]["value"], json!("HELLO, WARDEN"));
+    let outbox = mesh.outbox();
+    assert_eq!(outbox.len(), 1, "exactly one email");
+    assert_eq!(outbox[0]["body"], json!("we said: HELLO, WARDEN"));
+
+    let mut ledger = mesh.ledger();
+    let evs = events(&mut ledger, "acme", &run_id).await;
+    let types: Vec<&str> = evs.iter().map(|e| e.event_type.as_str()).collect();
+    assert_eq!(types.first(), Some(&"run_submitted"));
+    assert_eq!(types.last(), Some(&"run_completed"));
+    assert_eq!(types.iter().filter(|t| **t == "tool_completed").count(), 5);
+    // Dependency order: greet's completion precedes shout's request.
+    let pos = |t: &str, step: &str| evs.iter().position(|e| e.event_type == t && e.step_id == step).expect("event present");
+    assert!(pos("tool_completed", "greet") < pos("tool_requested", "shout"));
+    for (i, e) in evs.iter().enumerate() {
+        assert_eq!(e.seq, i as u64 + 1, "seq is contiguous");
+    }
+    let started = evs.iter().find(|e| e.event_type == "run_started").expect("run_started");
+    assert!(started.epoch >= 1, "the executor writes under its lease epoch");
+    assert!(verify(&mut ledger, "acme", &run_id).await.valid);
+    let info = ledger.get_schema_info(pb::GetSchemaInfoRequest {}).await.expect("schema info").into_inner();
+    assert_eq!(info.backend, match backend { Backend::Sqlite => "sqlite", Backend::Postgres => "postgres" });
+}
+
+#[tokio::test]
+async fn hello_plan_runs_through_every_service_on_sqlite() {
+    hello_plan_runs_through_every_service(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn hello_plan_runs_through_every_service_on_postgres() {
+    hello_plan_runs_through_every_service(Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn direct_response_and_empty_plan_finish_without_tools() {
+    let mesh = mesh_on(Backend::Sqlite).await;
+    let id = submit(&mesh, "acme", r#"{"direct_response": "nothing to do", "reasoning": "trivial"}"#).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!((run.status(), run.direct_response.as_str()), (pb::RunStatus::Completed, "nothing to do"));
+    let id = submit(&mesh, "acme", r#"{"steps": []}"#).await;
+    assert_eq!(settled(&mesh, "acme", &id).await.status(), pb::RunStatus::EmptyPlan);
+}
+
+#[tokio::test]
+async fn a_failed_step_cancels_its_dependents_and_keeps_independent_work() {
+    let mesh = mesh_on(Backend::Sqlite).await;
+    let p = plan(&[
+        ("a", "echo", json!({"v": 1}), &[]),
+        ("boom", "fail", json!({"message": "no"}), &["a"]),
+        ("after", "echo", json!({"x": "{{boom.output}}"}), &["boom"]),
+        ("later", "echo", json!({}), &["after"]),
+        ("side", "echo", json!({"v": 2}), &[]),
+    ]);
+    let id = submit(&mesh, "acme", &p).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed);
+    assert!(run.reason.contains("boom"), "{}", run.reason);
+    let st = |id: &str| run.steps.iter().find(|s| s.id == id).expect("step").status();
+    assert_eq!(st("a"), pb::StepStatus::Completed);
+    assert_eq!(st("side"), pb::StepStatus::Completed);
+    assert_eq!(st("boom"), pb::StepStatus::Failed);
+    assert_eq!(st("after"), pb::StepStatus::Cancelled);
+    assert_eq!(st("later"), pb::StepStatus::Cancelled);
+}
+
+#[tokio::test]
+async fn a_resubmitted_idempotency_key_returns_the_first_run() {
+    let mesh = mesh_on(Backend::Sqlite).await;
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: HELLO.into(), idempotency_key: "order-42".into(), ..Default::default() };
+    let first = mesh.runs().submit_run(req.clone()).await.expect("submit").into_inner();
+    let second = mesh.runs().submit_run(req).await.expect("resubmit").into_inner();
+    assert_eq!(first.run_id, second.run_id);
+    assert!(!first.deduplicated && second.deduplicated);
+    settled(&mesh, "acme", &first.run_id).await;
+    assert_eq!(mesh.outbox().len(), 1, "the email went out once");
+}
