@@ -13,7 +13,7 @@ use crate::Target;
 #[derive(clap::Args)]
 pub struct DevArgs {
     /// Address to serve every service on (port 0 picks a free port).
-    #[arg(long, default_value = "127.0.0.1:7100")]
+    #[arg(long, default_value = DEFAULT_LISTEN)]
     listen: String,
     /// Directory for the SQLite ledger, the policy key and the outbox.
     #[arg(long, default_value = ".warden")]
@@ -29,6 +29,8 @@ pub struct DevArgs {
     max_steps: Option<usize>,
 }
 
+const DEFAULT_LISTEN: &str = "127.0.0.1:7100";
+
 /// Tools the `default` tenant may call in dev when the configuration names no tenants.
 pub const DEV_TOOLS: &[&str] = &["echo", "text.upper", "kv.*", "email.send"];
 
@@ -40,7 +42,12 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     c.policy.key_file = path("policy.key");
     c.policy.ledger_endpoint = endpoint.into();
     if c.policy.tenants.is_empty() {
-        c.policy.tenants.insert("default".into(), TenantPolicy { allow_tools: DEV_TOOLS.iter().map(|s| s.to_string()).collect() });
+        c.policy.tenants.insert(
+            "default".into(),
+            TenantPolicy {
+                allow_tools: DEV_TOOLS.iter().map(|s| s.to_string()).collect(),
+            },
+        );
     }
     c.planner.tool_hosts = vec![endpoint.into()];
     c.executor.ledger_endpoint = endpoint.into();
@@ -55,15 +62,18 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
 
 /// A running dev mesh.
 pub struct DevMesh {
-    pub endpoint: String,
     pub shutdown: tokio::sync::oneshot::Sender<()>,
     pub served: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
 /// Starts every service on `listen` in this process.
-pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> anyhow::Result<DevMesh> {
-    let endpoint = warden_grpc::endpoint_of(listener.local_addr()?);
-    let ledger = warden_ledger::open(&config.ledger).await.context("opening the ledger")?;
+pub async fn start(
+    config: WardenConfig,
+    listener: tokio::net::TcpListener,
+) -> anyhow::Result<DevMesh> {
+    let ledger = warden_ledger::open(&config.ledger)
+        .await
+        .context("opening the ledger")?;
     let policy = warden_policy::build(&config.policy)?;
     let planner = warden_planner::PlannerService::new(&config.planner)?;
     let tools = warden_tools::ToolHostService::new(&config.tools)?;
@@ -74,7 +84,14 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
     warden_planner::add_routes(&mut routes, planner);
     warden_tools::add_routes(&mut routes, tools);
     warden_executor::add_routes(&mut routes, executor.clone());
-    let services: Vec<&str> = [warden_ledger::SERVICES, warden_policy::SERVICES, warden_planner::SERVICES, warden_tools::SERVICES, warden_executor::SERVICES].concat();
+    let services: Vec<&str> = [
+        warden_ledger::SERVICES,
+        warden_policy::SERVICES,
+        warden_planner::SERVICES,
+        warden_tools::SERVICES,
+        warden_executor::SERVICES,
+    ]
+    .concat();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(async move {
         let sweeper = tokio::spawn(executor.sweep_forever());
@@ -85,7 +102,10 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
         sweeper.abort();
         Ok(r?)
     });
-    Ok(DevMesh { endpoint, shutdown: tx, served })
+    Ok(DevMesh {
+        shutdown: tx,
+        served,
+    })
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
@@ -94,8 +114,17 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     if let Some(n) = args.max_steps {
         base.planner.max_steps = n;
     }
-    std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
-    let listener = warden_grpc::bind(&args.listen).await?;
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let listener = match warden_grpc::bind(&args.listen).await {
+        Ok(l) => l,
+        // The default port is taken (another mesh?): serve on a free one instead.
+        Err(e) if args.listen == DEFAULT_LISTEN => {
+            eprintln!("warden dev: {e}; using a free port instead");
+            warden_grpc::bind("127.0.0.1:0").await?
+        }
+        Err(e) => return Err(e.into()),
+    };
     let endpoint = warden_grpc::endpoint_of(listener.local_addr()?);
     let config = dev_config(base, &args.dir, &endpoint);
     config.validate()?;
@@ -103,7 +132,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     println!("warden dev: ledger, policy, planner, executor and demo tools serving on {endpoint}");
     println!("warden dev: state in {}", args.dir.display());
     if let Some(plan) = &args.demo {
-        let target = Target { endpoint: endpoint.clone(), ledger_endpoint: endpoint.clone(), tenant: "default".into() };
+        let target = Target {
+            endpoint: endpoint.clone(),
+            ledger_endpoint: endpoint.clone(),
+            tenant: "default".into(),
+        };
         crate::run::demo(&target, plan).await?;
     }
     println!();
@@ -111,7 +144,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     println!("  export WARDEN_ENDPOINT={endpoint}");
     println!("  cargo run -q -p warden -- run submit --plan examples/hello.plan.json --wait");
     println!("  cargo run -q -p warden -- run tail <RUN_ID> --follow");
-    let DevMesh { shutdown, served, .. } = mesh;
+    let DevMesh {
+        shutdown, served, ..
+    } = mesh;
     tokio::select! {
         _ = warden_grpc::shutdown_signal() => {
             let _ = shutdown.send(());

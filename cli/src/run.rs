@@ -53,7 +53,8 @@ pub async fn runs_client(endpoint: &str) -> anyhow::Result<RunsClient<Channel>> 
 }
 
 pub async fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<Channel>> {
-    Ok(LedgerClient::new(warden_grpc::channel(endpoint)?).max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES))
+    Ok(LedgerClient::new(warden_grpc::channel(endpoint)?)
+        .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES))
 }
 
 /// Renders a gRPC error with its field violations.
@@ -65,8 +66,13 @@ pub fn describe(status: &tonic::Status) -> String {
     s
 }
 
-pub async fn submit(target: &Target, plan: &Path, idempotency_key: Option<String>) -> anyhow::Result<String> {
-    let plan_json = std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
+pub async fn submit(
+    target: &Target,
+    plan: &Path,
+    idempotency_key: Option<String>,
+) -> anyhow::Result<String> {
+    let plan_json =
+        std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
     let resp = runs_client(&target.endpoint)
         .await?
         .submit_run(pb::SubmitRunRequest {
@@ -87,13 +93,24 @@ pub async fn wait(target: &Target, run_id: &str) -> anyhow::Result<pb::Run> {
     let mut delay = Duration::from_millis(20);
     loop {
         let run = client
-            .get_run(pb::GetRunRequest { tenant: target.tenant.clone(), run_id: run_id.to_string() })
+            .get_run(pb::GetRunRequest {
+                tenant: target.tenant.clone(),
+                run_id: run_id.to_string(),
+            })
             .await
             .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
             .into_inner();
         let st = run.status();
         use pb::RunStatus as S;
-        if matches!(st, S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation | S::Blocked) {
+        if matches!(
+            st,
+            S::Completed
+                | S::Failed
+                | S::Cancelled
+                | S::EmptyPlan
+                | S::RequiresReconciliation
+                | S::Blocked
+        ) {
             return Ok(run);
         }
         tokio::time::sleep(delay).await;
@@ -102,7 +119,12 @@ pub async fn wait(target: &Target, run_id: &str) -> anyhow::Result<pb::Run> {
 }
 
 fn exit_code(run: &pb::Run) -> i32 {
-    matches!(run.status(), pb::RunStatus::Completed | pb::RunStatus::EmptyPlan).then_some(0).unwrap_or(1)
+    matches!(
+        run.status(),
+        pb::RunStatus::Completed | pb::RunStatus::EmptyPlan
+    )
+    .then_some(0)
+    .unwrap_or(1)
 }
 
 fn run_json(run: &pb::Run) -> serde_json::Value {
@@ -135,8 +157,18 @@ fn print_status(run: &pb::Run) {
         println!("response {}", run.direct_response);
     }
     for s in run_json(run)["steps"].as_array().into_iter().flatten() {
-        let detail = if s["error"].as_str().is_some_and(|e| !e.is_empty()) { s["error"].to_string() } else { s["output"].to_string() };
-        println!("  step {:<16} {:<12} {:<10} {}", s["id"].as_str().unwrap_or_default(), s["tool"].as_str().unwrap_or_default(), s["status"].as_str().unwrap_or_default(), detail);
+        let detail = if s["error"].as_str().is_some_and(|e| !e.is_empty()) {
+            s["error"].to_string()
+        } else {
+            s["output"].to_string()
+        };
+        println!(
+            "  step {:<16} {:<12} {:<10} {}",
+            s["id"].as_str().unwrap_or_default(),
+            s["tool"].as_str().unwrap_or_default(),
+            s["status"].as_str().unwrap_or_default(),
+            detail
+        );
     }
 }
 
@@ -146,18 +178,35 @@ fn event_line(e: &pb::Event, as_json: bool) -> String {
         json!({"seq": e.seq, "timestamp_ms": e.timestamp_ms, "event_type": e.event_type, "step_id": e.step_id,
                "epoch": e.epoch, "payload": payload, "hash": e.hash}).to_string()
     } else {
-        format!("{}\t{}\t{}\t{}", e.seq, e.timestamp_ms, e.event_type, e.step_id)
+        format!(
+            "{}\t{}\t{}\t{}",
+            e.seq, e.timestamp_ms, e.event_type, e.step_id
+        )
     }
 }
 
-pub async fn tail(target: &Target, run_id: &str, follow: bool, as_json: bool) -> anyhow::Result<()> {
+pub async fn tail(
+    target: &Target,
+    run_id: &str,
+    follow: bool,
+    as_json: bool,
+) -> anyhow::Result<()> {
     let mut stream = ledger_client(&target.ledger_endpoint)
         .await?
-        .stream_events(pb::StreamEventsRequest { tenant: target.tenant.clone(), run_id: run_id.to_string(), since_seq: 0, follow })
+        .stream_events(pb::StreamEventsRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.to_string(),
+            since_seq: 0,
+            follow,
+        })
         .await
         .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
         .into_inner();
-    while let Some(e) = stream.message().await.map_err(|s| anyhow::anyhow!("{}", describe(&s)))? {
+    while let Some(e) = stream
+        .message()
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+    {
         println!("{}", event_line(&e, as_json));
     }
     Ok(())
@@ -166,12 +215,18 @@ pub async fn tail(target: &Target, run_id: &str, follow: bool, as_json: bool) ->
 pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Result<i32> {
     let v = ledger_client(&target.ledger_endpoint)
         .await?
-        .verify_run(pb::VerifyRunRequest { tenant: target.tenant.clone(), run_id: run_id.to_string() })
+        .verify_run(pb::VerifyRunRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.to_string(),
+        })
         .await
         .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
         .into_inner();
     if as_json {
-        println!("{}", json!({"valid": v.valid, "events": v.events, "first_bad_seq": v.first_bad_seq, "reason": v.reason, "head_hash": v.head_hash}));
+        println!(
+            "{}",
+            json!({"valid": v.valid, "events": v.events, "first_bad_seq": v.first_bad_seq, "reason": v.reason, "head_hash": v.head_hash})
+        );
     } else if v.valid {
         println!("valid");
     } else {
@@ -182,7 +237,11 @@ pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Res
 
 pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
     match cmd {
-        RunCommand::Submit { plan, wait: w, idempotency_key } => {
+        RunCommand::Submit {
+            plan,
+            wait: w,
+            idempotency_key,
+        } => {
             let run_id = submit(target, &plan, idempotency_key).await?;
             println!("{run_id}");
             if w {
@@ -198,7 +257,10 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
         RunCommand::Status { run_id, json } => {
             let run = runs_client(&target.endpoint)
                 .await?
-                .get_run(pb::GetRunRequest { tenant: target.tenant.clone(), run_id })
+                .get_run(pb::GetRunRequest {
+                    tenant: target.tenant.clone(),
+                    run_id,
+                })
                 .await
                 .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
                 .into_inner();
@@ -209,7 +271,11 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
             }
             Ok(0)
         }
-        RunCommand::Tail { run_id, follow, json } => {
+        RunCommand::Tail {
+            run_id,
+            follow,
+            json,
+        } => {
             tail(target, &run_id, follow, json).await?;
             Ok(0)
         }

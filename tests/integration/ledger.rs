@@ -15,14 +15,22 @@ async fn fixture(backend: Backend) -> Fixture {
     let mesh = services_on(backend).await;
     let mut ledger = mesh.ledger();
     let run_id = ledger
-        .create_run(pb::CreateRunRequest { tenant: "acme".into(), plan_json: r#"{"steps":[]}"#.into(), ..Default::default() })
+        .create_run(pb::CreateRunRequest {
+            tenant: "acme".into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
         .await
         .expect("create run")
         .into_inner()
         .run
         .expect("run")
         .run_id;
-    Fixture { mesh, ledger, run_id }
+    Fixture {
+        mesh,
+        ledger,
+        run_id,
+    }
 }
 
 fn note(run_id: &str, key: &str) -> pb::AppendEventRequest {
@@ -38,14 +46,22 @@ fn note(run_id: &str, key: &str) -> pb::AppendEventRequest {
 }
 
 async fn concurrent_appends_are_contiguous_and_idempotent(backend: Backend) {
-    let Fixture { mesh, mut ledger, run_id } = fixture(backend).await;
+    let Fixture {
+        mesh,
+        mut ledger,
+        run_id,
+    } = fixture(backend).await;
     let mut tasks = Vec::new();
     for w in 0..8 {
         let (mut l, r) = (mesh.ledger(), run_id.clone());
         tasks.push(tokio::spawn(async move {
             for i in 0..10 {
                 let req = note(&r, &format!("w{w}-e{i}"));
-                let first = l.append_event(req.clone()).await.expect("append").into_inner();
+                let first = l
+                    .append_event(req.clone())
+                    .await
+                    .expect("append")
+                    .into_inner();
                 // A retried append (same key) returns the first result.
                 let again = l.append_event(req).await.expect("retry").into_inner();
                 assert!(again.deduplicated && !first.deduplicated);
@@ -75,28 +91,110 @@ async fn concurrent_appends_are_contiguous_and_idempotent_on_postgres() {
 }
 
 async fn bad_appends_write_nothing(backend: Backend) {
-    let Fixture { mesh: _mesh, mut ledger, run_id } = fixture(backend).await;
+    let Fixture {
+        mesh: _mesh,
+        mut ledger,
+        run_id,
+    } = fixture(backend).await;
     let cases: Vec<(pb::AppendEventRequest, tonic::Code, &str)> = vec![
-        (pb::AppendEventRequest { payload_json: "{not json".into(), ..note(&run_id, "k1") }, tonic::Code::InvalidArgument, "payload_json"),
-        (pb::AppendEventRequest { payload_json: "[1]".into(), ..note(&run_id, "k2") }, tonic::Code::InvalidArgument, "payload_json"),
-        (pb::AppendEventRequest { payload_json: json!({"x": "y".repeat(2 << 20)}).to_string(), ..note(&run_id, "k3") }, tonic::Code::InvalidArgument, "payload_json"),
-        (pb::AppendEventRequest { event_type: "made_up".into(), ..note(&run_id, "k4") }, tonic::Code::InvalidArgument, "event_type"),
-        (pb::AppendEventRequest { idempotency_key: String::new(), ..note(&run_id, "") }, tonic::Code::InvalidArgument, "idempotency_key"),
-        (pb::AppendEventRequest { run_id: "no such run".into(), ..note(&run_id, "k5") }, tonic::Code::InvalidArgument, "run_id"),
-        (pb::AppendEventRequest { step_id: "a.b".into(), ..note(&run_id, "k6") }, tonic::Code::InvalidArgument, "step_id"),
+        (
+            pb::AppendEventRequest {
+                payload_json: "{not json".into(),
+                ..note(&run_id, "k1")
+            },
+            tonic::Code::InvalidArgument,
+            "payload_json",
+        ),
+        (
+            pb::AppendEventRequest {
+                payload_json: "[1]".into(),
+                ..note(&run_id, "k2")
+            },
+            tonic::Code::InvalidArgument,
+            "payload_json",
+        ),
+        (
+            pb::AppendEventRequest {
+                payload_json: json!({"x": "y".repeat(2 << 20)}).to_string(),
+                ..note(&run_id, "k3")
+            },
+            tonic::Code::InvalidArgument,
+            "payload_json",
+        ),
+        (
+            pb::AppendEventRequest {
+                event_type: "made_up".into(),
+                ..note(&run_id, "k4")
+            },
+            tonic::Code::InvalidArgument,
+            "event_type",
+        ),
+        (
+            pb::AppendEventRequest {
+                idempotency_key: String::new(),
+                ..note(&run_id, "")
+            },
+            tonic::Code::InvalidArgument,
+            "idempotency_key",
+        ),
+        (
+            pb::AppendEventRequest {
+                run_id: "no such run".into(),
+                ..note(&run_id, "k5")
+            },
+            tonic::Code::InvalidArgument,
+            "run_id",
+        ),
+        (
+            pb::AppendEventRequest {
+                step_id: "a.b".into(),
+                ..note(&run_id, "k6")
+            },
+            tonic::Code::InvalidArgument,
+            "step_id",
+        ),
     ];
     for (req, code, field) in cases {
         let e = ledger.append_event(req).await.expect_err("refused");
         assert_eq!(e.code(), code, "{field}: {e:?}");
         assert_field_violation(&e, field);
     }
-    let e = ledger.append_event(pb::AppendEventRequest { run_id: "01900000-0000-7000-8000-000000000000".into(), ..note(&run_id, "k7") }).await.expect_err("unknown run");
+    let e = ledger
+        .append_event(pb::AppendEventRequest {
+            run_id: "01900000-0000-7000-8000-000000000000".into(),
+            ..note(&run_id, "k7")
+        })
+        .await
+        .expect_err("unknown run");
     assert_eq!(e.code(), tonic::Code::NotFound);
-    let e = ledger.append_event(pb::AppendEventRequest { tenant: "globex".into(), ..note(&run_id, "k8") }).await.expect_err("other tenant");
-    assert_eq!(e.code(), tonic::Code::NotFound, "another tenant's run does not exist for it");
-    let e = ledger.get_run(pb::GetLedgerRunRequest { tenant: "globex".into(), run_id: run_id.clone() }).await.expect_err("other tenant");
+    let e = ledger
+        .append_event(pb::AppendEventRequest {
+            tenant: "globex".into(),
+            ..note(&run_id, "k8")
+        })
+        .await
+        .expect_err("other tenant");
+    assert_eq!(
+        e.code(),
+        tonic::Code::NotFound,
+        "another tenant's run does not exist for it"
+    );
+    let e = ledger
+        .get_run(pb::GetLedgerRunRequest {
+            tenant: "globex".into(),
+            run_id: run_id.clone(),
+        })
+        .await
+        .expect_err("other tenant");
     assert_eq!(e.code(), tonic::Code::NotFound);
-    let run = ledger.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() }).await.expect("run").into_inner();
+    let run = ledger
+        .get_run(pb::GetLedgerRunRequest {
+            tenant: "acme".into(),
+            run_id: run_id.clone(),
+        })
+        .await
+        .expect("run")
+        .into_inner();
     assert_eq!(run.last_seq, 1, "no refused append left anything");
     assert!(verify(&mut ledger, "acme", &run_id).await.valid);
 }
@@ -112,12 +210,24 @@ async fn bad_appends_get_the_right_code_and_write_nothing_on_postgres() {
 }
 
 async fn streams_resume_and_end_with_the_run(backend: Backend) {
-    let Fixture { mesh, mut ledger, run_id } = fixture(backend).await;
+    let Fixture {
+        mesh,
+        mut ledger,
+        run_id,
+    } = fixture(backend).await;
     for i in 0..3 {
-        ledger.append_event(note(&run_id, &format!("n{i}"))).await.expect("append");
+        ledger
+            .append_event(note(&run_id, &format!("n{i}")))
+            .await
+            .expect("append");
     }
     let mut follow = ledger
-        .stream_events(pb::StreamEventsRequest { tenant: "acme".into(), run_id: run_id.clone(), since_seq: 2, follow: true })
+        .stream_events(pb::StreamEventsRequest {
+            tenant: "acme".into(),
+            run_id: run_id.clone(),
+            since_seq: 2,
+            follow: true,
+        })
         .await
         .expect("stream")
         .into_inner();
@@ -128,15 +238,33 @@ async fn streams_resume_and_end_with_the_run(backend: Backend) {
     let r = run_id.clone();
     let finisher = tokio::spawn(async move {
         writer.append_event(note(&r, "n3")).await.expect("append");
-        let done = pb::AppendEventRequest { event_type: "run_completed".into(), payload_json: r#"{"reason":""}"#.into(), ..note(&r, "done") };
+        let done = pb::AppendEventRequest {
+            event_type: "run_completed".into(),
+            payload_json: r#"{"reason":""}"#.into(),
+            ..note(&r, "done")
+        };
         writer.append_event(done).await.expect("complete");
     });
-    assert_eq!(follow.message().await.expect("event").expect("followed").seq, 5);
+    assert_eq!(
+        follow
+            .message()
+            .await
+            .expect("event")
+            .expect("followed")
+            .seq,
+        5
+    );
     let last = follow.message().await.expect("event").expect("followed");
     assert_eq!(last.event_type, "run_completed");
-    assert!(follow.message().await.expect("clean end").is_none(), "the stream ends with the run");
+    assert!(
+        follow.message().await.expect("clean end").is_none(),
+        "the stream ends with the run"
+    );
     finisher.await.expect("finisher");
-    let e = ledger.append_event(note(&run_id, "after-end")).await.expect_err("terminal runs take no events");
+    let e = ledger
+        .append_event(note(&run_id, "after-end"))
+        .await
+        .expect_err("terminal runs take no events");
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
 }
 

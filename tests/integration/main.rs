@@ -26,7 +26,10 @@ impl Backend {
     pub async fn database_url(self) -> String {
         match self {
             Backend::Sqlite => String::new(),
-            Backend::Postgres => warden_testkit::postgres().create_database().await.expect("create test database"),
+            Backend::Postgres => warden_testkit::postgres()
+                .create_database()
+                .await
+                .expect("create test database"),
         }
     }
 }
@@ -47,14 +50,25 @@ pub async fn mesh_with(backend: Backend, mut opts: MeshOptions) -> Mesh {
 /// A mesh without executors, for tests that write to the ledger or call policy and tools
 /// themselves (an executor's sweeper would otherwise drive their runs).
 pub async fn services_on(backend: Backend) -> Mesh {
-    mesh_with(backend, MeshOptions { executors: 0, ..MeshOptions::default() }).await
+    mesh_with(
+        backend,
+        MeshOptions {
+            executors: 0,
+            ..MeshOptions::default()
+        },
+    )
+    .await
 }
 
 pub const HELLO: &str = include_str!("../../examples/hello.plan.json");
 
 pub async fn submit(mesh: &Mesh, tenant: &str, plan: &str) -> String {
     mesh.runs()
-        .submit_run(pb::SubmitRunRequest { tenant: tenant.into(), plan_json: plan.into(), ..Default::default() })
+        .submit_run(pb::SubmitRunRequest {
+            tenant: tenant.into(),
+            plan_json: plan.into(),
+            ..Default::default()
+        })
         .await
         .unwrap_or_else(|s| panic!("submit failed: {s:?}"))
         .into_inner()
@@ -68,9 +82,20 @@ pub async fn settled(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
     let run = warden_testkit::eventually(Duration::from_secs(90), || {
         let mut runs = runs.clone();
         async move {
-            let run = runs.get_run(pb::GetRunRequest { tenant: tenant.into(), run_id: run_id.into() }).await.ok()?.into_inner();
+            let run = runs
+                .get_run(pb::GetRunRequest {
+                    tenant: tenant.into(),
+                    run_id: run_id.into(),
+                })
+                .await
+                .ok()?
+                .into_inner();
             use pb::RunStatus as S;
-            matches!(run.status(), S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation).then_some(run)
+            matches!(
+                run.status(),
+                S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation
+            )
+            .then_some(run)
         }
     })
     .await;
@@ -78,9 +103,18 @@ pub async fn settled(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
     run.unwrap_or_else(|| panic!("run {run_id} did not settle\n{}", mesh.logs()))
 }
 
-pub async fn events(ledger: &mut LedgerClient<Channel>, tenant: &str, run_id: &str) -> Vec<pb::Event> {
+pub async fn events(
+    ledger: &mut LedgerClient<Channel>,
+    tenant: &str,
+    run_id: &str,
+) -> Vec<pb::Event> {
     let mut s = ledger
-        .stream_events(pb::StreamEventsRequest { tenant: tenant.into(), run_id: run_id.into(), since_seq: 0, follow: false })
+        .stream_events(pb::StreamEventsRequest {
+            tenant: tenant.into(),
+            run_id: run_id.into(),
+            since_seq: 0,
+            follow: false,
+        })
         .await
         .expect("stream events")
         .into_inner();
@@ -95,8 +129,19 @@ pub fn payload(e: &pb::Event) -> Value {
     serde_json::from_str(&e.payload_json).expect("payload is JSON")
 }
 
-pub async fn verify(ledger: &mut LedgerClient<Channel>, tenant: &str, run_id: &str) -> pb::VerifyRunResponse {
-    ledger.verify_run(pb::VerifyRunRequest { tenant: tenant.into(), run_id: run_id.into() }).await.expect("verify").into_inner()
+pub async fn verify(
+    ledger: &mut LedgerClient<Channel>,
+    tenant: &str,
+    run_id: &str,
+) -> pb::VerifyRunResponse {
+    ledger
+        .verify_run(pb::VerifyRunRequest {
+            tenant: tenant.into(),
+            run_id: run_id.into(),
+        })
+        .await
+        .expect("verify")
+        .into_inner()
 }
 
 /// A plan of steps given as `(id, tool, params, depends_on)`.
@@ -113,5 +158,9 @@ pub fn plan(steps: &[(&str, &str, Value, &[&str])]) -> String {
 pub fn assert_field_violation(status: &tonic::Status, field: &str) {
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     let fields = warden_grpc::field_violations(status);
-    assert!(fields.iter().any(|(f, _)| f == field), "expected a violation on '{field}', got {fields:?} ({})", status.message());
+    assert!(
+        fields.iter().any(|(f, _)| f == field),
+        "expected a violation on '{field}', got {fields:?} ({})",
+        status.message()
+    );
 }

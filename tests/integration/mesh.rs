@@ -1,7 +1,10 @@
 //! One real run through every service, as separate processes.
 
+use std::time::Duration;
+
 use serde_json::json;
 use warden_proto::v1 as pb;
+use warden_testkit::MeshOptions;
 
 use crate::*;
 
@@ -9,9 +12,24 @@ async fn hello_plan_runs_through_every_service(backend: Backend) {
     let mesh = mesh_on(backend).await;
     let run_id = submit(&mesh, "acme", HELLO).await;
     let run = settled(&mesh, "acme", &run_id).await;
-    assert_eq!(run.status(), pb::RunStatus::Completed, "{}: {}\n{}", run.reason, run_id, mesh.logs());
-    let outputs: std::collections::HashMap<String, Value> =
-        run.steps.iter().map(|s| (s.id.clone(), serde_json::from_str(&s.output_json).unwrap_or(Value::Null))).collect();
+    assert_eq!(
+        run.status(),
+        pb::RunStatus::Completed,
+        "{}: {}\n{}",
+        run.reason,
+        run_id,
+        mesh.logs()
+    );
+    let outputs: std::collections::HashMap<String, Value> = run
+        .steps
+        .iter()
+        .map(|s| {
+            (
+                s.id.clone(),
+                serde_json::from_str(&s.output_json).unwrap_or(Value::Null),
+            )
+        })
+        .collect();
     assert_eq!(outputs["shout"], json!({"text": "HELLO, WARDEN"}));
     assert_eq!(outputs["recall"]["value"], json!("HELLO, WARDEN"));
     let outbox = mesh.outbox();
@@ -25,16 +43,36 @@ async fn hello_plan_runs_through_every_service(backend: Backend) {
     assert_eq!(types.last(), Some(&"run_completed"));
     assert_eq!(types.iter().filter(|t| **t == "tool_completed").count(), 5);
     // Dependency order: greet's completion precedes shout's request.
-    let pos = |t: &str, step: &str| evs.iter().position(|e| e.event_type == t && e.step_id == step).expect("event present");
+    let pos = |t: &str, step: &str| {
+        evs.iter()
+            .position(|e| e.event_type == t && e.step_id == step)
+            .expect("event present")
+    };
     assert!(pos("tool_completed", "greet") < pos("tool_requested", "shout"));
     for (i, e) in evs.iter().enumerate() {
         assert_eq!(e.seq, i as u64 + 1, "seq is contiguous");
     }
-    let started = evs.iter().find(|e| e.event_type == "run_started").expect("run_started");
-    assert!(started.epoch >= 1, "the executor writes under its lease epoch");
+    let started = evs
+        .iter()
+        .find(|e| e.event_type == "run_started")
+        .expect("run_started");
+    assert!(
+        started.epoch >= 1,
+        "the executor writes under its lease epoch"
+    );
     assert!(verify(&mut ledger, "acme", &run_id).await.valid);
-    let info = ledger.get_schema_info(pb::GetSchemaInfoRequest {}).await.expect("schema info").into_inner();
-    assert_eq!(info.backend, match backend { Backend::Sqlite => "sqlite", Backend::Postgres => "postgres" });
+    let info = ledger
+        .get_schema_info(pb::GetSchemaInfoRequest {})
+        .await
+        .expect("schema info")
+        .into_inner();
+    assert_eq!(
+        info.backend,
+        match backend {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    );
 }
 
 #[tokio::test]
@@ -50,11 +88,22 @@ async fn hello_plan_runs_through_every_service_on_postgres() {
 #[tokio::test]
 async fn direct_response_and_empty_plan_finish_without_tools() {
     let mesh = mesh_on(Backend::Sqlite).await;
-    let id = submit(&mesh, "acme", r#"{"direct_response": "nothing to do", "reasoning": "trivial"}"#).await;
+    let id = submit(
+        &mesh,
+        "acme",
+        r#"{"direct_response": "nothing to do", "reasoning": "trivial"}"#,
+    )
+    .await;
     let run = settled(&mesh, "acme", &id).await;
-    assert_eq!((run.status(), run.direct_response.as_str()), (pb::RunStatus::Completed, "nothing to do"));
+    assert_eq!(
+        (run.status(), run.direct_response.as_str()),
+        (pb::RunStatus::Completed, "nothing to do")
+    );
     let id = submit(&mesh, "acme", r#"{"steps": []}"#).await;
-    assert_eq!(settled(&mesh, "acme", &id).await.status(), pb::RunStatus::EmptyPlan);
+    assert_eq!(
+        settled(&mesh, "acme", &id).await.status(),
+        pb::RunStatus::EmptyPlan
+    );
 }
 
 #[tokio::test]
@@ -71,7 +120,13 @@ async fn a_failed_step_cancels_its_dependents_and_keeps_independent_work() {
     let run = settled(&mesh, "acme", &id).await;
     assert_eq!(run.status(), pb::RunStatus::Failed);
     assert!(run.reason.contains("boom"), "{}", run.reason);
-    let st = |id: &str| run.steps.iter().find(|s| s.id == id).expect("step").status();
+    let st = |id: &str| {
+        run.steps
+            .iter()
+            .find(|s| s.id == id)
+            .expect("step")
+            .status()
+    };
     assert_eq!(st("a"), pb::StepStatus::Completed);
     assert_eq!(st("side"), pb::StepStatus::Completed);
     assert_eq!(st("boom"), pb::StepStatus::Failed);
@@ -82,11 +137,88 @@ async fn a_failed_step_cancels_its_dependents_and_keeps_independent_work() {
 #[tokio::test]
 async fn a_resubmitted_idempotency_key_returns_the_first_run() {
     let mesh = mesh_on(Backend::Sqlite).await;
-    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: HELLO.into(), idempotency_key: "order-42".into(), ..Default::default() };
-    let first = mesh.runs().submit_run(req.clone()).await.expect("submit").into_inner();
-    let second = mesh.runs().submit_run(req).await.expect("resubmit").into_inner();
+    let req = pb::SubmitRunRequest {
+        tenant: "acme".into(),
+        plan_json: HELLO.into(),
+        idempotency_key: "order-42".into(),
+        ..Default::default()
+    };
+    let first = mesh
+        .runs()
+        .submit_run(req.clone())
+        .await
+        .expect("submit")
+        .into_inner();
+    let second = mesh
+        .runs()
+        .submit_run(req)
+        .await
+        .expect("resubmit")
+        .into_inner();
     assert_eq!(first.run_id, second.run_id);
     assert!(!first.deduplicated && second.deduplicated);
     settled(&mesh, "acme", &first.run_id).await;
     assert_eq!(mesh.outbox().len(), 1, "the email went out once");
+}
+
+#[tokio::test]
+async fn a_killed_executor_loses_no_run_and_repeats_no_completed_step() {
+    let mut opts = MeshOptions {
+        executors: 2,
+        ..MeshOptions::default()
+    };
+    opts.tenants[0].1.push("sleep".into());
+    let mut mesh = mesh_with(Backend::Postgres, opts).await;
+    let steps: Vec<Value> = (0..6)
+        .map(|i| {
+            let deps: Vec<String> = if i == 0 { vec![] } else { vec![format!("s{}", i - 1)] };
+            json!({"id": format!("s{i}"), "tool": "sleep", "params": {"ms": 200}, "depends_on": deps})
+        })
+        .collect();
+    let id = submit(&mesh, "acme", &json!({ "steps": steps }).to_string()).await;
+    // Kill the executor that drives the run once its first step has completed.
+    let mut ledger = mesh.ledger();
+    let owner = warden_testkit::eventually(Duration::from_secs(60), || {
+        let (mut l, id) = (ledger.clone(), id.clone());
+        async move {
+            let evs = events(&mut l, "acme", &id).await;
+            evs.iter()
+                .any(|e| e.event_type == "tool_completed")
+                .then(|| {
+                    evs.iter()
+                        .find(|e| e.event_type == "run_started")
+                        .map(|e| payload(e)["executor"].clone())
+                })?
+        }
+    })
+    .await
+    .expect("first step completes");
+    let idx = if owner == json!("executor-0") { 0 } else { 1 };
+    mesh.executors[idx].kill();
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(
+        run.status(),
+        pb::RunStatus::Completed,
+        "{}\n{}",
+        run.reason,
+        mesh.logs()
+    );
+    let evs = events(&mut ledger, "acme", &id).await;
+    for i in 0..6 {
+        let done = evs
+            .iter()
+            .filter(|e| e.event_type == "tool_completed" && e.step_id == format!("s{i}"))
+            .count();
+        assert_eq!(done, 1, "step s{i} completed exactly once");
+    }
+    let epochs: std::collections::BTreeSet<u64> = evs
+        .iter()
+        .filter(|e| e.event_type == "run_started")
+        .map(|e| e.epoch)
+        .collect();
+    assert!(
+        epochs.len() >= 2,
+        "a second executor took over under a new epoch: {epochs:?}"
+    );
+    assert!(verify(&mut ledger, "acme", &id).await.valid);
 }

@@ -54,7 +54,10 @@ pub enum RunStatus {
 
 impl RunStatus {
     pub fn is_terminal(self) -> bool {
-        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled | RunStatus::EmptyPlan)
+        matches!(
+            self,
+            RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled | RunStatus::EmptyPlan
+        )
     }
 
     pub fn as_str(self) -> &'static str {

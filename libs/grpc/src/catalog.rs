@@ -32,9 +32,15 @@ impl ToolCatalog {
     pub fn new(endpoints: &[String]) -> Result<ToolCatalog, Status> {
         let hosts = endpoints
             .iter()
-            .map(|e| Ok(ToolHostClient::new(crate::channel(e)?).max_decoding_message_size(crate::MAX_MESSAGE_BYTES)))
+            .map(|e| {
+                Ok(ToolHostClient::new(crate::channel(e)?)
+                    .max_decoding_message_size(crate::MAX_MESSAGE_BYTES))
+            })
             .collect::<Result<_, Status>>()?;
-        Ok(ToolCatalog { hosts, cached: Default::default() })
+        Ok(ToolCatalog {
+            hosts,
+            cached: Default::default(),
+        })
     }
 
     /// The current catalog; the first host to declare a name serves it.
@@ -51,9 +57,13 @@ impl ToolCatalog {
                 .clone()
                 .list_tools(pb::ListToolsRequest::default())
                 .await
-                .map_err(|s| Status::unavailable(format!("tool catalog unavailable: {}", s.message())))?;
+                .map_err(|s| {
+                    Status::unavailable(format!("tool catalog unavailable: {}", s.message()))
+                })?;
             for spec in listed.into_inner().tools {
-                tools.entry(spec.name.clone()).or_insert(CatalogEntry { spec, host: i });
+                tools
+                    .entry(spec.name.clone())
+                    .or_insert(CatalogEntry { spec, host: i });
             }
         }
         let tools = Arc::new(tools);

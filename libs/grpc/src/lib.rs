@@ -25,12 +25,20 @@ pub enum ServeError {
     #[error("transport failed: {0}")]
     Transport(#[from] tonic::transport::Error),
     #[error("cannot bind {addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
 }
 
 /// Binds `addr` (use port 0 for any free port).
 pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr: addr.to_string(), source })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: addr.to_string(),
+            source,
+        })
 }
 
 /// Serves `routes` on `listener` with gRPC health (every name in `services` reported
@@ -43,9 +51,13 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
     for s in services {
-        reporter.set_service_status(*s, tonic_health::ServingStatus::Serving).await;
+        reporter
+            .set_service_status(*s, tonic_health::ServingStatus::Serving)
+            .await;
     }
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(warden_proto::FILE_DESCRIPTOR_SET)
@@ -77,19 +89,32 @@ pub fn channel(endpoint: &str) -> Result<Channel, Status> {
 pub fn invalid_field(field: impl Into<String>, description: impl Into<String>) -> Status {
     let (field, description) = (field.into(), description.into());
     let message = format!("{field}: {description}");
-    Status::with_error_details(Code::InvalidArgument, message, ErrorDetails::with_bad_request_violation(field, description))
+    Status::with_error_details(
+        Code::InvalidArgument,
+        message,
+        ErrorDetails::with_bad_request_violation(field, description),
+    )
 }
 
 /// The field violations carried by a status, as `(field, description)` pairs.
 pub fn field_violations(status: &Status) -> Vec<(String, String)> {
     status
         .get_details_bad_request()
-        .map(|b| b.field_violations.into_iter().map(|v| (v.field, v.description)).collect())
+        .map(|b| {
+            b.field_violations
+                .into_iter()
+                .map(|v| (v.field, v.description))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
 /// Requires a non-empty identifier field that passes [`warden_core::ids::check_id`]-style rules.
-pub fn require_id(field: &str, value: &str, check: impl Fn(&str) -> Result<(), String>) -> Result<(), Status> {
+pub fn require_id(
+    field: &str,
+    value: &str,
+    check: impl Fn(&str) -> Result<(), String>,
+) -> Result<(), Status> {
     check(value).map_err(|reason| invalid_field(field, reason))
 }
 
@@ -178,7 +203,11 @@ pub mod convert {
 
     /// Lower-case name of a wire status (`completed`, `failed`, …).
     pub fn status_name(n: i32) -> &'static str {
-        pb::RunStatus::try_from(n).ok().and_then(status_from_proto).map(RunStatus::as_str).unwrap_or("unspecified")
+        pb::RunStatus::try_from(n)
+            .ok()
+            .and_then(status_from_proto)
+            .map(RunStatus::as_str)
+            .unwrap_or("unspecified")
     }
 
     pub fn event_to_proto(e: &warden_core::chain::ChainedEvent) -> pb::Event {
@@ -203,7 +232,8 @@ pub mod convert {
                 run_id: e.run_id.clone(),
                 seq: e.seq,
                 event_type: e.event_type.clone(),
-                payload: serde_json::from_str(&e.payload_json).unwrap_or_else(|_| serde_json::Value::String(e.payload_json.clone())),
+                payload: serde_json::from_str(&e.payload_json)
+                    .unwrap_or_else(|_| serde_json::Value::String(e.payload_json.clone())),
                 step_id: e.step_id.clone(),
                 epoch: e.epoch,
                 idempotency_key: e.idempotency_key.clone(),
@@ -221,11 +251,15 @@ pub const STALE_EPOCH: &str = "STALE_EPOCH";
 /// `FAILED_PRECONDITION` marked as a fencing refusal, so callers can tell a lost lease
 /// from other preconditions without parsing messages.
 pub fn fenced(message: impl Into<String>) -> Status {
-    let info = ErrorDetails::with_error_info(STALE_EPOCH, "warden.v1", std::collections::HashMap::new());
+    let info =
+        ErrorDetails::with_error_info(STALE_EPOCH, "warden.v1", std::collections::HashMap::new());
     Status::with_error_details(Code::FailedPrecondition, message, info)
 }
 
 /// Whether `status` is a fencing refusal (see [`fenced`]).
 pub fn is_fenced(status: &Status) -> bool {
-    status.code() == Code::FailedPrecondition && status.get_details_error_info().is_some_and(|i| i.reason == STALE_EPOCH)
+    status.code() == Code::FailedPrecondition
+        && status
+            .get_details_error_info()
+            .is_some_and(|i| i.reason == STALE_EPOCH)
 }

@@ -35,7 +35,16 @@ impl Default for MeshOptions {
         MeshOptions {
             database_url: String::new(),
             redis_url: String::new(),
-            tenants: vec![("acme".into(), vec!["echo".into(), "text.upper".into(), "kv.*".into(), "email.send".into(), "fail".into()])],
+            tenants: vec![(
+                "acme".into(),
+                vec![
+                    "echo".into(),
+                    "text.upper".into(),
+                    "kv.*".into(),
+                    "email.send".into(),
+                    "fail".into(),
+                ],
+            )],
             max_steps: 10,
             lease_ttl_ms: 2_000,
             sweep_interval_ms: 500,
@@ -47,7 +56,10 @@ impl Default for MeshOptions {
 /// The directory of the workspace's built binaries (next to the running test binary).
 pub fn bin_dir() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let mut dir = exe.parent().context("test binary has no directory")?.to_path_buf();
+    let mut dir = exe
+        .parent()
+        .context("test binary has no directory")?
+        .to_path_buf();
     if dir.ends_with("deps") {
         dir.pop();
     }
@@ -56,7 +68,11 @@ pub fn bin_dir() -> anyhow::Result<PathBuf> {
 
 fn binary(name: &str) -> anyhow::Result<PathBuf> {
     let p = bin_dir()?.join(name);
-    anyhow::ensure!(p.is_file(), "{} is not built: run `cargo build --workspace --bins` first", p.display());
+    anyhow::ensure!(
+        p.is_file(),
+        "{} is not built: run `cargo build --workspace --bins` first",
+        p.display()
+    );
     Ok(p)
 }
 
@@ -71,24 +87,48 @@ pub struct ServiceProcess {
 }
 
 impl ServiceProcess {
-    fn start(name: &'static str, bin: PathBuf, env: Vec<(String, String)>, log: PathBuf) -> anyhow::Result<ServiceProcess> {
-        let mut p = ServiceProcess { name, endpoint: String::new(), bin, env, child: None, log };
+    fn start(
+        name: &'static str,
+        bin: PathBuf,
+        env: Vec<(String, String)>,
+        log: PathBuf,
+    ) -> anyhow::Result<ServiceProcess> {
+        let mut p = ServiceProcess {
+            name,
+            endpoint: String::new(),
+            bin,
+            env,
+            child: None,
+            log,
+        };
         p.spawn()?;
         Ok(p)
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
         let mut cmd = Command::new(&self.bin);
-        cmd.envs(self.env.iter().cloned()).stdout(Stdio::piped()).stderr(log).stdin(Stdio::null());
-        let mut child = spawn_tied(cmd, libc::SIGKILL).with_context(|| format!("spawning {}", self.bin.display()))?;
+        cmd.envs(self.env.iter().cloned())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .stdin(Stdio::null());
+        let mut child = spawn_tied(cmd, libc::SIGKILL)
+            .with_context(|| format!("spawning {}", self.bin.display()))?;
         let stdout = child.stdout.take().context("no stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut lines = BufReader::new(stdout).lines();
             for line in lines.by_ref().map_while(Result::ok) {
                 if let Some(rest) = line.strip_prefix("WARDEN_LISTENING ") {
-                    let _ = tx.send(rest.split_whitespace().nth(1).unwrap_or_default().to_string());
+                    let _ = tx.send(
+                        rest.split_whitespace()
+                            .nth(1)
+                            .unwrap_or_default()
+                            .to_string(),
+                    );
                     break;
                 }
             }
@@ -109,6 +149,10 @@ impl ServiceProcess {
         }
     }
 
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
     /// Kills the process at once (SIGKILL): a crash, not a shutdown.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -121,7 +165,11 @@ impl ServiceProcess {
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
         let addr = self.endpoint.trim_start_matches("http://").to_string();
-        let key = self.env.iter().position(|(k, _)| k.ends_with("__LISTEN")).context("no listen variable")?;
+        let key = self
+            .env
+            .iter()
+            .position(|(k, _)| k.ends_with("__LISTEN"))
+            .context("no listen variable")?;
         self.env[key].1 = addr;
         let mut last = None;
         for _ in 0..50 {
@@ -136,7 +184,8 @@ impl ServiceProcess {
     }
 
     pub fn channel(&self) -> Channel {
-        warden_grpc::channel(&self.endpoint).unwrap_or_else(|e| panic!("bad endpoint {}: {e}", self.endpoint))
+        warden_grpc::channel(&self.endpoint)
+            .unwrap_or_else(|e| panic!("bad endpoint {}: {e}", self.endpoint))
     }
 }
 
@@ -159,17 +208,26 @@ pub struct Mesh {
 fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
     let mut s = String::new();
     s.push_str(&format!("[ledger]\ndatabase_url = \"{database_url}\"\n\n"));
-    s.push_str(&format!("[policy]\nkey_file = \"{}\"\n\n", dir.join("policy.key").display()));
+    s.push_str(&format!(
+        "[policy]\nkey_file = \"{}\"\n\n",
+        dir.join("policy.key").display()
+    ));
     for (tenant, tools) in &opts.tenants {
         let list: Vec<String> = tools.iter().map(|t| format!("\"{t}\"")).collect();
-        s.push_str(&format!("[policy.tenants.{tenant}]\nallow_tools = [{}]\n\n", list.join(", ")));
+        s.push_str(&format!(
+            "[policy.tenants.{tenant}]\nallow_tools = [{}]\n\n",
+            list.join(", ")
+        ));
     }
     s.push_str(&format!("[planner]\nmax_steps = {}\n\n", opts.max_steps));
     s.push_str(&format!(
         "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\n\n",
         opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms
     ));
-    s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n", dir.join("outbox.jsonl").display()));
+    s.push_str(&format!(
+        "[tools]\noutbox_path = \"{}\"\n",
+        dir.join("outbox.jsonl").display()
+    ));
     s
 }
 
@@ -180,8 +238,11 @@ impl Mesh {
 
     fn start_blocking(opts: MeshOptions) -> anyhow::Result<Mesh> {
         let dir = tempfile::Builder::new().prefix("warden-mesh-").tempdir()?;
-        let database_url =
-            if opts.database_url.is_empty() { format!("sqlite://{}", dir.path().join("ledger.db").display()) } else { opts.database_url.clone() };
+        let database_url = if opts.database_url.is_empty() {
+            format!("sqlite://{}", dir.path().join("ledger.db").display())
+        } else {
+            opts.database_url.clone()
+        };
         let config = dir.path().join("warden.toml");
         std::fs::write(&config, toml_config(&opts, dir.path(), &database_url))?;
         let base = |extra: &[(&str, &str)]| {
@@ -190,24 +251,38 @@ impl Mesh {
             env
         };
         let log = |n: &str| dir.path().join(format!("{n}.log"));
-        let ledger = ServiceProcess::start("ledger", binary("warden-ledger")?, base(&[("WARDEN_LEDGER__LISTEN", "127.0.0.1:0")]), log("ledger"))?;
+        let ledger = ServiceProcess::start(
+            "ledger",
+            binary("warden-ledger")?,
+            base(&[("WARDEN_LEDGER__LISTEN", "127.0.0.1:0")]),
+            log("ledger"),
+        )?;
         let policy = ServiceProcess::start(
             "policy",
             binary("warden-policy")?,
-            base(&[("WARDEN_POLICY__LISTEN", "127.0.0.1:0"), ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint)]),
+            base(&[
+                ("WARDEN_POLICY__LISTEN", "127.0.0.1:0"),
+                ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint),
+            ]),
             log("policy"),
         )?;
         let tools = ServiceProcess::start(
             "tools",
             binary("warden-tools")?,
-            base(&[("WARDEN_TOOLS__LISTEN", "127.0.0.1:0"), ("WARDEN_TOOLS__POLICY_ENDPOINT", &policy.endpoint)]),
+            base(&[
+                ("WARDEN_TOOLS__LISTEN", "127.0.0.1:0"),
+                ("WARDEN_TOOLS__POLICY_ENDPOINT", &policy.endpoint),
+            ]),
             log("tools"),
         )?;
         let hosts = format!("[\"{}\"]", tools.endpoint);
         let planner = ServiceProcess::start(
             "planner",
             binary("warden-planner")?,
-            base(&[("WARDEN_PLANNER__LISTEN", "127.0.0.1:0"), ("WARDEN_PLANNER__TOOL_HOSTS", &hosts)]),
+            base(&[
+                ("WARDEN_PLANNER__LISTEN", "127.0.0.1:0"),
+                ("WARDEN_PLANNER__TOOL_HOSTS", &hosts),
+            ]),
             log("planner"),
         )?;
         let mut executors = Vec::new();
@@ -227,11 +302,25 @@ impl Mesh {
                 log(&id),
             )?);
         }
-        Ok(Mesh { dir, database_url, ledger, policy, tools, planner, executors })
+        Ok(Mesh {
+            dir,
+            database_url,
+            ledger,
+            policy,
+            tools,
+            planner,
+            executors,
+        })
     }
 
+    /// The front door of the first executor that is still running.
     pub fn runs(&self) -> RunsClient<Channel> {
-        RunsClient::new(self.executors[0].channel())
+        let live = self
+            .executors
+            .iter()
+            .find(|e| e.is_running())
+            .expect("no executor is running");
+        RunsClient::new(live.channel())
     }
 
     pub fn ledger(&self) -> LedgerClient<Channel> {
@@ -258,8 +347,15 @@ impl Mesh {
     /// Every service's log, for failure messages.
     pub fn logs(&self) -> String {
         let mut all = String::new();
-        for p in [&self.ledger, &self.policy, &self.tools, &self.planner].into_iter().chain(self.executors.iter()) {
-            all.push_str(&format!("--- {} ---\n{}\n", p.name, std::fs::read_to_string(&p.log).unwrap_or_default()));
+        for p in [&self.ledger, &self.policy, &self.tools, &self.planner]
+            .into_iter()
+            .chain(self.executors.iter())
+        {
+            all.push_str(&format!(
+                "--- {} ---\n{}\n",
+                p.name,
+                std::fs::read_to_string(&p.log).unwrap_or_default()
+            ));
         }
         all
     }

@@ -32,7 +32,9 @@ pub fn redis() -> &'static Redis {
 /// The process-wide PostgreSQL (started on first use, tuned for tests: no fsync).
 pub fn postgres() -> &'static Postgres {
     static P: OnceLock<Postgres> = OnceLock::new();
-    P.get_or_init(|| start_postgres(true).unwrap_or_else(|e| panic!("no PostgreSQL for the tests: {e:#}")))
+    P.get_or_init(|| {
+        start_postgres(true).unwrap_or_else(|e| panic!("no PostgreSQL for the tests: {e:#}"))
+    })
 }
 
 pub fn start_redis() -> anyhow::Result<Redis> {
@@ -43,21 +45,38 @@ pub fn start_redis() -> anyhow::Result<Redis> {
         Some(b) => b,
         None => {
             apt_install(&["redis-server"])?;
-            find_binary("redis-server", &[]).context("redis-server still missing after apt-get install")?
+            find_binary("redis-server", &[])
+                .context("redis-server still missing after apt-get install")?
         }
     };
     let mut last = None;
     for _ in 0..5 {
         let port = free_port()?;
         let mut cmd = Command::new(&bin);
-        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+        cmd.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
         let mut child = spawn_tied(cmd, libc::SIGTERM)?;
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if redis_ping(port) {
-                return Ok(Redis { url: format!("redis://127.0.0.1:{port}"), _child: Some(Mutex::new(child)) });
+                return Ok(Redis {
+                    url: format!("redis://127.0.0.1:{port}"),
+                    _child: Some(Mutex::new(child)),
+                });
             }
             if let Ok(Some(status)) = child.try_wait() {
                 last = Some(format!("redis-server exited with {status}"));
@@ -67,20 +86,39 @@ pub fn start_redis() -> anyhow::Result<Redis> {
         }
         let _ = child.kill();
     }
-    anyhow::bail!("redis-server did not start: {}", last.unwrap_or_else(|| "timed out".into()))
+    anyhow::bail!(
+        "redis-server did not start: {}",
+        last.unwrap_or_else(|| "timed out".into())
+    )
 }
 
 fn redis_ping(port: u16) -> bool {
     use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
     let mut buf = [0u8; 7];
-    s.write_all(b"PING\r\n").is_ok() && s.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+    s.write_all(b"PING\r\n").is_ok()
+        && s.read(&mut buf)
+            .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
 }
 
 fn postgres_bindir() -> Option<PathBuf> {
-    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql").ok()?.filter_map(|e| e.ok()).map(|e| e.path().join("bin")).collect();
-    versions.sort_by_key(|p| std::cmp::Reverse(p.parent().and_then(|v| v.file_name()).and_then(|v| v.to_str()).and_then(|v| v.parse::<u32>().ok()).unwrap_or(0)));
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path().join("bin"))
+        .collect();
+    versions.sort_by_key(|p| {
+        std::cmp::Reverse(
+            p.parent()
+                .and_then(|v| v.file_name())
+                .and_then(|v| v.to_str())
+                .and_then(|v| v.parse::<u32>().ok())
+                .unwrap_or(0),
+        )
+    });
     let initdb = find_binary("initdb", &versions)?;
     let dir = initdb.canonicalize().ok()?.parent()?.to_path_buf();
     dir.join("postgres").is_file().then_some(dir)
@@ -88,17 +126,28 @@ fn postgres_bindir() -> Option<PathBuf> {
 
 fn postgres_user() -> anyhow::Result<(u32, u32)> {
     let passwd = std::fs::read_to_string("/etc/passwd")?;
-    let line = passwd.lines().find(|l| l.starts_with("postgres:")).context("there is no 'postgres' user to run PostgreSQL as")?;
+    let line = passwd
+        .lines()
+        .find(|l| l.starts_with("postgres:"))
+        .context("there is no 'postgres' user to run PostgreSQL as")?;
     let f: Vec<&str> = line.split(':').collect();
     Ok((f[2].parse()?, f[3].parse()?))
 }
 
 /// Removes clusters left by test processes that no longer exist.
 fn remove_stale_clusters() {
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(pid) = name.strip_prefix("warden-pg-").and_then(|r| r.split('-').next()).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(pid) = name
+            .strip_prefix("warden-pg-")
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
         if !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_dir_all(e.path());
         }
@@ -109,7 +158,11 @@ fn remove_stale_clusters() {
 /// turns fsync off, for tests; benchmarks keep PostgreSQL's durable defaults.
 pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
     if let Ok(url) = std::env::var("DATABASE_URL") {
-        return Ok(Postgres { admin_url: url, data_dir: None, _child: None });
+        return Ok(Postgres {
+            admin_url: url,
+            data_dir: None,
+            _child: None,
+        });
     }
     let bindir = match postgres_bindir() {
         Some(d) => d,
@@ -119,8 +172,15 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
         }
     };
     remove_stale_clusters();
-    let base = tempfile::Builder::new().prefix(&format!("warden-pg-{}-", std::process::id())).tempdir()?.keep();
-    let owner = if is_root() { Some(postgres_user()?) } else { None };
+    let base = tempfile::Builder::new()
+        .prefix(&format!("warden-pg-{}-", std::process::id()))
+        .tempdir()?
+        .keep();
+    let owner = if is_root() {
+        Some(postgres_user()?)
+    } else {
+        None
+    };
     if let Some((uid, gid)) = owner {
         std::os::unix::fs::chown(&base, Some(uid), Some(gid))?;
     }
@@ -132,10 +192,27 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
         }
     };
     let mut initdb = Command::new(bindir.join("initdb"));
-    initdb.arg("-D").arg(&data).args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8", "--locale=C"]).current_dir(&base);
+    initdb
+        .arg("-D")
+        .arg(&data)
+        .args([
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--no-sync",
+            "-E",
+            "UTF8",
+            "--locale=C",
+        ])
+        .current_dir(&base);
     as_owner(&mut initdb);
     let out = initdb.output().context("running initdb")?;
-    anyhow::ensure!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+    anyhow::ensure!(
+        out.status.success(),
+        "initdb failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut last = String::new();
     for _ in 0..5 {
         let port = free_port()?;
@@ -144,9 +221,23 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
             std::os::unix::fs::chown(base.join("postgres.log"), Some(uid), Some(gid))?;
         }
         let mut cmd = Command::new(bindir.join("postgres"));
-        cmd.arg("-D").arg(&data).arg("-k").arg(&base).args(["-p", &port.to_string(), "-c", "listen_addresses=127.0.0.1", "-c", "max_connections=400"]);
+        cmd.arg("-D").arg(&data).arg("-k").arg(&base).args([
+            "-p",
+            &port.to_string(),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "max_connections=400",
+        ]);
         if fast {
-            cmd.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
+            cmd.args([
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+            ]);
         }
         cmd.current_dir(&base).stdout(Stdio::null()).stderr(log);
         as_owner(&mut cmd);
@@ -154,7 +245,11 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
         let mut child = spawn_tied(cmd, libc::SIGQUIT)?;
         let admin_url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
         if wait_for_postgres(&admin_url, &mut child)? {
-            return Ok(Postgres { admin_url, data_dir: Some(base), _child: Some(Mutex::new(child)) });
+            return Ok(Postgres {
+                admin_url,
+                data_dir: Some(base),
+                _child: Some(Mutex::new(child)),
+            });
         }
         let _ = child.kill();
         last = std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default();
@@ -171,7 +266,10 @@ fn wait_for_postgres(url: &str, child: &mut Child) -> anyhow::Result<bool> {
         }
         let u = url.clone();
         let ok = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
             rt.block_on(async { sqlx::PgConnection::connect(&u).await.ok().map(|_| ()) })
         })
         .join()
@@ -204,8 +302,13 @@ impl Postgres {
     /// Creates an empty database for one test and returns its URL.
     pub async fn create_database(&self) -> anyhow::Result<String> {
         let name = format!("warden_{}", uuid_simple());
-        let mut conn = sqlx::PgConnection::connect(&self.admin_url).await.context("connecting to PostgreSQL")?;
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.context("CREATE DATABASE")?;
+        let mut conn = sqlx::PgConnection::connect(&self.admin_url)
+            .await
+            .context("connecting to PostgreSQL")?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await
+            .context("CREATE DATABASE")?;
         Ok(with_database(&self.admin_url, &name))
     }
 }
@@ -213,8 +316,16 @@ impl Postgres {
 fn uuid_simple() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or_default();
-    format!("{}_{}_{}", std::process::id(), t % 1_000_000_000_000, N.fetch_add(1, Ordering::Relaxed))
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!(
+        "{}_{}_{}",
+        std::process::id(),
+        t % 1_000_000_000_000,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 #[cfg(test)]
@@ -223,8 +334,14 @@ mod tests {
 
     #[test]
     fn database_urls() {
-        assert_eq!(with_database("postgres://u@h:1/postgres", "x"), "postgres://u@h:1/x");
-        assert_eq!(with_database("postgres://u@h:1/postgres?sslmode=disable", "x"), "postgres://u@h:1/x?sslmode=disable");
+        assert_eq!(
+            with_database("postgres://u@h:1/postgres", "x"),
+            "postgres://u@h:1/x"
+        );
+        assert_eq!(
+            with_database("postgres://u@h:1/postgres?sslmode=disable", "x"),
+            "postgres://u@h:1/x?sslmode=disable"
+        );
         assert_eq!(with_database("postgres://u@h:1", "x"), "postgres://u@h:1/x");
     }
 }

@@ -53,7 +53,13 @@ struct RunCtx {
 impl RunCtx {
     /// Appends an event, retrying transient ledger failures with the same idempotency key
     /// (so a retry never doubles the event).
-    async fn append(&self, event_type: &str, step_id: &str, key: String, payload: Value) -> Result<pb::Event, DriveError> {
+    async fn append(
+        &self,
+        event_type: &str,
+        step_id: &str,
+        key: String,
+        payload: Value,
+    ) -> Result<pb::Event, DriveError> {
         let req = pb::AppendEventRequest {
             tenant: self.tenant.clone(),
             run_id: self.run_id.clone(),
@@ -66,7 +72,11 @@ impl RunCtx {
         let mut backoff = Duration::from_millis(50);
         for attempt in 0.. {
             match self.ex.inner.ledger.clone().append_event(req.clone()).await {
-                Ok(r) => return r.into_inner().event.ok_or_else(|| DriveError::Ledger(Status::internal("ledger returned no event"))),
+                Ok(r) => {
+                    return r.into_inner().event.ok_or_else(|| {
+                        DriveError::Ledger(Status::internal("ledger returned no event"))
+                    });
+                }
                 Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
                 Err(s) if retryable(&s) && attempt < 8 && !self.lost.is_cancelled() => {
                     tracing::debug!(run_id = %self.run_id, error = %s, "ledger append retried");
@@ -80,9 +90,25 @@ impl RunCtx {
     }
 
     /// Records a step's failure and returns it as the step's outcome.
-    async fn step_failed(&self, event_type: &str, step_id: &str, attempt: u32, payload: Value) -> Result<StepOutcome, DriveError> {
-        let reason = payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
-        self.append(event_type, step_id, self.step_key(step_id, attempt, "failed"), payload).await?;
+    async fn step_failed(
+        &self,
+        event_type: &str,
+        step_id: &str,
+        attempt: u32,
+        payload: Value,
+    ) -> Result<StepOutcome, DriveError> {
+        let reason = payload
+            .get("reason")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        self.append(
+            event_type,
+            step_id,
+            self.step_key(step_id, attempt, "failed"),
+            payload,
+        )
+        .await?;
         Ok(StepOutcome::Failed(reason))
     }
 
@@ -92,23 +118,44 @@ impl RunCtx {
 }
 
 fn retryable(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Aborted | Code::ResourceExhausted)
+    matches!(
+        s.code(),
+        Code::Unavailable
+            | Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Aborted
+            | Code::ResourceExhausted
+    )
 }
 
 /// Reads a run's whole log and folds it.
-pub(crate) async fn load_view(ex: &Executor, tenant: &str, run_id: &str) -> Result<(RunView, Vec<pb::Event>), Status> {
+pub(crate) async fn load_view(
+    ex: &Executor,
+    tenant: &str,
+    run_id: &str,
+) -> Result<(RunView, Vec<pb::Event>), Status> {
     let mut stream = ex
         .inner
         .ledger
         .clone()
-        .stream_events(pb::StreamEventsRequest { tenant: tenant.to_string(), run_id: run_id.to_string(), since_seq: 0, follow: false })
+        .stream_events(pb::StreamEventsRequest {
+            tenant: tenant.to_string(),
+            run_id: run_id.to_string(),
+            since_seq: 0,
+            follow: false,
+        })
         .await?
         .into_inner();
     let mut view = RunView::default();
     let mut all = Vec::new();
     while let Some(e) = stream.message().await? {
         let ce = event_from_proto(&e);
-        view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
+        view.apply(
+            ce.body.seq,
+            &ce.body.event_type,
+            &ce.body.step_id,
+            &ce.body.payload,
+        );
         all.push(e);
     }
     Ok((view, all))
@@ -120,7 +167,10 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         .inner
         .ledger
         .clone()
-        .get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: run_id.to_string() })
+        .get_run(pb::GetLedgerRunRequest {
+            tenant: String::new(),
+            run_id: run_id.to_string(),
+        })
         .await
         .map_err(DriveError::Ledger)?
         .into_inner();
@@ -128,12 +178,23 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         return Ok(());
     }
     let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
-    let Some(lease) = ex.inner.leases.acquire(run_id, &ex.inner.id, ttl, run.max_epoch).await? else {
+    let Some(lease) = ex
+        .inner
+        .leases
+        .acquire(run_id, &ex.inner.id, ttl, run.max_epoch)
+        .await?
+    else {
         return Ok(()); // another replica drives it
     };
     let lost = CancellationToken::new();
     let renewal = tokio::spawn(renew(ex.clone(), lease.clone(), ttl, lost.clone()));
-    let ctx = RunCtx { ex: ex.clone(), run_id: run_id.to_string(), tenant: run.tenant.clone(), epoch: lease.epoch, lost: lost.clone() };
+    let ctx = RunCtx {
+        ex: ex.clone(),
+        run_id: run_id.to_string(),
+        tenant: run.tenant.clone(),
+        epoch: lease.epoch,
+        lost: lost.clone(),
+    };
     let result = drive_leased(&ctx).await;
     renewal.abort();
     if let Err(e) = ex.inner.leases.release(&lease).await {
@@ -163,28 +224,64 @@ async fn renew(ex: Executor, lease: RunLease, ttl: Duration, lost: CancellationT
 }
 
 async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
-    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id)
+        .await
+        .map_err(DriveError::Ledger)?;
     if view.status.is_terminal() {
         return Ok(());
     }
-    ctx.append(events::RUN_STARTED, "", format!("run_started:{}", ctx.epoch), json!({"executor": ctx.ex.inner.id, "epoch": ctx.epoch}))
-        .await?;
+    ctx.append(
+        events::RUN_STARTED,
+        "",
+        format!("run_started:{}", ctx.epoch),
+        json!({"executor": ctx.ex.inner.id, "epoch": ctx.epoch}),
+    )
+    .await?;
     let Some(plan) = view.plan.clone() else {
-        return finish(ctx, events::RUN_FAILED, json!({"reason": "run has no plan (goal-based runs need Planner.CreatePlan)"})).await;
+        return finish(
+            ctx,
+            events::RUN_FAILED,
+            json!({"reason": "run has no plan (goal-based runs need Planner.CreatePlan)"}),
+        )
+        .await;
     };
     if let Some(text) = &plan.direct_response {
-        return finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "direct_response": text})).await;
+        return finish(
+            ctx,
+            events::RUN_COMPLETED,
+            json!({"reason": "", "direct_response": text}),
+        )
+        .await;
     }
     if plan.steps.is_empty() {
-        return finish(ctx, events::RUN_EMPTY_PLAN, json!({"reason": "the plan has no steps"})).await;
+        return finish(
+            ctx,
+            events::RUN_EMPTY_PLAN,
+            json!({"reason": "the plan has no steps"}),
+        )
+        .await;
     }
-    let tools = ctx.ex.inner.catalog.tools().await.map_err(DriveError::Ledger)?;
+    let tools = ctx
+        .ex
+        .inner
+        .catalog
+        .tools()
+        .await
+        .map_err(DriveError::Ledger)?;
     // Unknown outcomes (tool_requested with no result) from an earlier holder.
     for s in view.steps.iter().filter(|s| s.outcome_unknown) {
         let idempotent = tools.get(&s.tool).is_some_and(|t| t.spec.idempotent);
         if !idempotent {
-            let reason = format!("step '{}' ({}) may or may not have run and the tool is not idempotent", s.id, s.tool);
-            return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": s.id})).await;
+            let reason = format!(
+                "step '{}' ({}) may or may not have run and the tool is not idempotent",
+                s.id, s.tool
+            );
+            return finish(
+                ctx,
+                events::RUN_REQUIRES_RECONCILIATION,
+                json!({"reason": reason, "step_id": s.id}),
+            )
+            .await;
         }
         tracing::info!(run_id = %ctx.run_id, step_id = %s.id, "re-invoking idempotent step with an unknown outcome");
     }
@@ -192,7 +289,8 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
 }
 
 async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), DriveError> {
-    ctx.append(event_type, "", event_type.to_string(), payload).await?;
+    ctx.append(event_type, "", event_type.to_string(), payload)
+        .await?;
     tracing::info!(run_id = %ctx.run_id, outcome = event_type, "run finished");
     Ok(())
 }
@@ -200,16 +298,41 @@ async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), Dr
 async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveError> {
     let all_tools = |_: &str| true;
     let order = plan
-        .validate(&PlanLimits { max_steps: usize::MAX, known_tool: &all_tools })
-        .map_err(|e| DriveError::Ledger(Status::internal(format!("recorded plan no longer validates: {e}"))))?;
-    let mut status: HashMap<String, StepStatus> =
-        view.steps.iter().map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status })).collect();
+        .validate(&PlanLimits {
+            max_steps: usize::MAX,
+            known_tool: &all_tools,
+        })
+        .map_err(|e| {
+            DriveError::Ledger(Status::internal(format!(
+                "recorded plan no longer validates: {e}"
+            )))
+        })?;
+    let mut status: HashMap<String, StepStatus> = view
+        .steps
+        .iter()
+        .map(|s| {
+            (
+                s.id.clone(),
+                if s.outcome_unknown {
+                    StepStatus::Pending
+                } else {
+                    s.status
+                },
+            )
+        })
+        .collect();
     let mut outputs = view.outputs();
     let mut first_failure: Option<String> = view
         .steps
         .iter()
         .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied))
-        .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
+        .map(|s| {
+            format!(
+                "step '{}' failed: {}",
+                s.id,
+                s.error.clone().unwrap_or_default()
+            )
+        });
     let limit = ctx.ex.inner.config.max_concurrency;
     let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
     loop {
@@ -223,10 +346,21 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             if status[&step.id] != StepStatus::Pending {
                 continue;
             }
-            let blocked = step.depends_on.iter().find(|d| matches!(status[d.as_str()], StepStatus::Failed | StepStatus::Denied | StepStatus::Cancelled));
+            let blocked = step.depends_on.iter().find(|d| {
+                matches!(
+                    status[d.as_str()],
+                    StepStatus::Failed | StepStatus::Denied | StepStatus::Cancelled
+                )
+            });
             if let Some(dep) = blocked {
                 let reason = format!("dependency '{dep}' did not complete");
-                ctx.append(events::STEP_CANCELLED, &step.id, ctx.step_key(&step.id, 0, "cancelled"), json!({"reason": reason})).await?;
+                ctx.append(
+                    events::STEP_CANCELLED,
+                    &step.id,
+                    ctx.step_key(&step.id, 0, "cancelled"),
+                    json!({"reason": reason}),
+                )
+                .await?;
                 status.insert(step.id.clone(), StepStatus::Cancelled);
             }
         }
@@ -235,7 +369,11 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 break;
             }
             let step = &plan.steps[i];
-            let ready = status[&step.id] == StepStatus::Pending && step.depends_on.iter().all(|d| status[d.as_str()] == StepStatus::Completed);
+            let ready = status[&step.id] == StepStatus::Pending
+                && step
+                    .depends_on
+                    .iter()
+                    .all(|d| status[d.as_str()] == StepStatus::Completed);
             if !ready {
                 continue;
             }
@@ -250,8 +388,13 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 }
                 Err(e) => {
                     let reason = format!("template resolution failed: {e}");
-                    ctx.append(events::STEP_FAILED, &step.id, ctx.step_key(&step.id, 1, "failed"), json!({"kind": "template", "reason": reason}))
-                        .await?;
+                    ctx.append(
+                        events::STEP_FAILED,
+                        &step.id,
+                        ctx.step_key(&step.id, 1, "failed"),
+                        json!({"kind": "template", "reason": reason}),
+                    )
+                    .await?;
                     first_failure.get_or_insert(format!("step '{}' failed: {reason}", step.id));
                     status.insert(step.id.clone(), StepStatus::Failed);
                 }
@@ -259,7 +402,10 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         }
         if running.is_empty() {
             // Nothing runs and nothing became ready: every step is settled.
-            if status.values().all(|s| *s != StepStatus::Pending && *s != StepStatus::Running) {
+            if status
+                .values()
+                .all(|s| *s != StepStatus::Pending && *s != StepStatus::Running)
+            {
                 break;
             }
             continue;
@@ -269,7 +415,8 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
         };
         let Some(joined) = joined else { continue };
-        let (step_id, outcome) = joined.map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
+        let (step_id, outcome) = joined
+            .map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
         match outcome? {
             StepOutcome::Completed(out) => {
                 outputs.insert(step_id.clone(), out);
@@ -288,17 +435,37 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         "cancelled": count(StepStatus::Cancelled),
     });
     match first_failure {
-        None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await,
-        Some(reason) => finish(ctx, events::RUN_FAILED, json!({"reason": reason, "summary": summary})).await,
+        None => {
+            finish(
+                ctx,
+                events::RUN_COMPLETED,
+                json!({"reason": "", "summary": summary}),
+            )
+            .await
+        }
+        Some(reason) => {
+            finish(
+                ctx,
+                events::RUN_FAILED,
+                json!({"reason": reason, "summary": summary}),
+            )
+            .await
+        }
     }
 }
 
 /// One step, one attempt: authorize, record the request, invoke, record the outcome.
-async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<StepOutcome, DriveError> {
+async fn execute_step(
+    ctx: &RunCtx,
+    step: &PlanStep,
+    args: Value,
+) -> Result<StepOutcome, DriveError> {
     let attempt = 1u32;
+    let started = std::time::Instant::now();
     let idempotency_key = format!("{}:{}:{attempt}", ctx.run_id, step.id);
     let fail = |kind: &str, reason: String, extra: Value| {
-        let mut payload = json!({"kind": kind, "reason": reason, "attempt": attempt, "tool": step.tool});
+        let mut payload =
+            json!({"kind": kind, "reason": reason, "attempt": attempt, "tool": step.tool});
         if let (Some(p), Value::Object(x)) = (payload.as_object_mut(), extra) {
             p.extend(x);
         }
@@ -307,13 +474,25 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
     let tools = match ctx.ex.inner.catalog.tools().await {
         Ok(t) => t,
         Err(s) => {
-            let p = fail("tool_catalog_unavailable", s.message().to_string(), json!({}));
-            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+            let p = fail(
+                "tool_catalog_unavailable",
+                s.message().to_string(),
+                json!({}),
+            );
+            return ctx
+                .step_failed(events::STEP_FAILED, &step.id, attempt, p)
+                .await;
         }
     };
     let Some(entry) = tools.get(&step.tool) else {
-        let p = fail("unknown_tool", format!("no tool host serves '{}'", step.tool), json!({}));
-        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        let p = fail(
+            "unknown_tool",
+            format!("no tool host serves '{}'", step.tool),
+            json!({}),
+        );
+        return ctx
+            .step_failed(events::STEP_FAILED, &step.id, attempt, p)
+            .await;
     };
     let args_json = canonical_json(&args);
     // K01/K19: without a recorded allow decision and its signed authorization, nothing runs.
@@ -341,17 +520,24 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
             let reason = format!("policy unavailable, failing closed: {}", s.message());
             tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, error = %s, "no policy decision; step not executed");
             let p = fail("policy_unavailable", reason, json!({}));
-            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+            return ctx
+                .step_failed(events::STEP_FAILED, &step.id, attempt, p)
+                .await;
         }
     };
     let decision = authorized.decision.unwrap_or_default();
     let (Some(auth), pb::Outcome::Allow) = (authorized.authorization, decision.outcome()) else {
         let p = fail(
             "policy_denied",
-            format!("denied by policy rule '{}': {}", decision.rule_id, decision.reason),
+            format!(
+                "denied by policy rule '{}': {}",
+                decision.rule_id, decision.reason
+            ),
             json!({"decision_id": decision.decision_id, "rule_id": decision.rule_id}),
         );
-        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        return ctx
+            .step_failed(events::STEP_FAILED, &step.id, attempt, p)
+            .await;
     };
     ctx.append(
         events::TOOL_REQUESTED,
@@ -386,7 +572,14 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
         p
     };
     let outcome = match tokio::time::timeout(timeout, call).await {
-        Err(_) => Err(failed("timeout", format!("no answer within {}s (the tool's timeout_sec)", timeout.as_secs()), json!({}))),
+        Err(_) => Err(failed(
+            "timeout",
+            format!(
+                "no answer within {}s (the tool's timeout_sec)",
+                timeout.as_secs()
+            ),
+            json!({}),
+        )),
         Ok(Err(s)) => {
             let kind = match s.code() {
                 Code::PermissionDenied => "authorization_refused",
@@ -398,12 +591,26 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
         Ok(Ok(resp)) => {
             let resp = resp.into_inner();
             match resp.outcome {
-                Some(pb::invoke_response::Outcome::OutputJson(text)) => match serde_json::from_str::<Value>(&text) {
-                    Ok(out) => Ok((out, resp.replayed)),
-                    Err(e) => Err(failed("invalid_output", format!("tool output is not JSON: {e}"), json!({}))),
-                },
-                Some(pb::invoke_response::Outcome::Error(e)) => Err(failed("tool_error", e.message, json!({"code": e.code, "retryable": e.retryable}))),
-                None => Err(failed("invalid_output", "tool host returned no outcome".into(), json!({}))),
+                Some(pb::invoke_response::Outcome::OutputJson(text)) => {
+                    match serde_json::from_str::<Value>(&text) {
+                        Ok(out) => Ok((out, resp.replayed)),
+                        Err(e) => Err(failed(
+                            "invalid_output",
+                            format!("tool output is not JSON: {e}"),
+                            json!({}),
+                        )),
+                    }
+                }
+                Some(pb::invoke_response::Outcome::Error(e)) => Err(failed(
+                    "tool_error",
+                    e.message,
+                    json!({"code": e.code, "retryable": e.retryable}),
+                )),
+                None => Err(failed(
+                    "invalid_output",
+                    "tool host returned no outcome".into(),
+                    json!({}),
+                )),
             }
         }
     };
@@ -413,11 +620,15 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
                 events::TOOL_COMPLETED,
                 &step.id,
                 ctx.step_key(&step.id, attempt, "completed"),
-                json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed}),
+                json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed,
+                       "elapsed_us": started.elapsed().as_micros() as u64}),
             )
             .await?;
             Ok(StepOutcome::Completed(output))
         }
-        Err(payload) => ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await,
+        Err(payload) => {
+            ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload)
+                .await
+        }
     }
 }

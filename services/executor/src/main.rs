@@ -3,7 +3,11 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "warden-executor", version, about = "Warden executor (the Runs front door)")]
+#[command(
+    name = "warden-executor",
+    version,
+    about = "Warden executor (the Runs front door)"
+)]
 struct Args {
     /// TOML configuration file (also WARDEN_CONFIG).
     #[arg(long, env = "WARDEN_CONFIG")]

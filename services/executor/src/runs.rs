@@ -37,13 +37,21 @@ fn step_status(s: StepStatus) -> pb::StepStatus {
 
 #[tonic::async_trait]
 impl Runs for RunsService {
-    async fn submit_run(&self, req: Request<pb::SubmitRunRequest>) -> Result<Response<pb::SubmitRunResponse>, Status> {
+    async fn submit_run(
+        &self,
+        req: Request<pb::SubmitRunRequest>,
+    ) -> Result<Response<pb::SubmitRunResponse>, Status> {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
             id_field("idempotency_key", &r.idempotency_key)?;
         }
-        pb::CancelPolicy::try_from(r.cancel_policy).map_err(|_| invalid_field("cancel_policy", format!("{} is not a cancel policy", r.cancel_policy)))?;
+        pb::CancelPolicy::try_from(r.cancel_policy).map_err(|_| {
+            invalid_field(
+                "cancel_policy",
+                format!("{} is not a cancel policy", r.cancel_policy),
+            )
+        })?;
         match (r.plan_json.is_empty(), r.goal.is_empty()) {
             (false, true) => {}
             (true, false) => {
@@ -51,11 +59,19 @@ impl Runs for RunsService {
                     "runs from a goal need Planner.CreatePlan, which this Warden release does not serve; submit plan_json",
                 ));
             }
-            _ => return Err(invalid_field("plan_json", "exactly one of plan_json and goal must be set")),
+            _ => {
+                return Err(invalid_field(
+                    "plan_json",
+                    "exactly one of plan_json and goal must be set",
+                ));
+            }
         }
         let max = self.ex.inner.config.max_plan_bytes;
         if r.plan_json.len() > max {
-            return Err(invalid_field("plan_json", format!("{} bytes is over the maximum of {max}", r.plan_json.len())));
+            return Err(invalid_field(
+                "plan_json",
+                format!("{} bytes is over the maximum of {max}", r.plan_json.len()),
+            ));
         }
         // The plan is validated before anything is written: a bad plan leaves no trace.
         let validated = self
@@ -63,7 +79,10 @@ impl Runs for RunsService {
             .inner
             .planner
             .clone()
-            .validate_plan(pb::ValidatePlanRequest { tenant: r.tenant.clone(), plan_json: r.plan_json })
+            .validate_plan(pb::ValidatePlanRequest {
+                tenant: r.tenant.clone(),
+                plan_json: r.plan_json,
+            })
             .await?
             .into_inner();
         let created = self
@@ -80,13 +99,19 @@ impl Runs for RunsService {
             })
             .await?
             .into_inner();
-        let run = created.run.ok_or_else(|| Status::internal("ledger returned no run"))?;
+        let run = created
+            .run
+            .ok_or_else(|| Status::internal("ledger returned no run"))?;
         let status = run.status();
         if !warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal()) {
             self.ex.dispatch(run.run_id.clone());
         }
         tracing::info!(run_id = %run.run_id, tenant = %run.tenant, deduplicated = created.deduplicated, "run submitted");
-        Ok(Response::new(pb::SubmitRunResponse { run_id: run.run_id, status: status as i32, deduplicated: created.deduplicated }))
+        Ok(Response::new(pb::SubmitRunResponse {
+            run_id: run.run_id,
+            status: status as i32,
+            deduplicated: created.deduplicated,
+        }))
     }
 
     async fn get_run(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::Run>, Status> {
@@ -98,7 +123,10 @@ impl Runs for RunsService {
             .inner
             .ledger
             .clone()
-            .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
+            .get_run(pb::GetLedgerRunRequest {
+                tenant: r.tenant.clone(),
+                run_id: r.run_id.clone(),
+            })
             .await?
             .into_inner();
         let (view, _) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
@@ -120,14 +148,20 @@ impl Runs for RunsService {
             status: run.status,
             reason: run.reason,
             steps,
-            direct_response: view.plan.and_then(|p| p.direct_response).unwrap_or_default(),
+            direct_response: view
+                .plan
+                .and_then(|p| p.direct_response)
+                .unwrap_or_default(),
             created_at_ms: run.created_at_ms,
             updated_at_ms: run.updated_at_ms,
             last_seq: run.last_seq,
         }))
     }
 
-    async fn list_runs(&self, req: Request<pb::ListRunsRequest>) -> Result<Response<pb::ListRunsResponse>, Status> {
+    async fn list_runs(
+        &self,
+        req: Request<pb::ListRunsRequest>,
+    ) -> Result<Response<pb::ListRunsResponse>, Status> {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         let page = self
@@ -135,7 +169,12 @@ impl Runs for RunsService {
             .inner
             .ledger
             .clone()
-            .list_runs(pb::ListLedgerRunsRequest { tenant: r.tenant, statuses: r.statuses, page_size: r.page_size, page_token: r.page_token })
+            .list_runs(pb::ListLedgerRunsRequest {
+                tenant: r.tenant,
+                statuses: r.statuses,
+                page_size: r.page_size,
+                page_token: r.page_token,
+            })
             .await?
             .into_inner();
         let runs = page
@@ -153,14 +192,27 @@ impl Runs for RunsService {
                 last_seq: l.last_seq,
             })
             .collect();
-        Ok(Response::new(pb::ListRunsResponse { runs, next_page_token: page.next_page_token }))
+        Ok(Response::new(pb::ListRunsResponse {
+            runs,
+            next_page_token: page.next_page_token,
+        }))
     }
 
-    async fn cancel_run(&self, _: Request<pb::CancelRunRequest>) -> Result<Response<pb::CancelRunResponse>, Status> {
-        Err(Status::unimplemented("Runs.CancelRun is not available in this Warden release"))
+    async fn cancel_run(
+        &self,
+        _: Request<pb::CancelRunRequest>,
+    ) -> Result<Response<pb::CancelRunResponse>, Status> {
+        Err(Status::unimplemented(
+            "Runs.CancelRun is not available in this Warden release",
+        ))
     }
 
-    async fn reconcile_step(&self, _: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {
-        Err(Status::unimplemented("Runs.ReconcileStep is not available in this Warden release"))
+    async fn reconcile_step(
+        &self,
+        _: Request<pb::ReconcileStepRequest>,
+    ) -> Result<Response<pb::Run>, Status> {
+        Err(Status::unimplemented(
+            "Runs.ReconcileStep is not available in this Warden release",
+        ))
     }
 }

@@ -20,7 +20,10 @@ pub enum LedgerError {
 
 impl LedgerError {
     pub fn invalid(field: &str, reason: impl Into<String>) -> LedgerError {
-        LedgerError::InvalidArgument { field: field.to_string(), reason: reason.into() }
+        LedgerError::InvalidArgument {
+            field: field.to_string(),
+            reason: reason.into(),
+        }
     }
 }
 
@@ -37,7 +40,13 @@ impl From<sqlx::Error> for LedgerError {
                 let code = d.code().unwrap_or_default();
                 // 08xxx connection exceptions, 57xxx operator intervention (shutdown),
                 // 40001/40P01 serialization and deadlock (retryable), SQLite 5/6 busy/locked.
-                if code.starts_with("08") || code.starts_with("57") || code == "40001" || code == "40P01" || code == "5" || code == "6" {
+                if code.starts_with("08")
+                    || code.starts_with("57")
+                    || code == "40001"
+                    || code == "40P01"
+                    || code == "5"
+                    || code == "6"
+                {
                     LedgerError::Unavailable(e.to_string())
                 } else {
                     LedgerError::Internal(e.to_string())
@@ -52,7 +61,9 @@ impl From<LedgerError> for Status {
     fn from(e: LedgerError) -> Status {
         match e {
             LedgerError::NotFound(_) => Status::not_found(e.to_string()),
-            LedgerError::InvalidArgument { field, reason } => warden_grpc::invalid_field(field, reason),
+            LedgerError::InvalidArgument { field, reason } => {
+                warden_grpc::invalid_field(field, reason)
+            }
             LedgerError::Fenced { .. } => warden_grpc::fenced(e.to_string()),
             LedgerError::Precondition(_) => Status::failed_precondition(e.to_string()),
             LedgerError::Unavailable(_) => Status::unavailable(e.to_string()),

@@ -68,11 +68,17 @@ fn run_to_proto(r: RunRow) -> pb::LedgerRun {
 
 impl LedgerService {
     pub fn new(store: LedgerStore, max_payload_bytes: usize) -> LedgerService {
+        let sqlite = store.backend() == crate::store::Backend::Sqlite;
         LedgerService {
             store,
             max_payload_bytes,
             followers: Default::default(),
-            stripes: Arc::new((0..STRIPES).map(|_| tokio::sync::Mutex::new(())).collect()),
+            // SQLite has one writer: queueing here is cheaper than its busy-wait sleeps.
+            stripes: Arc::new(
+                (0..if sqlite { 1 } else { STRIPES })
+                    .map(|_| tokio::sync::Mutex::new(()))
+                    .collect(),
+            ),
         }
     }
 
@@ -93,15 +99,25 @@ impl LedgerService {
     }
 
     fn stripe(&self, run_id: &str) -> &tokio::sync::Mutex<()> {
-        let h = run_id.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
-        &self.stripes[(h % STRIPES as u64) as usize]
+        let h = run_id.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100000001b3)
+        });
+        &self.stripes[(h % self.stripes.len() as u64) as usize]
     }
 
     fn parse_payload(&self, field: &str, json: &str) -> Result<Value, Status> {
         if json.len() > self.max_payload_bytes {
-            return Err(invalid_field(field, format!("{} bytes is over the maximum of {}", json.len(), self.max_payload_bytes)));
+            return Err(invalid_field(
+                field,
+                format!(
+                    "{} bytes is over the maximum of {}",
+                    json.len(),
+                    self.max_payload_bytes
+                ),
+            ));
         }
-        let v: Value = serde_json::from_str(json).map_err(|e| invalid_field(field, format!("not valid JSON: {e}")))?;
+        let v: Value = serde_json::from_str(json)
+            .map_err(|e| invalid_field(field, format!("not valid JSON: {e}")))?;
         if !v.is_object() {
             return Err(invalid_field(field, "must be a JSON object"));
         }
@@ -134,7 +150,13 @@ impl LedgerService {
             .map_err(|e| LedgerError::Internal(e.to_string()))?;
             v = verifier;
             if let Err(b) = result {
-                return Ok(pb::VerifyRunResponse { valid: false, events: v.verified(), first_bad_seq: b.seq, reason: b.reason, head_hash: String::new() });
+                return Ok(pb::VerifyRunResponse {
+                    valid: false,
+                    events: v.verified(),
+                    first_bad_seq: b.seq,
+                    reason: b.reason,
+                    head_hash: String::new(),
+                });
             }
             since = v.verified();
             if n < PAGE as usize {
@@ -144,13 +166,28 @@ impl LedgerService {
         let (count, head) = (v.verified(), v.head().to_string());
         if count != run.last_seq || head != run.head_hash {
             let reason = if count < run.last_seq {
-                format!("run records {} events but only {count} are stored", run.last_seq)
+                format!(
+                    "run records {} events but only {count} are stored",
+                    run.last_seq
+                )
             } else {
                 "stored events do not end at the run's recorded head".to_string()
             };
-            return Ok(pb::VerifyRunResponse { valid: false, events: count, first_bad_seq: count.min(run.last_seq) + 1, reason, head_hash: head });
+            return Ok(pb::VerifyRunResponse {
+                valid: false,
+                events: count,
+                first_bad_seq: count.min(run.last_seq) + 1,
+                reason,
+                head_hash: head,
+            });
         }
-        Ok(pb::VerifyRunResponse { valid: true, events: count, first_bad_seq: 0, reason: String::new(), head_hash: head })
+        Ok(pb::VerifyRunResponse {
+            valid: true,
+            events: count,
+            first_bad_seq: 0,
+            reason: String::new(),
+            head_hash: head,
+        })
     }
 }
 
@@ -160,7 +197,10 @@ fn unimplemented(what: &str) -> Status {
 
 #[tonic::async_trait]
 impl Ledger for LedgerService {
-    async fn create_run(&self, req: Request<pb::CreateRunRequest>) -> Result<Response<pb::CreateRunResponse>, Status> {
+    async fn create_run(
+        &self,
+        req: Request<pb::CreateRunRequest>,
+    ) -> Result<Response<pb::CreateRunResponse>, Status> {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
@@ -169,12 +209,21 @@ impl Ledger for LedgerService {
         let plan = match (r.plan_json.is_empty(), r.goal.is_empty()) {
             (false, true) => Some(self.parse_payload("plan_json", &r.plan_json)?),
             (true, false) => None,
-            _ => return Err(invalid_field("plan_json", "exactly one of plan_json and goal must be set")),
+            _ => {
+                return Err(invalid_field(
+                    "plan_json",
+                    "exactly one of plan_json and goal must be set",
+                ));
+            }
         };
         if r.goal.len() > self.max_payload_bytes {
-            return Err(invalid_field("goal", format!("over the maximum of {} bytes", self.max_payload_bytes)));
+            return Err(invalid_field(
+                "goal",
+                format!("over the maximum of {} bytes", self.max_payload_bytes),
+            ));
         }
-        pb::CancelPolicy::try_from(r.cancel_policy).map_err(|_| invalid_field("cancel_policy", "unknown cancel policy"))?;
+        pb::CancelPolicy::try_from(r.cancel_policy)
+            .map_err(|_| invalid_field("cancel_policy", "unknown cancel policy"))?;
         let run_id = uuid::Uuid::now_v7().to_string();
         let (run, deduplicated) = self
             .store
@@ -188,16 +237,29 @@ impl Ledger for LedgerService {
                 now_ms: now_ms(),
             })
             .await?;
-        Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated }))
+        Ok(Response::new(pb::CreateRunResponse {
+            run: Some(run_to_proto(run)),
+            deduplicated,
+        }))
     }
 
-    async fn append_event(&self, req: Request<pb::AppendEventRequest>) -> Result<Response<pb::AppendEventResponse>, Status> {
+    async fn append_event(
+        &self,
+        req: Request<pb::AppendEventRequest>,
+    ) -> Result<Response<pb::AppendEventResponse>, Status> {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("idempotency_key", &r.idempotency_key)?;
-        if !events::KNOWN.contains(&r.event_type.as_str()) || r.event_type == events::RUN_SUBMITTED {
-            return Err(invalid_field("event_type", format!("'{}' is not an event type that can be appended", r.event_type)));
+        if !events::KNOWN.contains(&r.event_type.as_str()) || r.event_type == events::RUN_SUBMITTED
+        {
+            return Err(invalid_field(
+                "event_type",
+                format!(
+                    "'{}' is not an event type that can be appended",
+                    r.event_type
+                ),
+            ));
         }
         if !r.step_id.is_empty() {
             check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
@@ -221,15 +283,26 @@ impl Ledger for LedgerService {
         if !deduplicated {
             self.notify(&r.run_id);
         }
-        Ok(Response::new(pb::AppendEventResponse { event: Some(event_to_proto(&event)), deduplicated }))
+        Ok(Response::new(pb::AppendEventResponse {
+            event: Some(event_to_proto(&event)),
+            deduplicated,
+        }))
     }
 
-    async fn get_run(&self, req: Request<pb::GetLedgerRunRequest>) -> Result<Response<pb::LedgerRun>, Status> {
+    async fn get_run(
+        &self,
+        req: Request<pb::GetLedgerRunRequest>,
+    ) -> Result<Response<pb::LedgerRun>, Status> {
         let r = req.into_inner();
-        Ok(Response::new(run_to_proto(self.visible_run(&r.tenant, &r.run_id).await?)))
+        Ok(Response::new(run_to_proto(
+            self.visible_run(&r.tenant, &r.run_id).await?,
+        )))
     }
 
-    async fn list_runs(&self, req: Request<pb::ListLedgerRunsRequest>) -> Result<Response<pb::ListLedgerRunsResponse>, Status> {
+    async fn list_runs(
+        &self,
+        req: Request<pb::ListLedgerRunsRequest>,
+    ) -> Result<Response<pb::ListLedgerRunsResponse>, Status> {
         let r = req.into_inner();
         let tenant = optional_tenant(&r.tenant)?;
         let wanted = statuses("statuses", &r.statuses)?;
@@ -241,14 +314,27 @@ impl Ledger for LedgerService {
             n if n > 1000 => return Err(invalid_field("page_size", "must be at most 1000")),
             n => n,
         };
-        let runs = self.store.list_runs(tenant, &wanted, &r.page_token, size).await?;
-        let next_page_token = if runs.len() == size as usize { runs.last().map(|r| r.run_id.clone()).unwrap_or_default() } else { String::new() };
-        Ok(Response::new(pb::ListLedgerRunsResponse { runs: runs.into_iter().map(run_to_proto).collect(), next_page_token }))
+        let runs = self
+            .store
+            .list_runs(tenant, &wanted, &r.page_token, size)
+            .await?;
+        let next_page_token = if runs.len() == size as usize {
+            runs.last().map(|r| r.run_id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListLedgerRunsResponse {
+            runs: runs.into_iter().map(run_to_proto).collect(),
+            next_page_token,
+        }))
     }
 
     type StreamEventsStream = ReceiverStream<Result<pb::Event, Status>>;
 
-    async fn stream_events(&self, req: Request<pb::StreamEventsRequest>) -> Result<Response<Self::StreamEventsStream>, Status> {
+    async fn stream_events(
+        &self,
+        req: Request<pb::StreamEventsRequest>,
+    ) -> Result<Response<Self::StreamEventsStream>, Status> {
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
@@ -280,13 +366,18 @@ impl Ledger for LedgerService {
                 if !r.follow {
                     return;
                 }
-                let ended = page.last().and_then(|e| events::status_after(&e.body.event_type)).is_some_and(RunStatus::is_terminal);
+                let ended = page
+                    .last()
+                    .and_then(|e| events::status_after(&e.body.event_type))
+                    .is_some_and(RunStatus::is_terminal);
                 if ended {
                     return;
                 }
                 if page.is_empty() {
                     match this.store.get_run(&run.run_id).await {
-                        Ok(Some(cur)) if cur.status.is_terminal() && cur.last_seq <= since => return,
+                        Ok(Some(cur)) if cur.status.is_terminal() && cur.last_seq <= since => {
+                            return;
+                        }
                         Err(e) => {
                             let _ = tx.send(Err(e.into())).await;
                             return;
@@ -304,29 +395,50 @@ impl Ledger for LedgerService {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn verify_run(&self, req: Request<pb::VerifyRunRequest>) -> Result<Response<pb::VerifyRunResponse>, Status> {
+    async fn verify_run(
+        &self,
+        req: Request<pb::VerifyRunRequest>,
+    ) -> Result<Response<pb::VerifyRunResponse>, Status> {
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         Ok(Response::new(self.verify(&run).await?))
     }
 
-    async fn get_schema_info(&self, _: Request<pb::GetSchemaInfoRequest>) -> Result<Response<pb::SchemaInfo>, Status> {
-        Ok(Response::new(pb::SchemaInfo { backend: self.store.backend().as_str().into(), schema_version: crate::store::SCHEMA_VERSION.into() }))
+    async fn get_schema_info(
+        &self,
+        _: Request<pb::GetSchemaInfoRequest>,
+    ) -> Result<Response<pb::SchemaInfo>, Status> {
+        Ok(Response::new(pb::SchemaInfo {
+            backend: self.store.backend().as_str().into(),
+            schema_version: crate::store::SCHEMA_VERSION.into(),
+        }))
     }
 
-    async fn list_receipts(&self, _: Request<pb::ListReceiptsRequest>) -> Result<Response<pb::ListReceiptsResponse>, Status> {
+    async fn list_receipts(
+        &self,
+        _: Request<pb::ListReceiptsRequest>,
+    ) -> Result<Response<pb::ListReceiptsResponse>, Status> {
         Err(unimplemented("Ledger.ListReceipts"))
     }
 
-    async fn propose_state_delta(&self, _: Request<pb::ProposeStateDeltaRequest>) -> Result<Response<pb::ProposeStateDeltaResponse>, Status> {
+    async fn propose_state_delta(
+        &self,
+        _: Request<pb::ProposeStateDeltaRequest>,
+    ) -> Result<Response<pb::ProposeStateDeltaResponse>, Status> {
         Err(unimplemented("Ledger.ProposeStateDelta"))
     }
 
-    async fn commit_tx(&self, _: Request<pb::CommitTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
+    async fn commit_tx(
+        &self,
+        _: Request<pb::CommitTxRequest>,
+    ) -> Result<Response<pb::TxOutcome>, Status> {
         Err(unimplemented("Ledger.CommitTx"))
     }
 
-    async fn rollback_tx(&self, _: Request<pb::RollbackTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
+    async fn rollback_tx(
+        &self,
+        _: Request<pb::RollbackTxRequest>,
+    ) -> Result<Response<pb::TxOutcome>, Status> {
         Err(unimplemented("Ledger.RollbackTx"))
     }
 }

@@ -11,10 +11,10 @@ use tonic::{Request, Response, Status};
 use warden_config::PlannerConfig;
 use warden_core::ids::check_id;
 use warden_core::plan::{Plan, PlanLimits};
+use warden_grpc::catalog::ToolCatalog;
 use warden_grpc::invalid_field;
 use warden_proto::v1 as pb;
 use warden_proto::v1::planner_server::{Planner, PlannerServer};
-use warden_grpc::catalog::ToolCatalog;
 
 /// Largest plan document accepted.
 pub const MAX_PLAN_BYTES: usize = 1 << 20;
@@ -27,18 +27,31 @@ pub struct PlannerService {
 
 impl PlannerService {
     pub fn new(config: &PlannerConfig) -> anyhow::Result<PlannerService> {
-        Ok(PlannerService { max_steps: config.max_steps, catalog: ToolCatalog::new(&config.tool_hosts)? })
+        Ok(PlannerService {
+            max_steps: config.max_steps,
+            catalog: ToolCatalog::new(&config.tool_hosts)?,
+        })
     }
 
     /// Parses and validates plan JSON; returns the plan and its canonical JSON.
     pub async fn validate(&self, plan_json: &str) -> Result<(Plan, String), Status> {
         if plan_json.len() > MAX_PLAN_BYTES {
-            return Err(invalid_field("plan_json", format!("{} bytes is over the maximum of {MAX_PLAN_BYTES}", plan_json.len())));
+            return Err(invalid_field(
+                "plan_json",
+                format!(
+                    "{} bytes is over the maximum of {MAX_PLAN_BYTES}",
+                    plan_json.len()
+                ),
+            ));
         }
         let plan = Plan::parse(plan_json).map_err(|e| invalid_field(e.field(), e.to_string()))?;
         let catalog = self.catalog.tools().await?;
         let known = |t: &str| catalog.contains_key(t);
-        plan.validate(&PlanLimits { max_steps: self.max_steps, known_tool: &known }).map_err(|e| invalid_field(e.field(), e.to_string()))?;
+        plan.validate(&PlanLimits {
+            max_steps: self.max_steps,
+            known_tool: &known,
+        })
+        .map_err(|e| invalid_field(e.field(), e.to_string()))?;
         let canonical = warden_core::canonical_json(&plan);
         Ok((plan, canonical))
     }
@@ -46,18 +59,32 @@ impl PlannerService {
 
 #[tonic::async_trait]
 impl Planner for PlannerService {
-    async fn validate_plan(&self, req: Request<pb::ValidatePlanRequest>) -> Result<Response<pb::ValidatePlanResponse>, Status> {
+    async fn validate_plan(
+        &self,
+        req: Request<pb::ValidatePlanRequest>,
+    ) -> Result<Response<pb::ValidatePlanResponse>, Status> {
         let r = req.into_inner();
         check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
         let (plan, plan_json) = self.validate(&r.plan_json).await?;
-        Ok(Response::new(pb::ValidatePlanResponse { plan_json, step_count: plan.steps.len() as u32 }))
+        Ok(Response::new(pb::ValidatePlanResponse {
+            plan_json,
+            step_count: plan.steps.len() as u32,
+        }))
     }
 
-    async fn create_plan(&self, _: Request<pb::CreatePlanRequest>) -> Result<Response<pb::CreatePlanResponse>, Status> {
-        Err(Status::unimplemented("Planner.CreatePlan (model-backed planning from a goal) is not available in this Warden release; submit an explicit plan"))
+    async fn create_plan(
+        &self,
+        _: Request<pb::CreatePlanRequest>,
+    ) -> Result<Response<pb::CreatePlanResponse>, Status> {
+        Err(Status::unimplemented(
+            "Planner.CreatePlan (model-backed planning from a goal) is not available in this Warden release; submit an explicit plan",
+        ))
     }
 
-    async fn list_tools(&self, _: Request<pb::ListToolsRequest>) -> Result<Response<pb::ListToolsResponse>, Status> {
+    async fn list_tools(
+        &self,
+        _: Request<pb::ListToolsRequest>,
+    ) -> Result<Response<pb::ListToolsResponse>, Status> {
         let catalog = self.catalog.tools().await?;
         let mut tools: Vec<pb::ToolSpec> = catalog.values().map(|e| e.spec.clone()).collect();
         tools.sort_by(|a, b| a.name.cmp(&b.name));
@@ -72,7 +99,11 @@ pub fn add_routes(routes: &mut RoutesBuilder, service: PlannerService) {
 
 pub const SERVICES: &[&str] = &["warden.v1.Planner"];
 
-pub async fn serve(config: &PlannerConfig, listener: TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> anyhow::Result<()> {
+pub async fn serve(
+    config: &PlannerConfig,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     let mut routes = Routes::builder();
     add_routes(&mut routes, PlannerService::new(config)?);
     warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;

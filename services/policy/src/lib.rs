@@ -31,9 +31,17 @@ pub fn add_routes(routes: &mut RoutesBuilder, service: PolicyService) {
         .add_service(ApprovalsServer::new(server::ApprovalsService));
 }
 
-pub const SERVICES: &[&str] = &["warden.v1.Policy", "warden.v1.Capabilities", "warden.v1.Approvals"];
+pub const SERVICES: &[&str] = &[
+    "warden.v1.Policy",
+    "warden.v1.Capabilities",
+    "warden.v1.Approvals",
+];
 
-pub async fn serve(config: &PolicyConfig, listener: TcpListener, shutdown: impl std::future::Future<Output = ()> + Send) -> anyhow::Result<()> {
+pub async fn serve(
+    config: &PolicyConfig,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     let service = build(config)?;
     let mut routes = Routes::builder();
     add_routes(&mut routes, service);

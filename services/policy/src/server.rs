@@ -35,7 +35,11 @@ struct Checked {
     args_sha256: String,
 }
 
-fn id_field(field: &str, v: &str, check: fn(&str) -> Result<(), warden_core::ids::IdError>) -> Result<(), Status> {
+fn id_field(
+    field: &str,
+    v: &str,
+    check: fn(&str) -> Result<(), warden_core::ids::IdError>,
+) -> Result<(), Status> {
     check(v).map_err(|e| invalid_field(field, e.to_string()))
 }
 
@@ -53,28 +57,61 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
         return Err(invalid_field("attempt", "attempts count from 1"));
     }
     if r.args_json.len() > MAX_ARGS_BYTES {
-        return Err(invalid_field("args_json", format!("{} bytes is over the maximum of {MAX_ARGS_BYTES}", r.args_json.len())));
+        return Err(invalid_field(
+            "args_json",
+            format!(
+                "{} bytes is over the maximum of {MAX_ARGS_BYTES}",
+                r.args_json.len()
+            ),
+        ));
     }
-    let args: Value = serde_json::from_str(&r.args_json).map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
+    let args: Value = serde_json::from_str(&r.args_json)
+        .map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
     if !args.is_object() {
         return Err(invalid_field("args_json", "must be a JSON object"));
     }
-    Ok(Checked { args_sha256: args_digest(&args) })
+    Ok(Checked {
+        args_sha256: args_digest(&args),
+    })
 }
 
 /// Same request, same decision id: a retried `Authorize` records nothing twice.
 fn decision_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
-    let material = canonical_json(&json!([r.tenant, r.run_id, r.step_id, r.attempt, r.tool, args_sha256, r.idempotency_key, r.capability_id]));
+    let material = canonical_json(&json!([
+        r.tenant,
+        r.run_id,
+        r.step_id,
+        r.attempt,
+        r.tool,
+        args_sha256,
+        r.idempotency_key,
+        r.capability_id
+    ]));
     warden_core::sha256_hex(material)[..32].to_string()
 }
 
 impl PolicyService {
     pub fn new(config: PolicyConfig, key: SigningKey, ledger: Channel) -> PolicyService {
-        let published = vec![PublishedKey { key_id: key_id(&key.verifying_key()), key: key.verifying_key(), current: true }];
-        PolicyService { config: Arc::new(config), key: Arc::new(key), published: Arc::new(published), ledger: LedgerClient::new(ledger) }
+        let published = vec![PublishedKey {
+            key_id: key_id(&key.verifying_key()),
+            key: key.verifying_key(),
+            current: true,
+        }];
+        PolicyService {
+            config: Arc::new(config),
+            key: Arc::new(key),
+            published: Arc::new(published),
+            ledger: LedgerClient::new(ledger),
+        }
     }
 
-    fn decision(&self, r: &pb::AuthorizeRequest, c: &Checked, ledger_seq: u64, d: &rules::RuleDecision) -> pb::Decision {
+    fn decision(
+        &self,
+        r: &pb::AuthorizeRequest,
+        c: &Checked,
+        ledger_seq: u64,
+        d: &rules::RuleDecision,
+    ) -> pb::Decision {
         pb::Decision {
             decision_id: decision_id(r, &c.args_sha256),
             outcome: match d.verdict {
@@ -95,7 +132,10 @@ fn unimplemented(what: &str) -> Status {
 
 #[tonic::async_trait]
 impl pb::policy_server::Policy for PolicyService {
-    async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
+    async fn authorize(
+        &self,
+        req: Request<pb::AuthorizeRequest>,
+    ) -> Result<Response<pb::AuthorizeResponse>, Status> {
         let r = req.into_inner();
         let checked = validate(&r)?;
         let rule = rules::decide(&self.config, &r.tenant, &r.tool);
@@ -130,15 +170,30 @@ impl pb::policy_server::Policy for PolicyService {
             .map_err(|s| match s.code() {
                 // Fencing and tenancy refusals pass through unchanged (with their details).
                 Code::NotFound | Code::FailedPrecondition | Code::InvalidArgument => s,
-                _ => Status::unavailable(format!("decision could not be recorded in the ledger (failing closed): {}", s.message())),
+                _ => Status::unavailable(format!(
+                    "decision could not be recorded in the ledger (failing closed): {}",
+                    s.message()
+                )),
             })?
             .into_inner();
-        let event = appended.event.ok_or_else(|| Status::internal("ledger returned no event"))?;
+        let event = appended
+            .event
+            .ok_or_else(|| Status::internal("ledger returned no event"))?;
         // A retried request gets the decision recorded the first time.
         let recorded: Value = serde_json::from_str(&event.payload_json).unwrap_or_default();
-        let text = |k: &str| recorded.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+        let text = |k: &str| {
+            recorded
+                .get(k)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string()
+        };
         let rule = rules::RuleDecision {
-            verdict: if text("outcome") == "allow" { Verdict::Allow } else { Verdict::Deny },
+            verdict: if text("outcome") == "allow" {
+                Verdict::Allow
+            } else {
+                Verdict::Deny
+            },
             rule_id: text("rule_id"),
             reason: text("reason"),
         };
@@ -164,25 +219,45 @@ impl pb::policy_server::Policy for PolicyService {
                 },
                 &self.key,
             );
-            pb::SignedAuthorization { claims_json: signed.claims_json, signature: signed.signature, key_id: signed.key_id }
+            pb::SignedAuthorization {
+                claims_json: signed.claims_json,
+                signature: signed.signature,
+                key_id: signed.key_id,
+            }
         });
-        Ok(Response::new(pb::AuthorizeResponse { decision: Some(decision), authorization }))
+        Ok(Response::new(pb::AuthorizeResponse {
+            decision: Some(decision),
+            authorization,
+        }))
     }
 
-    async fn get_verification_keys(&self, _: Request<pb::GetVerificationKeysRequest>) -> Result<Response<pb::GetVerificationKeysResponse>, Status> {
+    async fn get_verification_keys(
+        &self,
+        _: Request<pb::GetVerificationKeysRequest>,
+    ) -> Result<Response<pb::GetVerificationKeysResponse>, Status> {
         let keys = self
             .published
             .iter()
-            .map(|k| pb::VerificationKey { key_id: k.key_id.clone(), public_key: k.key.as_bytes().to_vec(), current: k.current })
+            .map(|k| pb::VerificationKey {
+                key_id: k.key_id.clone(),
+                public_key: k.key.as_bytes().to_vec(),
+                current: k.current,
+            })
             .collect();
         Ok(Response::new(pb::GetVerificationKeysResponse { keys }))
     }
 
-    async fn record_cost(&self, _: Request<pb::RecordCostRequest>) -> Result<Response<pb::RecordCostResponse>, Status> {
+    async fn record_cost(
+        &self,
+        _: Request<pb::RecordCostRequest>,
+    ) -> Result<Response<pb::RecordCostResponse>, Status> {
         Err(unimplemented("Policy.RecordCost"))
     }
 
-    async fn check(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::Decision>, Status> {
+    async fn check(
+        &self,
+        req: Request<pb::AuthorizeRequest>,
+    ) -> Result<Response<pb::Decision>, Status> {
         let r = req.into_inner();
         let checked = validate(&r)?;
         let rule = rules::decide(&self.config, &r.tenant, &r.tool);
@@ -196,16 +271,28 @@ pub struct CapabilitiesService;
 
 #[tonic::async_trait]
 impl pb::capabilities_server::Capabilities for CapabilitiesService {
-    async fn issue(&self, _: Request<pb::IssueCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+    async fn issue(
+        &self,
+        _: Request<pb::IssueCapabilityRequest>,
+    ) -> Result<Response<pb::Capability>, Status> {
         Err(unimplemented("Capabilities.Issue"))
     }
-    async fn revoke(&self, _: Request<pb::RevokeCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+    async fn revoke(
+        &self,
+        _: Request<pb::RevokeCapabilityRequest>,
+    ) -> Result<Response<pb::Capability>, Status> {
         Err(unimplemented("Capabilities.Revoke"))
     }
-    async fn get(&self, _: Request<pb::GetCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+    async fn get(
+        &self,
+        _: Request<pb::GetCapabilityRequest>,
+    ) -> Result<Response<pb::Capability>, Status> {
         Err(unimplemented("Capabilities.Get"))
     }
-    async fn list(&self, _: Request<pb::ListCapabilitiesRequest>) -> Result<Response<pb::ListCapabilitiesResponse>, Status> {
+    async fn list(
+        &self,
+        _: Request<pb::ListCapabilitiesRequest>,
+    ) -> Result<Response<pb::ListCapabilitiesResponse>, Status> {
         Err(unimplemented("Capabilities.List"))
     }
 }
@@ -216,20 +303,35 @@ pub struct ApprovalsService;
 
 #[tonic::async_trait]
 impl pb::approvals_server::Approvals for ApprovalsService {
-    async fn list(&self, _: Request<pb::ListApprovalsRequest>) -> Result<Response<pb::ListApprovalsResponse>, Status> {
+    async fn list(
+        &self,
+        _: Request<pb::ListApprovalsRequest>,
+    ) -> Result<Response<pb::ListApprovalsResponse>, Status> {
         Err(unimplemented("Approvals.List"))
     }
-    async fn get(&self, _: Request<pb::GetApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+    async fn get(
+        &self,
+        _: Request<pb::GetApprovalRequest>,
+    ) -> Result<Response<pb::Approval>, Status> {
         Err(unimplemented("Approvals.Get"))
     }
-    async fn approve(&self, _: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+    async fn approve(
+        &self,
+        _: Request<pb::ResolveApprovalRequest>,
+    ) -> Result<Response<pb::Approval>, Status> {
         Err(unimplemented("Approvals.Approve"))
     }
-    async fn deny(&self, _: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+    async fn deny(
+        &self,
+        _: Request<pb::ResolveApprovalRequest>,
+    ) -> Result<Response<pb::Approval>, Status> {
         Err(unimplemented("Approvals.Deny"))
     }
     type WatchStream = tokio_stream::Empty<Result<pb::Approval, Status>>;
-    async fn watch(&self, _: Request<pb::WatchApprovalsRequest>) -> Result<Response<Self::WatchStream>, Status> {
+    async fn watch(
+        &self,
+        _: Request<pb::WatchApprovalsRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
         Err(unimplemented("Approvals.Watch"))
     }
 }

@@ -91,7 +91,8 @@ fn run_from_row(r: &AnyRow) -> Result<RunRow, LedgerError> {
     Ok(RunRow {
         run_id: r.try_get("run_id")?,
         tenant: r.try_get("tenant")?,
-        status: RunStatus::parse(&status).ok_or_else(|| LedgerError::Internal(format!("unknown stored status '{status}'")))?,
+        status: RunStatus::parse(&status)
+            .ok_or_else(|| LedgerError::Internal(format!("unknown stored status '{status}'")))?,
         reason: r.try_get("reason")?,
         plan_json: r.try_get("plan_json")?,
         goal: r.try_get("goal")?,
@@ -126,18 +127,33 @@ pub fn event_from_row(r: &AnyRow) -> Result<ChainedEvent, LedgerError> {
 }
 
 fn sqlite_url(url: &str) -> Result<String, LedgerError> {
-    let path = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
+    let path = url
+        .trim_start_matches("sqlite://")
+        .trim_start_matches("sqlite:");
     let file = path.split('?').next().unwrap_or_default();
     if file.is_empty() {
-        return Err(LedgerError::invalid("ledger.database_url", "sqlite URL has no file path"));
+        return Err(LedgerError::invalid(
+            "ledger.database_url",
+            "sqlite URL has no file path",
+        ));
     }
     if file != ":memory:" {
-        if let Some(dir) = std::path::Path::new(file).parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| LedgerError::Unavailable(format!("cannot create {}: {e}", dir.display())))?;
+        if let Some(dir) = std::path::Path::new(file)
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+        {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                LedgerError::Unavailable(format!("cannot create {}: {e}", dir.display()))
+            })?;
         }
     }
-    Ok(if path.contains("mode=") { format!("sqlite://{path}") } else if path.contains('?') { format!("sqlite://{path}&mode=rwc") } else { format!("sqlite://{path}?mode=rwc") })
+    Ok(if path.contains("mode=") {
+        format!("sqlite://{path}")
+    } else if path.contains('?') {
+        format!("sqlite://{path}&mode=rwc")
+    } else {
+        format!("sqlite://{path}?mode=rwc")
+    })
 }
 
 impl LedgerStore {
@@ -174,7 +190,10 @@ impl LedgerStore {
             Backend::Sqlite => &SQLITE_MIGRATIONS,
             Backend::Postgres => &POSTGRES_MIGRATIONS,
         };
-        migrator.run(&pool).await.map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
+        migrator
+            .run(&pool)
+            .await
+            .map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
         Ok(LedgerStore { pool, backend })
     }
 
@@ -190,11 +209,15 @@ impl LedgerStore {
     /// the same `(tenant, idempotency_key)` created (`true` = deduplicated).
     pub async fn create_run(&self, new: NewRun<'_>) -> Result<(RunRow, bool), LedgerError> {
         if !new.idempotency_key.is_empty() {
-            if let Some(run) = self.run_by_submit_key(new.tenant, new.idempotency_key).await? {
+            if let Some(run) = self
+                .run_by_submit_key(new.tenant, new.idempotency_key)
+                .await?
+            {
                 return Ok((run, true));
             }
         }
-        let mut payload = serde_json::json!({"tenant": new.tenant, "cancel_policy": new.cancel_policy});
+        let mut payload =
+            serde_json::json!({"tenant": new.tenant, "cancel_policy": new.cancel_policy});
         if let Some(plan) = new.plan {
             payload["plan"] = plan.clone();
         }
@@ -214,7 +237,10 @@ impl LedgerStore {
             },
             GENESIS_HASH,
         );
-        let plan_json = new.plan.map(warden_core::canonical_json).unwrap_or_default();
+        let plan_json = new
+            .plan
+            .map(warden_core::canonical_json)
+            .unwrap_or_default();
         let submit_key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
         let mut tx = self.pool.begin().await?;
         let inserted = sqlx::query(
@@ -244,24 +270,44 @@ impl LedgerStore {
         }
         insert_event(&mut tx, &first).await?;
         tx.commit().await?;
-        let run = self.get_run(new.run_id).await?.ok_or_else(|| LedgerError::Internal("created run vanished".into()))?;
+        let run = self
+            .get_run(new.run_id)
+            .await?
+            .ok_or_else(|| LedgerError::Internal("created run vanished".into()))?;
         Ok((run, false))
     }
 
-    async fn run_by_submit_key(&self, tenant: &str, key: &str) -> Result<Option<RunRow>, LedgerError> {
+    async fn run_by_submit_key(
+        &self,
+        tenant: &str,
+        key: &str,
+    ) -> Result<Option<RunRow>, LedgerError> {
         let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND submit_key = $2");
-        let row = sqlx::query(&sql).bind(tenant).bind(key).fetch_optional(&self.pool).await?;
+        let row = sqlx::query(&sql)
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(run_from_row).transpose()
     }
 
     pub async fn get_run(&self, run_id: &str) -> Result<Option<RunRow>, LedgerError> {
         let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $1");
-        let row = sqlx::query(&sql).bind(run_id).fetch_optional(&self.pool).await?;
+        let row = sqlx::query(&sql)
+            .bind(run_id)
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(run_from_row).transpose()
     }
 
     /// Runs ordered by id, after `after` (exclusive), optionally for one tenant and statuses.
-    pub async fn list_runs(&self, tenant: Option<&str>, statuses: &[RunStatus], after: &str, limit: u32) -> Result<Vec<RunRow>, LedgerError> {
+    pub async fn list_runs(
+        &self,
+        tenant: Option<&str>,
+        statuses: &[RunStatus],
+        after: &str,
+        limit: u32,
+    ) -> Result<Vec<RunRow>, LedgerError> {
         let mut sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id > $1");
         let mut n = 1;
         if tenant.is_some() {
@@ -269,7 +315,9 @@ impl LedgerStore {
             sql.push_str(&format!(" AND tenant = ${n}"));
         }
         if !statuses.is_empty() {
-            let marks: Vec<String> = (0..statuses.len()).map(|i| format!("${}", n + 1 + i)).collect();
+            let marks: Vec<String> = (0..statuses.len())
+                .map(|i| format!("${}", n + 1 + i))
+                .collect();
             sql.push_str(&format!(" AND status IN ({})", marks.join(", ")));
         }
         sql.push_str(&format!(" ORDER BY run_id LIMIT {limit}"));
@@ -280,13 +328,28 @@ impl LedgerStore {
         for s in statuses {
             q = q.bind(s.as_str());
         }
-        q.fetch_all(&self.pool).await?.iter().map(run_from_row).collect()
+        q.fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(run_from_row)
+            .collect()
     }
 
     /// Events with `seq > since_seq`, at most `limit`, in order.
-    pub async fn events(&self, run_id: &str, since_seq: u64, limit: u32) -> Result<Vec<ChainedEvent>, LedgerError> {
-        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}");
-        let rows = sqlx::query(&sql).bind(run_id).bind(since_seq as i64).fetch_all(&self.pool).await?;
+    pub async fn events(
+        &self,
+        run_id: &str,
+        since_seq: u64,
+        limit: u32,
+    ) -> Result<Vec<ChainedEvent>, LedgerError> {
+        let sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(run_id)
+            .bind(since_seq as i64)
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(event_from_row).collect()
     }
 
@@ -300,32 +363,57 @@ impl LedgerStore {
         .bind(new.run_id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some(head) = head else { return Err(LedgerError::NotFound(format!("run '{}'", new.run_id))) };
+        let Some(head) = head else {
+            return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
+        };
         let tenant: String = head.try_get("tenant")?;
         if tenant != new.tenant {
             return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
         }
-        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND idempotency_key = $2");
-        if let Some(existing) = sqlx::query(&sql).bind(new.run_id).bind(new.idempotency_key).fetch_optional(&mut *tx).await? {
+        let sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND idempotency_key = $2"
+        );
+        if let Some(existing) = sqlx::query(&sql)
+            .bind(new.run_id)
+            .bind(new.idempotency_key)
+            .fetch_optional(&mut *tx)
+            .await?
+        {
             let existing = event_from_row(&existing)?;
             if existing.body.event_type != new.event_type || existing.body.step_id != new.step_id {
                 return Err(LedgerError::invalid(
                     "idempotency_key",
-                    format!("already used by a {} event of step '{}'", existing.body.event_type, existing.body.step_id),
+                    format!(
+                        "already used by a {} event of step '{}'",
+                        existing.body.event_type, existing.body.step_id
+                    ),
                 ));
             }
             return Ok((existing, true));
         }
         let max_epoch = head.try_get::<i64, _>("max_epoch")? as u64;
         if new.epoch < max_epoch {
-            return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch });
+            return Err(LedgerError::Fenced {
+                epoch: new.epoch,
+                max_epoch,
+            });
         }
         let status: String = head.try_get("status")?;
         if RunStatus::parse(&status).is_some_and(RunStatus::is_terminal) {
-            return Err(LedgerError::Precondition(format!("run '{}' is {status}; it accepts no more events", new.run_id)));
+            return Err(LedgerError::Precondition(format!(
+                "run '{}' is {status}; it accepts no more events",
+                new.run_id
+            )));
         }
         if events::NEEDS_ALLOW.contains(&new.event_type) {
-            check_cited_allow(&mut tx, new.run_id, new.step_id, &new.payload, new.event_type).await?;
+            check_cited_allow(
+                &mut tx,
+                new.run_id,
+                new.step_id,
+                &new.payload,
+                new.event_type,
+            )
+            .await?;
         }
         let seq = head.try_get::<i64, _>("last_seq")? as u64;
         let prev_hash: String = head.try_get("head_hash")?;
@@ -344,7 +432,16 @@ impl LedgerStore {
         );
         insert_event(&mut tx, &event).await?;
         let (status, reason) = match events::status_after(new.event_type) {
-            Some(st) => (st.as_str().to_string(), event.body.payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string()),
+            Some(st) => (
+                st.as_str().to_string(),
+                event
+                    .body
+                    .payload
+                    .get("reason")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+            ),
             None => (status, String::new()),
         };
         let keep_reason = events::status_after(new.event_type).is_none();
@@ -367,7 +464,10 @@ impl LedgerStore {
     }
 }
 
-async fn insert_event(tx: &mut sqlx::Transaction<'_, sqlx::Any>, e: &ChainedEvent) -> Result<(), LedgerError> {
+async fn insert_event(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    e: &ChainedEvent,
+) -> Result<(), LedgerError> {
     sqlx::query(
         "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
@@ -395,18 +495,34 @@ async fn check_cited_allow(
     payload: &Value,
     event_type: &str,
 ) -> Result<(), LedgerError> {
-    let Some(decision_id) = payload.get("decision_id").and_then(Value::as_str).filter(|d| !d.is_empty()) else {
-        return Err(LedgerError::invalid("payload_json.decision_id", format!("a {event_type} event must cite the allow decision it acts on")));
+    let Some(decision_id) = payload
+        .get("decision_id")
+        .and_then(Value::as_str)
+        .filter(|d| !d.is_empty())
+    else {
+        return Err(LedgerError::invalid(
+            "payload_json.decision_id",
+            format!("a {event_type} event must cite the allow decision it acts on"),
+        ));
     };
     let row = sqlx::query("SELECT event_type, step_id, payload_json FROM events WHERE run_id = $1 AND idempotency_key = $2")
         .bind(run_id)
         .bind(events::decision_key(decision_id))
         .fetch_optional(&mut **tx)
         .await?;
-    let refused = |why: &str| Err(LedgerError::Precondition(format!("{event_type} for step '{step_id}' cites decision '{decision_id}', {why}")));
-    let Some(row) = row else { return refused("which is not recorded for this run") };
-    let (etype, dstep, dpayload): (String, String, String) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
-    let outcome = serde_json::from_str::<Value>(&dpayload).ok().and_then(|p| p.get("outcome").and_then(Value::as_str).map(str::to_string));
+    let refused = |why: &str| {
+        Err(LedgerError::Precondition(format!(
+            "{event_type} for step '{step_id}' cites decision '{decision_id}', {why}"
+        )))
+    };
+    let Some(row) = row else {
+        return refused("which is not recorded for this run");
+    };
+    let (etype, dstep, dpayload): (String, String, String) =
+        (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+    let outcome = serde_json::from_str::<Value>(&dpayload)
+        .ok()
+        .and_then(|p| p.get("outcome").and_then(Value::as_str).map(str::to_string));
     if etype != events::POLICY_DECISION || dstep != step_id {
         return refused("which is not a decision for this step");
     }
