@@ -137,8 +137,8 @@ fn sqlite_url(url: &str) -> Result<String, LedgerError> {
             "sqlite URL has no file path",
         ));
     }
-    if file != ":memory:" {
-        if let Some(dir) = std::path::Path::new(file)
+    if file != ":memory:"
+        && let Some(dir) = std::path::Path::new(file)
             .parent()
             .filter(|d| !d.as_os_str().is_empty())
         {
@@ -146,7 +146,6 @@ fn sqlite_url(url: &str) -> Result<String, LedgerError> {
                 LedgerError::Unavailable(format!("cannot create {}: {e}", dir.display()))
             })?;
         }
-    }
     Ok(if path.contains("mode=") {
         format!("sqlite://{path}")
     } else if path.contains('?') {
@@ -208,14 +207,13 @@ impl LedgerStore {
     /// Creates a run with its first event, or returns the run an earlier submission with
     /// the same `(tenant, idempotency_key)` created (`true` = deduplicated).
     pub async fn create_run(&self, new: NewRun<'_>) -> Result<(RunRow, bool), LedgerError> {
-        if !new.idempotency_key.is_empty() {
-            if let Some(run) = self
+        if !new.idempotency_key.is_empty()
+            && let Some(run) = self
                 .run_by_submit_key(new.tenant, new.idempotency_key)
                 .await?
             {
                 return Ok((run, true));
             }
-        }
         let mut payload =
             serde_json::json!({"tenant": new.tenant, "cancel_policy": new.cancel_policy});
         if let Some(plan) = new.plan {
@@ -261,11 +259,10 @@ impl LedgerStore {
         if let Err(e) = inserted {
             drop(tx);
             // A concurrent submission with the same key won the race: return its run.
-            if let (Some(key), true) = (submit_key, is_unique_violation(&e)) {
-                if let Some(run) = self.run_by_submit_key(new.tenant, key).await? {
+            if let (Some(key), true) = (submit_key, is_unique_violation(&e))
+                && let Some(run) = self.run_by_submit_key(new.tenant, key).await? {
                     return Ok((run, true));
                 }
-            }
             return Err(e.into());
         }
         insert_event(&mut tx, &first).await?;
