@@ -222,3 +222,60 @@ async fn a_killed_executor_loses_no_run_and_repeats_no_completed_step() {
     );
     assert!(verify(&mut ledger, "acme", &id).await.valid);
 }
+
+#[tokio::test]
+async fn every_server_serves_health_and_reflection() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus};
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+    let mesh = mesh_on(Backend::Sqlite).await;
+    let cases = [
+        (&mesh.ledger, "warden.v1.Ledger"),
+        (&mesh.policy, "warden.v1.Policy"),
+        (&mesh.tools, "warden.v1.ToolHost"),
+        (&mesh.planner, "warden.v1.Planner"),
+        (&mesh.executors[0], "warden.v1.Runs"),
+    ];
+    for (process, service) in cases {
+        let mut health = HealthClient::new(process.channel());
+        for name in ["", service] {
+            let status = health
+                .check(HealthCheckRequest {
+                    service: name.into(),
+                })
+                .await
+                .expect("health")
+                .into_inner()
+                .status();
+            assert_eq!(status, ServingStatus::Serving, "{} '{name}'", process.name);
+        }
+        let mut reflection = ServerReflectionClient::new(process.channel());
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut responses = reflection
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await
+            .expect("reflection")
+            .into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) = responses
+            .message()
+            .await
+            .expect("answer")
+            .and_then(|r| r.message_response)
+        else {
+            panic!("{} answered no service list", process.name);
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        assert!(
+            names.iter().any(|n| n == service),
+            "{} lists {names:?}",
+            process.name
+        );
+    }
+}

@@ -47,9 +47,10 @@ impl ToolCatalog {
     pub async fn tools(&self) -> Result<Tools, Status> {
         let mut cached = self.cached.lock().await;
         if let Some((at, tools)) = cached.as_ref()
-            && at.elapsed() < TTL {
-                return Ok(tools.clone());
-            }
+            && at.elapsed() < TTL
+        {
+            return Ok(tools.clone());
+        }
         let mut tools = HashMap::new();
         for (i, host) in self.hosts.iter().enumerate() {
             let listed = host

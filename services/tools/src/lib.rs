@@ -71,9 +71,10 @@ impl ToolHostService {
         let mut map = self.keys.write().unwrap_or_else(|p| p.into_inner());
         for k in keys {
             if let Ok(bytes) = <[u8; 32]>::try_from(k.public_key.as_slice())
-                && let Ok(vk) = VerifyingKey::from_bytes(&bytes) {
-                    map.insert(k.key_id, vk);
-                }
+                && let Ok(vk) = VerifyingKey::from_bytes(&bytes)
+            {
+                map.insert(k.key_id, vk);
+            }
         }
         Ok(())
     }

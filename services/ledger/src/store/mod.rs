@@ -141,11 +141,11 @@ fn sqlite_url(url: &str) -> Result<String, LedgerError> {
         && let Some(dir) = std::path::Path::new(file)
             .parent()
             .filter(|d| !d.as_os_str().is_empty())
-        {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                LedgerError::Unavailable(format!("cannot create {}: {e}", dir.display()))
-            })?;
-        }
+    {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            LedgerError::Unavailable(format!("cannot create {}: {e}", dir.display()))
+        })?;
+    }
     Ok(if path.contains("mode=") {
         format!("sqlite://{path}")
     } else if path.contains('?') {
@@ -211,9 +211,9 @@ impl LedgerStore {
             && let Some(run) = self
                 .run_by_submit_key(new.tenant, new.idempotency_key)
                 .await?
-            {
-                return Ok((run, true));
-            }
+        {
+            return Ok((run, true));
+        }
         let mut payload =
             serde_json::json!({"tenant": new.tenant, "cancel_policy": new.cancel_policy});
         if let Some(plan) = new.plan {
@@ -260,9 +260,10 @@ impl LedgerStore {
             drop(tx);
             // A concurrent submission with the same key won the race: return its run.
             if let (Some(key), true) = (submit_key, is_unique_violation(&e))
-                && let Some(run) = self.run_by_submit_key(new.tenant, key).await? {
-                    return Ok((run, true));
-                }
+                && let Some(run) = self.run_by_submit_key(new.tenant, key).await?
+            {
+                return Ok((run, true));
+            }
             return Err(e.into());
         }
         insert_event(&mut tx, &first).await?;
