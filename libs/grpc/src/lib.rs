@@ -3,6 +3,7 @@
 //! connected channels.
 
 pub mod catalog;
+pub mod launch;
 
 use std::future::Future;
 use std::net::SocketAddr;
