@@ -39,6 +39,7 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     let mut c = base;
     let path = |f: &str| dir.join(f).display().to_string();
     c.ledger.database_url = format!("sqlite://{}", path("ledger.db"));
+    c.ledger.key_file = path("ledger.key");
     c.policy.key_file = path("policy.key");
     c.policy.ledger_endpoint = endpoint.into();
     if c.policy.tenants.is_empty() {

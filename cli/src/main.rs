@@ -2,6 +2,7 @@
 
 mod bench;
 mod dev;
+mod ledger;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -38,6 +39,9 @@ enum Command {
     /// Submit and inspect runs.
     #[command(subcommand)]
     Run(run::RunCommand),
+    /// Work with ledger exports offline.
+    #[command(subcommand)]
+    Ledger(ledger::LedgerCommand),
     /// Measure step latency and throughput (dev shape, and production shape with separate
     /// processes, PostgreSQL and Redis).
     Bench(bench::BenchArgs),
@@ -64,6 +68,7 @@ async fn main() {
         Command::Dev(args) => dev::run(args).await,
         Command::Run(cmd) => run::run(&target, cmd).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Ledger(cmd) => ledger::run(cmd),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -40,6 +40,26 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Run ids of the tenant, one per line (newest last), optionally by status.
+    List {
+        /// Only runs in these statuses (pending, active, completed, failed, …).
+        #[arg(long = "status")]
+        statuses: Vec<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// One receipt per tool call outcome: `seq<TAB>step<TAB>attempt<TAB>status<TAB>tool<TAB>decision<TAB>receipt_id`.
+    Receipts {
+        run_id: String,
+        #[arg(long)]
+        step: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the run (events, receipts, signed head) as JSON Lines to stdout, for offline verification.
+    Export { run_id: String },
     /// Recompute the run's hash chain: prints `valid` (exit 0) or `invalid` with the first bad seq (exit 1).
     VerifyLedger {
         run_id: String,
@@ -280,6 +300,9 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
             Ok(0)
         }
         RunCommand::VerifyLedger { run_id, json } => verify(target, &run_id, json).await,
+        RunCommand::List { statuses, limit, json } => list(target, &statuses, limit, json).await,
+        RunCommand::Receipts { run_id, step, json } => receipts(target, &run_id, step, json).await,
+        RunCommand::Export { run_id } => export(target, &run_id).await,
     }
 }
 
@@ -295,4 +318,126 @@ pub async fn demo(target: &Target, plan: &Path) -> anyhow::Result<()> {
     print!("\nledger verification: ");
     verify(target, &run_id, false).await?;
     Ok(())
+}
+
+async fn list(target: &Target, statuses: &[String], limit: u32, as_json: bool) -> anyhow::Result<i32> {
+    let statuses = statuses
+        .iter()
+        .map(|s| {
+            warden_core::events::RunStatus::parse(s)
+                .map(|st| warden_grpc::convert::status_to_proto(st) as i32)
+                .ok_or_else(|| anyhow::anyhow!("unknown status '{s}'"))
+        })
+        .collect::<anyhow::Result<Vec<i32>>>()?;
+    let page = runs_client(&target.endpoint)
+        .await?
+        .list_runs(pb::ListRunsRequest { tenant: target.tenant.clone(), statuses, page_size: limit, page_token: String::new() })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+        .into_inner();
+    for r in page.runs {
+        if as_json {
+            println!("{}", json!({"run_id": r.run_id, "status": status_name(r.status), "reason": r.reason, "last_seq": r.last_seq, "created_at_ms": r.created_at_ms}));
+        } else {
+            println!("{}", r.run_id);
+        }
+    }
+    Ok(0)
+}
+
+async fn receipts(target: &Target, run_id: &str, step: Option<String>, as_json: bool) -> anyhow::Result<i32> {
+    let list = ledger_client(&target.ledger_endpoint)
+        .await?
+        .list_receipts(pb::ListReceiptsRequest { tenant: target.tenant.clone(), run_id: run_id.into(), step_id: step.unwrap_or_default() })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+        .into_inner();
+    for r in list.receipts {
+        if as_json {
+            println!(
+                "{}",
+                json!({"receipt_id": r.receipt_id, "run_id": r.run_id, "step_id": r.step_id, "attempt": r.attempt, "seq": r.seq,
+                       "status": r.status, "reason": r.reason, "action_type": r.action_type, "policy_decision": r.policy_decision,
+                       "capability_id": r.capability_id, "tx_id": r.tx_id, "trace_id": r.trace_id, "span_id": r.span_id,
+                       "job_id": r.job_id, "timestamp_ms": r.timestamp_ms, "event_hash": r.event_hash, "hash": r.hash})
+            );
+        } else {
+            println!("{}\t{}\t{}\t{}\t{}\t{}\t{}", r.seq, r.step_id, r.attempt, r.status, r.action_type, r.policy_decision, r.receipt_id);
+        }
+    }
+    Ok(0)
+}
+
+/// Export: the signed head is read first and the events cut at its seq, so the file is a
+/// consistent snapshot even while the run is still moving.
+async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
+    use std::io::Write;
+    use warden_core::export::{FORMAT, Header, Line, SignedHeadLine};
+    let mut ledger = ledger_client(&target.ledger_endpoint).await?;
+    let err = |s: tonic::Status| anyhow::anyhow!("{}", describe(&s));
+    let head = ledger
+        .get_signed_head(pb::GetSignedHeadRequest { tenant: target.tenant.clone(), run_id: run_id.into() })
+        .await
+        .map_err(err)?
+        .into_inner();
+    let run = ledger
+        .get_run(pb::GetLedgerRunRequest { tenant: target.tenant.clone(), run_id: run_id.into() })
+        .await
+        .map_err(err)?
+        .into_inner();
+    let out = std::io::stdout();
+    let mut out = std::io::BufWriter::new(out.lock());
+    let mut emit = |line: &Line| -> anyhow::Result<()> { Ok(writeln!(out, "{}", serde_json::to_string(line)?)?) };
+    emit(&Line::Header(Header {
+        format: FORMAT.into(),
+        run_id: run.run_id.clone(),
+        tenant: run.tenant.clone(),
+        status: status_name(run.status).into(),
+        exported_at_ms: warden_grpc::now_ms(),
+    }))?;
+    let mut stream = ledger
+        .stream_events(pb::StreamEventsRequest { tenant: target.tenant.clone(), run_id: run_id.into(), since_seq: 0, follow: false })
+        .await
+        .map_err(err)?
+        .into_inner();
+    while let Some(e) = stream.message().await.map_err(err)? {
+        if e.seq > head.seq {
+            break;
+        }
+        emit(&Line::Event(warden_grpc::convert::event_from_proto(&e)))?;
+    }
+    let receipts = ledger
+        .list_receipts(pb::ListReceiptsRequest { tenant: target.tenant.clone(), run_id: run_id.into(), step_id: String::new() })
+        .await
+        .map_err(err)?
+        .into_inner();
+    for r in receipts.receipts.into_iter().filter(|r| r.seq <= head.seq) {
+        emit(&Line::Receipt(warden_core::receipt::Receipt {
+            receipt_id: r.receipt_id,
+            run_id: r.run_id,
+            step_id: r.step_id,
+            attempt: r.attempt,
+            seq: r.seq,
+            trace_id: r.trace_id,
+            span_id: r.span_id,
+            job_id: r.job_id,
+            tx_id: r.tx_id,
+            capability_id: r.capability_id,
+            policy_decision: r.policy_decision,
+            action_type: r.action_type,
+            timestamp_ms: r.timestamp_ms,
+            status: r.status,
+            reason: r.reason,
+            event_hash: r.event_hash,
+            hash: r.hash,
+        }))?;
+    }
+    emit(&Line::Head(SignedHeadLine {
+        head: warden_core::head::Head { run_id: head.run_id, seq: head.seq, hash: head.hash },
+        signature: hex::encode(head.signature),
+        key_id: head.key_id,
+        public_key: hex::encode(head.public_key),
+    }))?;
+    out.flush()?;
+    Ok(0)
 }

@@ -46,6 +46,8 @@ pub struct LedgerConfig {
     pub max_connections: u32,
     /// Largest accepted event payload or plan, in bytes.
     pub max_payload_bytes: usize,
+    /// Ed25519 seed (hex) the ledger signs chain heads with; created 0600 when missing.
+    pub key_file: String,
 }
 
 impl Default for LedgerConfig {
@@ -55,6 +57,7 @@ impl Default for LedgerConfig {
             database_url: "sqlite://.warden/ledger.db".into(),
             max_connections: 16,
             max_payload_bytes: 1 << 20,
+            key_file: ".warden/ledger.key".into(),
         }
     }
 }

@@ -8,8 +8,11 @@ pub mod auth;
 pub mod canonical;
 pub mod chain;
 pub mod events;
+pub mod export;
 pub mod ids;
+pub mod head;
 pub mod plan;
+pub mod receipt;
 pub mod run;
 pub mod template;
 

@@ -3,6 +3,7 @@
 //! connected channels.
 
 pub mod catalog;
+pub mod keyfile;
 pub mod launch;
 
 use std::future::Future;

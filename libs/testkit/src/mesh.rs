@@ -207,7 +207,7 @@ pub struct Mesh {
 
 fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
     let mut s = String::new();
-    s.push_str(&format!("[ledger]\ndatabase_url = \"{database_url}\"\n\n"));
+    s.push_str(&format!("[ledger]\ndatabase_url = \"{database_url}\"\nkey_file = \"{}\"\n\n", dir.join("ledger.key").display()));
     s.push_str(&format!(
         "[policy]\nkey_file = \"{}\"\n\n",
         dir.join("policy.key").display()

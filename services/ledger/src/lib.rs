@@ -18,7 +18,9 @@ pub use store::LedgerStore;
 
 /// Opens the store named by the configuration (running its migrations).
 pub async fn open(config: &LedgerConfig) -> Result<LedgerService, LedgerError> {
-    let store = LedgerStore::connect(&config.database_url, config.max_connections).await?;
+    let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))
+        .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
+    let store = LedgerStore::connect(&config.database_url, config.max_connections, key).await?;
     Ok(LedgerService::new(store, config.max_payload_bytes))
 }
 

@@ -8,7 +8,9 @@ use serde_json::Value;
 use tokio::sync::Notify;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
-use warden_core::chain::ChainVerifier;
+use warden_core::chain::{ChainBreak, ChainVerifier, ChainedEvent};
+use warden_core::head::Head;
+use warden_core::receipt::{Receipt, receipt_for};
 use warden_core::events::{self, RunStatus};
 use warden_core::ids::{check_id, check_step_id};
 use warden_grpc::convert::{event_to_proto, status_to_proto, statuses};
@@ -136,27 +138,34 @@ impl LedgerService {
 
     /// Recomputes the chain of a run page by page and checks the run's recorded head.
     pub async fn verify(&self, run: &RunRow) -> Result<pb::VerifyRunResponse, LedgerError> {
+        let invalid = |events: u64, first_bad_seq: u64, reason: String| pb::VerifyRunResponse {
+            valid: false,
+            events,
+            first_bad_seq,
+            reason,
+            head_hash: String::new(),
+        };
+        // Receipts are derived from outcome events: each must match its event, once.
+        let mut receipts: HashMap<u64, Receipt> =
+            self.store.receipts(&run.run_id, None).await?.into_iter().map(|r| (r.seq, r)).collect();
         let mut v = ChainVerifier::default();
         let mut since = 0;
         loop {
             let page = self.store.events(&run.run_id, since, PAGE).await?;
             let n = page.len();
             // Hashing a long chain is CPU work: keep it off the async workers.
-            let (verifier, result) = tokio::task::spawn_blocking(move || {
-                let r = page.iter().try_for_each(|e| v.push(e));
-                (v, r)
+            let (verifier, left, result) = tokio::task::spawn_blocking(move || {
+                let r = page.iter().try_for_each(|e| {
+                    v.push(e)?;
+                    check_receipt(e, &mut receipts)
+                });
+                (v, receipts, r)
             })
             .await
             .map_err(|e| LedgerError::Internal(e.to_string()))?;
-            v = verifier;
+            (v, receipts) = (verifier, left);
             if let Err(b) = result {
-                return Ok(pb::VerifyRunResponse {
-                    valid: false,
-                    events: v.verified(),
-                    first_bad_seq: b.seq,
-                    reason: b.reason,
-                    head_hash: String::new(),
-                });
+                return Ok(invalid(v.verified(), b.seq, b.reason));
             }
             since = v.verified();
             if n < PAGE as usize {
@@ -166,28 +175,57 @@ impl LedgerService {
         let (count, head) = (v.verified(), v.head().to_string());
         if count != run.last_seq || head != run.head_hash {
             let reason = if count < run.last_seq {
-                format!(
-                    "run records {} events but only {count} are stored",
-                    run.last_seq
-                )
+                format!("run records {} events but only {count} are stored", run.last_seq)
             } else {
                 "stored events do not end at the run's recorded head".to_string()
             };
-            return Ok(pb::VerifyRunResponse {
-                valid: false,
-                events: count,
-                first_bad_seq: count.min(run.last_seq) + 1,
-                reason,
-                head_hash: head,
-            });
+            return Ok(invalid(count, count.min(run.last_seq) + 1, reason));
         }
-        Ok(pb::VerifyRunResponse {
-            valid: true,
-            events: count,
-            first_bad_seq: 0,
-            reason: String::new(),
-            head_hash: head,
-        })
+        if let Some(seq) = receipts.keys().min() {
+            return Ok(invalid(count, *seq, "a receipt cites no outcome event".into()));
+        }
+        let signed = Head { run_id: run.run_id.clone(), seq: count, hash: head.clone() };
+        let signature = hex::decode(&run.head_signature).unwrap_or_default();
+        if !signed.verify(&signature, &self.store.verifying_key()) {
+            return Ok(invalid(count, count, "the chain head's signature does not verify".into()));
+        }
+        Ok(pb::VerifyRunResponse { valid: true, events: count, first_bad_seq: 0, reason: String::new(), head_hash: head })
+    }
+}
+
+/// Checks the stored receipt of an outcome event (and that a non-outcome event has none).
+fn check_receipt(e: &ChainedEvent, receipts: &mut HashMap<u64, Receipt>) -> Result<(), ChainBreak> {
+    let seq = e.body.seq;
+    let stored = receipts.remove(&seq);
+    let expected = receipt_for(e, stored.as_ref().map(|r| r.capability_id.as_str()).unwrap_or_default());
+    match (expected, stored) {
+        (None, None) => Ok(()),
+        (Some(x), Some(s)) if x == s => Ok(()),
+        (Some(_), None) => Err(ChainBreak { seq, reason: "tool call outcome has no receipt".into() }),
+        (None, Some(_)) => Err(ChainBreak { seq, reason: "receipt for an event that is no outcome".into() }),
+        (Some(_), Some(_)) => Err(ChainBreak { seq, reason: "receipt does not match its event".into() }),
+    }
+}
+
+fn receipt_to_proto(r: Receipt) -> pb::Receipt {
+    pb::Receipt {
+        receipt_id: r.receipt_id,
+        run_id: r.run_id,
+        trace_id: r.trace_id,
+        span_id: r.span_id,
+        job_id: r.job_id,
+        tx_id: r.tx_id,
+        capability_id: r.capability_id,
+        policy_decision: r.policy_decision,
+        action_type: r.action_type,
+        timestamp_ms: r.timestamp_ms,
+        status: r.status,
+        hash: r.hash,
+        step_id: r.step_id,
+        attempt: r.attempt,
+        seq: r.seq,
+        event_hash: r.event_hash,
+        reason: r.reason,
     }
 }
 
@@ -416,9 +454,31 @@ impl Ledger for LedgerService {
 
     async fn list_receipts(
         &self,
-        _: Request<pb::ListReceiptsRequest>,
+        req: Request<pb::ListReceiptsRequest>,
     ) -> Result<Response<pb::ListReceiptsResponse>, Status> {
-        Err(unimplemented("Ledger.ListReceipts"))
+        let r = req.into_inner();
+        let run = self.visible_run(&r.tenant, &r.run_id).await?;
+        let step = if r.step_id.is_empty() {
+            None
+        } else {
+            check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
+            Some(r.step_id.as_str())
+        };
+        let receipts = self.store.receipts(&run.run_id, step).await?;
+        Ok(Response::new(pb::ListReceiptsResponse { receipts: receipts.into_iter().map(receipt_to_proto).collect() }))
+    }
+
+    async fn get_signed_head(&self, req: Request<pb::GetSignedHeadRequest>) -> Result<Response<pb::SignedHead>, Status> {
+        let r = req.into_inner();
+        let run = self.visible_run(&r.tenant, &r.run_id).await?;
+        Ok(Response::new(pb::SignedHead {
+            run_id: run.run_id,
+            seq: run.last_seq,
+            hash: run.head_hash,
+            signature: hex::decode(&run.head_signature).unwrap_or_default(),
+            key_id: run.head_key_id,
+            public_key: self.store.verifying_key().as_bytes().to_vec(),
+        }))
     }
 
     async fn propose_state_delta(

@@ -3,7 +3,6 @@
 //! its `rule_id` and `reason` before answering, and signs allows as Ed25519
 //! authorizations bound to the exact call, which tool hosts verify before acting.
 
-pub mod keys;
 pub mod rules;
 pub mod server;
 
@@ -18,7 +17,7 @@ pub use server::PolicyService;
 
 /// Builds the service from configuration (loading or creating the signing key).
 pub fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
-    let key = keys::load_or_create(std::path::Path::new(&config.key_file))?;
+    let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))?;
     let ledger = warden_grpc::channel(&config.ledger_endpoint)?;
     Ok(PolicyService::new(config.clone(), key, ledger))
 }

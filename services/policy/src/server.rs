@@ -16,7 +16,7 @@ use warden_grpc::{invalid_field, now_ms};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 
-use crate::keys::PublishedKey;
+use warden_grpc::keyfile::PublishedKey;
 use crate::rules::{self, Verdict};
 
 /// Largest accepted argument document.

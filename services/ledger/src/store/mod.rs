@@ -8,12 +8,17 @@
 use std::str::FromStr;
 use std::time::Duration;
 
+use std::sync::Arc;
+
+use ed25519_dalek::SigningKey;
 use serde_json::Value;
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::migrate::Migrator;
 use sqlx::{AnyPool, Row};
 use warden_core::chain::{ChainedEvent, EventBody, GENESIS_HASH, link};
 use warden_core::events::{self, RunStatus};
+use warden_core::head::Head;
+use warden_core::receipt::{Receipt, receipt_for};
 
 use crate::error::LedgerError;
 
@@ -21,7 +26,7 @@ static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("migrations/postgres");
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("migrations/sqlite");
 
 /// Version of the schema contract, reported by `GetSchemaInfo`.
-pub const SCHEMA_VERSION: &str = "1";
+pub const SCHEMA_VERSION: &str = "2";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -52,6 +57,8 @@ pub struct RunRow {
     pub max_epoch: u64,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
+    pub head_signature: String,
+    pub head_key_id: String,
 }
 
 /// A run to create with its `run_submitted` event.
@@ -81,9 +88,12 @@ pub struct NewEvent<'a> {
 pub struct LedgerStore {
     pool: AnyPool,
     backend: Backend,
+    /// Signs every run's chain head as it moves.
+    key: Arc<SigningKey>,
 }
 
-const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms";
+const RUN_COLUMNS: &str =
+    "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
 const EVENT_COLUMNS: &str = "run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash";
 
 fn run_from_row(r: &AnyRow) -> Result<RunRow, LedgerError> {
@@ -102,6 +112,8 @@ fn run_from_row(r: &AnyRow) -> Result<RunRow, LedgerError> {
         max_epoch: r.try_get::<i64, _>("max_epoch")? as u64,
         created_at_ms: r.try_get("created_at_ms")?,
         updated_at_ms: r.try_get("updated_at_ms")?,
+        head_signature: r.try_get("head_signature")?,
+        head_key_id: r.try_get("head_key_id")?,
     })
 }
 
@@ -157,7 +169,7 @@ fn sqlite_url(url: &str) -> Result<String, LedgerError> {
 
 impl LedgerStore {
     /// Connects and runs the embedded migrations of the URL's backend.
-    pub async fn connect(url: &str, max_connections: u32) -> Result<LedgerStore, LedgerError> {
+    pub async fn connect(url: &str, max_connections: u32, key: SigningKey) -> Result<LedgerStore, LedgerError> {
         sqlx::any::install_default_drivers();
         let (backend, url) = if url.starts_with("sqlite:") {
             (Backend::Sqlite, sqlite_url(url)?)
@@ -193,7 +205,16 @@ impl LedgerStore {
             .run(&pool)
             .await
             .map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
-        Ok(LedgerStore { pool, backend })
+        Ok(LedgerStore { pool, backend, key: Arc::new(key) })
+    }
+
+    pub fn verifying_key(&self) -> ed25519_dalek::VerifyingKey {
+        self.key.verifying_key()
+    }
+
+    fn sign_head(&self, run_id: &str, seq: u64, hash: &str) -> (String, String) {
+        let (sig, key_id) = Head { run_id: run_id.to_string(), seq, hash: hash.to_string() }.sign(&self.key);
+        (hex::encode(sig), key_id)
     }
 
     pub fn backend(&self) -> Backend {
@@ -240,10 +261,12 @@ impl LedgerStore {
             .map(warden_core::canonical_json)
             .unwrap_or_default();
         let submit_key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
+        let (signature, key_id) = self.sign_head(new.run_id, 1, &first.hash);
         let mut tx = self.pool.begin().await?;
         let inserted = sqlx::query(
-            "INSERT INTO runs (run_id, tenant, status, reason, plan_json, goal, cancel_policy, submit_key, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms)
-             VALUES ($1, $2, $3, '', $4, $5, $6, $7, 1, $8, 0, $9, $9)",
+            "INSERT INTO runs (run_id, tenant, status, reason, plan_json, goal, cancel_policy, submit_key, last_seq, head_hash, max_epoch,
+                               created_at_ms, updated_at_ms, head_signature, head_key_id)
+             VALUES ($1, $2, $3, '', $4, $5, $6, $7, 1, $8, 0, $9, $9, $10, $11)",
         )
         .bind(new.run_id)
         .bind(new.tenant)
@@ -254,6 +277,8 @@ impl LedgerStore {
         .bind(submit_key)
         .bind(&first.hash)
         .bind(new.now_ms)
+        .bind(&signature)
+        .bind(&key_id)
         .execute(&mut *tx)
         .await;
         if let Err(e) = inserted {
@@ -403,8 +428,9 @@ impl LedgerStore {
                 new.run_id
             )));
         }
+        let mut capability_id = String::new();
         if events::NEEDS_ALLOW.contains(&new.event_type) {
-            check_cited_allow(
+            capability_id = check_cited_allow(
                 &mut tx,
                 new.run_id,
                 new.step_id,
@@ -429,6 +455,10 @@ impl LedgerStore {
             &prev_hash,
         );
         insert_event(&mut tx, &event).await?;
+        if let Some(receipt) = receipt_for(&event, &capability_id) {
+            insert_receipt(&mut tx, &receipt).await?;
+        }
+        let (signature, key_id) = self.sign_head(new.run_id, seq, &event.hash);
         let (status, reason) = match events::status_after(new.event_type) {
             Some(st) => (
                 st.as_str().to_string(),
@@ -445,7 +475,7 @@ impl LedgerStore {
         let keep_reason = events::status_after(new.event_type).is_none();
         sqlx::query(
             "UPDATE runs SET head_hash = $2, max_epoch = $3, status = $4,
-                 reason = CASE WHEN $5 = 1 THEN reason ELSE $6 END, updated_at_ms = $7
+                 reason = CASE WHEN $5 = 1 THEN reason ELSE $6 END, updated_at_ms = $7, head_signature = $8, head_key_id = $9
              WHERE run_id = $1",
         )
         .bind(new.run_id)
@@ -455,10 +485,80 @@ impl LedgerStore {
         .bind(keep_reason as i64)
         .bind(&reason)
         .bind(new.now_ms)
+        .bind(&signature)
+        .bind(&key_id)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
         Ok((event, false))
+    }
+
+    /// Receipts of a run (of one step when `step_id` is given), in seq order.
+    pub async fn receipts(&self, run_id: &str, step_id: Option<&str>) -> Result<Vec<Receipt>, LedgerError> {
+        let rows = match step_id {
+            Some(step) => {
+                sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 AND step_id = $2 ORDER BY seq")
+                    .bind(run_id)
+                    .bind(step)
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+            None => sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 ORDER BY seq").bind(run_id).fetch_all(&self.pool).await?,
+        };
+        rows.iter()
+            .map(|r| {
+                let body: String = r.try_get(0)?;
+                // A body that no longer parses was edited in the database; verification says so.
+                Ok(serde_json::from_str(&body).unwrap_or_else(|_| Receipt { receipt_id: body, ..empty_receipt(run_id) }))
+            })
+            .collect()
+    }
+}
+
+fn empty_receipt(run_id: &str) -> Receipt {
+    Receipt {
+        receipt_id: String::new(),
+        run_id: run_id.to_string(),
+        step_id: String::new(),
+        attempt: 0,
+        seq: 0,
+        trace_id: String::new(),
+        span_id: String::new(),
+        job_id: String::new(),
+        tx_id: String::new(),
+        capability_id: String::new(),
+        policy_decision: String::new(),
+        action_type: String::new(),
+        timestamp_ms: 0,
+        status: String::new(),
+        reason: String::new(),
+        event_hash: String::new(),
+        hash: String::new(),
+    }
+}
+
+async fn insert_receipt(tx: &mut sqlx::Transaction<'_, sqlx::Any>, r: &Receipt) -> Result<(), LedgerError> {
+    let inserted = sqlx::query(
+        "INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+    )
+    .bind(&r.receipt_id)
+    .bind(&r.run_id)
+    .bind(&r.step_id)
+    .bind(r.attempt as i64)
+    .bind(r.seq as i64)
+    .bind(warden_core::canonical_json(r))
+    .bind(&r.status)
+    .bind(&r.hash)
+    .execute(&mut **tx)
+    .await;
+    match inserted {
+        Ok(_) => Ok(()),
+        // K02: one receipt per call; a second outcome for the same attempt is refused.
+        Err(e) if is_unique_violation(&e) => Err(LedgerError::Precondition(format!(
+            "step '{}' attempt {} already has an outcome (receipt {})",
+            r.step_id, r.attempt, r.receipt_id
+        ))),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -492,7 +592,7 @@ async fn check_cited_allow(
     step_id: &str,
     payload: &Value,
     event_type: &str,
-) -> Result<(), LedgerError> {
+) -> Result<String, LedgerError> {
     let Some(decision_id) = payload
         .get("decision_id")
         .and_then(Value::as_str)
@@ -518,16 +618,15 @@ async fn check_cited_allow(
     };
     let (etype, dstep, dpayload): (String, String, String) =
         (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
-    let outcome = serde_json::from_str::<Value>(&dpayload)
-        .ok()
-        .and_then(|p| p.get("outcome").and_then(Value::as_str).map(str::to_string));
+    let decision: Value = serde_json::from_str(&dpayload).unwrap_or_default();
+    let field = |k: &str| decision.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
     if etype != events::POLICY_DECISION || dstep != step_id {
         return refused("which is not a decision for this step");
     }
-    if outcome.as_deref() != Some("allow") {
+    if field("outcome") != "allow" {
         return refused("which is not an allow");
     }
-    Ok(())
+    Ok(field("capability_id"))
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {

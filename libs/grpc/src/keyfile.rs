@@ -1,5 +1,5 @@
-//! The policy service's Ed25519 signing key: loaded from `policy.key_file` (hex seed), or
-//! created there with mode 0600 on first start.
+//! Ed25519 signing keys kept in files (the policy's authorization key, the ledger's head key):
+//! a hex seed, loaded from the configured path or created there with mode 0600 on first start.
 
 use std::io::Write;
 use std::path::Path;
@@ -8,7 +8,7 @@ use ed25519_dalek::{SigningKey, VerifyingKey};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
-    #[error("policy key file {path}: {reason}")]
+    #[error("key file {path}: {reason}")]
     File { path: String, reason: String },
 }
 

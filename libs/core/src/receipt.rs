@@ -1,0 +1,147 @@
+//! Receipts (SPEC-KERN-01 §5): exactly one per tool call outcome — ok, denied, error or
+//! cancelled — derived deterministically from the outcome event in the run's chain, so a
+//! receipt can always be recomputed and checked against the chain.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::canonical::{canonical_json, sha256_hex};
+use crate::chain::ChainedEvent;
+use crate::events;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Receipt {
+    pub receipt_id: String,
+    pub run_id: String,
+    pub step_id: String,
+    pub attempt: u32,
+    pub seq: u64,
+    pub trace_id: String,
+    pub span_id: String,
+    pub job_id: String,
+    pub tx_id: String,
+    pub capability_id: String,
+    pub policy_decision: String,
+    pub action_type: String,
+    pub timestamp_ms: i64,
+    pub status: String,
+    pub reason: String,
+    pub event_hash: String,
+    /// SHA-256 of the RFC 8785 JSON of every other field.
+    #[serde(default)]
+    pub hash: String,
+}
+
+/// W3C-sized trace id of a run (32 hex chars), stable for the run's whole life.
+pub fn trace_id(run_id: &str) -> String {
+    sha256_hex(run_id)[..32].to_string()
+}
+
+/// W3C-sized span id (16 hex chars) of one call attempt.
+pub fn span_id(run_id: &str, step_id: &str, attempt: u32) -> String {
+    sha256_hex(format!("{run_id}:{step_id}:{attempt}"))[..16].to_string()
+}
+
+fn text(p: &Value, k: &str) -> String {
+    p.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
+}
+
+/// The receipt an outcome event yields, if it is one. `capability_id` comes from the cited
+/// decision when the event itself does not carry one.
+pub fn receipt_for(event: &ChainedEvent, capability_id: &str) -> Option<Receipt> {
+    let b = &event.body;
+    let p = &b.payload;
+    let status = match b.event_type.as_str() {
+        events::TOOL_COMPLETED => "ok",
+        events::TOOL_FAILED => "error",
+        events::STEP_FAILED if text(p, "kind") == "policy_denied" => "denied",
+        events::STEP_FAILED => "error",
+        events::STEP_CANCELLED => "cancelled",
+        _ => return None,
+    };
+    let attempt = p.get("attempt").and_then(Value::as_u64).unwrap_or(1).max(1) as u32;
+    let mut cap = text(p, "capability_id");
+    if cap.is_empty() {
+        cap = capability_id.to_string();
+    }
+    let mut r = Receipt {
+        receipt_id: format!("rcpt-{}", &sha256_hex(format!("{}:{}:{attempt}", b.run_id, b.step_id))[..24]),
+        run_id: b.run_id.clone(),
+        step_id: b.step_id.clone(),
+        attempt,
+        seq: b.seq,
+        trace_id: trace_id(&b.run_id),
+        span_id: span_id(&b.run_id, &b.step_id, attempt),
+        job_id: b.run_id.clone(),
+        tx_id: text(p, "tx_id"),
+        capability_id: cap,
+        policy_decision: text(p, "decision_id"),
+        action_type: text(p, "tool"),
+        timestamp_ms: b.timestamp_ms,
+        status: status.to_string(),
+        reason: text(p, "reason"),
+        event_hash: event.hash.clone(),
+        hash: String::new(),
+    };
+    r.hash = sha256_hex(canonical_json(&r));
+    Some(r)
+}
+
+impl Receipt {
+    /// Whether `hash` matches the other fields.
+    pub fn hash_is_valid(&self) -> bool {
+        let mut unsigned = self.clone();
+        unsigned.hash = String::new();
+        sha256_hex(canonical_json(&unsigned)) == self.hash
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chain::{EventBody, GENESIS_HASH, link};
+    use serde_json::json;
+
+    fn ev(event_type: &str, payload: Value) -> ChainedEvent {
+        link(
+            EventBody {
+                run_id: "r".into(),
+                seq: 7,
+                event_type: event_type.into(),
+                payload,
+                step_id: "s".into(),
+                epoch: 1,
+                idempotency_key: "k".into(),
+                timestamp_ms: 5,
+            },
+            GENESIS_HASH,
+        )
+    }
+
+    #[test]
+    fn k02_each_outcome_kind_yields_one_receipt_with_its_status() {
+        let cases = [
+            (events::TOOL_COMPLETED, json!({"tool": "echo", "attempt": 1, "decision_id": "d"}), "ok"),
+            (events::TOOL_FAILED, json!({"tool": "echo", "attempt": 2, "reason": "boom"}), "error"),
+            (events::STEP_FAILED, json!({"kind": "policy_denied", "reason": "no"}), "denied"),
+            (events::STEP_FAILED, json!({"kind": "policy_unavailable"}), "error"),
+            (events::STEP_CANCELLED, json!({"reason": "dep"}), "cancelled"),
+        ];
+        for (t, p, status) in cases {
+            let r = receipt_for(&ev(t, p), "cap-1").expect("an outcome");
+            assert_eq!(r.status, status);
+            assert_eq!(r.capability_id, "cap-1");
+            assert!(r.hash_is_valid());
+            assert_eq!((r.trace_id.len(), r.span_id.len()), (32, 16));
+        }
+        assert!(receipt_for(&ev(events::TOOL_REQUESTED, json!({})), "").is_none());
+        assert!(receipt_for(&ev(events::POLICY_DECISION, json!({})), "").is_none());
+    }
+
+    #[test]
+    fn a_changed_receipt_field_breaks_its_hash() {
+        let mut r = receipt_for(&ev(events::TOOL_COMPLETED, json!({"tool": "echo"})), "").expect("receipt");
+        r.status = "error".into();
+        assert!(!r.hash_is_valid());
+    }
+}
