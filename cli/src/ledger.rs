@@ -26,11 +26,14 @@ pub fn run(cmd: LedgerCommand) -> anyhow::Result<i32> {
         LedgerCommand::VerifyFile { file, key, json } => {
             let pinned = key
                 .map(|k| -> anyhow::Result<VerifyingKey> {
-                    let bytes: [u8; 32] = hex::decode(k.trim())?.try_into().map_err(|_| anyhow::anyhow!("--key must be 32 bytes of hex"))?;
+                    let bytes: [u8; 32] = hex::decode(k.trim())?
+                        .try_into()
+                        .map_err(|_| anyhow::anyhow!("--key must be 32 bytes of hex"))?;
                     Ok(VerifyingKey::from_bytes(&bytes)?)
                 })
                 .transpose()?;
-            let f = std::fs::File::open(&file).with_context(|| format!("opening {}", file.display()))?;
+            let f = std::fs::File::open(&file)
+                .with_context(|| format!("opening {}", file.display()))?;
             let lines = std::io::BufReader::new(f).lines().map_while(Result::ok);
             match warden_core::export::verify(lines, pinned.as_ref()) {
                 Ok(r) if json => println!(
@@ -43,10 +46,17 @@ pub fn run(cmd: LedgerCommand) -> anyhow::Result<i32> {
                     r.events,
                     r.receipts,
                     r.key_id,
-                    if pinned.is_some() { " (pinned)" } else { " (key from the file; pin it with --key)" }
+                    if pinned.is_some() {
+                        " (pinned)"
+                    } else {
+                        " (key from the file; pin it with --key)"
+                    }
                 ),
                 Err(e) if json => {
-                    println!("{}", serde_json::json!({"valid": false, "line": e.line, "seq": e.seq, "reason": e.reason}));
+                    println!(
+                        "{}",
+                        serde_json::json!({"valid": false, "line": e.line, "seq": e.seq, "reason": e.reason})
+                    );
                     return Ok(1);
                 }
                 Err(e) => {

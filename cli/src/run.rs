@@ -300,7 +300,11 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
             Ok(0)
         }
         RunCommand::VerifyLedger { run_id, json } => verify(target, &run_id, json).await,
-        RunCommand::List { statuses, limit, json } => list(target, &statuses, limit, json).await,
+        RunCommand::List {
+            statuses,
+            limit,
+            json,
+        } => list(target, &statuses, limit, json).await,
         RunCommand::Receipts { run_id, step, json } => receipts(target, &run_id, step, json).await,
         RunCommand::Export { run_id } => export(target, &run_id).await,
     }
@@ -320,7 +324,12 @@ pub async fn demo(target: &Target, plan: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn list(target: &Target, statuses: &[String], limit: u32, as_json: bool) -> anyhow::Result<i32> {
+async fn list(
+    target: &Target,
+    statuses: &[String],
+    limit: u32,
+    as_json: bool,
+) -> anyhow::Result<i32> {
     let statuses = statuses
         .iter()
         .map(|s| {
@@ -331,13 +340,21 @@ async fn list(target: &Target, statuses: &[String], limit: u32, as_json: bool) -
         .collect::<anyhow::Result<Vec<i32>>>()?;
     let page = runs_client(&target.endpoint)
         .await?
-        .list_runs(pb::ListRunsRequest { tenant: target.tenant.clone(), statuses, page_size: limit, page_token: String::new() })
+        .list_runs(pb::ListRunsRequest {
+            tenant: target.tenant.clone(),
+            statuses,
+            page_size: limit,
+            page_token: String::new(),
+        })
         .await
         .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
         .into_inner();
     for r in page.runs {
         if as_json {
-            println!("{}", json!({"run_id": r.run_id, "status": status_name(r.status), "reason": r.reason, "last_seq": r.last_seq, "created_at_ms": r.created_at_ms}));
+            println!(
+                "{}",
+                json!({"run_id": r.run_id, "status": status_name(r.status), "reason": r.reason, "last_seq": r.last_seq, "created_at_ms": r.created_at_ms})
+            );
         } else {
             println!("{}", r.run_id);
         }
@@ -345,10 +362,19 @@ async fn list(target: &Target, statuses: &[String], limit: u32, as_json: bool) -
     Ok(0)
 }
 
-async fn receipts(target: &Target, run_id: &str, step: Option<String>, as_json: bool) -> anyhow::Result<i32> {
+async fn receipts(
+    target: &Target,
+    run_id: &str,
+    step: Option<String>,
+    as_json: bool,
+) -> anyhow::Result<i32> {
     let list = ledger_client(&target.ledger_endpoint)
         .await?
-        .list_receipts(pb::ListReceiptsRequest { tenant: target.tenant.clone(), run_id: run_id.into(), step_id: step.unwrap_or_default() })
+        .list_receipts(pb::ListReceiptsRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.into(),
+            step_id: step.unwrap_or_default(),
+        })
         .await
         .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
         .into_inner();
@@ -362,7 +388,16 @@ async fn receipts(target: &Target, run_id: &str, step: Option<String>, as_json: 
                        "job_id": r.job_id, "timestamp_ms": r.timestamp_ms, "event_hash": r.event_hash, "hash": r.hash})
             );
         } else {
-            println!("{}\t{}\t{}\t{}\t{}\t{}\t{}", r.seq, r.step_id, r.attempt, r.status, r.action_type, r.policy_decision, r.receipt_id);
+            println!(
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                r.seq,
+                r.step_id,
+                r.attempt,
+                r.status,
+                r.action_type,
+                r.policy_decision,
+                r.receipt_id
+            );
         }
     }
     Ok(0)
@@ -376,18 +411,26 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
     let mut ledger = ledger_client(&target.ledger_endpoint).await?;
     let err = |s: tonic::Status| anyhow::anyhow!("{}", describe(&s));
     let head = ledger
-        .get_signed_head(pb::GetSignedHeadRequest { tenant: target.tenant.clone(), run_id: run_id.into() })
+        .get_signed_head(pb::GetSignedHeadRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.into(),
+        })
         .await
         .map_err(err)?
         .into_inner();
     let run = ledger
-        .get_run(pb::GetLedgerRunRequest { tenant: target.tenant.clone(), run_id: run_id.into() })
+        .get_run(pb::GetLedgerRunRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.into(),
+        })
         .await
         .map_err(err)?
         .into_inner();
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::new(out.lock());
-    let mut emit = |line: &Line| -> anyhow::Result<()> { Ok(writeln!(out, "{}", serde_json::to_string(line)?)?) };
+    let mut emit = |line: &Line| -> anyhow::Result<()> {
+        Ok(writeln!(out, "{}", serde_json::to_string(line)?)?)
+    };
     emit(&Line::Header(Header {
         format: FORMAT.into(),
         run_id: run.run_id.clone(),
@@ -396,7 +439,12 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
         exported_at_ms: warden_grpc::now_ms(),
     }))?;
     let mut stream = ledger
-        .stream_events(pb::StreamEventsRequest { tenant: target.tenant.clone(), run_id: run_id.into(), since_seq: 0, follow: false })
+        .stream_events(pb::StreamEventsRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.into(),
+            since_seq: 0,
+            follow: false,
+        })
         .await
         .map_err(err)?
         .into_inner();
@@ -407,7 +455,11 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
         emit(&Line::Event(warden_grpc::convert::event_from_proto(&e)))?;
     }
     let receipts = ledger
-        .list_receipts(pb::ListReceiptsRequest { tenant: target.tenant.clone(), run_id: run_id.into(), step_id: String::new() })
+        .list_receipts(pb::ListReceiptsRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.into(),
+            step_id: String::new(),
+        })
         .await
         .map_err(err)?
         .into_inner();
@@ -433,7 +485,11 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
         }))?;
     }
     emit(&Line::Head(SignedHeadLine {
-        head: warden_core::head::Head { run_id: head.run_id, seq: head.seq, hash: head.hash },
+        head: warden_core::head::Head {
+            run_id: head.run_id,
+            seq: head.seq,
+            hash: head.hash,
+        },
         signature: hex::encode(head.signature),
         key_id: head.key_id,
         public_key: hex::encode(head.public_key),

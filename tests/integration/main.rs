@@ -5,6 +5,7 @@ mod bad_input;
 mod conformance;
 mod ledger;
 mod mesh;
+mod receipts;
 
 use std::time::Duration;
 

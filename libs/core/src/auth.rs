@@ -78,6 +78,22 @@ pub struct CallIdentity<'a> {
     pub idempotency_key: &'a str,
 }
 
+/// The deterministic id of the decision about `call`: a retried authorization of the same
+/// call gets the same id, so the ledger records the decision once.
+pub fn decision_id(call: &CallIdentity<'_>, capability_id: &str) -> String {
+    let material = canonical_json(&serde_json::json!([
+        call.tenant,
+        call.run_id,
+        call.step_id,
+        call.attempt,
+        call.tool,
+        call.args_sha256,
+        call.idempotency_key,
+        capability_id
+    ]));
+    crate::sha256_hex(material)[..32].to_string()
+}
+
 /// Verifies signature, expiry and binding. `keys` looks up a verifying key by id.
 pub fn verify(
     signed: &SignedClaims,

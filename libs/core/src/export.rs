@@ -70,7 +70,8 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<str>,
 {
-    let err = |line: usize, seq: Option<u64>, reason: String| Err(ExportError { line, seq, reason });
+    let err =
+        |line: usize, seq: Option<u64>, reason: String| Err(ExportError { line, seq, reason });
     let mut header: Option<Header> = None;
     let mut chain = ChainVerifier::default();
     let mut outcome_events: HashMap<u64, ChainedEvent> = HashMap::new();
@@ -101,9 +102,16 @@ where
             Line::Header(_) => return err(no, None, "header must be the first line, once".into()),
             _ if header.is_none() => return err(no, None, "missing header".into()),
             Line::Event(e) => {
-                let run_id = header.as_ref().map(|h| h.run_id.as_str()).unwrap_or_default();
+                let run_id = header
+                    .as_ref()
+                    .map(|h| h.run_id.as_str())
+                    .unwrap_or_default();
                 if e.body.run_id != run_id {
-                    return err(no, Some(e.body.seq), format!("event of run {} in an export of {run_id}", e.body.run_id));
+                    return err(
+                        no,
+                        Some(e.body.seq),
+                        format!("event of run {} in an export of {run_id}", e.body.run_id),
+                    );
                 }
                 if let Err(b) = chain.push(&e) {
                     return err(no, Some(b.seq), b.reason);
@@ -116,36 +124,80 @@ where
             Line::Head(h) => head = Some((no, h)),
         }
     }
-    let Some(header) = header else { return err(n.max(1), None, "empty export".into()) };
+    let Some(header) = header else {
+        return err(n.max(1), None, "empty export".into());
+    };
     for (no, r) in &receipts {
         let Some(e) = outcome_events.remove(&r.seq) else {
-            return err(*no, Some(r.seq), "receipt cites no outcome event (or a second receipt for one)".into());
+            return err(
+                *no,
+                Some(r.seq),
+                "receipt cites no outcome event (or a second receipt for one)".into(),
+            );
         };
         if receipt_for(&e, &r.capability_id).as_ref() != Some(r) {
             return err(*no, Some(r.seq), "receipt does not match its event".into());
         }
     }
     if let Some(seq) = outcome_events.keys().min() {
-        return err(n, Some(*seq), "tool call outcome without its receipt".into());
+        return err(
+            n,
+            Some(*seq),
+            "tool call outcome without its receipt".into(),
+        );
     }
-    let Some((no, h)) = head else { return err(n, None, "missing signed head".into()) };
-    if h.head.run_id != header.run_id || h.head.seq != chain.verified() || h.head.hash != chain.head() {
-        return err(no, Some(h.head.seq), format!("signed head does not match the events (they end at seq {})", chain.verified()));
+    let Some((no, h)) = head else {
+        return err(n, None, "missing signed head".into());
+    };
+    if h.head.run_id != header.run_id
+        || h.head.seq != chain.verified()
+        || h.head.hash != chain.head()
+    {
+        return err(
+            no,
+            Some(h.head.seq),
+            format!(
+                "signed head does not match the events (they end at seq {})",
+                chain.verified()
+            ),
+        );
     }
-    let key_bytes: [u8; 32] = match hex::decode(&h.public_key).ok().and_then(|b| b.try_into().ok()) {
+    let key_bytes: [u8; 32] = match hex::decode(&h.public_key)
+        .ok()
+        .and_then(|b| b.try_into().ok())
+    {
         Some(b) => b,
         None => return err(no, None, "public key is not 32 hex bytes".into()),
     };
-    let Ok(embedded) = VerifyingKey::from_bytes(&key_bytes) else { return err(no, None, "public key is invalid".into()) };
+    let Ok(embedded) = VerifyingKey::from_bytes(&key_bytes) else {
+        return err(no, None, "public key is invalid".into());
+    };
     let key = pinned.unwrap_or(&embedded);
     if crate::auth::key_id(key) != h.key_id {
-        return err(no, None, format!("head is signed by key {}, not the pinned key {}", h.key_id, crate::auth::key_id(key)));
+        return err(
+            no,
+            None,
+            format!(
+                "head is signed by key {}, not the pinned key {}",
+                h.key_id,
+                crate::auth::key_id(key)
+            ),
+        );
     }
     let sig = hex::decode(&h.signature).unwrap_or_default();
     if !h.head.verify(&sig, key) {
-        return err(no, Some(h.head.seq), "head signature does not verify".into());
+        return err(
+            no,
+            Some(h.head.seq),
+            "head signature does not verify".into(),
+        );
     }
-    Ok(Report { run_id: header.run_id, events: chain.verified(), receipts: receipts.len() as u64, key_id: h.key_id })
+    Ok(Report {
+        run_id: header.run_id,
+        events: chain.verified(),
+        receipts: receipts.len() as u64,
+        key_id: h.key_id,
+    })
 }
 
 #[cfg(test)]
@@ -156,23 +208,33 @@ mod tests {
     use serde_json::json;
 
     fn export(key: &SigningKey) -> Vec<String> {
-        let mut lines = vec![serde_json::to_string(&Line::Header(Header {
-            format: FORMAT.into(),
-            run_id: "r".into(),
-            tenant: "t".into(),
-            status: "completed".into(),
-            exported_at_ms: 1,
-        }))
-        .unwrap()];
+        let mut lines = vec![
+            serde_json::to_string(&Line::Header(Header {
+                format: FORMAT.into(),
+                run_id: "r".into(),
+                tenant: "t".into(),
+                status: "completed".into(),
+                exported_at_ms: 1,
+            }))
+            .unwrap(),
+        ];
         let mut prev = GENESIS_HASH.to_string();
         let mut receipts = vec![];
-        for (seq, t) in [(1, "run_submitted"), (2, "tool_completed"), (3, "run_completed")] {
+        for (seq, t) in [
+            (1, "run_submitted"),
+            (2, "tool_completed"),
+            (3, "run_completed"),
+        ] {
             let body = EventBody {
                 run_id: "r".into(),
                 seq,
                 event_type: t.into(),
                 payload: json!({"tool": "echo", "attempt": 1}),
-                step_id: if t == "tool_completed" { "s".into() } else { String::new() },
+                step_id: if t == "tool_completed" {
+                    "s".into()
+                } else {
+                    String::new()
+                },
                 epoch: 1,
                 idempotency_key: format!("k{seq}"),
                 timestamp_ms: seq as i64,
@@ -187,7 +249,11 @@ mod tests {
         for r in receipts {
             lines.push(serde_json::to_string(&Line::Receipt(r)).unwrap());
         }
-        let head = Head { run_id: "r".into(), seq: 3, hash: prev };
+        let head = Head {
+            run_id: "r".into(),
+            seq: 3,
+            hash: prev,
+        };
         let (sig, key_id) = head.sign(key);
         lines.push(
             serde_json::to_string(&Line::Head(SignedHeadLine {
@@ -220,14 +286,31 @@ mod tests {
         assert_eq!(verify(&dropped, None).unwrap_err().seq, Some(2));
         let mut no_receipt = good.clone();
         no_receipt.remove(4);
-        assert!(verify(&no_receipt, None).unwrap_err().reason.contains("without its receipt"));
+        assert!(
+            verify(&no_receipt, None)
+                .unwrap_err()
+                .reason
+                .contains("without its receipt")
+        );
         let other = SigningKey::from_bytes(&[4u8; 32]);
-        assert!(verify(&good, Some(&other.verifying_key())).unwrap_err().reason.contains("pinned key"));
+        assert!(
+            verify(&good, Some(&other.verifying_key()))
+                .unwrap_err()
+                .reason
+                .contains("pinned key")
+        );
         // A head signed by another key but claiming the ledger's key.
         let mut forged = good.clone();
-        let Ok(Line::Head(mut h)) = serde_json::from_str::<Line>(forged.last().unwrap()) else { panic!("head line") };
+        let Ok(Line::Head(mut h)) = serde_json::from_str::<Line>(forged.last().unwrap()) else {
+            panic!("head line")
+        };
         h.signature = hex::encode(h.head.sign(&other).0);
         *forged.last_mut().unwrap() = serde_json::to_string(&Line::Head(h)).unwrap();
-        assert!(verify(&forged, None).unwrap_err().reason.contains("signature"));
+        assert!(
+            verify(&forged, None)
+                .unwrap_err()
+                .reason
+                .contains("signature")
+        );
     }
 }

@@ -43,7 +43,10 @@ pub fn span_id(run_id: &str, step_id: &str, attempt: u32) -> String {
 }
 
 fn text(p: &Value, k: &str) -> String {
-    p.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
+    p.get(k)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// The receipt an outcome event yields, if it is one. `capability_id` comes from the cited
@@ -65,7 +68,10 @@ pub fn receipt_for(event: &ChainedEvent, capability_id: &str) -> Option<Receipt>
         cap = capability_id.to_string();
     }
     let mut r = Receipt {
-        receipt_id: format!("rcpt-{}", &sha256_hex(format!("{}:{}:{attempt}", b.run_id, b.step_id))[..24]),
+        receipt_id: format!(
+            "rcpt-{}",
+            &sha256_hex(format!("{}:{}:{attempt}", b.run_id, b.step_id))[..24]
+        ),
         run_id: b.run_id.clone(),
         step_id: b.step_id.clone(),
         attempt,
@@ -121,11 +127,31 @@ mod tests {
     #[test]
     fn k02_each_outcome_kind_yields_one_receipt_with_its_status() {
         let cases = [
-            (events::TOOL_COMPLETED, json!({"tool": "echo", "attempt": 1, "decision_id": "d"}), "ok"),
-            (events::TOOL_FAILED, json!({"tool": "echo", "attempt": 2, "reason": "boom"}), "error"),
-            (events::STEP_FAILED, json!({"kind": "policy_denied", "reason": "no"}), "denied"),
-            (events::STEP_FAILED, json!({"kind": "policy_unavailable"}), "error"),
-            (events::STEP_CANCELLED, json!({"reason": "dep"}), "cancelled"),
+            (
+                events::TOOL_COMPLETED,
+                json!({"tool": "echo", "attempt": 1, "decision_id": "d"}),
+                "ok",
+            ),
+            (
+                events::TOOL_FAILED,
+                json!({"tool": "echo", "attempt": 2, "reason": "boom"}),
+                "error",
+            ),
+            (
+                events::STEP_FAILED,
+                json!({"kind": "policy_denied", "reason": "no"}),
+                "denied",
+            ),
+            (
+                events::STEP_FAILED,
+                json!({"kind": "policy_unavailable"}),
+                "error",
+            ),
+            (
+                events::STEP_CANCELLED,
+                json!({"reason": "dep"}),
+                "cancelled",
+            ),
         ];
         for (t, p, status) in cases {
             let r = receipt_for(&ev(t, p), "cap-1").expect("an outcome");
@@ -140,7 +166,8 @@ mod tests {
 
     #[test]
     fn a_changed_receipt_field_breaks_its_hash() {
-        let mut r = receipt_for(&ev(events::TOOL_COMPLETED, json!({"tool": "echo"})), "").expect("receipt");
+        let mut r =
+            receipt_for(&ev(events::TOOL_COMPLETED, json!({"tool": "echo"})), "").expect("receipt");
         r.status = "error".into();
         assert!(!r.hash_is_valid());
     }

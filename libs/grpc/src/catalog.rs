@@ -43,31 +43,52 @@ impl ToolCatalog {
         })
     }
 
-    /// The current catalog; the first host to declare a name serves it.
+    /// The current catalog; the first host to declare a name serves it. A host that does
+    /// not answer keeps the tools it declared last time, so one host down does not take
+    /// every other host's tools with it; with no answer and nothing cached, UNAVAILABLE.
     pub async fn tools(&self) -> Result<Tools, Status> {
-        let mut cached = self.cached.lock().await;
-        if let Some((at, tools)) = cached.as_ref()
-            && at.elapsed() < TTL
-        {
-            return Ok(tools.clone());
-        }
+        let previous = {
+            let cached = self.cached.lock().await;
+            match cached.as_ref() {
+                Some((at, tools)) if at.elapsed() < TTL => return Ok(tools.clone()),
+                Some((_, tools)) => Some(tools.clone()),
+                None => None,
+            }
+        };
         let mut tools = HashMap::new();
+        let mut failures = Vec::new();
         for (i, host) in self.hosts.iter().enumerate() {
-            let listed = host
+            match host
                 .clone()
                 .list_tools(pb::ListToolsRequest::default())
                 .await
-                .map_err(|s| {
-                    Status::unavailable(format!("tool catalog unavailable: {}", s.message()))
-                })?;
-            for spec in listed.into_inner().tools {
-                tools
-                    .entry(spec.name.clone())
-                    .or_insert(CatalogEntry { spec, host: i });
+            {
+                Ok(listed) => {
+                    for spec in listed.into_inner().tools {
+                        tools
+                            .entry(spec.name.clone())
+                            .or_insert(CatalogEntry { spec, host: i });
+                    }
+                }
+                Err(s) => {
+                    tracing::warn!(host = i, error = %s, "tool host did not list its tools");
+                    if let Some(prev) = &previous {
+                        for (name, e) in prev.iter().filter(|(_, e)| e.host == i) {
+                            tools.entry(name.clone()).or_insert_with(|| e.clone());
+                        }
+                    }
+                    failures.push(s.message().to_string());
+                }
             }
         }
+        if failures.len() == self.hosts.len() && tools.is_empty() {
+            return Err(Status::unavailable(format!(
+                "tool catalog unavailable: {}",
+                failures.join("; ")
+            )));
+        }
         let tools = Arc::new(tools);
-        *cached = Some((Instant::now(), tools.clone()));
+        *self.cached.lock().await = Some((Instant::now(), tools.clone()));
         Ok(tools)
     }
 

@@ -143,6 +143,7 @@ impl ServiceProcess {
             }
             Err(_) => {
                 let _ = child.kill();
+                let _ = child.wait();
                 let log = std::fs::read_to_string(&self.log).unwrap_or_default();
                 anyhow::bail!("{} did not start; its log:\n{log}", self.name)
             }
@@ -207,7 +208,10 @@ pub struct Mesh {
 
 fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
     let mut s = String::new();
-    s.push_str(&format!("[ledger]\ndatabase_url = \"{database_url}\"\nkey_file = \"{}\"\n\n", dir.join("ledger.key").display()));
+    s.push_str(&format!(
+        "[ledger]\ndatabase_url = \"{database_url}\"\nkey_file = \"{}\"\n\n",
+        dir.join("ledger.key").display()
+    ));
     s.push_str(&format!(
         "[policy]\nkey_file = \"{}\"\n\n",
         dir.join("policy.key").display()

@@ -72,7 +72,8 @@ pub fn start_redis() -> anyhow::Result<Redis> {
         let mut child = spawn_tied(cmd, libc::SIGTERM)?;
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if redis_ping(port) {
+            // Alive after the ping: the answer came from our server, not one that won the port.
+            if redis_ping(port) && matches!(child.try_wait(), Ok(None)) {
                 return Ok(Redis {
                     url: format!("redis://127.0.0.1:{port}"),
                     _child: Some(Mutex::new(child)),
@@ -252,6 +253,7 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
             });
         }
         let _ = child.kill();
+        let _ = child.wait();
         last = std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default();
     }
     anyhow::bail!("postgres did not start:\n{last}")
@@ -276,7 +278,7 @@ fn wait_for_postgres(url: &str, child: &mut Child) -> anyhow::Result<bool> {
         .ok()
         .flatten()
         .is_some();
-        if ok {
+        if ok && matches!(child.try_wait(), Ok(None)) {
             return Ok(true);
         }
         std::thread::sleep(Duration::from_millis(100));

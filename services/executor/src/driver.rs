@@ -8,7 +8,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 use warden_core::canonical::{args_digest, canonical_json};
-use warden_core::events;
+use warden_core::events::{self, RunStatus};
 use warden_core::plan::{Plan, PlanLimits, PlanStep};
 use warden_core::run::{RunView, StepStatus};
 use warden_core::template;
@@ -38,7 +38,12 @@ enum StepOutcome {
     Completed(Value),
     /// Failed, denied or refused; the reason is recorded in the ledger.
     Failed(String),
+    /// The tool may or may not have acted; nothing more can be known from here.
+    Unknown(String),
 }
+
+/// How often an idempotent tool is asked before an unknown outcome goes to an operator.
+const UNKNOWN_OUTCOME_TRIES: usize = 3;
 
 /// The per-run context a driver and its step tasks share.
 #[derive(Clone)]
@@ -174,7 +179,9 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         .await
         .map_err(DriveError::Ledger)?
         .into_inner();
-    if warden_grpc::convert::status_from_proto(run.status()).is_some_and(|s| s.is_terminal()) {
+    // Only pending and active runs are driven: blocked and requires_reconciliation runs wait
+    // for someone outside the run, terminal runs are done.
+    if !matches!(run.status(), pb::RunStatus::Pending | pb::RunStatus::Active) {
         return Ok(());
     }
     let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
@@ -195,7 +202,19 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         epoch: lease.epoch,
         lost: lost.clone(),
     };
-    let result = drive_leased(&ctx).await;
+    let mut result = drive_leased(&ctx).await;
+    if let Err(DriveError::Ledger(s)) = &result {
+        if matches!(
+            s.code(),
+            Code::InvalidArgument | Code::FailedPrecondition | Code::Internal
+        ) && !lost.is_cancelled()
+        {
+            // Retrying cannot help: record why and end the run instead of re-driving it forever.
+            let reason = format!("the ledger refused an event of this run: {}", s.message());
+            tracing::warn!(run_id, %reason, "failing run");
+            result = finish(&ctx, events::RUN_FAILED, json!({"reason": reason})).await;
+        }
+    }
     renewal.abort();
     if let Err(e) = ex.inner.leases.release(&lease).await {
         tracing::warn!(run_id, error = %e, "lease release failed; it will expire");
@@ -203,40 +222,54 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
     result
 }
 
+/// Keeps the lease alive. The holder stops (`lost`) as soon as a renewal fails, and also when
+/// no renewal has succeeded for a whole TTL (a hung lease store must not let it run on past
+/// the point where another executor may take over).
 async fn renew(ex: Executor, lease: RunLease, ttl: Duration, lost: CancellationToken) {
+    let mut valid_until = tokio::time::Instant::now() + ttl;
     loop {
         tokio::time::sleep(ttl / 3).await;
-        match ex.inner.leases.renew(&lease, ttl).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(run_id = %lease.run_id, epoch = lease.epoch, "lease lost; stopping");
-                lost.cancel();
-                return;
+        let attempt_started = tokio::time::Instant::now();
+        let budget = valid_until.saturating_duration_since(attempt_started);
+        let renewed = tokio::time::timeout(budget, ex.inner.leases.renew(&lease, ttl)).await;
+        let why = match renewed {
+            Ok(Ok(true)) => {
+                valid_until = attempt_started + ttl;
+                continue;
             }
-            Err(e) => {
-                // A holder that cannot prove it still holds the lease must stop.
-                tracing::warn!(run_id = %lease.run_id, epoch = lease.epoch, error = %e, "lease renewal failed; stopping");
-                lost.cancel();
-                return;
-            }
-        }
+            Ok(Ok(false)) => "lease lost".to_string(),
+            Ok(Err(e)) => format!("lease renewal failed: {e}"),
+            Err(_) => "lease renewal did not answer before the lease ran out".to_string(),
+        };
+        tracing::warn!(run_id = %lease.run_id, epoch = lease.epoch, reason = %why, "stopping");
+        lost.cancel();
+        return;
     }
 }
 
 async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
+    // Raise the run's epoch in the ledger first: from here on a previous holder's writes
+    // are refused, so the log read next cannot change under us.
+    let started = ctx
+        .append(
+            events::RUN_STARTED,
+            "",
+            format!("run_started:{}", ctx.epoch),
+            json!({"executor": ctx.ex.inner.id, "epoch": ctx.epoch}),
+        )
+        .await;
+    match started {
+        Ok(_) => {}
+        // Ended meanwhile (terminal runs take no events).
+        Err(DriveError::Ledger(s)) if s.code() == Code::FailedPrecondition => return Ok(()),
+        Err(e) => return Err(e),
+    }
     let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id)
         .await
         .map_err(DriveError::Ledger)?;
-    if view.status.is_terminal() {
+    if !matches!(view.status, RunStatus::Pending | RunStatus::Active) {
         return Ok(());
     }
-    ctx.append(
-        events::RUN_STARTED,
-        "",
-        format!("run_started:{}", ctx.epoch),
-        json!({"executor": ctx.ex.inner.id, "epoch": ctx.epoch}),
-    )
-    .await?;
     let Some(plan) = view.plan.clone() else {
         return finish(
             ctx,
@@ -334,11 +367,13 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             )
         });
     let limit = ctx.ex.inner.config.max_concurrency;
+    let mut reconcile: Option<(String, String)> = None;
     let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
     loop {
         if ctx.lost.is_cancelled() {
             return Err(DriveError::LeaseLost);
         }
+        let mut launched = false;
         // Dependents of a failed, denied or cancelled step are cancelled (in dependency order,
         // so the cancellation cascades in one pass).
         for &i in &order {
@@ -365,7 +400,8 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             }
         }
         for &i in &order {
-            if running.len() >= limit {
+            // After an unknown outcome nothing new starts: an operator decides first.
+            if running.len() >= limit || reconcile.is_some() {
                 break;
             }
             let step = &plan.steps[i];
@@ -378,6 +414,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 continue;
             }
             status.insert(step.id.clone(), StepStatus::Running);
+            launched = true;
             match template::resolve(&step.params, &outputs) {
                 Ok(args) => {
                     let (c, s) = (ctx.clone(), step.clone());
@@ -401,12 +438,18 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             }
         }
         if running.is_empty() {
-            // Nothing runs and nothing became ready: every step is settled.
-            if status
+            let settled = status
                 .values()
-                .all(|s| *s != StepStatus::Pending && *s != StepStatus::Running)
-            {
+                .all(|s| *s != StepStatus::Pending && *s != StepStatus::Running);
+            if settled || reconcile.is_some() {
                 break;
+            }
+            // Every pending step is either ready or cancelled by the passes above, so an idle
+            // loop here would be a scheduler bug: stop rather than spin.
+            if !launched {
+                return Err(DriveError::Ledger(Status::internal(
+                    "scheduler found no runnable step",
+                )));
             }
             continue;
         }
@@ -426,7 +469,20 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 first_failure.get_or_insert(format!("step '{step_id}' failed: {why}"));
                 status.insert(step_id, StepStatus::Failed);
             }
+            StepOutcome::Unknown(why) => {
+                status.insert(step_id.clone(), StepStatus::Running);
+                reconcile.get_or_insert((step_id, why));
+            }
         }
+    }
+    if let Some((step_id, why)) = reconcile {
+        let reason = format!("step '{step_id}' has an unknown outcome: {why}");
+        return finish(
+            ctx,
+            events::RUN_REQUIRES_RECONCILIATION,
+            json!({"reason": reason, "step_id": step_id}),
+        )
+        .await;
     }
     let count = |st: StepStatus| status.values().filter(|s| **s == st).count();
     let summary = json!({
@@ -552,17 +608,16 @@ async fn execute_step(
         0 => FALLBACK_TIMEOUT,
         s => Duration::from_secs(s as u64),
     };
-    let mut host = ctx.ex.inner.catalog.host(entry.host);
-    let call = host.invoke(pb::InvokeRequest {
+    let request = pb::InvokeRequest {
         tenant: ctx.tenant.clone(),
         run_id: ctx.run_id.clone(),
         step_id: step.id.clone(),
         attempt,
         tool: step.tool.clone(),
         args_json,
-        idempotency_key,
+        idempotency_key: idempotency_key.clone(),
         authorization: Some(auth),
-    });
+    };
     let cite = json!({"decision_id": decision.decision_id});
     let failed = |kind: &str, reason: String, extra: Value| {
         let mut p = fail(kind, reason, cite.clone());
@@ -571,24 +626,52 @@ async fn execute_step(
         }
         p
     };
-    let outcome = match tokio::time::timeout(timeout, call).await {
-        Err(_) => Err(failed(
-            "timeout",
-            format!(
-                "no answer within {}s (the tool's timeout_sec)",
-                timeout.as_secs()
-            ),
-            json!({}),
-        )),
-        Ok(Err(s)) => {
-            let kind = match s.code() {
-                Code::PermissionDenied => "authorization_refused",
-                Code::Unavailable => "tool_host_unavailable",
-                _ => "tool_host_error",
+    // A timeout or a broken connection leaves the outcome unknown: the tool may have acted.
+    // An idempotent tool is asked again with the same key (the host returns the first
+    // outcome); otherwise, or if it stays unknown, an operator must reconcile the step.
+    let tries = if entry.spec.idempotent {
+        UNKNOWN_OUTCOME_TRIES
+    } else {
+        1
+    };
+    let mut answer = None;
+    let mut unknown = String::new();
+    for _ in 0..tries {
+        let mut host = ctx.ex.inner.catalog.host(entry.host);
+        match tokio::time::timeout(timeout, host.invoke(request.clone())).await {
+            Err(_) => {
+                unknown = format!(
+                    "no answer within {}s (the tool's timeout_sec)",
+                    timeout.as_secs()
+                )
+            }
+            Ok(Err(s))
+                if matches!(
+                    s.code(),
+                    Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded
+                ) =>
+            {
+                unknown = format!("tool host call broke off: {}", s.message());
+            }
+            Ok(r) => {
+                answer = Some(r);
+                break;
+            }
+        }
+    }
+    let Some(answer) = answer else {
+        return Ok(StepOutcome::Unknown(unknown));
+    };
+    let outcome = match answer {
+        Err(s) => {
+            let kind = if s.code() == Code::PermissionDenied {
+                "authorization_refused"
+            } else {
+                "tool_host_error"
             };
             Err(failed(kind, s.message().to_string(), json!({})))
         }
-        Ok(Ok(resp)) => {
+        Ok(resp) => {
             let resp = resp.into_inner();
             match resp.outcome {
                 Some(pb::invoke_response::Outcome::OutputJson(text)) => {
@@ -616,15 +699,30 @@ async fn execute_step(
     };
     match outcome {
         Ok((output, replayed)) => {
-            ctx.append(
+            let recorded = ctx.append(
                 events::TOOL_COMPLETED,
                 &step.id,
                 ctx.step_key(&step.id, attempt, "completed"),
                 json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed,
+                       "idempotency_key": idempotency_key,
                        "elapsed_us": started.elapsed().as_micros() as u64}),
             )
-            .await?;
-            Ok(StepOutcome::Completed(output))
+            .await;
+            match recorded {
+                Ok(_) => Ok(StepOutcome::Completed(output)),
+                // The ledger will not take this output (too large, say): the step fails.
+                Err(DriveError::Ledger(s)) if s.code() == Code::InvalidArgument => {
+                    let reason = format!("the ledger refused the tool's output: {}", s.message());
+                    ctx.step_failed(
+                        events::TOOL_FAILED,
+                        &step.id,
+                        attempt,
+                        failed("output_rejected", reason, json!({})),
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            }
         }
         Err(payload) => {
             ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload)

@@ -44,8 +44,7 @@ impl From<sqlx::Error> for LedgerError {
                     || code.starts_with("57")
                     || code == "40001"
                     || code == "40P01"
-                    || code == "5"
-                    || code == "6"
+                    || sqlite_busy(&code)
                 {
                     LedgerError::Unavailable(e.to_string())
                 } else {
@@ -70,4 +69,9 @@ impl From<LedgerError> for Status {
             LedgerError::Internal(_) => Status::internal(e.to_string()),
         }
     }
+}
+
+/// SQLite's BUSY (5) and LOCKED (6), including their extended codes (5 + 256·n, …).
+fn sqlite_busy(code: &str) -> bool {
+    code.parse::<u32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
 }

@@ -9,10 +9,10 @@ use tokio::sync::Notify;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use warden_core::chain::{ChainBreak, ChainVerifier, ChainedEvent};
-use warden_core::head::Head;
-use warden_core::receipt::{Receipt, receipt_for};
 use warden_core::events::{self, RunStatus};
+use warden_core::head::Head;
 use warden_core::ids::{check_id, check_step_id};
+use warden_core::receipt::{Receipt, receipt_for};
 use warden_grpc::convert::{event_to_proto, status_to_proto, statuses};
 use warden_grpc::{invalid_field, now_ms};
 use warden_proto::v1 as pb;
@@ -88,6 +88,14 @@ impl LedgerService {
         &self.store
     }
 
+    /// Drops the run's notifier once no stream holds it any more.
+    fn unfollow(&self, run_id: &str) {
+        let mut f = self.followers.lock().unwrap_or_else(|p| p.into_inner());
+        if f.get(run_id).is_some_and(|n| Arc::strong_count(n) == 1) {
+            f.remove(run_id);
+        }
+    }
+
     fn follower(&self, run_id: &str) -> Arc<Notify> {
         let mut f = self.followers.lock().unwrap_or_else(|p| p.into_inner());
         f.entry(run_id.to_string()).or_default().clone()
@@ -146,13 +154,21 @@ impl LedgerService {
             head_hash: String::new(),
         };
         // Receipts are derived from outcome events: each must match its event, once.
-        let mut receipts: HashMap<u64, Receipt> =
-            self.store.receipts(&run.run_id, None).await?.into_iter().map(|r| (r.seq, r)).collect();
+        let mut receipts: HashMap<u64, Receipt> = self
+            .store
+            .receipts(&run.run_id, None)
+            .await?
+            .into_iter()
+            .filter(|r| r.seq <= run.last_seq)
+            .map(|r| (r.seq, r))
+            .collect();
         let mut v = ChainVerifier::default();
         let mut since = 0;
         loop {
-            let page = self.store.events(&run.run_id, since, PAGE).await?;
+            // Only up to the head read above: an active run may grow while we verify.
+            let mut page = self.store.events(&run.run_id, since, PAGE).await?;
             let n = page.len();
+            page.retain(|e| e.body.seq <= run.last_seq);
             // Hashing a long chain is CPU work: keep it off the async workers.
             let (verifier, left, result) = tokio::task::spawn_blocking(move || {
                 let r = page.iter().try_for_each(|e| {
@@ -175,21 +191,42 @@ impl LedgerService {
         let (count, head) = (v.verified(), v.head().to_string());
         if count != run.last_seq || head != run.head_hash {
             let reason = if count < run.last_seq {
-                format!("run records {} events but only {count} are stored", run.last_seq)
+                format!(
+                    "run records {} events but only {count} are stored",
+                    run.last_seq
+                )
             } else {
                 "stored events do not end at the run's recorded head".to_string()
             };
             return Ok(invalid(count, count.min(run.last_seq) + 1, reason));
         }
         if let Some(seq) = receipts.keys().min() {
-            return Ok(invalid(count, *seq, "a receipt cites no outcome event".into()));
+            return Ok(invalid(
+                count,
+                *seq,
+                "a receipt cites no outcome event".into(),
+            ));
         }
-        let signed = Head { run_id: run.run_id.clone(), seq: count, hash: head.clone() };
+        let signed = Head {
+            run_id: run.run_id.clone(),
+            seq: count,
+            hash: head.clone(),
+        };
         let signature = hex::decode(&run.head_signature).unwrap_or_default();
         if !signed.verify(&signature, &self.store.verifying_key()) {
-            return Ok(invalid(count, count, "the chain head's signature does not verify".into()));
+            return Ok(invalid(
+                count,
+                count,
+                "the chain head's signature does not verify".into(),
+            ));
         }
-        Ok(pb::VerifyRunResponse { valid: true, events: count, first_bad_seq: 0, reason: String::new(), head_hash: head })
+        Ok(pb::VerifyRunResponse {
+            valid: true,
+            events: count,
+            first_bad_seq: 0,
+            reason: String::new(),
+            head_hash: head,
+        })
     }
 }
 
@@ -197,13 +234,28 @@ impl LedgerService {
 fn check_receipt(e: &ChainedEvent, receipts: &mut HashMap<u64, Receipt>) -> Result<(), ChainBreak> {
     let seq = e.body.seq;
     let stored = receipts.remove(&seq);
-    let expected = receipt_for(e, stored.as_ref().map(|r| r.capability_id.as_str()).unwrap_or_default());
+    let expected = receipt_for(
+        e,
+        stored
+            .as_ref()
+            .map(|r| r.capability_id.as_str())
+            .unwrap_or_default(),
+    );
     match (expected, stored) {
         (None, None) => Ok(()),
         (Some(x), Some(s)) if x == s => Ok(()),
-        (Some(_), None) => Err(ChainBreak { seq, reason: "tool call outcome has no receipt".into() }),
-        (None, Some(_)) => Err(ChainBreak { seq, reason: "receipt for an event that is no outcome".into() }),
-        (Some(_), Some(_)) => Err(ChainBreak { seq, reason: "receipt does not match its event".into() }),
+        (Some(_), None) => Err(ChainBreak {
+            seq,
+            reason: "tool call outcome has no receipt".into(),
+        }),
+        (None, Some(_)) => Err(ChainBreak {
+            seq,
+            reason: "receipt for an event that is no outcome".into(),
+        }),
+        (Some(_), Some(_)) => Err(ChainBreak {
+            seq,
+            reason: "receipt does not match its event".into(),
+        }),
     }
 }
 
@@ -380,55 +432,60 @@ impl Ledger for LedgerService {
         tokio::spawn(async move {
             let notify = this.follower(&run.run_id);
             let mut since = r.since_seq;
-            loop {
-                // Register interest before reading so an append in between is not missed.
-                let notified = notify.notified();
-                let page = match this.store.events(&run.run_id, since, PAGE).await {
-                    Ok(p) => p,
-                    Err(e) => {
-                        let _ = tx.send(Err(e.into())).await;
-                        return;
-                    }
-                };
-                let full = page.len() == PAGE as usize;
-                for e in &page {
-                    since = e.body.seq;
-                    // `send` waits while the client is slow: memory stays bounded.
-                    if tx.send(Ok(event_to_proto(e))).await.is_err() {
-                        return;
-                    }
-                }
-                if full {
-                    continue;
-                }
-                if !r.follow {
-                    return;
-                }
-                let ended = page
-                    .last()
-                    .and_then(|e| events::status_after(&e.body.event_type))
-                    .is_some_and(RunStatus::is_terminal);
-                if ended {
-                    return;
-                }
-                if page.is_empty() {
-                    match this.store.get_run(&run.run_id).await {
-                        Ok(Some(cur)) if cur.status.is_terminal() && cur.last_seq <= since => {
-                            return;
-                        }
+            let stream = async {
+                loop {
+                    // Register interest before reading so an append in between is not missed.
+                    let notified = notify.notified();
+                    let page = match this.store.events(&run.run_id, since, PAGE).await {
+                        Ok(p) => p,
                         Err(e) => {
                             let _ = tx.send(Err(e.into())).await;
                             return;
                         }
-                        _ => {}
+                    };
+                    let full = page.len() == PAGE as usize;
+                    for e in &page {
+                        since = e.body.seq;
+                        // `send` waits while the client is slow: memory stays bounded.
+                        if tx.send(Ok(event_to_proto(e))).await.is_err() {
+                            return;
+                        }
+                    }
+                    if full {
+                        continue;
+                    }
+                    if !r.follow {
+                        return;
+                    }
+                    let ended = page
+                        .last()
+                        .and_then(|e| events::status_after(&e.body.event_type))
+                        .is_some_and(RunStatus::is_terminal);
+                    if ended {
+                        return;
+                    }
+                    if page.is_empty() {
+                        match this.store.get_run(&run.run_id).await {
+                            Ok(Some(cur)) if cur.status.is_terminal() && cur.last_seq <= since => {
+                                return;
+                            }
+                            Err(e) => {
+                                let _ = tx.send(Err(e.into())).await;
+                                return;
+                            }
+                            _ => {}
+                        }
+                    }
+                    tokio::select! {
+                        _ = notified => {}
+                        _ = tokio::time::sleep(FOLLOW_POLL) => {}
+                        _ = tx.closed() => return,
                     }
                 }
-                tokio::select! {
-                    _ = notified => {}
-                    _ = tokio::time::sleep(FOLLOW_POLL) => {}
-                    _ = tx.closed() => return,
-                }
-            }
+            };
+            stream.await;
+            drop(notify);
+            this.unfollow(&run.run_id);
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -465,10 +522,15 @@ impl Ledger for LedgerService {
             Some(r.step_id.as_str())
         };
         let receipts = self.store.receipts(&run.run_id, step).await?;
-        Ok(Response::new(pb::ListReceiptsResponse { receipts: receipts.into_iter().map(receipt_to_proto).collect() }))
+        Ok(Response::new(pb::ListReceiptsResponse {
+            receipts: receipts.into_iter().map(receipt_to_proto).collect(),
+        }))
     }
 
-    async fn get_signed_head(&self, req: Request<pb::GetSignedHeadRequest>) -> Result<Response<pb::SignedHead>, Status> {
+    async fn get_signed_head(
+        &self,
+        req: Request<pb::GetSignedHeadRequest>,
+    ) -> Result<Response<pb::SignedHead>, Status> {
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         Ok(Response::new(pb::SignedHead {

@@ -8,16 +8,16 @@ use serde_json::{Value, json};
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 use warden_config::PolicyConfig;
-use warden_core::auth::{AuthorizationClaims, key_id, sign};
-use warden_core::canonical::{args_digest, canonical_json};
+use warden_core::auth::{AuthorizationClaims, CallIdentity, key_id, sign};
+use warden_core::canonical::args_digest;
 use warden_core::events;
 use warden_core::ids::{check_id, check_step_id, check_tool_name};
 use warden_grpc::{invalid_field, now_ms};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 
-use warden_grpc::keyfile::PublishedKey;
 use crate::rules::{self, Verdict};
+use warden_grpc::keyfile::PublishedKey;
 
 /// Largest accepted argument document.
 pub const MAX_ARGS_BYTES: usize = 1 << 20;
@@ -77,17 +77,16 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
 
 /// Same request, same decision id: a retried `Authorize` records nothing twice.
 fn decision_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
-    let material = canonical_json(&json!([
-        r.tenant,
-        r.run_id,
-        r.step_id,
-        r.attempt,
-        r.tool,
+    let call = CallIdentity {
+        tenant: &r.tenant,
+        run_id: &r.run_id,
+        step_id: &r.step_id,
+        attempt: r.attempt,
+        tool: &r.tool,
         args_sha256,
-        r.idempotency_key,
-        r.capability_id
-    ]));
-    warden_core::sha256_hex(material)[..32].to_string()
+        idempotency_key: &r.idempotency_key,
+    };
+    warden_core::auth::decision_id(&call, &r.capability_id)
 }
 
 impl PolicyService {
@@ -169,7 +168,13 @@ impl pb::policy_server::Policy for PolicyService {
             .await
             .map_err(|s| match s.code() {
                 // Fencing and tenancy refusals pass through unchanged (with their details).
-                Code::NotFound | Code::FailedPrecondition | Code::InvalidArgument => s,
+                Code::NotFound | Code::FailedPrecondition => s,
+                // The decision id is taken by different content: rules changed since, or a
+                // forged record. Never sign on top of it.
+                Code::InvalidArgument => Status::failed_precondition(format!(
+                    "a different decision is already recorded for this call; not signing: {}",
+                    s.message()
+                )),
                 _ => Status::unavailable(format!(
                     "decision could not be recorded in the ledger (failing closed): {}",
                     s.message()
@@ -179,24 +184,9 @@ impl pb::policy_server::Policy for PolicyService {
         let event = appended
             .event
             .ok_or_else(|| Status::internal("ledger returned no event"))?;
-        // A retried request gets the decision recorded the first time.
-        let recorded: Value = serde_json::from_str(&event.payload_json).unwrap_or_default();
-        let text = |k: &str| {
-            recorded
-                .get(k)
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string()
-        };
-        let rule = rules::RuleDecision {
-            verdict: if text("outcome") == "allow" {
-                Verdict::Allow
-            } else {
-                Verdict::Deny
-            },
-            rule_id: text("rule_id"),
-            reason: text("reason"),
-        };
+        // The ledger returned an event with exactly this content (a retry gets the first
+        // one back; different content under this id is refused by the ledger), so the fresh
+        // evaluation above is what is recorded and what gets signed.
         let decision = self.decision(&r, &checked, event.seq, &rule);
         tracing::info!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, outcome = rule.verdict.as_str(), rule_id = %rule.rule_id, "policy decision");
         let authorization = (rule.verdict == Verdict::Allow).then(|| {

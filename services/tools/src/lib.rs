@@ -27,9 +27,14 @@ use warden_proto::v1::tool_host_server::{ToolHost, ToolHostServer};
 /// Outcomes remembered for idempotent replay.
 const REMEMBERED_OUTCOMES: usize = 100_000;
 
+type Slot = Arc<tokio::sync::OnceCell<pb::InvokeResponse>>;
+
+/// One slot per (tenant, idempotency key): the first call runs the tool inside the slot and
+/// every concurrent or later call with the key waits for, then returns, that outcome.
+/// Kept in memory (bounded): a real tool host with external side effects persists them.
 #[derive(Default)]
 struct Outcomes {
-    by_key: HashMap<String, pb::InvokeResponse>,
+    by_key: HashMap<String, Slot>,
     order: VecDeque<String>,
 }
 
@@ -79,25 +84,20 @@ impl ToolHostService {
         Ok(())
     }
 
-    fn remembered(&self, key: &str) -> Option<pb::InvokeResponse> {
-        self.outcomes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .by_key
-            .get(key)
-            .cloned()
-    }
-
-    fn remember(&self, key: &str, resp: &pb::InvokeResponse) {
+    fn slot(&self, key: String) -> Slot {
         let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
-        if o.by_key.insert(key.to_string(), resp.clone()).is_none() {
-            o.order.push_back(key.to_string());
+        if let Some(slot) = o.by_key.get(&key) {
+            return slot.clone();
         }
+        let slot = Slot::default();
+        o.by_key.insert(key.clone(), slot.clone());
+        o.order.push_back(key);
         while o.order.len() > REMEMBERED_OUTCOMES {
             if let Some(old) = o.order.pop_front() {
                 o.by_key.remove(&old);
             }
         }
+        slot
     }
 }
 
@@ -164,24 +164,28 @@ impl ToolHost for ToolHostService {
             tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, error = %e, "refused unauthorized call");
             return Err(Status::permission_denied(format!("refused: {e}")));
         }
-        if let Some(mut first) = self.remembered(&r.idempotency_key) {
-            first.replayed = true;
-            return Ok(Response::new(first));
-        }
-        let ctx = tools::CallContext {
-            run_id: &r.run_id,
-            step_id: &r.step_id,
-            idempotency_key: &r.idempotency_key,
-        };
-        let outcome = match tool.run(&self.state, &args, &ctx).await {
-            Ok(out) => pb::invoke_response::Outcome::OutputJson(out.to_string()),
-            Err(e) => pb::invoke_response::Outcome::Error(e),
-        };
-        let resp = pb::InvokeResponse {
-            outcome: Some(outcome),
-            replayed: false,
-        };
-        self.remember(&r.idempotency_key, &resp);
+        let slot = self.slot(format!("{}\u{0}{}", r.tenant, r.idempotency_key));
+        let mut ran = false;
+        let first = slot
+            .get_or_init(|| async {
+                ran = true;
+                let ctx = tools::CallContext {
+                    run_id: &r.run_id,
+                    step_id: &r.step_id,
+                    idempotency_key: &r.idempotency_key,
+                };
+                let outcome = match tool.run(&self.state, &args, &ctx).await {
+                    Ok(out) => pb::invoke_response::Outcome::OutputJson(out.to_string()),
+                    Err(e) => pb::invoke_response::Outcome::Error(e),
+                };
+                pb::InvokeResponse {
+                    outcome: Some(outcome),
+                    replayed: false,
+                }
+            })
+            .await;
+        let mut resp = first.clone();
+        resp.replayed = !ran;
         Ok(Response::new(resp))
     }
 }

@@ -92,8 +92,7 @@ pub struct LedgerStore {
     key: Arc<SigningKey>,
 }
 
-const RUN_COLUMNS: &str =
-    "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
+const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
 const EVENT_COLUMNS: &str = "run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash";
 
 fn run_from_row(r: &AnyRow) -> Result<RunRow, LedgerError> {
@@ -169,7 +168,11 @@ fn sqlite_url(url: &str) -> Result<String, LedgerError> {
 
 impl LedgerStore {
     /// Connects and runs the embedded migrations of the URL's backend.
-    pub async fn connect(url: &str, max_connections: u32, key: SigningKey) -> Result<LedgerStore, LedgerError> {
+    pub async fn connect(
+        url: &str,
+        max_connections: u32,
+        key: SigningKey,
+    ) -> Result<LedgerStore, LedgerError> {
         sqlx::any::install_default_drivers();
         let (backend, url) = if url.starts_with("sqlite:") {
             (Backend::Sqlite, sqlite_url(url)?)
@@ -205,7 +208,11 @@ impl LedgerStore {
             .run(&pool)
             .await
             .map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
-        Ok(LedgerStore { pool, backend, key: Arc::new(key) })
+        Ok(LedgerStore {
+            pool,
+            backend,
+            key: Arc::new(key),
+        })
     }
 
     pub fn verifying_key(&self) -> ed25519_dalek::VerifyingKey {
@@ -213,7 +220,12 @@ impl LedgerStore {
     }
 
     fn sign_head(&self, run_id: &str, seq: u64, hash: &str) -> (String, String) {
-        let (sig, key_id) = Head { run_id: run_id.to_string(), seq, hash: hash.to_string() }.sign(&self.key);
+        let (sig, key_id) = Head {
+            run_id: run_id.to_string(),
+            seq,
+            hash: hash.to_string(),
+        }
+        .sign(&self.key);
         (hex::encode(sig), key_id)
     }
 
@@ -370,7 +382,7 @@ impl LedgerStore {
         );
         let rows = sqlx::query(&sql)
             .bind(run_id)
-            .bind(since_seq as i64)
+            .bind(since_seq.min(i64::MAX as u64) as i64)
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(event_from_row).collect()
@@ -403,11 +415,17 @@ impl LedgerStore {
             .await?
         {
             let existing = event_from_row(&existing)?;
-            if existing.body.event_type != new.event_type || existing.body.step_id != new.step_id {
+            // A retry carries the same content; anything else reusing the key is refused, so
+            // nobody can pre-record an event another writer will later be handed back.
+            let same = existing.body.event_type == new.event_type
+                && existing.body.step_id == new.step_id
+                && warden_core::canonical_json(&existing.body.payload)
+                    == warden_core::canonical_json(&new.payload);
+            if !same {
                 return Err(LedgerError::invalid(
                     "idempotency_key",
                     format!(
-                        "already used by a {} event of step '{}'",
+                        "already used by a different {} event of step '{}'",
                         existing.body.event_type, existing.body.step_id
                     ),
                 ));
@@ -422,7 +440,20 @@ impl LedgerStore {
             });
         }
         let status: String = head.try_get("status")?;
-        if RunStatus::parse(&status).is_some_and(RunStatus::is_terminal) {
+        let current = RunStatus::parse(&status);
+        // A run waiting for an operator or an approval is not picked up again by an executor.
+        if new.event_type == events::RUN_STARTED
+            && matches!(
+                current,
+                Some(RunStatus::RequiresReconciliation | RunStatus::Blocked)
+            )
+        {
+            return Err(LedgerError::Precondition(format!(
+                "run '{}' is {status}; it cannot be started",
+                new.run_id
+            )));
+        }
+        if current.is_some_and(RunStatus::is_terminal) {
             return Err(LedgerError::Precondition(format!(
                 "run '{}' is {status}; it accepts no more events",
                 new.run_id
@@ -494,22 +525,34 @@ impl LedgerStore {
     }
 
     /// Receipts of a run (of one step when `step_id` is given), in seq order.
-    pub async fn receipts(&self, run_id: &str, step_id: Option<&str>) -> Result<Vec<Receipt>, LedgerError> {
+    pub async fn receipts(
+        &self,
+        run_id: &str,
+        step_id: Option<&str>,
+    ) -> Result<Vec<Receipt>, LedgerError> {
         let rows = match step_id {
-            Some(step) => {
-                sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 AND step_id = $2 ORDER BY seq")
+            Some(step) => sqlx::query(
+                "SELECT body_json FROM receipts WHERE run_id = $1 AND step_id = $2 ORDER BY seq",
+            )
+            .bind(run_id)
+            .bind(step)
+            .fetch_all(&self.pool)
+            .await?,
+            None => {
+                sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 ORDER BY seq")
                     .bind(run_id)
-                    .bind(step)
                     .fetch_all(&self.pool)
                     .await?
             }
-            None => sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 ORDER BY seq").bind(run_id).fetch_all(&self.pool).await?,
         };
         rows.iter()
             .map(|r| {
                 let body: String = r.try_get(0)?;
                 // A body that no longer parses was edited in the database; verification says so.
-                Ok(serde_json::from_str(&body).unwrap_or_else(|_| Receipt { receipt_id: body, ..empty_receipt(run_id) }))
+                Ok(serde_json::from_str(&body).unwrap_or_else(|_| Receipt {
+                    receipt_id: body,
+                    ..empty_receipt(run_id)
+                }))
             })
             .collect()
     }
@@ -537,7 +580,10 @@ fn empty_receipt(run_id: &str) -> Receipt {
     }
 }
 
-async fn insert_receipt(tx: &mut sqlx::Transaction<'_, sqlx::Any>, r: &Receipt) -> Result<(), LedgerError> {
+async fn insert_receipt(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    r: &Receipt,
+) -> Result<(), LedgerError> {
     let inserted = sqlx::query(
         "INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
     )
@@ -619,12 +665,35 @@ async fn check_cited_allow(
     let (etype, dstep, dpayload): (String, String, String) =
         (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
     let decision: Value = serde_json::from_str(&dpayload).unwrap_or_default();
-    let field = |k: &str| decision.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+    let field = |k: &str| {
+        decision
+            .get(k)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
     if etype != events::POLICY_DECISION || dstep != step_id {
         return refused("which is not a decision for this step");
     }
     if field("outcome") != "allow" {
         return refused("which is not an allow");
+    }
+    // The event must be about the very call that was allowed.
+    for key in ["attempt", "tool", "idempotency_key"] {
+        if payload.get(key) != decision.get(key) {
+            return refused(&format!("which allowed a different {key}"));
+        }
+    }
+    if event_type == events::TOOL_REQUESTED {
+        let args = payload.get("args").ok_or_else(|| {
+            LedgerError::invalid(
+                "payload_json.args",
+                "a tool_requested event records the arguments it was allowed for",
+            )
+        })?;
+        if warden_core::canonical::args_digest(args) != field("args_sha256") {
+            return refused("which allowed different arguments");
+        }
     }
     Ok(field("capability_id"))
 }
