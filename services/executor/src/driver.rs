@@ -203,8 +203,8 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         lost: lost.clone(),
     };
     let mut result = drive_leased(&ctx).await;
-    if let Err(DriveError::Ledger(s)) = &result {
-        if matches!(
+    if let Err(DriveError::Ledger(s)) = &result
+        && matches!(
             s.code(),
             Code::InvalidArgument | Code::FailedPrecondition | Code::Internal
         ) && !lost.is_cancelled()
@@ -214,7 +214,6 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
             tracing::warn!(run_id, %reason, "failing run");
             result = finish(&ctx, events::RUN_FAILED, json!({"reason": reason})).await;
         }
-    }
     renewal.abort();
     if let Err(e) = ex.inner.leases.release(&lease).await {
         tracing::warn!(run_id, error = %e, "lease release failed; it will expire");
