@@ -71,11 +71,7 @@ async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Run
     let started = Instant::now();
     let run_id = runs_client(&ep.runs)
         .await?
-        .submit_run(pb::SubmitRunRequest {
-            tenant: tenant.into(),
-            plan_json: plan.into(),
-            ..Default::default()
-        })
+        .submit_run(pb::SubmitRunRequest { tenant: tenant.into(), plan_json: plan.into(), ..Default::default() })
         .await
         .map_err(|s| anyhow::anyhow!("submit refused: {}", describe(&s)))?
         .into_inner()
@@ -100,10 +96,7 @@ async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Run
         last = e.event_type;
     }
     anyhow::ensure!(last == "run_completed", "run {run_id} ended with {last}");
-    Ok(RunResult {
-        wall: started.elapsed(),
-        step_us,
-    })
+    Ok(RunResult { wall: started.elapsed(), step_us })
 }
 
 fn hist() -> Histogram<u64> {
@@ -114,16 +107,9 @@ fn ms(us: u64) -> String {
     format!("{:.2}ms", us as f64 / 1000.0)
 }
 
-async fn measure(
-    shape: &str,
-    ep: &Endpoints,
-    tenant: &str,
-    args: &BenchArgs,
-) -> anyhow::Result<()> {
+async fn measure(shape: &str, ep: &Endpoints, tenant: &str, args: &BenchArgs) -> anyhow::Result<()> {
     // Warm-up: connections, catalog caches, SQLite/PostgreSQL page caches.
-    one_run(ep, tenant, &chain(5))
-        .await
-        .context("warm-up run")?;
+    one_run(ep, tenant, &chain(5)).await.context("warm-up run")?;
 
     let plan = chain(args.steps);
     let (mut steps, mut wall, mut n) = (hist(), Duration::ZERO, 0u64);
@@ -149,17 +135,9 @@ async fn measure(
     let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..args.batch_runs {
-        let (ep, plan, tenant) = (
-            Endpoints {
-                runs: ep.runs.clone(),
-                ledger: ep.ledger.clone(),
-            },
-            plan.clone(),
-            tenant.to_string(),
-        );
-        tasks.push(tokio::spawn(
-            async move { one_run(&ep, &tenant, &plan).await },
-        ));
+        let (ep, plan, tenant) =
+            (Endpoints { runs: ep.runs.clone(), ledger: ep.ledger.clone() }, plan.clone(), tenant.to_string());
+        tasks.push(tokio::spawn(async move { one_run(&ep, &tenant, &plan).await }));
     }
     let (mut steps, mut runs, mut n) = (hist(), hist(), 0u64);
     for t in tasks {
@@ -193,10 +171,7 @@ async fn dev_shape(args: &BenchArgs) -> anyhow::Result<()> {
     base.planner.max_steps = args.steps.max(args.batch_steps);
     let config = crate::dev::dev_config(base, &dir, &endpoint);
     let mesh = crate::dev::start(config, listener).await?;
-    let ep = Endpoints {
-        runs: endpoint.clone(),
-        ledger: endpoint,
-    };
+    let ep = Endpoints { runs: endpoint.clone(), ledger: endpoint };
     let r = measure("dev", &ep, "default", args).await;
     let _ = mesh.shutdown.send(());
     let _ = std::fs::remove_dir_all(&dir);
@@ -205,10 +180,7 @@ async fn dev_shape(args: &BenchArgs) -> anyhow::Result<()> {
 
 async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
     let (pg, redis) = tokio::task::spawn_blocking(|| -> anyhow::Result<_> {
-        Ok((
-            warden_testkit::servers::start_postgres(false)?,
-            warden_testkit::servers::start_redis()?,
-        ))
+        Ok((warden_testkit::servers::start_postgres(false)?, warden_testkit::servers::start_redis()?))
     })
     .await??;
     let database_url = pg.create_database().await?;
@@ -222,10 +194,7 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
         executors: 1,
     })
     .await?;
-    let ep = Endpoints {
-        runs: mesh.executors[0].endpoint.clone(),
-        ledger: mesh.ledger.endpoint.clone(),
-    };
+    let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };
     measure("prod", &ep, "default", args).await
 }
 
@@ -238,11 +207,7 @@ fn tempfile_dir(prefix: &str) -> anyhow::Result<std::path::PathBuf> {
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     println!(
         "warden bench: build {}; step latency = executor-measured authorize+record+invoke per step",
-        if cfg!(debug_assertions) {
-            "debug (use --release for real figures)"
-        } else {
-            "release"
-        }
+        if cfg!(debug_assertions) { "debug (use --release for real figures)" } else { "release" }
     );
     if matches!(args.shape, Shape::Dev | Shape::Both) {
         dev_shape(&args).await?;

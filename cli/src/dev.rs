@@ -43,12 +43,9 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     c.policy.key_file = path("policy.key");
     c.policy.ledger_endpoint = endpoint.into();
     if c.policy.tenants.is_empty() {
-        c.policy.tenants.insert(
-            "default".into(),
-            TenantPolicy {
-                allow_tools: DEV_TOOLS.iter().map(|s| s.to_string()).collect(),
-            },
-        );
+        c.policy
+            .tenants
+            .insert("default".into(), TenantPolicy { allow_tools: DEV_TOOLS.iter().map(|s| s.to_string()).collect() });
     }
     c.planner.tool_hosts = vec![endpoint.into()];
     c.executor.ledger_endpoint = endpoint.into();
@@ -68,13 +65,8 @@ pub struct DevMesh {
 }
 
 /// Starts every service on `listen` in this process.
-pub async fn start(
-    config: WardenConfig,
-    listener: tokio::net::TcpListener,
-) -> anyhow::Result<DevMesh> {
-    let ledger = warden_ledger::open(&config.ledger)
-        .await
-        .context("opening the ledger")?;
+pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> anyhow::Result<DevMesh> {
+    let ledger = warden_ledger::open(&config.ledger).await.context("opening the ledger")?;
     let policy = warden_policy::build(&config.policy)?;
     let planner = warden_planner::PlannerService::new(&config.planner)?;
     let tools = warden_tools::ToolHostService::new(&config.tools)?;
@@ -103,10 +95,7 @@ pub async fn start(
         sweeper.abort();
         Ok(r?)
     });
-    Ok(DevMesh {
-        shutdown: tx,
-        served,
-    })
+    Ok(DevMesh { shutdown: tx, served })
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
@@ -115,8 +104,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     if let Some(n) = args.max_steps {
         base.planner.max_steps = n;
     }
-    std::fs::create_dir_all(&args.dir)
-        .with_context(|| format!("creating {}", args.dir.display()))?;
+    std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
     let listener = match warden_grpc::bind(&args.listen).await {
         Ok(l) => l,
         // The default port is taken (another mesh?): serve on a free one instead.
@@ -133,11 +121,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     println!("warden dev: ledger, policy, planner, executor and demo tools serving on {endpoint}");
     println!("warden dev: state in {}", args.dir.display());
     if let Some(plan) = &args.demo {
-        let target = Target {
-            endpoint: endpoint.clone(),
-            ledger_endpoint: endpoint.clone(),
-            tenant: "default".into(),
-        };
+        let target = Target { endpoint: endpoint.clone(), ledger_endpoint: endpoint.clone(), tenant: "default".into() };
         crate::run::demo(&target, plan).await?;
     }
     println!();
@@ -145,9 +129,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     println!("  export WARDEN_ENDPOINT={endpoint}");
     println!("  cargo run -q -p warden -- run submit --plan examples/hello.plan.json --wait");
     println!("  cargo run -q -p warden -- run tail <RUN_ID> --follow");
-    let DevMesh {
-        shutdown, served, ..
-    } = mesh;
+    let DevMesh { shutdown, served, .. } = mesh;
     tokio::select! {
         _ = warden_grpc::shutdown_signal() => {
             let _ = shutdown.send(());

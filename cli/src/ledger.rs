@@ -32,8 +32,7 @@ pub fn run(cmd: LedgerCommand) -> anyhow::Result<i32> {
                     Ok(VerifyingKey::from_bytes(&bytes)?)
                 })
                 .transpose()?;
-            let f = std::fs::File::open(&file)
-                .with_context(|| format!("opening {}", file.display()))?;
+            let f = std::fs::File::open(&file).with_context(|| format!("opening {}", file.display()))?;
             let lines = std::io::BufReader::new(f).lines().map_while(Result::ok);
             match warden_core::export::verify(lines, pinned.as_ref()) {
                 Ok(r) if json => println!(
@@ -46,11 +45,7 @@ pub fn run(cmd: LedgerCommand) -> anyhow::Result<i32> {
                     r.events,
                     r.receipts,
                     r.key_id,
-                    if pinned.is_some() {
-                        " (pinned)"
-                    } else {
-                        " (key from the file; pin it with --key)"
-                    }
+                    if pinned.is_some() { " (pinned)" } else { " (key from the file; pin it with --key)" }
                 ),
                 Err(e) if json => {
                     println!(

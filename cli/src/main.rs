@@ -15,12 +15,7 @@ use clap::{Parser, Subcommand};
 )]
 struct Cli {
     /// The mesh's front door (the executor's Runs service).
-    #[arg(
-        long,
-        global = true,
-        env = "WARDEN_ENDPOINT",
-        default_value = "http://127.0.0.1:7100"
-    )]
+    #[arg(long, global = true, env = "WARDEN_ENDPOINT", default_value = "http://127.0.0.1:7100")]
     endpoint: String,
     /// The ledger, when it is not served at --endpoint (production shape).
     #[arg(long, global = true, env = "WARDEN_LEDGER_ENDPOINT")]
@@ -57,10 +52,7 @@ pub struct Target {
 async fn main() {
     let cli = Cli::parse();
     let target = Target {
-        ledger_endpoint: cli
-            .ledger_endpoint
-            .clone()
-            .unwrap_or_else(|| cli.endpoint.clone()),
+        ledger_endpoint: cli.ledger_endpoint.clone().unwrap_or_else(|| cli.endpoint.clone()),
         endpoint: cli.endpoint,
         tenant: cli.tenant,
     };

@@ -58,6 +58,26 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Latest run summaries, newest first: `seq<TAB>timestamp<TAB>type<TAB>payload`.
+    Summaries {
+        run_id: String,
+        #[arg(long = "type")]
+        summary_type: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Latest artifact values by key (`key<TAB>value`), or one key's history.
+    Artifacts {
+        run_id: String,
+        #[arg(long)]
+        key: Option<String>,
+        #[arg(long, requires = "key")]
+        history: bool,
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the run (events, receipts, signed head) as JSON Lines to stdout, for offline verification.
     Export { run_id: String },
     /// Recompute the run's hash chain: prints `valid` (exit 0) or `invalid` with the first bad seq (exit 1).
@@ -73,8 +93,7 @@ pub async fn runs_client(endpoint: &str) -> anyhow::Result<RunsClient<Channel>> 
 }
 
 pub async fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<Channel>> {
-    Ok(LedgerClient::new(warden_grpc::channel(endpoint)?)
-        .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES))
+    Ok(LedgerClient::new(warden_grpc::channel(endpoint)?).max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES))
 }
 
 /// Renders a gRPC error with its field violations.
@@ -86,13 +105,8 @@ pub fn describe(status: &tonic::Status) -> String {
     s
 }
 
-pub async fn submit(
-    target: &Target,
-    plan: &Path,
-    idempotency_key: Option<String>,
-) -> anyhow::Result<String> {
-    let plan_json =
-        std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
+pub async fn submit(target: &Target, plan: &Path, idempotency_key: Option<String>) -> anyhow::Result<String> {
+    let plan_json = std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
     let resp = runs_client(&target.endpoint)
         .await?
         .submit_run(pb::SubmitRunRequest {
@@ -113,24 +127,14 @@ pub async fn wait(target: &Target, run_id: &str) -> anyhow::Result<pb::Run> {
     let mut delay = Duration::from_millis(20);
     loop {
         let run = client
-            .get_run(pb::GetRunRequest {
-                tenant: target.tenant.clone(),
-                run_id: run_id.to_string(),
-            })
+            .get_run(pb::GetRunRequest { tenant: target.tenant.clone(), run_id: run_id.to_string() })
             .await
             .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
             .into_inner();
         let st = run.status();
         use pb::RunStatus as S;
-        if matches!(
-            st,
-            S::Completed
-                | S::Failed
-                | S::Cancelled
-                | S::EmptyPlan
-                | S::RequiresReconciliation
-                | S::Blocked
-        ) {
+        if matches!(st, S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation | S::Blocked)
+        {
             return Ok(run);
         }
         tokio::time::sleep(delay).await;
@@ -139,12 +143,7 @@ pub async fn wait(target: &Target, run_id: &str) -> anyhow::Result<pb::Run> {
 }
 
 fn exit_code(run: &pb::Run) -> i32 {
-    matches!(
-        run.status(),
-        pb::RunStatus::Completed | pb::RunStatus::EmptyPlan
-    )
-    .then_some(0)
-    .unwrap_or(1)
+    matches!(run.status(), pb::RunStatus::Completed | pb::RunStatus::EmptyPlan).then_some(0).unwrap_or(1)
 }
 
 fn run_json(run: &pb::Run) -> serde_json::Value {
@@ -196,21 +195,14 @@ fn event_line(e: &pb::Event, as_json: bool) -> String {
     if as_json {
         let payload: serde_json::Value = serde_json::from_str(&e.payload_json).unwrap_or_default();
         json!({"seq": e.seq, "timestamp_ms": e.timestamp_ms, "event_type": e.event_type, "step_id": e.step_id,
-               "epoch": e.epoch, "payload": payload, "hash": e.hash}).to_string()
+               "epoch": e.epoch, "payload": payload, "hash": e.hash})
+        .to_string()
     } else {
-        format!(
-            "{}\t{}\t{}\t{}",
-            e.seq, e.timestamp_ms, e.event_type, e.step_id
-        )
+        format!("{}\t{}\t{}\t{}", e.seq, e.timestamp_ms, e.event_type, e.step_id)
     }
 }
 
-pub async fn tail(
-    target: &Target,
-    run_id: &str,
-    follow: bool,
-    as_json: bool,
-) -> anyhow::Result<()> {
+pub async fn tail(target: &Target, run_id: &str, follow: bool, as_json: bool) -> anyhow::Result<()> {
     let mut stream = ledger_client(&target.ledger_endpoint)
         .await?
         .stream_events(pb::StreamEventsRequest {
@@ -222,11 +214,7 @@ pub async fn tail(
         .await
         .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
         .into_inner();
-    while let Some(e) = stream
-        .message()
-        .await
-        .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
-    {
+    while let Some(e) = stream.message().await.map_err(|s| anyhow::anyhow!("{}", describe(&s)))? {
         println!("{}", event_line(&e, as_json));
     }
     Ok(())
@@ -235,10 +223,7 @@ pub async fn tail(
 pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Result<i32> {
     let v = ledger_client(&target.ledger_endpoint)
         .await?
-        .verify_run(pb::VerifyRunRequest {
-            tenant: target.tenant.clone(),
-            run_id: run_id.to_string(),
-        })
+        .verify_run(pb::VerifyRunRequest { tenant: target.tenant.clone(), run_id: run_id.to_string() })
         .await
         .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
         .into_inner();
@@ -257,11 +242,7 @@ pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Res
 
 pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
     match cmd {
-        RunCommand::Submit {
-            plan,
-            wait: w,
-            idempotency_key,
-        } => {
+        RunCommand::Submit { plan, wait: w, idempotency_key } => {
             let run_id = submit(target, &plan, idempotency_key).await?;
             println!("{run_id}");
             if w {
@@ -277,10 +258,7 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
         RunCommand::Status { run_id, json } => {
             let run = runs_client(&target.endpoint)
                 .await?
-                .get_run(pb::GetRunRequest {
-                    tenant: target.tenant.clone(),
-                    run_id,
-                })
+                .get_run(pb::GetRunRequest { tenant: target.tenant.clone(), run_id })
                 .await
                 .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
                 .into_inner();
@@ -291,22 +269,18 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
             }
             Ok(0)
         }
-        RunCommand::Tail {
-            run_id,
-            follow,
-            json,
-        } => {
+        RunCommand::Tail { run_id, follow, json } => {
             tail(target, &run_id, follow, json).await?;
             Ok(0)
         }
         RunCommand::VerifyLedger { run_id, json } => verify(target, &run_id, json).await,
-        RunCommand::List {
-            statuses,
-            limit,
-            json,
-        } => list(target, &statuses, limit, json).await,
+        RunCommand::List { statuses, limit, json } => list(target, &statuses, limit, json).await,
         RunCommand::Receipts { run_id, step, json } => receipts(target, &run_id, step, json).await,
         RunCommand::Export { run_id } => export(target, &run_id).await,
+        RunCommand::Summaries { run_id, summary_type, limit, json } => {
+            summaries(target, &run_id, summary_type, limit, json).await
+        }
+        RunCommand::Artifacts { run_id, key, history, json } => artifacts(target, &run_id, key, history, json).await,
     }
 }
 
@@ -324,12 +298,7 @@ pub async fn demo(target: &Target, plan: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn list(
-    target: &Target,
-    statuses: &[String],
-    limit: u32,
-    as_json: bool,
-) -> anyhow::Result<i32> {
+async fn list(target: &Target, statuses: &[String], limit: u32, as_json: bool) -> anyhow::Result<i32> {
     let statuses = statuses
         .iter()
         .map(|s| {
@@ -362,12 +331,7 @@ async fn list(
     Ok(0)
 }
 
-async fn receipts(
-    target: &Target,
-    run_id: &str,
-    step: Option<String>,
-    as_json: bool,
-) -> anyhow::Result<i32> {
+async fn receipts(target: &Target, run_id: &str, step: Option<String>, as_json: bool) -> anyhow::Result<i32> {
     let list = ledger_client(&target.ledger_endpoint)
         .await?
         .list_receipts(pb::ListReceiptsRequest {
@@ -390,13 +354,7 @@ async fn receipts(
         } else {
             println!(
                 "{}\t{}\t{}\t{}\t{}\t{}\t{}",
-                r.seq,
-                r.step_id,
-                r.attempt,
-                r.status,
-                r.action_type,
-                r.policy_decision,
-                r.receipt_id
+                r.seq, r.step_id, r.attempt, r.status, r.action_type, r.policy_decision, r.receipt_id
             );
         }
     }
@@ -411,26 +369,18 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
     let mut ledger = ledger_client(&target.ledger_endpoint).await?;
     let err = |s: tonic::Status| anyhow::anyhow!("{}", describe(&s));
     let head = ledger
-        .get_signed_head(pb::GetSignedHeadRequest {
-            tenant: target.tenant.clone(),
-            run_id: run_id.into(),
-        })
+        .get_signed_head(pb::GetSignedHeadRequest { tenant: target.tenant.clone(), run_id: run_id.into() })
         .await
         .map_err(err)?
         .into_inner();
     let run = ledger
-        .get_run(pb::GetLedgerRunRequest {
-            tenant: target.tenant.clone(),
-            run_id: run_id.into(),
-        })
+        .get_run(pb::GetLedgerRunRequest { tenant: target.tenant.clone(), run_id: run_id.into() })
         .await
         .map_err(err)?
         .into_inner();
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::new(out.lock());
-    let mut emit = |line: &Line| -> anyhow::Result<()> {
-        Ok(writeln!(out, "{}", serde_json::to_string(line)?)?)
-    };
+    let mut emit = |line: &Line| -> anyhow::Result<()> { Ok(writeln!(out, "{}", serde_json::to_string(line)?)?) };
     emit(&Line::Header(Header {
         format: FORMAT.into(),
         run_id: run.run_id.clone(),
@@ -485,15 +435,72 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
         }))?;
     }
     emit(&Line::Head(SignedHeadLine {
-        head: warden_core::head::Head {
-            run_id: head.run_id,
-            seq: head.seq,
-            hash: head.hash,
-        },
+        head: warden_core::head::Head { run_id: head.run_id, seq: head.seq, hash: head.hash },
         signature: hex::encode(head.signature),
         key_id: head.key_id,
         public_key: hex::encode(head.public_key),
     }))?;
     out.flush()?;
+    Ok(0)
+}
+
+async fn summaries(
+    target: &Target,
+    run_id: &str,
+    kind: Option<String>,
+    limit: u32,
+    as_json: bool,
+) -> anyhow::Result<i32> {
+    let list = ledger_client(&target.ledger_endpoint)
+        .await?
+        .list_summaries(pb::ListSummariesRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.into(),
+            summary_type: kind.unwrap_or_default(),
+            limit,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+        .into_inner();
+    for s in list.summaries {
+        if as_json {
+            let payload: serde_json::Value = serde_json::from_str(&s.payload_json).unwrap_or_default();
+            println!(
+                "{}",
+                json!({"seq": s.seq, "timestamp_ms": s.timestamp_ms, "summary_type": s.summary_type, "step_id": s.step_id, "payload": payload})
+            );
+        } else {
+            println!("{}\t{}\t{}\t{}", s.seq, s.timestamp_ms, s.summary_type, s.payload_json);
+        }
+    }
+    Ok(0)
+}
+
+async fn artifacts(
+    target: &Target,
+    run_id: &str,
+    key: Option<String>,
+    history: bool,
+    as_json: bool,
+) -> anyhow::Result<i32> {
+    let list = ledger_client(&target.ledger_endpoint)
+        .await?
+        .list_artifacts(pb::ListArtifactsRequest {
+            tenant: target.tenant.clone(),
+            run_id: run_id.into(),
+            key: key.unwrap_or_default(),
+            history,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+        .into_inner();
+    for a in list.artifacts {
+        if as_json {
+            let value: serde_json::Value = serde_json::from_str(&a.value_json).unwrap_or_default();
+            println!("{}", json!({"key": a.key, "value": value, "seq": a.seq, "timestamp_ms": a.timestamp_ms}));
+        } else {
+            println!("{}\t{}", a.key, a.value_json);
+        }
+    }
     Ok(0)
 }

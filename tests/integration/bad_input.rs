@@ -17,68 +17,33 @@ async fn bad_submissions_name_the_field_and_write_nothing() {
     let big = plan(&[("a", "echo", json!({"blob": "x".repeat(300 * 1024)}), &[])]);
     let cases = vec![
         (submit("acme", "{not json".into()), "plan_json"),
-        (
-            submit(
-                "acme",
-                r#"{"steps":[{"id":"a","tool":"echo","parms":{}}]}"#.into(),
-            ),
-            "plan_json",
-        ),
+        (submit("acme", r#"{"steps":[{"id":"a","tool":"echo","parms":{}}]}"#.into()), "plan_json"),
         (submit("acme", r#"{"stepz":[]}"#.into()), "plan_json"),
         (submit("acme", big), "plan_json"),
         (submit("", HELLO.into()), "tenant"),
         (submit("bad tenant!", HELLO.into()), "tenant"),
+        (submit("acme", plan(&[("a", "no.such.tool", json!({}), &[])])), "plan_json.steps[a].tool"),
         (
-            submit("acme", plan(&[("a", "no.such.tool", json!({}), &[])])),
-            "plan_json.steps[a].tool",
-        ),
-        (
-            submit(
-                "acme",
-                plan(&[
-                    ("a", "echo", json!({}), &["b"]),
-                    ("b", "echo", json!({}), &["a"]),
-                ]),
-            ),
+            submit("acme", plan(&[("a", "echo", json!({}), &["b"]), ("b", "echo", json!({}), &["a"])])),
             "plan_json.steps[a].depends_on",
         ),
+        (submit("acme", plan(&[("a", "echo", json!({}), &["ghost"])])), "plan_json.steps[a].depends_on"),
         (
-            submit("acme", plan(&[("a", "echo", json!({}), &["ghost"])])),
-            "plan_json.steps[a].depends_on",
-        ),
-        (
-            submit(
-                "acme",
-                plan(&[("a", "echo", json!({}), &[]), ("a", "echo", json!({}), &[])]),
-            ),
+            submit("acme", plan(&[("a", "echo", json!({}), &[]), ("a", "echo", json!({}), &[])])),
             "plan_json.steps[a].id",
         ),
         (
-            submit(
-                "acme",
-                plan(&[
-                    ("a", "echo", json!({"x": "{{b.output}}"}), &[]),
-                    ("b", "echo", json!({}), &[]),
-                ]),
-            ),
+            submit("acme", plan(&[("a", "echo", json!({"x": "{{b.output}}"}), &[]), ("b", "echo", json!({}), &[])])),
             "plan_json.steps[a].params",
         ),
-        (
-            submit("acme", plan(&[("bad id", "echo", json!({}), &[])])),
-            "plan_json.steps[0].id",
-        ),
+        (submit("acme", plan(&[("bad id", "echo", json!({}), &[])])), "plan_json.steps[0].id"),
         (
             submit(
                 "acme",
                 plan(
                     &(0..11)
                         .map(|i| {
-                            (
-                                Box::leak(format!("s{i}").into_boxed_str()) as &str,
-                                "echo",
-                                json!({}),
-                                &[] as &[&str],
-                            )
+                            (Box::leak(format!("s{i}").into_boxed_str()) as &str, "echo", json!({}), &[] as &[&str])
                         })
                         .collect::<Vec<_>>(),
                 ),
@@ -86,58 +51,26 @@ async fn bad_submissions_name_the_field_and_write_nothing() {
             "plan_json.steps",
         ),
         (
-            pb::SubmitRunRequest {
-                idempotency_key: "spaces are bad".into(),
-                ..submit("acme", HELLO.into())
-            },
+            pb::SubmitRunRequest { idempotency_key: "spaces are bad".into(), ..submit("acme", HELLO.into()) },
             "idempotency_key",
         ),
-        (
-            pb::SubmitRunRequest {
-                cancel_policy: 99,
-                ..submit("acme", HELLO.into())
-            },
-            "cancel_policy",
-        ),
-        (
-            pb::SubmitRunRequest {
-                tenant: "acme".into(),
-                ..Default::default()
-            },
-            "plan_json",
-        ),
+        (pb::SubmitRunRequest { cancel_policy: 99, ..submit("acme", HELLO.into()) }, "cancel_policy"),
+        (pb::SubmitRunRequest { tenant: "acme".into(), ..Default::default() }, "plan_json"),
     ];
     for (req, field) in cases {
         let e = runs.submit_run(req).await.expect_err("refused");
         assert_field_violation(&e, field);
     }
     let e = runs
-        .get_run(pb::GetRunRequest {
-            tenant: "acme".into(),
-            run_id: "01900000-0000-7000-8000-000000000000".into(),
-        })
+        .get_run(pb::GetRunRequest { tenant: "acme".into(), run_id: "01900000-0000-7000-8000-000000000000".into() })
         .await
         .expect_err("unknown");
     assert_eq!(e.code(), tonic::Code::NotFound);
-    let e = runs
-        .get_run(pb::GetRunRequest {
-            tenant: "acme".into(),
-            run_id: "../etc".into(),
-        })
-        .await
-        .expect_err("invalid");
+    let e =
+        runs.get_run(pb::GetRunRequest { tenant: "acme".into(), run_id: "../etc".into() }).await.expect_err("invalid");
     assert_field_violation(&e, "run_id");
-    let listed = mesh
-        .ledger()
-        .list_runs(pb::ListLedgerRunsRequest::default())
-        .await
-        .expect("list")
-        .into_inner();
-    assert!(
-        listed.runs.is_empty(),
-        "no refused submission left a run: {:?}",
-        listed.runs
-    );
+    let listed = mesh.ledger().list_runs(pb::ListLedgerRunsRequest::default()).await.expect("list").into_inner();
+    assert!(listed.runs.is_empty(), "no refused submission left a run: {:?}", listed.runs);
 }
 
 #[tokio::test]
@@ -145,20 +78,12 @@ async fn unimplemented_rpcs_say_so() {
     let mesh = mesh_on(Backend::Sqlite).await;
     let e = mesh
         .runs()
-        .cancel_run(pb::CancelRunRequest {
-            tenant: "acme".into(),
-            run_id: "x".into(),
-            reason: String::new(),
-        })
+        .cancel_run(pb::CancelRunRequest { tenant: "acme".into(), run_id: "x".into(), reason: String::new() })
         .await
         .expect_err("unimplemented");
     assert_eq!(e.code(), tonic::Code::Unimplemented);
     assert!(!e.message().is_empty());
-    let mut caps =
-        warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel());
-    let e = caps
-        .list(pb::ListCapabilitiesRequest::default())
-        .await
-        .expect_err("unimplemented");
+    let mut caps = warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel());
+    let e = caps.list(pb::ListCapabilitiesRequest::default()).await.expect_err("unimplemented");
     assert_eq!(e.code(), tonic::Code::Unimplemented);
 }

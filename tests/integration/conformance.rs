@@ -66,33 +66,21 @@ fn invoke(run_id: &str, args: &Value, auth: Option<pb::SignedAuthorization>) -> 
 async fn k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments() {
     let mesh = mesh_on(Backend::Sqlite).await;
     let run_id = submit(&mesh, "acme", HELLO).await;
-    assert_eq!(
-        settled(&mesh, "acme", &run_id).await.status(),
-        pb::RunStatus::Completed
-    );
+    assert_eq!(settled(&mesh, "acme", &run_id).await.status(), pb::RunStatus::Completed);
     let evs = events(&mut mesh.ledger(), "acme", &run_id).await;
-    let requested: Vec<&pb::Event> = evs
-        .iter()
-        .filter(|e| e.event_type == "tool_requested")
-        .collect();
+    let requested: Vec<&pb::Event> = evs.iter().filter(|e| e.event_type == "tool_requested").collect();
     assert_eq!(requested.len(), 5);
     for r in requested {
         let p = payload(r);
         let decision = evs
             .iter()
-            .find(|e| {
-                e.event_type == "policy_decision" && payload(e)["decision_id"] == p["decision_id"]
-            })
+            .find(|e| e.event_type == "policy_decision" && payload(e)["decision_id"] == p["decision_id"])
             .expect("the cited decision is in the ledger");
         let d = payload(decision);
         assert!(decision.seq < r.seq, "decided before requested");
         assert_eq!(d["outcome"], json!("allow"));
         assert_eq!(decision.step_id, r.step_id);
-        assert_eq!(
-            d["args_sha256"],
-            json!(args_digest(&p["args"])),
-            "allow is for these exact arguments"
-        );
+        assert_eq!(d["args_sha256"], json!(args_digest(&p["args"])), "allow is for these exact arguments");
     }
 }
 
@@ -101,45 +89,22 @@ async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls(
     let mesh = services_on(Backend::Sqlite).await;
     let run_id = bare_run(&mesh, "acme").await;
     let args = json!({"text": "pay 10"});
-    let granted = mesh
-        .policy()
-        .authorize(authorize_request(&run_id, &args))
-        .await
-        .expect("authorize")
-        .into_inner();
-    assert_eq!(
-        granted.decision.as_ref().expect("decision").outcome(),
-        pb::Outcome::Allow
-    );
+    let granted = mesh.policy().authorize(authorize_request(&run_id, &args)).await.expect("authorize").into_inner();
+    assert_eq!(granted.decision.as_ref().expect("decision").outcome(), pb::Outcome::Allow);
     let auth = granted.authorization.expect("signed authorization");
     let mut host = mesh.tool_host();
 
-    let refused = |r: Result<tonic::Response<pb::InvokeResponse>, tonic::Status>| {
-        r.expect_err("must be refused")
-    };
+    let refused = |r: Result<tonic::Response<pb::InvokeResponse>, tonic::Status>| r.expect_err("must be refused");
     let e = refused(host.invoke(invoke(&run_id, &args, None)).await);
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "unsigned: {e:?}");
 
-    let e = refused(
-        host.invoke(invoke(
-            &run_id,
-            &json!({"text": "pay 10000"}),
-            Some(auth.clone()),
-        ))
-        .await,
-    );
-    assert!(
-        e.code() == tonic::Code::PermissionDenied && e.message().contains("args_sha256"),
-        "other args: {e:?}"
-    );
+    let e = refused(host.invoke(invoke(&run_id, &json!({"text": "pay 10000"}), Some(auth.clone()))).await);
+    assert!(e.code() == tonic::Code::PermissionDenied && e.message().contains("args_sha256"), "other args: {e:?}");
 
     let mut other_step = invoke(&run_id, &args, Some(auth.clone()));
     other_step.step_id = "s2".into();
     let e = refused(host.invoke(other_step).await);
-    assert!(
-        e.message().contains("step_id"),
-        "replayed for another step: {e:?}"
-    );
+    assert!(e.message().contains("step_id"), "replayed for another step: {e:?}");
 
     let mut tampered = auth.clone();
     tampered.claims_json = String::from_utf8(auth.claims_json.clone())
@@ -172,38 +137,20 @@ async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls(
         key_id: s.key_id,
     };
     let forged = sign(claims(i64::MAX), &SigningKey::from_bytes(&[42u8; 32]));
-    let e = refused(
-        host.invoke(invoke(&run_id, &args, Some(to_wire(forged))))
-            .await,
-    );
+    let e = refused(host.invoke(invoke(&run_id, &args, Some(to_wire(forged)))).await);
     assert!(e.message().contains("unknown key"), "forged key: {e:?}");
 
-    let seed: [u8; 32] = hex::decode(
-        std::fs::read_to_string(mesh.dir.path().join("policy.key"))
-            .expect("key")
-            .trim(),
-    )
-    .expect("hex")
-    .try_into()
-    .expect("32 bytes");
+    let seed: [u8; 32] = hex::decode(std::fs::read_to_string(mesh.dir.path().join("policy.key")).expect("key").trim())
+        .expect("hex")
+        .try_into()
+        .expect("32 bytes");
     let expired = sign(claims(1), &SigningKey::from_bytes(&seed));
-    let e = refused(
-        host.invoke(invoke(&run_id, &args, Some(to_wire(expired))))
-            .await,
-    );
+    let e = refused(host.invoke(invoke(&run_id, &args, Some(to_wire(expired)))).await);
     assert!(e.message().contains("expired"), "expired: {e:?}");
 
-    let ok = host
-        .invoke(invoke(&run_id, &args, Some(auth)))
-        .await
-        .expect("the exact authorized call runs")
-        .into_inner();
-    assert_eq!(
-        ok.outcome,
-        Some(pb::invoke_response::Outcome::OutputJson(canonical_json(
-            &args
-        )))
-    );
+    let ok =
+        host.invoke(invoke(&run_id, &args, Some(auth))).await.expect("the exact authorized call runs").into_inner();
+    assert_eq!(ok.outcome, Some(pb::invoke_response::Outcome::OutputJson(canonical_json(&args))));
 }
 
 #[tokio::test]
@@ -220,47 +167,25 @@ async fn k01_ledger_refuses_tool_events_without_a_recorded_allow() {
         payload_json: json!({"decision_id": decision_id, "output": 1}).to_string(),
         step_id: "s1".into(),
     };
-    let e = ledger
-        .append_event(append("tool_completed", "made-up"))
-        .await
-        .expect_err("no such decision");
+    let e = ledger.append_event(append("tool_completed", "made-up")).await.expect_err("no such decision");
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     let mut missing = append("tool_requested", "x");
     missing.payload_json = "{}".into();
-    assert_field_violation(
-        &ledger.append_event(missing).await.expect_err("no citation"),
-        "payload_json.decision_id",
-    );
+    assert_field_violation(&ledger.append_event(missing).await.expect_err("no citation"), "payload_json.decision_id");
 
     // A recorded deny does not count as an allow (acme may not call shell.exec).
     let mut req = authorize_request(&run_id, &json!({}));
     req.tool = "shell.exec".into();
-    let d = mesh
-        .policy()
-        .authorize(req)
-        .await
-        .expect("decision")
-        .into_inner()
-        .decision
-        .expect("decision");
+    let d = mesh.policy().authorize(req).await.expect("decision").into_inner().decision.expect("decision");
     assert_eq!(d.outcome(), pb::Outcome::Deny);
-    let e = ledger
-        .append_event(append("tool_completed", &d.decision_id))
-        .await
-        .expect_err("a deny is no allow");
+    let e = ledger.append_event(append("tool_completed", &d.decision_id)).await.expect_err("a deny is no allow");
     assert!(e.message().contains("not an allow"), "{e:?}");
     let run = ledger
-        .get_run(pb::GetLedgerRunRequest {
-            tenant: "acme".into(),
-            run_id: run_id.clone(),
-        })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() })
         .await
         .expect("run")
         .into_inner();
-    assert_eq!(
-        run.last_seq, 2,
-        "only run_submitted and the decision were written"
-    );
+    assert_eq!(run.last_seq, 2, "only run_submitted and the decision were written");
 }
 
 #[tokio::test]
@@ -268,12 +193,7 @@ async fn k01_denied_tool_never_runs() {
     let mesh = mesh_with(Backend::Sqlite, limited_tenant()).await;
     let p = plan(&[
         ("hi", "echo", json!({"m": 1}), &[]),
-        (
-            "mail",
-            "email.send",
-            json!({"to": "a@b.c", "subject": "s", "body": "b"}),
-            &["hi"],
-        ),
+        ("mail", "email.send", json!({"to": "a@b.c", "subject": "s", "body": "b"}), &["hi"]),
     ]);
     let id = submit(&mesh, "limited", &p).await;
     let run = settled(&mesh, "limited", &id).await;
@@ -284,8 +204,7 @@ async fn k01_denied_tool_never_runs() {
     assert!(mesh.outbox().is_empty(), "nothing was sent");
     let evs = events(&mut mesh.ledger(), "limited", &id).await;
     assert!(
-        !evs.iter()
-            .any(|e| e.step_id == "mail" && e.event_type.starts_with("tool_")),
+        !evs.iter().any(|e| e.step_id == "mail" && e.event_type.starts_with("tool_")),
         "no tool event for a denied step"
     );
 }
@@ -293,53 +212,27 @@ async fn k01_denied_tool_never_runs() {
 #[tokio::test]
 async fn k03_every_decision_is_in_the_ledger_with_rule_and_reason() {
     let mesh = mesh_with(Backend::Postgres, limited_tenant()).await;
-    let p = plan(&[
-        ("a", "echo", json!({}), &[]),
-        ("b", "text.upper", json!({"text": "x"}), &[]),
-    ]);
+    let p = plan(&[("a", "echo", json!({}), &[]), ("b", "text.upper", json!({"text": "x"}), &[])]);
     let id = submit(&mesh, "limited", &p).await;
     settled(&mesh, "limited", &id).await;
     let evs = events(&mut mesh.ledger(), "limited", &id).await;
-    let decisions: Vec<Value> = evs
-        .iter()
-        .filter(|e| e.event_type == "policy_decision")
-        .map(payload)
-        .collect();
-    assert_eq!(
-        decisions.len(),
-        2,
-        "one decision per step, allow and deny alike"
-    );
-    let outcomes: Vec<&str> = decisions
-        .iter()
-        .map(|d| d["outcome"].as_str().expect("outcome"))
-        .collect();
-    assert!(
-        outcomes.contains(&"allow") && outcomes.contains(&"deny"),
-        "{outcomes:?}"
-    );
+    let decisions: Vec<Value> = evs.iter().filter(|e| e.event_type == "policy_decision").map(payload).collect();
+    assert_eq!(decisions.len(), 2, "one decision per step, allow and deny alike");
+    let outcomes: Vec<&str> = decisions.iter().map(|d| d["outcome"].as_str().expect("outcome")).collect();
+    assert!(outcomes.contains(&"allow") && outcomes.contains(&"deny"), "{outcomes:?}");
     for d in &decisions {
         assert!(d["rule_id"].as_str().is_some_and(|r| !r.is_empty()), "{d}");
         assert!(d["reason"].as_str().is_some_and(|r| !r.is_empty()), "{d}");
-        assert!(
-            d["fingerprint"].as_str().is_some_and(|r| !r.is_empty()),
-            "{d}"
-        );
+        assert!(d["fingerprint"].as_str().is_some_and(|r| !r.is_empty()), "{d}");
     }
 }
 
 async fn k11_stale_lease_holder_cannot_append(backend: Backend) {
     let mesh = services_on(backend).await;
     let run_id = bare_run(&mesh, "acme").await;
-    let leases = LeaseStore::connect(&warden_testkit::redis().url)
-        .await
-        .expect("redis");
+    let leases = LeaseStore::connect(&warden_testkit::redis().url).await.expect("redis");
     let ttl = Duration::from_millis(300);
-    let old = leases
-        .acquire(&run_id, "old", ttl, 0)
-        .await
-        .expect("redis")
-        .expect("free lease");
+    let old = leases.acquire(&run_id, "old", ttl, 0).await.expect("redis").expect("free lease");
     let mut ledger = mesh.ledger();
     let append = |epoch: u64, key: &str| pb::AppendEventRequest {
         tenant: "acme".into(),
@@ -350,10 +243,7 @@ async fn k11_stale_lease_holder_cannot_append(backend: Backend) {
         payload_json: "{}".into(),
         step_id: String::new(),
     };
-    ledger
-        .append_event(append(old.epoch, "by-old-1"))
-        .await
-        .expect("holder writes");
+    ledger.append_event(append(old.epoch, "by-old-1")).await.expect("holder writes");
     // The old holder pauses past its lease; a new holder takes over.
     let new = warden_testkit::eventually(Duration::from_secs(10), || {
         let leases = leases.clone();
@@ -363,32 +253,13 @@ async fn k11_stale_lease_holder_cannot_append(backend: Backend) {
     .await
     .expect("lease expires and is taken over");
     assert!(new.epoch > old.epoch);
-    ledger
-        .append_event(append(new.epoch, "by-new-1"))
-        .await
-        .expect("new holder writes");
-    let e = ledger
-        .append_event(append(old.epoch, "by-old-2"))
-        .await
-        .expect_err("stale holder is fenced");
+    ledger.append_event(append(new.epoch, "by-new-1")).await.expect("new holder writes");
+    let e = ledger.append_event(append(old.epoch, "by-old-2")).await.expect_err("stale holder is fenced");
     assert!(warden_grpc::is_fenced(&e), "{e:?}");
-    assert!(
-        !leases.renew(&old, ttl).await.expect("redis"),
-        "stale holder cannot renew"
-    );
-    let run = ledger
-        .get_run(pb::GetLedgerRunRequest {
-            tenant: "acme".into(),
-            run_id,
-        })
-        .await
-        .expect("run")
-        .into_inner();
-    assert_eq!(
-        (run.last_seq, run.max_epoch),
-        (3, new.epoch),
-        "the refused write left nothing behind"
-    );
+    assert!(!leases.renew(&old, ttl).await.expect("redis"), "stale holder cannot renew");
+    let run =
+        ledger.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id }).await.expect("run").into_inner();
+    assert_eq!((run.last_seq, run.max_epoch), (3, new.epoch), "the refused write left nothing behind");
 }
 
 #[tokio::test]
@@ -407,10 +278,7 @@ async fn k13_tampering_is_detected(backend: Backend) {
     let mut ids = Vec::new();
     for _ in 0..4 {
         let id = submit(&mesh, "acme", HELLO).await;
-        assert_eq!(
-            settled(&mesh, "acme", &id).await.status(),
-            pb::RunStatus::Completed
-        );
+        assert_eq!(settled(&mesh, "acme", &id).await.status(), pb::RunStatus::Completed);
         ids.push(id);
     }
     let mut ledger = mesh.ledger();
@@ -423,43 +291,28 @@ async fn k13_tampering_is_detected(backend: Backend) {
     } else {
         mesh.database_url.clone()
     };
-    let db = AnyPoolOptions::new()
-        .max_connections(1)
-        .connect(&url)
-        .await
-        .expect("open the database");
+    let db = AnyPoolOptions::new().max_connections(1).connect(&url).await.expect("open the database");
     let exec = |sql: String| {
         let db = db.clone();
         async move { sqlx::query(&sql).execute(&db).await.expect("tamper") }
     };
-    exec(format!("UPDATE events SET payload_json = '{{\"output\":\"forged\"}}' WHERE run_id = '{}' AND seq = 5", ids[0])).await;
     exec(format!(
-        "DELETE FROM events WHERE run_id = '{}' AND seq = 4",
-        ids[1]
+        "UPDATE events SET payload_json = '{{\"output\":\"forged\"}}' WHERE run_id = '{}' AND seq = 5",
+        ids[0]
     ))
     .await;
+    exec(format!("DELETE FROM events WHERE run_id = '{}' AND seq = 4", ids[1])).await;
+    exec(format!("UPDATE events SET seq = 1000 WHERE run_id = '{}' AND seq = 6", ids[2])).await;
+    exec(format!("UPDATE events SET seq = 6 WHERE run_id = '{}' AND seq = 7", ids[2])).await;
+    exec(format!("UPDATE events SET seq = 7 WHERE run_id = '{}' AND seq = 1000", ids[2])).await;
     exec(format!(
-        "UPDATE events SET seq = 1000 WHERE run_id = '{}' AND seq = 6",
-        ids[2]
+        "DELETE FROM events WHERE run_id = '{}' AND seq = (SELECT MAX(seq) FROM events WHERE run_id = '{}')",
+        ids[3], ids[3]
     ))
     .await;
-    exec(format!(
-        "UPDATE events SET seq = 6 WHERE run_id = '{}' AND seq = 7",
-        ids[2]
-    ))
-    .await;
-    exec(format!(
-        "UPDATE events SET seq = 7 WHERE run_id = '{}' AND seq = 1000",
-        ids[2]
-    ))
-    .await;
-    exec(format!("DELETE FROM events WHERE run_id = '{}' AND seq = (SELECT MAX(seq) FROM events WHERE run_id = '{}')", ids[3], ids[3])).await;
-    for (id, bad_seq, what) in [
-        (&ids[0], 5, "altered"),
-        (&ids[1], 4, "removed"),
-        (&ids[2], 6, "reordered"),
-        (&ids[3], 18, "truncated"),
-    ] {
+    for (id, bad_seq, what) in
+        [(&ids[0], 5, "altered"), (&ids[1], 4, "removed"), (&ids[2], 6, "reordered"), (&ids[3], 18, "truncated")]
+    {
         let v = verify(&mut ledger, "acme", id).await;
         assert!(!v.valid, "{what} event not detected");
         assert_eq!(v.first_bad_seq, bad_seq, "{what}: {}", v.reason);
@@ -483,20 +336,10 @@ async fn k19_policy_unavailable_means_nothing_executes() {
     let id = submit(&mesh, "acme", HELLO).await;
     let run = settled(&mesh, "acme", &id).await;
     assert_eq!(run.status(), pb::RunStatus::Failed);
-    assert!(
-        run.reason.contains("policy unavailable"),
-        "the run says why: {}",
-        run.reason
-    );
+    assert!(run.reason.contains("policy unavailable"), "the run says why: {}", run.reason);
     let evs = events(&mut mesh.ledger(), "acme", &id).await;
-    assert!(
-        !evs.iter().any(|e| e.event_type.starts_with("tool_")),
-        "no tool was requested"
-    );
+    assert!(!evs.iter().any(|e| e.event_type.starts_with("tool_")), "no tool was requested");
     assert!(mesh.outbox().is_empty());
-    let failed = evs
-        .iter()
-        .find(|e| e.event_type == "step_failed")
-        .expect("step_failed recorded");
+    let failed = evs.iter().find(|e| e.event_type == "step_failed").expect("step_failed recorded");
     assert_eq!(payload(failed)["kind"], json!("policy_unavailable"));
 }

@@ -26,11 +26,7 @@ async fn fixture(backend: Backend) -> Fixture {
         .run
         .expect("run")
         .run_id;
-    Fixture {
-        mesh,
-        ledger,
-        run_id,
-    }
+    Fixture { mesh, ledger, run_id }
 }
 
 fn note(run_id: &str, key: &str) -> pb::AppendEventRequest {
@@ -46,22 +42,14 @@ fn note(run_id: &str, key: &str) -> pb::AppendEventRequest {
 }
 
 async fn concurrent_appends_are_contiguous_and_idempotent(backend: Backend) {
-    let Fixture {
-        mesh,
-        mut ledger,
-        run_id,
-    } = fixture(backend).await;
+    let Fixture { mesh, mut ledger, run_id } = fixture(backend).await;
     let mut tasks = Vec::new();
     for w in 0..8 {
         let (mut l, r) = (mesh.ledger(), run_id.clone());
         tasks.push(tokio::spawn(async move {
             for i in 0..10 {
                 let req = note(&r, &format!("w{w}-e{i}"));
-                let first = l
-                    .append_event(req.clone())
-                    .await
-                    .expect("append")
-                    .into_inner();
+                let first = l.append_event(req.clone()).await.expect("append").into_inner();
                 // A retried append (same key) returns the first result.
                 let again = l.append_event(req).await.expect("retry").into_inner();
                 assert!(again.deduplicated && !first.deduplicated);
@@ -91,25 +79,15 @@ async fn concurrent_appends_are_contiguous_and_idempotent_on_postgres() {
 }
 
 async fn bad_appends_write_nothing(backend: Backend) {
-    let Fixture {
-        mesh: _mesh,
-        mut ledger,
-        run_id,
-    } = fixture(backend).await;
+    let Fixture { mesh: _mesh, mut ledger, run_id } = fixture(backend).await;
     let cases: Vec<(pb::AppendEventRequest, tonic::Code, &str)> = vec![
         (
-            pb::AppendEventRequest {
-                payload_json: "{not json".into(),
-                ..note(&run_id, "k1")
-            },
+            pb::AppendEventRequest { payload_json: "{not json".into(), ..note(&run_id, "k1") },
             tonic::Code::InvalidArgument,
             "payload_json",
         ),
         (
-            pb::AppendEventRequest {
-                payload_json: "[1]".into(),
-                ..note(&run_id, "k2")
-            },
+            pb::AppendEventRequest { payload_json: "[1]".into(), ..note(&run_id, "k2") },
             tonic::Code::InvalidArgument,
             "payload_json",
         ),
@@ -122,34 +100,22 @@ async fn bad_appends_write_nothing(backend: Backend) {
             "payload_json",
         ),
         (
-            pb::AppendEventRequest {
-                event_type: "made_up".into(),
-                ..note(&run_id, "k4")
-            },
+            pb::AppendEventRequest { event_type: "made_up".into(), ..note(&run_id, "k4") },
             tonic::Code::InvalidArgument,
             "event_type",
         ),
         (
-            pb::AppendEventRequest {
-                idempotency_key: String::new(),
-                ..note(&run_id, "")
-            },
+            pb::AppendEventRequest { idempotency_key: String::new(), ..note(&run_id, "") },
             tonic::Code::InvalidArgument,
             "idempotency_key",
         ),
         (
-            pb::AppendEventRequest {
-                run_id: "no such run".into(),
-                ..note(&run_id, "k5")
-            },
+            pb::AppendEventRequest { run_id: "no such run".into(), ..note(&run_id, "k5") },
             tonic::Code::InvalidArgument,
             "run_id",
         ),
         (
-            pb::AppendEventRequest {
-                step_id: "a.b".into(),
-                ..note(&run_id, "k6")
-            },
+            pb::AppendEventRequest { step_id: "a.b".into(), ..note(&run_id, "k6") },
             tonic::Code::InvalidArgument,
             "step_id",
         ),
@@ -168,30 +134,17 @@ async fn bad_appends_write_nothing(backend: Backend) {
         .expect_err("unknown run");
     assert_eq!(e.code(), tonic::Code::NotFound);
     let e = ledger
-        .append_event(pb::AppendEventRequest {
-            tenant: "globex".into(),
-            ..note(&run_id, "k8")
-        })
+        .append_event(pb::AppendEventRequest { tenant: "globex".into(), ..note(&run_id, "k8") })
         .await
         .expect_err("other tenant");
-    assert_eq!(
-        e.code(),
-        tonic::Code::NotFound,
-        "another tenant's run does not exist for it"
-    );
+    assert_eq!(e.code(), tonic::Code::NotFound, "another tenant's run does not exist for it");
     let e = ledger
-        .get_run(pb::GetLedgerRunRequest {
-            tenant: "globex".into(),
-            run_id: run_id.clone(),
-        })
+        .get_run(pb::GetLedgerRunRequest { tenant: "globex".into(), run_id: run_id.clone() })
         .await
         .expect_err("other tenant");
     assert_eq!(e.code(), tonic::Code::NotFound);
     let run = ledger
-        .get_run(pb::GetLedgerRunRequest {
-            tenant: "acme".into(),
-            run_id: run_id.clone(),
-        })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() })
         .await
         .expect("run")
         .into_inner();
@@ -210,16 +163,9 @@ async fn bad_appends_get_the_right_code_and_write_nothing_on_postgres() {
 }
 
 async fn streams_resume_and_end_with_the_run(backend: Backend) {
-    let Fixture {
-        mesh,
-        mut ledger,
-        run_id,
-    } = fixture(backend).await;
+    let Fixture { mesh, mut ledger, run_id } = fixture(backend).await;
     for i in 0..3 {
-        ledger
-            .append_event(note(&run_id, &format!("n{i}")))
-            .await
-            .expect("append");
+        ledger.append_event(note(&run_id, &format!("n{i}"))).await.expect("append");
     }
     let mut follow = ledger
         .stream_events(pb::StreamEventsRequest {
@@ -245,26 +191,12 @@ async fn streams_resume_and_end_with_the_run(backend: Backend) {
         };
         writer.append_event(done).await.expect("complete");
     });
-    assert_eq!(
-        follow
-            .message()
-            .await
-            .expect("event")
-            .expect("followed")
-            .seq,
-        5
-    );
+    assert_eq!(follow.message().await.expect("event").expect("followed").seq, 5);
     let last = follow.message().await.expect("event").expect("followed");
     assert_eq!(last.event_type, "run_completed");
-    assert!(
-        follow.message().await.expect("clean end").is_none(),
-        "the stream ends with the run"
-    );
+    assert!(follow.message().await.expect("clean end").is_none(), "the stream ends with the run");
     finisher.await.expect("finisher");
-    let e = ledger
-        .append_event(note(&run_id, "after-end"))
-        .await
-        .expect_err("terminal runs take no events");
+    let e = ledger.append_event(note(&run_id, "after-end")).await.expect_err("terminal runs take no events");
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
 }
 

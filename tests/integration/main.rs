@@ -4,6 +4,7 @@
 mod bad_input;
 mod conformance;
 mod ledger;
+mod lifecycle;
 mod mesh;
 mod receipts;
 
@@ -27,10 +28,7 @@ impl Backend {
     pub async fn database_url(self) -> String {
         match self {
             Backend::Sqlite => String::new(),
-            Backend::Postgres => warden_testkit::postgres()
-                .create_database()
-                .await
-                .expect("create test database"),
+            Backend::Postgres => warden_testkit::postgres().create_database().await.expect("create test database"),
         }
     }
 }
@@ -51,25 +49,14 @@ pub async fn mesh_with(backend: Backend, mut opts: MeshOptions) -> Mesh {
 /// A mesh without executors, for tests that write to the ledger or call policy and tools
 /// themselves (an executor's sweeper would otherwise drive their runs).
 pub async fn services_on(backend: Backend) -> Mesh {
-    mesh_with(
-        backend,
-        MeshOptions {
-            executors: 0,
-            ..MeshOptions::default()
-        },
-    )
-    .await
+    mesh_with(backend, MeshOptions { executors: 0, ..MeshOptions::default() }).await
 }
 
 pub const HELLO: &str = include_str!("../../examples/hello.plan.json");
 
 pub async fn submit(mesh: &Mesh, tenant: &str, plan: &str) -> String {
     mesh.runs()
-        .submit_run(pb::SubmitRunRequest {
-            tenant: tenant.into(),
-            plan_json: plan.into(),
-            ..Default::default()
-        })
+        .submit_run(pb::SubmitRunRequest { tenant: tenant.into(), plan_json: plan.into(), ..Default::default() })
         .await
         .unwrap_or_else(|s| panic!("submit failed: {s:?}"))
         .into_inner()
@@ -84,19 +71,13 @@ pub async fn settled(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
         let mut runs = runs.clone();
         async move {
             let run = runs
-                .get_run(pb::GetRunRequest {
-                    tenant: tenant.into(),
-                    run_id: run_id.into(),
-                })
+                .get_run(pb::GetRunRequest { tenant: tenant.into(), run_id: run_id.into() })
                 .await
                 .ok()?
                 .into_inner();
             use pb::RunStatus as S;
-            matches!(
-                run.status(),
-                S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation
-            )
-            .then_some(run)
+            matches!(run.status(), S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation)
+                .then_some(run)
         }
     })
     .await;
@@ -104,11 +85,7 @@ pub async fn settled(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
     run.unwrap_or_else(|| panic!("run {run_id} did not settle\n{}", mesh.logs()))
 }
 
-pub async fn events(
-    ledger: &mut LedgerClient<Channel>,
-    tenant: &str,
-    run_id: &str,
-) -> Vec<pb::Event> {
+pub async fn events(ledger: &mut LedgerClient<Channel>, tenant: &str, run_id: &str) -> Vec<pb::Event> {
     let mut s = ledger
         .stream_events(pb::StreamEventsRequest {
             tenant: tenant.into(),
@@ -130,16 +107,9 @@ pub fn payload(e: &pb::Event) -> Value {
     serde_json::from_str(&e.payload_json).expect("payload is JSON")
 }
 
-pub async fn verify(
-    ledger: &mut LedgerClient<Channel>,
-    tenant: &str,
-    run_id: &str,
-) -> pb::VerifyRunResponse {
+pub async fn verify(ledger: &mut LedgerClient<Channel>, tenant: &str, run_id: &str) -> pb::VerifyRunResponse {
     ledger
-        .verify_run(pb::VerifyRunRequest {
-            tenant: tenant.into(),
-            run_id: run_id.into(),
-        })
+        .verify_run(pb::VerifyRunRequest { tenant: tenant.into(), run_id: run_id.into() })
         .await
         .expect("verify")
         .into_inner()

@@ -12,24 +12,9 @@ async fn hello_plan_runs_through_every_service(backend: Backend) {
     let mesh = mesh_on(backend).await;
     let run_id = submit(&mesh, "acme", HELLO).await;
     let run = settled(&mesh, "acme", &run_id).await;
-    assert_eq!(
-        run.status(),
-        pb::RunStatus::Completed,
-        "{}: {}\n{}",
-        run.reason,
-        run_id,
-        mesh.logs()
-    );
-    let outputs: std::collections::HashMap<String, Value> = run
-        .steps
-        .iter()
-        .map(|s| {
-            (
-                s.id.clone(),
-                serde_json::from_str(&s.output_json).unwrap_or(Value::Null),
-            )
-        })
-        .collect();
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}: {}\n{}", run.reason, run_id, mesh.logs());
+    let outputs: std::collections::HashMap<String, Value> =
+        run.steps.iter().map(|s| (s.id.clone(), serde_json::from_str(&s.output_json).unwrap_or(Value::Null))).collect();
     assert_eq!(outputs["shout"], json!({"text": "HELLO, WARDEN"}));
     assert_eq!(outputs["recall"]["value"], json!("HELLO, WARDEN"));
     let outbox = mesh.outbox();
@@ -43,29 +28,16 @@ async fn hello_plan_runs_through_every_service(backend: Backend) {
     assert_eq!(types.last(), Some(&"run_completed"));
     assert_eq!(types.iter().filter(|t| **t == "tool_completed").count(), 5);
     // Dependency order: greet's completion precedes shout's request.
-    let pos = |t: &str, step: &str| {
-        evs.iter()
-            .position(|e| e.event_type == t && e.step_id == step)
-            .expect("event present")
-    };
+    let pos =
+        |t: &str, step: &str| evs.iter().position(|e| e.event_type == t && e.step_id == step).expect("event present");
     assert!(pos("tool_completed", "greet") < pos("tool_requested", "shout"));
     for (i, e) in evs.iter().enumerate() {
         assert_eq!(e.seq, i as u64 + 1, "seq is contiguous");
     }
-    let started = evs
-        .iter()
-        .find(|e| e.event_type == "run_started")
-        .expect("run_started");
-    assert!(
-        started.epoch >= 1,
-        "the executor writes under its lease epoch"
-    );
+    let started = evs.iter().find(|e| e.event_type == "run_started").expect("run_started");
+    assert!(started.epoch >= 1, "the executor writes under its lease epoch");
     assert!(verify(&mut ledger, "acme", &run_id).await.valid);
-    let info = ledger
-        .get_schema_info(pb::GetSchemaInfoRequest {})
-        .await
-        .expect("schema info")
-        .into_inner();
+    let info = ledger.get_schema_info(pb::GetSchemaInfoRequest {}).await.expect("schema info").into_inner();
     assert_eq!(
         info.backend,
         match backend {
@@ -88,22 +60,11 @@ async fn hello_plan_runs_through_every_service_on_postgres() {
 #[tokio::test]
 async fn direct_response_and_empty_plan_finish_without_tools() {
     let mesh = mesh_on(Backend::Sqlite).await;
-    let id = submit(
-        &mesh,
-        "acme",
-        r#"{"direct_response": "nothing to do", "reasoning": "trivial"}"#,
-    )
-    .await;
+    let id = submit(&mesh, "acme", r#"{"direct_response": "nothing to do", "reasoning": "trivial"}"#).await;
     let run = settled(&mesh, "acme", &id).await;
-    assert_eq!(
-        (run.status(), run.direct_response.as_str()),
-        (pb::RunStatus::Completed, "nothing to do")
-    );
+    assert_eq!((run.status(), run.direct_response.as_str()), (pb::RunStatus::Completed, "nothing to do"));
     let id = submit(&mesh, "acme", r#"{"steps": []}"#).await;
-    assert_eq!(
-        settled(&mesh, "acme", &id).await.status(),
-        pb::RunStatus::EmptyPlan
-    );
+    assert_eq!(settled(&mesh, "acme", &id).await.status(), pb::RunStatus::EmptyPlan);
 }
 
 #[tokio::test]
@@ -120,13 +81,7 @@ async fn a_failed_step_cancels_its_dependents_and_keeps_independent_work() {
     let run = settled(&mesh, "acme", &id).await;
     assert_eq!(run.status(), pb::RunStatus::Failed);
     assert!(run.reason.contains("boom"), "{}", run.reason);
-    let st = |id: &str| {
-        run.steps
-            .iter()
-            .find(|s| s.id == id)
-            .expect("step")
-            .status()
-    };
+    let st = |id: &str| run.steps.iter().find(|s| s.id == id).expect("step").status();
     assert_eq!(st("a"), pb::StepStatus::Completed);
     assert_eq!(st("side"), pb::StepStatus::Completed);
     assert_eq!(st("boom"), pb::StepStatus::Failed);
@@ -143,18 +98,8 @@ async fn a_resubmitted_idempotency_key_returns_the_first_run() {
         idempotency_key: "order-42".into(),
         ..Default::default()
     };
-    let first = mesh
-        .runs()
-        .submit_run(req.clone())
-        .await
-        .expect("submit")
-        .into_inner();
-    let second = mesh
-        .runs()
-        .submit_run(req)
-        .await
-        .expect("resubmit")
-        .into_inner();
+    let first = mesh.runs().submit_run(req.clone()).await.expect("submit").into_inner();
+    let second = mesh.runs().submit_run(req).await.expect("resubmit").into_inner();
     assert_eq!(first.run_id, second.run_id);
     assert!(!first.deduplicated && second.deduplicated);
     settled(&mesh, "acme", &first.run_id).await;
@@ -163,10 +108,7 @@ async fn a_resubmitted_idempotency_key_returns_the_first_run() {
 
 #[tokio::test]
 async fn a_killed_executor_loses_no_run_and_repeats_no_completed_step() {
-    let mut opts = MeshOptions {
-        executors: 2,
-        ..MeshOptions::default()
-    };
+    let mut opts = MeshOptions { executors: 2, ..MeshOptions::default() };
     opts.tenants[0].1.push("sleep".into());
     let mut mesh = mesh_with(Backend::Postgres, opts).await;
     let steps: Vec<Value> = (0..6)
@@ -184,11 +126,7 @@ async fn a_killed_executor_loses_no_run_and_repeats_no_completed_step() {
             let evs = events(&mut l, "acme", &id).await;
             evs.iter()
                 .any(|e| e.event_type == "tool_completed")
-                .then(|| {
-                    evs.iter()
-                        .find(|e| e.event_type == "run_started")
-                        .map(|e| payload(e)["executor"].clone())
-                })?
+                .then(|| evs.iter().find(|e| e.event_type == "run_started").map(|e| payload(e)["executor"].clone()))?
         }
     })
     .await
@@ -196,30 +134,15 @@ async fn a_killed_executor_loses_no_run_and_repeats_no_completed_step() {
     let idx = if owner == json!("executor-0") { 0 } else { 1 };
     mesh.executors[idx].kill();
     let run = settled(&mesh, "acme", &id).await;
-    assert_eq!(
-        run.status(),
-        pb::RunStatus::Completed,
-        "{}\n{}",
-        run.reason,
-        mesh.logs()
-    );
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}\n{}", run.reason, mesh.logs());
     let evs = events(&mut ledger, "acme", &id).await;
     for i in 0..6 {
-        let done = evs
-            .iter()
-            .filter(|e| e.event_type == "tool_completed" && e.step_id == format!("s{i}"))
-            .count();
+        let done = evs.iter().filter(|e| e.event_type == "tool_completed" && e.step_id == format!("s{i}")).count();
         assert_eq!(done, 1, "step s{i} completed exactly once");
     }
-    let epochs: std::collections::BTreeSet<u64> = evs
-        .iter()
-        .filter(|e| e.event_type == "run_started")
-        .map(|e| e.epoch)
-        .collect();
-    assert!(
-        epochs.len() >= 2,
-        "a second executor took over under a new epoch: {epochs:?}"
-    );
+    let epochs: std::collections::BTreeSet<u64> =
+        evs.iter().filter(|e| e.event_type == "run_started").map(|e| e.epoch).collect();
+    assert!(epochs.len() >= 2, "a second executor took over under a new epoch: {epochs:?}");
     assert!(verify(&mut ledger, "acme", &id).await.valid);
 }
 
@@ -243,14 +166,8 @@ async fn every_server_serves_health_and_reflection() {
     for (process, service) in cases {
         let mut health = HealthClient::new(process.channel());
         for name in ["", service] {
-            let status = health
-                .check(HealthCheckRequest {
-                    service: name.into(),
-                })
-                .await
-                .expect("health")
-                .into_inner()
-                .status();
+            let status =
+                health.check(HealthCheckRequest { service: name.into() }).await.expect("health").into_inner().status();
             assert_eq!(status, ServingStatus::Serving, "{} '{name}'", process.name);
         }
         let mut reflection = ServerReflectionClient::new(process.channel());
@@ -258,24 +175,14 @@ async fn every_server_serves_health_and_reflection() {
             host: String::new(),
             message_request: Some(MessageRequest::ListServices(String::new())),
         };
-        let mut responses = reflection
-            .server_reflection_info(tokio_stream::iter([request]))
-            .await
-            .expect("reflection")
-            .into_inner();
-        let Some(MessageResponse::ListServicesResponse(list)) = responses
-            .message()
-            .await
-            .expect("answer")
-            .and_then(|r| r.message_response)
+        let mut responses =
+            reflection.server_reflection_info(tokio_stream::iter([request])).await.expect("reflection").into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) =
+            responses.message().await.expect("answer").and_then(|r| r.message_response)
         else {
             panic!("{} answered no service list", process.name);
         };
         let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-        assert!(
-            names.iter().any(|n| n == service),
-            "{} lists {names:?}",
-            process.name
-        );
+        assert!(names.iter().any(|n| n == service), "{} lists {names:?}", process.name);
     }
 }

@@ -9,18 +9,9 @@ use warden_proto::v1 as pb;
 
 use crate::*;
 
-async fn receipts_of(
-    mesh: &warden_testkit::Mesh,
-    tenant: &str,
-    run_id: &str,
-    step: &str,
-) -> Vec<pb::Receipt> {
+async fn receipts_of(mesh: &warden_testkit::Mesh, tenant: &str, run_id: &str, step: &str) -> Vec<pb::Receipt> {
     mesh.ledger()
-        .list_receipts(pb::ListReceiptsRequest {
-            tenant: tenant.into(),
-            run_id: run_id.into(),
-            step_id: step.into(),
-        })
+        .list_receipts(pb::ListReceiptsRequest { tenant: tenant.into(), run_id: run_id.into(), step_id: step.into() })
         .await
         .expect("receipts")
         .into_inner()
@@ -29,8 +20,7 @@ async fn receipts_of(
 
 async fn k02_every_call_outcome_has_exactly_one_receipt(backend: Backend) {
     let mut opts = warden_testkit::MeshOptions::default();
-    opts.tenants
-        .push(("limited".into(), vec!["echo".into(), "fail".into()]));
+    opts.tenants.push(("limited".into(), vec!["echo".into(), "fail".into()]));
     let mesh = mesh_with(backend, opts).await;
     let ok = submit(&mesh, "acme", HELLO).await;
     settled(&mesh, "acme", &ok).await;
@@ -40,42 +30,21 @@ async fn k02_every_call_outcome_has_exactly_one_receipt(backend: Backend) {
         assert_eq!(r.status, "ok");
         assert_eq!(r.job_id, ok);
         assert!(!r.policy_decision.is_empty() && !r.action_type.is_empty() && r.timestamp_ms > 0);
-        assert_eq!(
-            (r.trace_id.len(), r.span_id.len(), r.hash.len()),
-            (32, 16, 64)
-        );
+        assert_eq!((r.trace_id.len(), r.span_id.len(), r.hash.len()), (32, 16, 64));
     }
-    assert_eq!(
-        receipts_of(&mesh, "acme", &ok, "shout").await.len(),
-        1,
-        "per call"
-    );
+    assert_eq!(receipts_of(&mesh, "acme", &ok, "shout").await.len(), 1, "per call");
 
     let p = plan(&[
         ("fine", "echo", json!({}), &[]),
         ("boom", "fail", json!({"message": "no"}), &[]),
-        (
-            "nope",
-            "email.send",
-            json!({"to": "a@b.c", "subject": "s", "body": "b"}),
-            &[],
-        ),
+        ("nope", "email.send", json!({"to": "a@b.c", "subject": "s", "body": "b"}), &[]),
         ("after", "echo", json!({}), &["boom"]),
     ]);
     let mixed = submit(&mesh, "limited", &p).await;
     settled(&mesh, "limited", &mixed).await;
     let by_step: std::collections::HashMap<String, String> =
-        receipts_of(&mesh, "limited", &mixed, "")
-            .await
-            .into_iter()
-            .map(|r| (r.step_id, r.status))
-            .collect();
-    let expected = [
-        ("fine", "ok"),
-        ("boom", "error"),
-        ("nope", "denied"),
-        ("after", "cancelled"),
-    ];
+        receipts_of(&mesh, "limited", &mixed, "").await.into_iter().map(|r| (r.step_id, r.status)).collect();
+    let expected = [("fine", "ok"), ("boom", "error"), ("nope", "denied"), ("after", "cancelled")];
     assert_eq!(by_step.len(), 4, "{by_step:?}");
     for (step, status) in expected {
         assert_eq!(by_step[step], status, "{step}");
@@ -115,22 +84,12 @@ async fn k02_a_second_outcome_for_a_call_is_refused() {
         epoch: 1,
         idempotency_key: "fail-1".into(),
         event_type: "tool_failed".into(),
-        payload_json: json!({"attempt": 1, "tool": "echo", "reason": "x", "kind": "tool_error"})
-            .to_string(),
+        payload_json: json!({"attempt": 1, "tool": "echo", "reason": "x", "kind": "tool_error"}).to_string(),
         step_id: "s".into(),
     };
-    ledger
-        .append_event(first.clone())
-        .await
-        .expect("first outcome");
-    let second = pb::AppendEventRequest {
-        idempotency_key: "fail-2".into(),
-        ..first
-    };
-    let e = ledger
-        .append_event(second)
-        .await
-        .expect_err("second outcome");
+    ledger.append_event(first.clone()).await.expect("first outcome");
+    let second = pb::AppendEventRequest { idempotency_key: "fail-2".into(), ..first };
+    let e = ledger.append_event(second).await.expect_err("second outcome");
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     assert_eq!(receipts_of(&mesh2, "acme", &run, "s").await.len(), 1);
 }
@@ -198,14 +157,8 @@ async fn k01_a_forged_decision_record_never_yields_a_signed_authorization() {
 }
 
 fn warden(args: &[&str], ledger_endpoint: &str) -> std::process::Output {
-    let bin = warden_testkit::mesh::bin_dir()
-        .expect("bin dir")
-        .join("warden");
-    Command::new(bin)
-        .args(args)
-        .env("WARDEN_LEDGER_ENDPOINT", ledger_endpoint)
-        .output()
-        .expect("run the warden CLI")
+    let bin = warden_testkit::mesh::bin_dir().expect("bin dir").join("warden");
+    Command::new(bin).args(args).env("WARDEN_LEDGER_ENDPOINT", ledger_endpoint).output().expect("run the warden CLI")
 }
 
 #[tokio::test]
@@ -215,10 +168,7 @@ async fn k13_an_exported_run_verifies_offline_and_tampering_is_named() {
     settled(&mesh, "acme", &id).await;
     let head = mesh
         .ledger()
-        .get_signed_head(pb::GetSignedHeadRequest {
-            tenant: "acme".into(),
-            run_id: id.clone(),
-        })
+        .get_signed_head(pb::GetSignedHeadRequest { tenant: "acme".into(), run_id: id.clone() })
         .await
         .expect("head")
         .into_inner();
@@ -229,70 +179,34 @@ async fn k13_an_exported_run_verifies_offline_and_tampering_is_named() {
     })
     .await
     .expect("export");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let file = mesh.dir.path().join("run.jsonl");
     std::fs::write(&file, &out.stdout).expect("write export");
     let key = hex::encode(&head.public_key);
     // verify-file talks to no server; the endpoint it is given points nowhere useful.
     let check = |path: std::path::PathBuf, key: String| {
-        move || {
-            warden(
-                &[
-                    "ledger",
-                    "verify-file",
-                    path.to_str().expect("utf8"),
-                    "--key",
-                    &key,
-                ],
-                "http://127.0.0.1:1",
-            )
-        }
+        move || warden(&["ledger", "verify-file", path.to_str().expect("utf8"), "--key", &key], "http://127.0.0.1:1")
     };
     // Offline: the ledger is stopped before verifying.
     let mut mesh = mesh;
     mesh.ledger.kill();
-    let ok = tokio::task::spawn_blocking(check(file.clone(), key.clone()))
-        .await
-        .expect("verify");
+    let ok = tokio::task::spawn_blocking(check(file.clone(), key.clone())).await.expect("verify");
     let text = String::from_utf8_lossy(&ok.stdout);
-    assert!(
-        ok.status.success() && text.starts_with("valid"),
-        "{text}{}",
-        String::from_utf8_lossy(&ok.stderr)
-    );
+    assert!(ok.status.success() && text.starts_with("valid"), "{text}{}", String::from_utf8_lossy(&ok.stderr));
 
     let content = String::from_utf8(out.stdout).expect("utf8");
     let tampered = content.replacen("HELLO, WARDEN", "GOODBYE, WARDEN", 1);
     assert_ne!(tampered, content);
     let bad = mesh.dir.path().join("tampered.jsonl");
     std::fs::write(&bad, tampered).expect("write");
-    let res = tokio::task::spawn_blocking(check(bad, key))
-        .await
-        .expect("verify");
+    let res = tokio::task::spawn_blocking(check(bad, key)).await.expect("verify");
     let text = String::from_utf8_lossy(&res.stdout);
     assert_eq!(res.status.code(), Some(1), "{text}");
-    assert!(
-        text.starts_with("invalid: line") && text.contains("seq"),
-        "{text}"
-    );
+    assert!(text.starts_with("invalid: line") && text.contains("seq"), "{text}");
 
-    let other_key = hex::encode(
-        ed25519_dalek::SigningKey::from_bytes(&[7u8; 32])
-            .verifying_key()
-            .as_bytes(),
-    );
-    let res = tokio::task::spawn_blocking(check(file, other_key))
-        .await
-        .expect("verify");
-    assert_eq!(
-        res.status.code(),
-        Some(1),
-        "a head signed by another key is refused"
-    );
+    let other_key = hex::encode(ed25519_dalek::SigningKey::from_bytes(&[7u8; 32]).verifying_key().as_bytes());
+    let res = tokio::task::spawn_blocking(check(file, other_key)).await.expect("verify");
+    assert_eq!(res.status.code(), Some(1), "a head signed by another key is refused");
 }
 
 #[tokio::test]
@@ -303,62 +217,25 @@ async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger() {
     let mut l = mesh.ledger();
     let t = || "globex".to_string();
     let codes = [
-        l.get_run(pb::GetLedgerRunRequest {
-            tenant: t(),
-            run_id: id.clone(),
-        })
-        .await
-        .err()
-        .map(|e| e.code()),
-        l.verify_run(pb::VerifyRunRequest {
-            tenant: t(),
-            run_id: id.clone(),
-        })
-        .await
-        .err()
-        .map(|e| e.code()),
-        l.list_receipts(pb::ListReceiptsRequest {
-            tenant: t(),
-            run_id: id.clone(),
-            step_id: String::new(),
-        })
-        .await
-        .err()
-        .map(|e| e.code()),
-        l.get_signed_head(pb::GetSignedHeadRequest {
-            tenant: t(),
-            run_id: id.clone(),
-        })
-        .await
-        .err()
-        .map(|e| e.code()),
-        l.stream_events(pb::StreamEventsRequest {
-            tenant: t(),
-            run_id: id.clone(),
-            since_seq: 0,
-            follow: false,
-        })
-        .await
-        .err()
-        .map(|e| e.code()),
-        mesh.runs()
-            .get_run(pb::GetRunRequest {
-                tenant: t(),
-                run_id: id.clone(),
-            })
+        l.get_run(pb::GetLedgerRunRequest { tenant: t(), run_id: id.clone() }).await.err().map(|e| e.code()),
+        l.verify_run(pb::VerifyRunRequest { tenant: t(), run_id: id.clone() }).await.err().map(|e| e.code()),
+        l.list_receipts(pb::ListReceiptsRequest { tenant: t(), run_id: id.clone(), step_id: String::new() })
             .await
             .err()
             .map(|e| e.code()),
+        l.get_signed_head(pb::GetSignedHeadRequest { tenant: t(), run_id: id.clone() }).await.err().map(|e| e.code()),
+        l.stream_events(pb::StreamEventsRequest { tenant: t(), run_id: id.clone(), since_seq: 0, follow: false })
+            .await
+            .err()
+            .map(|e| e.code()),
+        mesh.runs().get_run(pb::GetRunRequest { tenant: t(), run_id: id.clone() }).await.err().map(|e| e.code()),
     ];
     for c in codes {
         assert_eq!(c, Some(tonic::Code::NotFound));
     }
     let listed = mesh
         .runs()
-        .list_runs(pb::ListRunsRequest {
-            tenant: t(),
-            ..Default::default()
-        })
+        .list_runs(pb::ListRunsRequest { tenant: t(), ..Default::default() })
         .await
         .expect("list")
         .into_inner();

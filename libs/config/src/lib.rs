@@ -21,10 +21,7 @@ pub enum ConfigError {
 }
 
 fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.to_string(),
-        reason: reason.into(),
-    }
+    ConfigError::Invalid { key: key.to_string(), reason: reason.into() }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -188,11 +185,7 @@ impl WardenConfig {
         }
         // Only nested keys (`WARDEN_SECTION__KEY`) are configuration; flat ones such as
         // WARDEN_ENDPOINT or WARDEN_CONFIG belong to the CLI.
-        f.merge(
-            Env::prefixed("WARDEN_")
-                .filter(|k| k.as_str().contains("__"))
-                .split("__"),
-        )
+        f.merge(Env::prefixed("WARDEN_").filter(|k| k.as_str().contains("__")).split("__"))
     }
 
     /// Loads and validates the configuration.
@@ -215,8 +208,7 @@ impl WardenConfig {
             ("executor.listen", &self.executor.listen),
             ("tools.listen", &self.tools.listen),
         ] {
-            addr.parse::<SocketAddr>()
-                .map_err(|e| invalid(key, format!("'{addr}' is not host:port ({e})")))?;
+            addr.parse::<SocketAddr>().map_err(|e| invalid(key, format!("'{addr}' is not host:port ({e})")))?;
         }
         let mut endpoints = vec![
             ("policy.ledger_endpoint", &self.policy.ledger_endpoint),
@@ -225,65 +217,28 @@ impl WardenConfig {
             ("executor.planner_endpoint", &self.executor.planner_endpoint),
             ("tools.policy_endpoint", &self.tools.policy_endpoint),
         ];
-        endpoints.extend(
-            self.planner
-                .tool_hosts
-                .iter()
-                .map(|e| ("planner.tool_hosts", e)),
-        );
-        endpoints.extend(
-            self.executor
-                .tool_hosts
-                .iter()
-                .map(|e| ("executor.tool_hosts", e)),
-        );
+        endpoints.extend(self.planner.tool_hosts.iter().map(|e| ("planner.tool_hosts", e)));
+        endpoints.extend(self.executor.tool_hosts.iter().map(|e| ("executor.tool_hosts", e)));
         for (key, e) in endpoints {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
-                return Err(invalid(
-                    key,
-                    format!("'{e}' must be an http:// or https:// URL"),
-                ));
+                return Err(invalid(key, format!("'{e}' must be an http:// or https:// URL")));
             }
         }
         let db = &self.ledger.database_url;
-        if !(db.starts_with("sqlite:")
-            || db.starts_with("postgres://")
-            || db.starts_with("postgresql://"))
-        {
-            return Err(invalid(
-                "ledger.database_url",
-                "must start with sqlite:, postgres:// or postgresql://",
-            ));
+        if !(db.starts_with("sqlite:") || db.starts_with("postgres://") || db.starts_with("postgresql://")) {
+            return Err(invalid("ledger.database_url", "must start with sqlite:, postgres:// or postgresql://"));
         }
         if !self.executor.redis_url.is_empty() && !self.executor.redis_url.starts_with("redis://") {
-            return Err(invalid(
-                "executor.redis_url",
-                "must be empty (in-process leases) or a redis:// URL",
-            ));
+            return Err(invalid("executor.redis_url", "must be empty (in-process leases) or a redis:// URL"));
         }
         let positive = [
             ("ledger.max_connections", self.ledger.max_connections as u64),
-            (
-                "ledger.max_payload_bytes",
-                self.ledger.max_payload_bytes as u64,
-            ),
+            ("ledger.max_payload_bytes", self.ledger.max_payload_bytes as u64),
             ("planner.max_steps", self.planner.max_steps as u64),
-            (
-                "executor.max_concurrency",
-                self.executor.max_concurrency as u64,
-            ),
-            (
-                "executor.max_plan_bytes",
-                self.executor.max_plan_bytes as u64,
-            ),
-            (
-                "executor.sweep_interval_ms",
-                self.executor.sweep_interval_ms,
-            ),
-            (
-                "policy.authorization_ttl_ms",
-                self.policy.authorization_ttl_ms,
-            ),
+            ("executor.max_concurrency", self.executor.max_concurrency as u64),
+            ("executor.max_plan_bytes", self.executor.max_plan_bytes as u64),
+            ("executor.sweep_interval_ms", self.executor.sweep_interval_ms),
+            ("policy.authorization_ttl_ms", self.policy.authorization_ttl_ms),
         ];
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(invalid(key, "must be greater than zero"));
@@ -292,10 +247,7 @@ impl WardenConfig {
             return Err(invalid("executor.lease_ttl_ms", "must be at least 300 ms"));
         }
         for (tenant, t) in &self.policy.tenants {
-            if t.allow_tools
-                .iter()
-                .any(|p| p.is_empty() || p[..p.len() - 1].contains('*'))
-            {
+            if t.allow_tools.iter().any(|p| p.is_empty() || p[..p.len() - 1].contains('*')) {
                 return Err(invalid(
                     &format!("policy.tenants.{tenant}.allow_tools"),
                     "patterns are tool names with at most one trailing '*'",
@@ -324,28 +276,17 @@ mod tests {
         assert!(e.to_string().contains("executor.max_concurrency"), "{e}");
         let f = Figment::from(Serialized::defaults(WardenConfig::default()))
             .merge(Serialized::default("ledger.database_url", "mysql://x"));
-        assert!(
-            WardenConfig::from_figment(f)
-                .unwrap_err()
-                .to_string()
-                .contains("ledger.database_url")
-        );
+        assert!(WardenConfig::from_figment(f).unwrap_err().to_string().contains("ledger.database_url"));
     }
 
     #[test]
     fn toml_and_unknown_keys() {
-        let f = Figment::from(Serialized::defaults(WardenConfig::default())).merge(Toml::string(
-            "[policy.tenants.acme]\nallow_tools = [\"echo\", \"kv.*\"]\n",
-        ));
+        let f = Figment::from(Serialized::defaults(WardenConfig::default()))
+            .merge(Toml::string("[policy.tenants.acme]\nallow_tools = [\"echo\", \"kv.*\"]\n"));
         let c = WardenConfig::from_figment(f).unwrap();
         assert_eq!(c.policy.tenants["acme"].allow_tools, vec!["echo", "kv.*"]);
         let f = Figment::from(Serialized::defaults(WardenConfig::default()))
             .merge(Toml::string("[ledger]\nlisten_addr = 1\n"));
-        assert!(
-            WardenConfig::from_figment(f)
-                .unwrap_err()
-                .to_string()
-                .contains("listen_addr")
-        );
+        assert!(WardenConfig::from_figment(f).unwrap_err().to_string().contains("listen_addr"));
     }
 }

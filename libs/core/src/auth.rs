@@ -44,11 +44,7 @@ pub fn sign(mut claims: AuthorizationClaims, key: &SigningKey) -> SignedClaims {
     claims.key_id = key_id(&key.verifying_key());
     let claims_json = canonical_json(&claims).into_bytes();
     let signature = key.sign(&claims_json).to_bytes().to_vec();
-    SignedClaims {
-        claims_json,
-        signature,
-        key_id: claims.key_id,
-    }
+    SignedClaims { claims_json, signature, key_id: claims.key_id }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -106,18 +102,14 @@ pub fn verify(
     }
     let key = keys(&signed.key_id).ok_or_else(|| AuthError::UnknownKey(signed.key_id.clone()))?;
     let sig = Signature::from_slice(&signed.signature).map_err(|_| AuthError::BadSignature)?;
-    key.verify(&signed.claims_json, &sig)
-        .map_err(|_| AuthError::BadSignature)?;
-    let claims: AuthorizationClaims = serde_json::from_slice(&signed.claims_json)
-        .map_err(|e| AuthError::Malformed(e.to_string()))?;
+    key.verify(&signed.claims_json, &sig).map_err(|_| AuthError::BadSignature)?;
+    let claims: AuthorizationClaims =
+        serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))?;
     if claims.key_id != signed.key_id {
         return Err(AuthError::Mismatch { field: "key_id" });
     }
     if now_ms >= claims.expires_at_ms {
-        return Err(AuthError::Expired {
-            expired_at_ms: claims.expires_at_ms,
-            now_ms,
-        });
+        return Err(AuthError::Expired { expired_at_ms: claims.expires_at_ms, now_ms });
     }
     let checks: [(&'static str, bool); 7] = [
         ("tenant", claims.tenant == call.tenant),
@@ -126,10 +118,7 @@ pub fn verify(
         ("attempt", claims.attempt == call.attempt),
         ("tool", claims.tool == call.tool),
         ("args_sha256", claims.args_sha256 == call.args_sha256),
-        (
-            "idempotency_key",
-            claims.idempotency_key == call.idempotency_key,
-        ),
+        ("idempotency_key", claims.idempotency_key == call.idempotency_key),
     ];
     if let Some((field, _)) = checks.iter().find(|(_, ok)| !ok) {
         return Err(AuthError::Mismatch { field });
@@ -181,51 +170,18 @@ mod tests {
         assert!(verify(&s, lookup, &call(), 1_500).is_ok());
         assert_eq!(
             verify(&s, lookup, &call(), 2_000).unwrap_err(),
-            AuthError::Expired {
-                expired_at_ms: 2_000,
-                now_ms: 2_000
-            }
+            AuthError::Expired { expired_at_ms: 2_000, now_ms: 2_000 }
         );
-        let other = CallIdentity {
-            args_sha256: "cd",
-            ..call()
-        };
-        assert_eq!(
-            verify(&s, lookup, &other, 1_500).unwrap_err(),
-            AuthError::Mismatch {
-                field: "args_sha256"
-            }
-        );
-        let retry = CallIdentity {
-            attempt: 2,
-            ..call()
-        };
-        assert_eq!(
-            verify(&s, lookup, &retry, 1_500).unwrap_err(),
-            AuthError::Mismatch { field: "attempt" }
-        );
+        let other = CallIdentity { args_sha256: "cd", ..call() };
+        assert_eq!(verify(&s, lookup, &other, 1_500).unwrap_err(), AuthError::Mismatch { field: "args_sha256" });
+        let retry = CallIdentity { attempt: 2, ..call() };
+        assert_eq!(verify(&s, lookup, &retry, 1_500).unwrap_err(), AuthError::Mismatch { field: "attempt" });
         let mut tampered = s.clone();
-        tampered.claims_json = String::from_utf8(s.claims_json.clone())
-            .unwrap()
-            .replace("echo", "ecxo")
-            .into_bytes();
-        assert_eq!(
-            verify(&tampered, lookup, &call(), 1_500).unwrap_err(),
-            AuthError::BadSignature
-        );
+        tampered.claims_json = String::from_utf8(s.claims_json.clone()).unwrap().replace("echo", "ecxo").into_bytes();
+        assert_eq!(verify(&tampered, lookup, &call(), 1_500).unwrap_err(), AuthError::BadSignature);
         let forged = sign(claims(), &SigningKey::from_bytes(&[9u8; 32]));
-        assert!(matches!(
-            verify(&forged, lookup, &call(), 1_500).unwrap_err(),
-            AuthError::UnknownKey(_)
-        ));
-        let empty = SignedClaims {
-            claims_json: vec![],
-            signature: vec![],
-            key_id: String::new(),
-        };
-        assert_eq!(
-            verify(&empty, lookup, &call(), 1_500).unwrap_err(),
-            AuthError::Missing
-        );
+        assert!(matches!(verify(&forged, lookup, &call(), 1_500).unwrap_err(), AuthError::UnknownKey(_)));
+        let empty = SignedClaims { claims_json: vec![], signature: vec![], key_id: String::new() };
+        assert_eq!(verify(&empty, lookup, &call(), 1_500).unwrap_err(), AuthError::Missing);
     }
 }

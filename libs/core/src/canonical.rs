@@ -7,8 +7,7 @@ use sha2::{Digest, Sha256};
 pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> String {
     // serde_jcs only fails when the value cannot be represented as JSON (e.g. a non-string
     // map key), which none of Warden's types or `serde_json::Value` can produce.
-    serde_jcs::to_string(value)
-        .unwrap_or_else(|e| panic!("value is not representable as JSON: {e}"))
+    serde_jcs::to_string(value).unwrap_or_else(|e| panic!("value is not representable as JSON: {e}"))
 }
 
 /// Lower-case hex SHA-256 of `bytes`.
@@ -47,8 +46,7 @@ mod tests {
     #[test]
     fn digest_is_independent_of_key_order() {
         let a: serde_json::Value = serde_json::from_str(r#"{"x":1,"y":[true,null]}"#).unwrap();
-        let b: serde_json::Value =
-            serde_json::from_str(r#"{ "y":[true, null], "x":1.0 }"#).unwrap();
+        let b: serde_json::Value = serde_json::from_str(r#"{ "y":[true, null], "x":1.0 }"#).unwrap();
         assert_eq!(args_digest(&a), args_digest(&b));
         assert_eq!(args_digest(&a).len(), 64);
     }

@@ -61,11 +61,7 @@ pub struct ChainVerifier {
 
 impl Default for ChainVerifier {
     fn default() -> Self {
-        Self {
-            run_id: None,
-            expected_seq: 1,
-            prev_hash: GENESIS_HASH.to_string(),
-        }
+        Self { run_id: None, expected_seq: 1, prev_hash: GENESIS_HASH.to_string() }
     }
 }
 
@@ -103,9 +99,7 @@ impl ChainVerifier {
 }
 
 /// Verifies a whole run's events in stored order.
-pub fn verify_chain<'a>(
-    events: impl IntoIterator<Item = &'a ChainedEvent>,
-) -> Result<u64, ChainBreak> {
+pub fn verify_chain<'a>(events: impl IntoIterator<Item = &'a ChainedEvent>) -> Result<u64, ChainBreak> {
     let mut v = ChainVerifier::default();
     for e in events {
         v.push(e)?;
@@ -116,11 +110,7 @@ pub fn verify_chain<'a>(
 /// Builds the next event of a chain (used by the ledger and by tests).
 pub fn link(body: EventBody, prev_hash: &str) -> ChainedEvent {
     let hash = body.chain_hash(prev_hash);
-    ChainedEvent {
-        body,
-        prev_hash: prev_hash.to_string(),
-        hash,
-    }
+    ChainedEvent { body, prev_hash: prev_hash.to_string(), hash }
 }
 
 #[cfg(test)]

@@ -16,6 +16,17 @@ pub const RUN_CANCELLED: &str = "run_cancelled";
 pub const RUN_EMPTY_PLAN: &str = "run_empty_plan";
 pub const RUN_BLOCKED: &str = "run_blocked";
 pub const RUN_REQUIRES_RECONCILIATION: &str = "run_requires_reconciliation";
+/// A typed summary (Artana's `run_summary`): progress, checkpoints, artifacts, …
+pub const RUN_SUMMARY: &str = "run_summary";
+pub const TX_PROPOSED: &str = "tx_proposed";
+pub const TX_COMMITTED: &str = "tx_committed";
+pub const TX_ROLLED_BACK: &str = "tx_rolled_back";
+
+/// Events a terminal run still accepts: they record, they do not act.
+pub const AFTER_END: &[&str] = &[RUN_SUMMARY];
+
+pub const CHECKPOINT_PREFIX: &str = "checkpoint::";
+pub const ARTIFACT_PREFIX: &str = "artifact::";
 
 /// Every event type the ledger accepts.
 pub const KNOWN: &[&str] = &[
@@ -33,6 +44,10 @@ pub const KNOWN: &[&str] = &[
     RUN_EMPTY_PLAN,
     RUN_BLOCKED,
     RUN_REQUIRES_RECONCILIATION,
+    RUN_SUMMARY,
+    TX_PROPOSED,
+    TX_COMMITTED,
+    TX_ROLLED_BACK,
 ];
 
 /// Event types that must cite a recorded allow decision (`decision_id` in the payload).
@@ -54,10 +69,7 @@ pub enum RunStatus {
 
 impl RunStatus {
     pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled | RunStatus::EmptyPlan
-        )
+        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled | RunStatus::EmptyPlan)
     }
 
     pub fn as_str(self) -> &'static str {

@@ -70,8 +70,7 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<str>,
 {
-    let err =
-        |line: usize, seq: Option<u64>, reason: String| Err(ExportError { line, seq, reason });
+    let err = |line: usize, seq: Option<u64>, reason: String| Err(ExportError { line, seq, reason });
     let mut header: Option<Header> = None;
     let mut chain = ChainVerifier::default();
     let mut outcome_events: HashMap<u64, ChainedEvent> = HashMap::new();
@@ -102,10 +101,7 @@ where
             Line::Header(_) => return err(no, None, "header must be the first line, once".into()),
             _ if header.is_none() => return err(no, None, "missing header".into()),
             Line::Event(e) => {
-                let run_id = header
-                    .as_ref()
-                    .map(|h| h.run_id.as_str())
-                    .unwrap_or_default();
+                let run_id = header.as_ref().map(|h| h.run_id.as_str()).unwrap_or_default();
                 if e.body.run_id != run_id {
                     return err(
                         no,
@@ -129,43 +125,26 @@ where
     };
     for (no, r) in &receipts {
         let Some(e) = outcome_events.remove(&r.seq) else {
-            return err(
-                *no,
-                Some(r.seq),
-                "receipt cites no outcome event (or a second receipt for one)".into(),
-            );
+            return err(*no, Some(r.seq), "receipt cites no outcome event (or a second receipt for one)".into());
         };
         if receipt_for(&e, &r.capability_id).as_ref() != Some(r) {
             return err(*no, Some(r.seq), "receipt does not match its event".into());
         }
     }
     if let Some(seq) = outcome_events.keys().min() {
-        return err(
-            n,
-            Some(*seq),
-            "tool call outcome without its receipt".into(),
-        );
+        return err(n, Some(*seq), "tool call outcome without its receipt".into());
     }
     let Some((no, h)) = head else {
         return err(n, None, "missing signed head".into());
     };
-    if h.head.run_id != header.run_id
-        || h.head.seq != chain.verified()
-        || h.head.hash != chain.head()
-    {
+    if h.head.run_id != header.run_id || h.head.seq != chain.verified() || h.head.hash != chain.head() {
         return err(
             no,
             Some(h.head.seq),
-            format!(
-                "signed head does not match the events (they end at seq {})",
-                chain.verified()
-            ),
+            format!("signed head does not match the events (they end at seq {})", chain.verified()),
         );
     }
-    let key_bytes: [u8; 32] = match hex::decode(&h.public_key)
-        .ok()
-        .and_then(|b| b.try_into().ok())
-    {
+    let key_bytes: [u8; 32] = match hex::decode(&h.public_key).ok().and_then(|b| b.try_into().ok()) {
         Some(b) => b,
         None => return err(no, None, "public key is not 32 hex bytes".into()),
     };
@@ -177,27 +156,14 @@ where
         return err(
             no,
             None,
-            format!(
-                "head is signed by key {}, not the pinned key {}",
-                h.key_id,
-                crate::auth::key_id(key)
-            ),
+            format!("head is signed by key {}, not the pinned key {}", h.key_id, crate::auth::key_id(key)),
         );
     }
     let sig = hex::decode(&h.signature).unwrap_or_default();
     if !h.head.verify(&sig, key) {
-        return err(
-            no,
-            Some(h.head.seq),
-            "head signature does not verify".into(),
-        );
+        return err(no, Some(h.head.seq), "head signature does not verify".into());
     }
-    Ok(Report {
-        run_id: header.run_id,
-        events: chain.verified(),
-        receipts: receipts.len() as u64,
-        key_id: h.key_id,
-    })
+    Ok(Report { run_id: header.run_id, events: chain.verified(), receipts: receipts.len() as u64, key_id: h.key_id })
 }
 
 #[cfg(test)]
@@ -220,21 +186,13 @@ mod tests {
         ];
         let mut prev = GENESIS_HASH.to_string();
         let mut receipts = vec![];
-        for (seq, t) in [
-            (1, "run_submitted"),
-            (2, "tool_completed"),
-            (3, "run_completed"),
-        ] {
+        for (seq, t) in [(1, "run_submitted"), (2, "tool_completed"), (3, "run_completed")] {
             let body = EventBody {
                 run_id: "r".into(),
                 seq,
                 event_type: t.into(),
                 payload: json!({"tool": "echo", "attempt": 1}),
-                step_id: if t == "tool_completed" {
-                    "s".into()
-                } else {
-                    String::new()
-                },
+                step_id: if t == "tool_completed" { "s".into() } else { String::new() },
                 epoch: 1,
                 idempotency_key: format!("k{seq}"),
                 timestamp_ms: seq as i64,
@@ -249,11 +207,7 @@ mod tests {
         for r in receipts {
             lines.push(serde_json::to_string(&Line::Receipt(r)).unwrap());
         }
-        let head = Head {
-            run_id: "r".into(),
-            seq: 3,
-            hash: prev,
-        };
+        let head = Head { run_id: "r".into(), seq: 3, hash: prev };
         let (sig, key_id) = head.sign(key);
         lines.push(
             serde_json::to_string(&Line::Head(SignedHeadLine {
@@ -286,31 +240,14 @@ mod tests {
         assert_eq!(verify(&dropped, None).unwrap_err().seq, Some(2));
         let mut no_receipt = good.clone();
         no_receipt.remove(4);
-        assert!(
-            verify(&no_receipt, None)
-                .unwrap_err()
-                .reason
-                .contains("without its receipt")
-        );
+        assert!(verify(&no_receipt, None).unwrap_err().reason.contains("without its receipt"));
         let other = SigningKey::from_bytes(&[4u8; 32]);
-        assert!(
-            verify(&good, Some(&other.verifying_key()))
-                .unwrap_err()
-                .reason
-                .contains("pinned key")
-        );
+        assert!(verify(&good, Some(&other.verifying_key())).unwrap_err().reason.contains("pinned key"));
         // A head signed by another key but claiming the ledger's key.
         let mut forged = good.clone();
-        let Ok(Line::Head(mut h)) = serde_json::from_str::<Line>(forged.last().unwrap()) else {
-            panic!("head line")
-        };
+        let Ok(Line::Head(mut h)) = serde_json::from_str::<Line>(forged.last().unwrap()) else { panic!("head line") };
         h.signature = hex::encode(h.head.sign(&other).0);
         *forged.last_mut().unwrap() = serde_json::to_string(&Line::Head(h)).unwrap();
-        assert!(
-            verify(&forged, None)
-                .unwrap_err()
-                .reason
-                .contains("signature")
-        );
+        assert!(verify(&forged, None).unwrap_err().reason.contains("signature"));
     }
 }

@@ -20,10 +20,7 @@ impl Head {
 
     /// Signs the head; returns the signature and the signing key's id.
     pub fn sign(&self, key: &SigningKey) -> (Vec<u8>, String) {
-        (
-            key.sign(&self.message()).to_bytes().to_vec(),
-            crate::auth::key_id(&key.verifying_key()),
-        )
+        (key.sign(&self.message()).to_bytes().to_vec(), crate::auth::key_id(&key.verifying_key()))
     }
 
     pub fn verify(&self, signature: &[u8], key: &VerifyingKey) -> bool {

@@ -15,17 +15,13 @@ pub enum IdError {
     TooLong,
     #[error("must be at most {MAX_STEP_ID_LEN} characters")]
     StepTooLong,
-    #[error(
-        "must start with a letter or digit and contain only letters, digits, '-', '_', ':' or '.'"
-    )]
+    #[error("must start with a letter or digit and contain only letters, digits, '-', '_', ':' or '.'")]
     BadCharacters,
 }
 
 /// Tenants, run ids and idempotency keys: `[A-Za-z0-9][A-Za-z0-9_.:-]*`, at most 128 chars.
 pub fn check_id(id: &str) -> Result<(), IdError> {
-    check_with(id, |c| {
-        c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | ':' | '.')
-    })
+    check_with(id, |c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | ':' | '.'))
 }
 
 /// Step ids may not contain '.' or ':' because templates address outputs as `{{id.output.x}}`.
@@ -38,9 +34,7 @@ pub fn check_step_id(id: &str) -> Result<(), IdError> {
 
 /// Tool names: `[A-Za-z0-9][A-Za-z0-9_.-]*` (`text.upper`, `kv.put`).
 pub fn check_tool_name(name: &str) -> Result<(), IdError> {
-    check_with(name, |c| {
-        c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
-    })
+    check_with(name, |c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
 fn check_with(id: &str, allowed: impl Fn(char) -> bool) -> Result<(), IdError> {

@@ -57,11 +57,7 @@ pub enum PlanError {
     #[error("plan has {count} steps, more than the maximum of {max}")]
     TooManySteps { count: usize, max: usize },
     #[error("step #{index} has an invalid id '{id}': {reason}")]
-    InvalidStepId {
-        index: usize,
-        id: String,
-        reason: String,
-    },
+    InvalidStepId { index: usize, id: String, reason: String },
     #[error("step '{step_id}' is defined more than once")]
     DuplicateStep { step_id: String },
     #[error("step '{step_id}' uses unknown tool '{tool}'")]
@@ -73,10 +69,7 @@ pub enum PlanError {
     #[error("step '{step_id}' params must be a JSON object")]
     ParamsNotObject { step_id: String },
     #[error("step '{step_id}' params: {error}")]
-    Template {
-        step_id: String,
-        error: TemplateError,
-    },
+    Template { step_id: String, error: TemplateError },
     #[error("step '{step_id}' references '{referenced}', which is not among its dependencies")]
     ReferenceNotDependency { step_id: String, referenced: String },
 }
@@ -114,10 +107,7 @@ impl Plan {
             return Ok(Vec::new());
         }
         if self.steps.len() > limits.max_steps {
-            return Err(PlanError::TooManySteps {
-                count: self.steps.len(),
-                max: limits.max_steps,
-            });
+            return Err(PlanError::TooManySteps { count: self.steps.len(), max: limits.max_steps });
         }
         let mut index: HashMap<&str, usize> = HashMap::with_capacity(self.steps.len());
         for (i, s) in self.steps.iter().enumerate() {
@@ -127,29 +117,19 @@ impl Plan {
                 reason: e.to_string(),
             })?;
             if index.insert(&s.id, i).is_some() {
-                return Err(PlanError::DuplicateStep {
-                    step_id: s.id.clone(),
-                });
+                return Err(PlanError::DuplicateStep { step_id: s.id.clone() });
             }
         }
         for s in &self.steps {
             if !(limits.known_tool)(&s.tool) {
-                return Err(PlanError::UnknownTool {
-                    step_id: s.id.clone(),
-                    tool: s.tool.clone(),
-                });
+                return Err(PlanError::UnknownTool { step_id: s.id.clone(), tool: s.tool.clone() });
             }
             if !s.params.is_object() {
-                return Err(PlanError::ParamsNotObject {
-                    step_id: s.id.clone(),
-                });
+                return Err(PlanError::ParamsNotObject { step_id: s.id.clone() });
             }
             for d in &s.depends_on {
                 if !index.contains_key(d.as_str()) {
-                    return Err(PlanError::MissingDependency {
-                        step_id: s.id.clone(),
-                        dependency: d.clone(),
-                    });
+                    return Err(PlanError::MissingDependency { step_id: s.id.clone(), dependency: d.clone() });
                 }
             }
         }
@@ -166,19 +146,12 @@ impl Plan {
             ancestors[i] = mine;
         }
         for (i, s) in self.steps.iter().enumerate() {
-            let refs = template::references(&s.params).map_err(|error| PlanError::Template {
-                step_id: s.id.clone(),
-                error,
-            })?;
+            let refs = template::references(&s.params)
+                .map_err(|error| PlanError::Template { step_id: s.id.clone(), error })?;
             for r in refs {
-                let ok = index
-                    .get(r.step_id.as_str())
-                    .is_some_and(|ri| ancestors[i].contains(ri));
+                let ok = index.get(r.step_id.as_str()).is_some_and(|ri| ancestors[i].contains(ri));
                 if !ok {
-                    return Err(PlanError::ReferenceNotDependency {
-                        step_id: s.id.clone(),
-                        referenced: r.step_id,
-                    });
+                    return Err(PlanError::ReferenceNotDependency { step_id: s.id.clone(), referenced: r.step_id });
                 }
             }
         }
@@ -210,9 +183,7 @@ impl Plan {
         }
         if order.len() < n {
             let stuck = (0..n).find(|&i| indegree[i] > 0).unwrap_or(0);
-            return Err(PlanError::Cycle {
-                step_id: self.steps[stuck].id.clone(),
-            });
+            return Err(PlanError::Cycle { step_id: self.steps[stuck].id.clone() });
         }
         Ok(order)
     }
@@ -232,10 +203,7 @@ mod tests {
     }
 
     fn check(json: &str) -> Result<Vec<usize>, PlanError> {
-        Plan::parse(json)?.validate(&PlanLimits {
-            max_steps: 10,
-            known_tool: &known,
-        })
+        Plan::parse(json)?.validate(&PlanLimits { max_steps: 10, known_tool: &known })
     }
 
     #[test]
@@ -258,42 +226,21 @@ mod tests {
     #[test]
     fn each_structural_error_names_the_step() {
         let cases = [
-            (
-                r#"{"steps":[{"id":"a","tool":"nope"}]}"#,
-                "plan_json.steps[a].tool",
-            ),
-            (
-                r#"{"steps":[{"id":"a","tool":"echo"},{"id":"a","tool":"echo"}]}"#,
-                "plan_json.steps[a].id",
-            ),
-            (
-                r#"{"steps":[{"id":"a","tool":"echo","depends_on":["x"]}]}"#,
-                "plan_json.steps[a].depends_on",
-            ),
+            (r#"{"steps":[{"id":"a","tool":"nope"}]}"#, "plan_json.steps[a].tool"),
+            (r#"{"steps":[{"id":"a","tool":"echo"},{"id":"a","tool":"echo"}]}"#, "plan_json.steps[a].id"),
+            (r#"{"steps":[{"id":"a","tool":"echo","depends_on":["x"]}]}"#, "plan_json.steps[a].depends_on"),
             (
                 r#"{"steps":[{"id":"a","tool":"echo","depends_on":["b"]},{"id":"b","tool":"echo","depends_on":["a"]}]}"#,
                 "plan_json.steps[a].depends_on",
             ),
-            (
-                r#"{"steps":[{"id":"a","tool":"echo","depends_on":["a"]}]}"#,
-                "plan_json.steps[a].depends_on",
-            ),
-            (
-                r#"{"steps":[{"id":"a.b","tool":"echo"}]}"#,
-                "plan_json.steps[0].id",
-            ),
-            (
-                r#"{"steps":[{"id":"a","tool":"echo","params":[1]}]}"#,
-                "plan_json.steps[a].params",
-            ),
+            (r#"{"steps":[{"id":"a","tool":"echo","depends_on":["a"]}]}"#, "plan_json.steps[a].depends_on"),
+            (r#"{"steps":[{"id":"a.b","tool":"echo"}]}"#, "plan_json.steps[0].id"),
+            (r#"{"steps":[{"id":"a","tool":"echo","params":[1]}]}"#, "plan_json.steps[a].params"),
             (
                 r#"{"steps":[{"id":"a","tool":"echo"},{"id":"b","tool":"echo","params":{"x":"{{a.output}}"}}]}"#,
                 "plan_json.steps[b].params",
             ),
-            (
-                r#"{"steps":[{"id":"a","tool":"echo","params":{"x":"{{ rm -rf }}"}}]}"#,
-                "plan_json.steps[a].params",
-            ),
+            (r#"{"steps":[{"id":"a","tool":"echo","params":{"x":"{{ rm -rf }}"}}]}"#, "plan_json.steps[a].params"),
         ];
         for (json, field) in cases {
             let e = check(json).unwrap_err();
@@ -303,9 +250,7 @@ mod tests {
 
     #[test]
     fn too_many_steps_is_an_error_not_a_truncation() {
-        let steps: Vec<String> = (0..11)
-            .map(|i| format!(r#"{{"id":"s{i}","tool":"echo"}}"#))
-            .collect();
+        let steps: Vec<String> = (0..11).map(|i| format!(r#"{{"id":"s{i}","tool":"echo"}}"#)).collect();
         let e = check(&format!(r#"{{"steps":[{}]}}"#, steps.join(","))).unwrap_err();
         assert_eq!(e, PlanError::TooManySteps { count: 11, max: 10 });
     }
@@ -321,10 +266,7 @@ mod tests {
 
     #[test]
     fn direct_response_and_empty_plans_validate() {
-        assert_eq!(
-            check(r#"{"direct_response":"hello"}"#).unwrap(),
-            Vec::<usize>::new()
-        );
+        assert_eq!(check(r#"{"direct_response":"hello"}"#).unwrap(), Vec::<usize>::new());
         assert_eq!(check(r#"{"steps":[]}"#).unwrap(), Vec::<usize>::new());
     }
 }

@@ -43,10 +43,7 @@ pub fn span_id(run_id: &str, step_id: &str, attempt: u32) -> String {
 }
 
 fn text(p: &Value, k: &str) -> String {
-    p.get(k)
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string()
+    p.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
 }
 
 /// The receipt an outcome event yields, if it is one. `capability_id` comes from the cited
@@ -60,18 +57,26 @@ pub fn receipt_for(event: &ChainedEvent, capability_id: &str) -> Option<Receipt>
         events::STEP_FAILED if text(p, "kind") == "policy_denied" => "denied",
         events::STEP_FAILED => "error",
         events::STEP_CANCELLED => "cancelled",
+        events::TX_COMMITTED => "ok",
+        events::TX_ROLLED_BACK => "cancelled",
         _ => return None,
     };
+    let tx_id = text(p, "tx_id");
+    let is_tx = matches!(b.event_type.as_str(), events::TX_COMMITTED | events::TX_ROLLED_BACK);
     let attempt = p.get("attempt").and_then(Value::as_u64).unwrap_or(1).max(1) as u32;
     let mut cap = text(p, "capability_id");
     if cap.is_empty() {
         cap = capability_id.to_string();
     }
+    // One receipt per call: the id is a function of the call (or of the transaction).
+    let call = if is_tx { format!("{}:tx:{tx_id}", b.run_id) } else { format!("{}:{}:{attempt}", b.run_id, b.step_id) };
+    let action_type = match b.event_type.as_str() {
+        events::TX_COMMITTED => "commit_tx".to_string(),
+        events::TX_ROLLED_BACK => "rollback_tx".to_string(),
+        _ => text(p, "tool"),
+    };
     let mut r = Receipt {
-        receipt_id: format!(
-            "rcpt-{}",
-            &sha256_hex(format!("{}:{}:{attempt}", b.run_id, b.step_id))[..24]
-        ),
+        receipt_id: format!("rcpt-{}", &sha256_hex(call)[..24]),
         run_id: b.run_id.clone(),
         step_id: b.step_id.clone(),
         attempt,
@@ -79,10 +84,10 @@ pub fn receipt_for(event: &ChainedEvent, capability_id: &str) -> Option<Receipt>
         trace_id: trace_id(&b.run_id),
         span_id: span_id(&b.run_id, &b.step_id, attempt),
         job_id: b.run_id.clone(),
-        tx_id: text(p, "tx_id"),
+        tx_id,
         capability_id: cap,
         policy_decision: text(p, "decision_id"),
-        action_type: text(p, "tool"),
+        action_type,
         timestamp_ms: b.timestamp_ms,
         status: status.to_string(),
         reason: text(p, "reason"),
@@ -127,31 +132,11 @@ mod tests {
     #[test]
     fn k02_each_outcome_kind_yields_one_receipt_with_its_status() {
         let cases = [
-            (
-                events::TOOL_COMPLETED,
-                json!({"tool": "echo", "attempt": 1, "decision_id": "d"}),
-                "ok",
-            ),
-            (
-                events::TOOL_FAILED,
-                json!({"tool": "echo", "attempt": 2, "reason": "boom"}),
-                "error",
-            ),
-            (
-                events::STEP_FAILED,
-                json!({"kind": "policy_denied", "reason": "no"}),
-                "denied",
-            ),
-            (
-                events::STEP_FAILED,
-                json!({"kind": "policy_unavailable"}),
-                "error",
-            ),
-            (
-                events::STEP_CANCELLED,
-                json!({"reason": "dep"}),
-                "cancelled",
-            ),
+            (events::TOOL_COMPLETED, json!({"tool": "echo", "attempt": 1, "decision_id": "d"}), "ok"),
+            (events::TOOL_FAILED, json!({"tool": "echo", "attempt": 2, "reason": "boom"}), "error"),
+            (events::STEP_FAILED, json!({"kind": "policy_denied", "reason": "no"}), "denied"),
+            (events::STEP_FAILED, json!({"kind": "policy_unavailable"}), "error"),
+            (events::STEP_CANCELLED, json!({"reason": "dep"}), "cancelled"),
         ];
         for (t, p, status) in cases {
             let r = receipt_for(&ev(t, p), "cap-1").expect("an outcome");
@@ -166,8 +151,7 @@ mod tests {
 
     #[test]
     fn a_changed_receipt_field_breaks_its_hash() {
-        let mut r =
-            receipt_for(&ev(events::TOOL_COMPLETED, json!({"tool": "echo"})), "").expect("receipt");
+        let mut r = receipt_for(&ev(events::TOOL_COMPLETED, json!({"tool": "echo"})), "").expect("receipt");
         r.status = "error".into();
         assert!(!r.hash_is_valid());
     }

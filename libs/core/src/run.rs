@@ -44,13 +44,7 @@ pub struct RunView {
 
 impl Default for RunView {
     fn default() -> Self {
-        RunView {
-            plan: None,
-            status: RunStatus::Pending,
-            reason: String::new(),
-            steps: Vec::new(),
-            last_seq: 0,
-        }
+        RunView { plan: None, status: RunStatus::Pending, reason: String::new(), steps: Vec::new(), last_seq: 0 }
     }
 }
 
@@ -67,10 +61,7 @@ impl RunView {
             self.reason = str_field(payload, "reason").unwrap_or_default().to_string();
         }
         if event_type == events::RUN_SUBMITTED {
-            if let Some(plan) = payload
-                .get("plan")
-                .and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok())
-            {
+            if let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {
                 self.steps = plan
                     .steps
                     .iter()
@@ -106,11 +97,7 @@ impl RunView {
             }
             events::TOOL_FAILED | events::STEP_FAILED => {
                 let denied = str_field(payload, "kind") == Some("policy_denied");
-                step.status = if denied {
-                    StepStatus::Denied
-                } else {
-                    StepStatus::Failed
-                };
+                step.status = if denied { StepStatus::Denied } else { StepStatus::Failed };
                 step.error = str_field(payload, "reason").map(str::to_string);
                 step.outcome_unknown = false;
             }
@@ -151,21 +138,13 @@ mod tests {
             &json!({"plan": {"steps": [{"id": "a", "tool": "echo"}, {"id": "b", "tool": "echo"}]}}),
         );
         v.apply(2, events::RUN_STARTED, "", &json!({}));
-        v.apply(
-            3,
-            events::TOOL_REQUESTED,
-            "a",
-            &json!({"attempt": 1, "idempotency_key": "k"}),
-        );
+        v.apply(3, events::TOOL_REQUESTED, "a", &json!({"attempt": 1, "idempotency_key": "k"}));
         v.apply(4, events::TOOL_COMPLETED, "a", &json!({"output": {"x": 1}}));
         v.apply(5, events::TOOL_REQUESTED, "b", &json!({"attempt": 1}));
         assert_eq!(v.status, RunStatus::Active);
         assert_eq!(v.outputs()["a"], json!({"x": 1}));
         assert!(v.step("b").unwrap().outcome_unknown);
         v.apply(6, events::RUN_FAILED, "", &json!({"reason": "boom"}));
-        assert_eq!(
-            (v.status, v.reason.as_str(), v.last_seq),
-            (RunStatus::Failed, "boom", 6)
-        );
+        assert_eq!((v.status, v.reason.as_str(), v.last_seq), (RunStatus::Failed, "boom", 6));
     }
 }

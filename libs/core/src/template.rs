@@ -23,9 +23,7 @@ pub struct Reference {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TemplateError {
-    #[error(
-        "malformed template '{text}': expected {{{{step_id.output}}}} or {{{{step_id.output.field}}}}"
-    )]
+    #[error("malformed template '{text}': expected {{{{step_id.output}}}} or {{{{step_id.output.field}}}}")]
     Malformed { text: String },
     #[error("unresolved reference '{text}': step '{step_id}' has no output")]
     UnknownStep { text: String, step_id: String },
@@ -39,30 +37,19 @@ enum Piece<'a> {
 }
 
 fn parse_reference(inner: &str, text: &str) -> Result<Reference, TemplateError> {
-    let malformed = || TemplateError::Malformed {
-        text: text.to_string(),
-    };
+    let malformed = || TemplateError::Malformed { text: text.to_string() };
     let mut parts = inner.trim().split('.');
-    let step_id = parts
-        .next()
-        .filter(|s| crate::ids::check_step_id(s).is_ok())
-        .ok_or_else(malformed)?;
+    let step_id = parts.next().filter(|s| crate::ids::check_step_id(s).is_ok()).ok_or_else(malformed)?;
     if parts.next() != Some("output") {
         return Err(malformed());
     }
     let path = parts
         .map(|seg| {
-            let ok = !seg.is_empty()
-                && seg
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+            let ok = !seg.is_empty() && seg.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
             ok.then(|| seg.to_string()).ok_or_else(malformed)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Reference {
-        step_id: step_id.to_string(),
-        path,
-    })
+    Ok(Reference { step_id: step_id.to_string(), path })
 }
 
 fn pieces(s: &str) -> Result<Vec<Piece<'_>>, TemplateError> {
@@ -73,9 +60,7 @@ fn pieces(s: &str) -> Result<Vec<Piece<'_>>, TemplateError> {
             out.push(Piece::Literal(&rest[..start]));
         }
         let after = &rest[start + 2..];
-        let end = after.find("}}").ok_or_else(|| TemplateError::Malformed {
-            text: rest[start..].to_string(),
-        })?;
+        let end = after.find("}}").ok_or_else(|| TemplateError::Malformed { text: rest[start..].to_string() })?;
         let text = &rest[start..start + 2 + end + 2];
         out.push(Piece::Ref(parse_reference(&after[..end], text)?, text));
         rest = &after[end + 2..];
@@ -109,17 +94,10 @@ fn collect(v: &Value, refs: &mut Vec<Reference>) -> Result<(), TemplateError> {
     Ok(())
 }
 
-fn lookup<'v>(
-    r: &Reference,
-    text: &str,
-    outputs: &'v HashMap<String, Value>,
-) -> Result<&'v Value, TemplateError> {
+fn lookup<'v>(r: &Reference, text: &str, outputs: &'v HashMap<String, Value>) -> Result<&'v Value, TemplateError> {
     let mut v = outputs
         .get(&r.step_id)
-        .ok_or_else(|| TemplateError::UnknownStep {
-            text: text.to_string(),
-            step_id: r.step_id.clone(),
-        })?;
+        .ok_or_else(|| TemplateError::UnknownStep { text: text.to_string(), step_id: r.step_id.clone() })?;
     let mut at = format!("{}.output", r.step_id);
     for seg in &r.path {
         at.push('.');
@@ -129,10 +107,7 @@ fn lookup<'v>(
             Value::Array(a) => seg.parse::<usize>().ok().and_then(|i| a.get(i)),
             _ => None,
         }
-        .ok_or_else(|| TemplateError::MissingPath {
-            text: text.to_string(),
-            at: at.clone(),
-        })?;
+        .ok_or_else(|| TemplateError::MissingPath { text: text.to_string(), at: at.clone() })?;
     }
     Ok(v)
 }
@@ -159,16 +134,9 @@ pub fn resolve(params: &Value, outputs: &HashMap<String, Value>) -> Result<Value
                 }
             }
         }
-        Value::Array(items) => Value::Array(
-            items
-                .iter()
-                .map(|i| resolve(i, outputs))
-                .collect::<Result<_, _>>()?,
-        ),
+        Value::Array(items) => Value::Array(items.iter().map(|i| resolve(i, outputs)).collect::<Result<_, _>>()?),
         Value::Object(map) => Value::Object(
-            map.iter()
-                .map(|(k, v)| Ok((k.clone(), resolve(v, outputs)?)))
-                .collect::<Result<_, TemplateError>>()?,
+            map.iter().map(|(k, v)| Ok((k.clone(), resolve(v, outputs)?))).collect::<Result<_, TemplateError>>()?,
         ),
         other => other.clone(),
     })
@@ -181,63 +149,37 @@ mod tests {
 
     fn outputs() -> HashMap<String, Value> {
         HashMap::from([
-            (
-                "a".to_string(),
-                json!({"text": "hi", "n": 3, "list": [10, {"x": true}]}),
-            ),
+            ("a".to_string(), json!({"text": "hi", "n": 3, "list": [10, {"x": true}]})),
             ("b".to_string(), json!("plain")),
         ])
     }
 
     #[test]
     fn whole_reference_keeps_the_typed_value() {
-        assert_eq!(
-            resolve(&json!("{{a.output.n}}"), &outputs()).unwrap(),
-            json!(3)
-        );
-        assert_eq!(
-            resolve(&json!("{{ a.output }}"), &outputs()).unwrap(),
-            outputs()["a"]
-        );
-        assert_eq!(
-            resolve(&json!("{{a.output.list.1.x}}"), &outputs()).unwrap(),
-            json!(true)
-        );
+        assert_eq!(resolve(&json!("{{a.output.n}}"), &outputs()).unwrap(), json!(3));
+        assert_eq!(resolve(&json!("{{ a.output }}"), &outputs()).unwrap(), outputs()["a"]);
+        assert_eq!(resolve(&json!("{{a.output.list.1.x}}"), &outputs()).unwrap(), json!(true));
     }
 
     #[test]
     fn interpolation_renders_strings_raw_and_values_as_json() {
-        let v = resolve(
-            &json!("say {{b.output}} {{a.output.text}} {{a.output.list}}!"),
-            &outputs(),
-        )
-        .unwrap();
+        let v = resolve(&json!("say {{b.output}} {{a.output.text}} {{a.output.list}}!"), &outputs()).unwrap();
         assert_eq!(v, json!("say plain hi [10,{\"x\":true}]!"));
     }
 
     #[test]
     fn nested_structures_resolve_recursively() {
-        let v = resolve(
-            &json!({"k": ["{{a.output.n}}", {"deep": "{{b.output}}"}], "n": 1}),
-            &outputs(),
-        )
-        .unwrap();
+        let v = resolve(&json!({"k": ["{{a.output.n}}", {"deep": "{{b.output}}"}], "n": 1}), &outputs()).unwrap();
         assert_eq!(v, json!({"k": [3, {"deep": "plain"}], "n": 1}));
     }
 
     #[test]
     fn k10_unresolved_references_are_rejected() {
-        assert!(matches!(
-            resolve(&json!("{{zz.output}}"), &outputs()),
-            Err(TemplateError::UnknownStep { .. })
-        ));
+        assert!(matches!(resolve(&json!("{{zz.output}}"), &outputs()), Err(TemplateError::UnknownStep { .. })));
         let e = resolve(&json!("x {{a.output.missing}}"), &outputs()).unwrap_err();
         assert_eq!(
             e,
-            TemplateError::MissingPath {
-                text: "{{a.output.missing}}".into(),
-                at: "a.output.missing".into()
-            }
+            TemplateError::MissingPath { text: "{{a.output.missing}}".into(), at: "a.output.missing".into() }
         );
     }
 
@@ -252,22 +194,13 @@ mod tests {
             "{{a.output.}}",
             "open {{a.output",
         ] {
-            assert!(
-                matches!(
-                    resolve(&json!(t), &outputs()),
-                    Err(TemplateError::Malformed { .. })
-                ),
-                "{t}"
-            );
+            assert!(matches!(resolve(&json!(t), &outputs()), Err(TemplateError::Malformed { .. })), "{t}");
         }
     }
 
     #[test]
     fn references_are_listed() {
         let refs = references(&json!({"x": "{{a.output.n}} and {{b.output}}"})).unwrap();
-        assert_eq!(
-            refs.iter().map(|r| r.step_id.as_str()).collect::<Vec<_>>(),
-            ["a", "b"]
-        );
+        assert_eq!(refs.iter().map(|r| r.step_id.as_str()).collect::<Vec<_>>(), ["a", "b"]);
     }
 }

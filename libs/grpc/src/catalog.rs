@@ -32,15 +32,9 @@ impl ToolCatalog {
     pub fn new(endpoints: &[String]) -> Result<ToolCatalog, Status> {
         let hosts = endpoints
             .iter()
-            .map(|e| {
-                Ok(ToolHostClient::new(crate::channel(e)?)
-                    .max_decoding_message_size(crate::MAX_MESSAGE_BYTES))
-            })
+            .map(|e| Ok(ToolHostClient::new(crate::channel(e)?).max_decoding_message_size(crate::MAX_MESSAGE_BYTES)))
             .collect::<Result<_, Status>>()?;
-        Ok(ToolCatalog {
-            hosts,
-            cached: Default::default(),
-        })
+        Ok(ToolCatalog { hosts, cached: Default::default() })
     }
 
     /// The current catalog; the first host to declare a name serves it. A host that does
@@ -58,16 +52,10 @@ impl ToolCatalog {
         let mut tools = HashMap::new();
         let mut failures = Vec::new();
         for (i, host) in self.hosts.iter().enumerate() {
-            match host
-                .clone()
-                .list_tools(pb::ListToolsRequest::default())
-                .await
-            {
+            match host.clone().list_tools(pb::ListToolsRequest::default()).await {
                 Ok(listed) => {
                     for spec in listed.into_inner().tools {
-                        tools
-                            .entry(spec.name.clone())
-                            .or_insert(CatalogEntry { spec, host: i });
+                        tools.entry(spec.name.clone()).or_insert(CatalogEntry { spec, host: i });
                     }
                 }
                 Err(s) => {
@@ -82,10 +70,7 @@ impl ToolCatalog {
             }
         }
         if failures.len() == self.hosts.len() && tools.is_empty() {
-            return Err(Status::unavailable(format!(
-                "tool catalog unavailable: {}",
-                failures.join("; ")
-            )));
+            return Err(Status::unavailable(format!("tool catalog unavailable: {}", failures.join("; "))));
         }
         let tools = Arc::new(tools);
         *self.cached.lock().await = Some((Instant::now(), tools.clone()));

@@ -13,21 +13,15 @@ pub enum KeyError {
 }
 
 fn file_err(path: &Path, reason: impl ToString) -> KeyError {
-    KeyError::File {
-        path: path.display().to_string(),
-        reason: reason.to_string(),
-    }
+    KeyError::File { path: path.display().to_string(), reason: reason.to_string() }
 }
 
 /// Loads the key at `path`, creating it when the file does not exist.
 pub fn load_or_create(path: &Path) -> Result<SigningKey, KeyError> {
     match std::fs::read_to_string(path) {
         Ok(text) => {
-            let bytes =
-                hex::decode(text.trim()).map_err(|e| file_err(path, format!("not hex: {e}")))?;
-            let seed: [u8; 32] = bytes
-                .try_into()
-                .map_err(|_| file_err(path, "must hold a 32-byte hex seed"))?;
+            let bytes = hex::decode(text.trim()).map_err(|e| file_err(path, format!("not hex: {e}")))?;
+            let seed: [u8; 32] = bytes.try_into().map_err(|_| file_err(path, "must hold a 32-byte hex seed"))?;
             Ok(SigningKey::from_bytes(&seed))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -42,8 +36,7 @@ pub fn load_or_create(path: &Path) -> Result<SigningKey, KeyError> {
             std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
             match opts.open(path) {
                 Ok(mut f) => {
-                    f.write_all(hex::encode(seed).as_bytes())
-                        .map_err(|e| file_err(path, e))?;
+                    f.write_all(hex::encode(seed).as_bytes()).map_err(|e| file_err(path, e))?;
                     Ok(SigningKey::from_bytes(&seed))
                 }
                 // Another process created it first: use theirs.

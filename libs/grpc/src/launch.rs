@@ -6,10 +6,7 @@ use tokio::net::TcpListener;
 use warden_config::WardenConfig;
 
 #[derive(Parser)]
-#[command(
-    version,
-    about = "A Warden service; configuration from --config and WARDEN_* variables"
-)]
+#[command(version, about = "A Warden service; configuration from --config and WARDEN_* variables")]
 struct ServiceArgs {
     /// TOML configuration file (also WARDEN_CONFIG); WARDEN_SECTION__KEY variables override it.
     #[arg(long, env = "WARDEN_CONFIG")]

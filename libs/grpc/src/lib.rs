@@ -27,20 +27,12 @@ pub enum ServeError {
     #[error("transport failed: {0}")]
     Transport(#[from] tonic::transport::Error),
     #[error("cannot bind {addr}: {source}")]
-    Bind {
-        addr: String,
-        source: std::io::Error,
-    },
+    Bind { addr: String, source: std::io::Error },
 }
 
 /// Binds `addr` (use port 0 for any free port).
 pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServeError::Bind {
-            addr: addr.to_string(),
-            source,
-        })
+    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr: addr.to_string(), source })
 }
 
 /// Serves `routes` on `listener` with gRPC health (every name in `services` reported
@@ -53,13 +45,9 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
+    reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
     for s in services {
-        reporter
-            .set_service_status(*s, tonic_health::ServingStatus::Serving)
-            .await;
+        reporter.set_service_status(*s, tonic_health::ServingStatus::Serving).await;
     }
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(warden_proto::FILE_DESCRIPTOR_SET)
@@ -69,10 +57,7 @@ pub async fn serve(
     // Agents' steps are latency-bound request/response calls: no Nagle delay (set on the
     // incoming stream, which owns the accepted sockets).
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    Server::builder()
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
+    Server::builder().add_routes(routes).serve_with_incoming_shutdown(incoming, shutdown).await?;
     Ok(())
 }
 
@@ -102,21 +87,12 @@ pub fn invalid_field(field: impl Into<String>, description: impl Into<String>) -
 pub fn field_violations(status: &Status) -> Vec<(String, String)> {
     status
         .get_details_bad_request()
-        .map(|b| {
-            b.field_violations
-                .into_iter()
-                .map(|v| (v.field, v.description))
-                .collect()
-        })
+        .map(|b| b.field_violations.into_iter().map(|v| (v.field, v.description)).collect())
         .unwrap_or_default()
 }
 
 /// Requires a non-empty identifier field that passes [`warden_core::ids::check_id`]-style rules.
-pub fn require_id(
-    field: &str,
-    value: &str,
-    check: impl Fn(&str) -> Result<(), String>,
-) -> Result<(), Status> {
+pub fn require_id(field: &str, value: &str, check: impl Fn(&str) -> Result<(), String>) -> Result<(), Status> {
     check(value).map_err(|reason| invalid_field(field, reason))
 }
 
@@ -151,10 +127,7 @@ pub async fn shutdown_signal() {
 
 /// Unix milliseconds now.
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or_default()
 }
 
 /// Conversions between the domain's types and the wire's.
@@ -205,11 +178,7 @@ pub mod convert {
 
     /// Lower-case name of a wire status (`completed`, `failed`, …).
     pub fn status_name(n: i32) -> &'static str {
-        pb::RunStatus::try_from(n)
-            .ok()
-            .and_then(status_from_proto)
-            .map(RunStatus::as_str)
-            .unwrap_or("unspecified")
+        pb::RunStatus::try_from(n).ok().and_then(status_from_proto).map(RunStatus::as_str).unwrap_or("unspecified")
     }
 
     pub fn event_to_proto(e: &warden_core::chain::ChainedEvent) -> pb::Event {
@@ -253,15 +222,12 @@ pub const STALE_EPOCH: &str = "STALE_EPOCH";
 /// `FAILED_PRECONDITION` marked as a fencing refusal, so callers can tell a lost lease
 /// from other preconditions without parsing messages.
 pub fn fenced(message: impl Into<String>) -> Status {
-    let info =
-        ErrorDetails::with_error_info(STALE_EPOCH, "warden.v1", std::collections::HashMap::new());
+    let info = ErrorDetails::with_error_info(STALE_EPOCH, "warden.v1", std::collections::HashMap::new());
     Status::with_error_details(Code::FailedPrecondition, message, info)
 }
 
 /// Whether `status` is a fencing refusal (see [`fenced`]).
 pub fn is_fenced(status: &Status) -> bool {
     status.code() == Code::FailedPrecondition
-        && status
-            .get_details_error_info()
-            .is_some_and(|i| i.reason == STALE_EPOCH)
+        && status.get_details_error_info().is_some_and(|i| i.reason == STALE_EPOCH)
 }

@@ -33,12 +33,7 @@ pub struct RunLease {
 
 impl RunLease {
     fn new(run_id: &str, owner: &str, epoch: u64) -> RunLease {
-        RunLease {
-            run_id: run_id.into(),
-            owner: owner.into(),
-            epoch,
-            token: format!("{owner}|{epoch}"),
-        }
+        RunLease { run_id: run_id.into(), owner: owner.into(), epoch, token: format!("{owner}|{epoch}") }
     }
 }
 
@@ -54,9 +49,7 @@ impl LeaseStore {
         if redis_url.is_empty() {
             return Ok(LeaseStore::Memory(MemoryLeases::default()));
         }
-        Ok(LeaseStore::Redis(
-            RedisLeases::connect(redis_url, "warden").await?,
-        ))
+        Ok(LeaseStore::Redis(RedisLeases::connect(redis_url, "warden").await?))
     }
 
     /// Takes the lease if nobody holds it. The new epoch is above both every earlier epoch
@@ -193,21 +186,13 @@ impl RedisLeases {
 
     async fn release(&self, lease: &RunLease) -> Result<(), LeaseError> {
         let mut conn = self.conn.clone();
-        let _: i64 = self
-            .release
-            .key(self.lease_key(&lease.run_id))
-            .arg(&lease.token)
-            .invoke_async(&mut conn)
-            .await?;
+        let _: i64 = self.release.key(self.lease_key(&lease.run_id)).arg(&lease.token).invoke_async(&mut conn).await?;
         Ok(())
     }
 
     async fn is_held(&self, run_id: &str) -> Result<bool, LeaseError> {
         let mut conn = self.conn.clone();
-        let n: i64 = redis::cmd("EXISTS")
-            .arg(self.lease_key(run_id))
-            .query_async(&mut conn)
-            .await?;
+        let n: i64 = redis::cmd("EXISTS").arg(self.lease_key(run_id)).query_async(&mut conn).await?;
         Ok(n == 1)
     }
 }
@@ -229,13 +214,7 @@ impl MemoryLeases {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn acquire(
-        &self,
-        run_id: &str,
-        owner: &str,
-        ttl: Duration,
-        min_epoch: u64,
-    ) -> Option<RunLease> {
+    fn acquire(&self, run_id: &str, owner: &str, ttl: Duration, min_epoch: u64) -> Option<RunLease> {
         let mut s = self.lock();
         let now = Instant::now();
         if s.leases.get(run_id).is_some_and(|(_, until)| *until > now) {
@@ -244,8 +223,7 @@ impl MemoryLeases {
         let e = s.epochs.entry(run_id.to_string()).or_default();
         *e = (*e + 1).max(min_epoch + 1);
         let lease = RunLease::new(run_id, owner, *e);
-        s.leases
-            .insert(run_id.to_string(), (lease.token.clone(), now + ttl));
+        s.leases.insert(run_id.to_string(), (lease.token.clone(), now + ttl));
         Some(lease)
     }
 
@@ -263,19 +241,13 @@ impl MemoryLeases {
 
     fn release(&self, lease: &RunLease) {
         let mut s = self.lock();
-        if s.leases
-            .get(&lease.run_id)
-            .is_some_and(|(t, _)| *t == lease.token)
-        {
+        if s.leases.get(&lease.run_id).is_some_and(|(t, _)| *t == lease.token) {
             s.leases.remove(&lease.run_id);
         }
     }
 
     fn is_held(&self, run_id: &str) -> bool {
-        self.lock()
-            .leases
-            .get(run_id)
-            .is_some_and(|(_, until)| *until > Instant::now())
+        self.lock().leases.get(run_id).is_some_and(|(_, until)| *until > Instant::now())
     }
 }
 
@@ -293,10 +265,7 @@ mod tests {
         store.release(&a).await.unwrap();
         let b = store.acquire("r", "b", ttl, 5).await.unwrap().unwrap();
         assert_eq!(b.epoch, 6, "epoch must exceed the ledger's highest");
-        assert!(
-            !store.renew(&a, ttl).await.unwrap(),
-            "a released lease cannot be renewed"
-        );
+        assert!(!store.renew(&a, ttl).await.unwrap(), "a released lease cannot be renewed");
         assert!(store.renew(&b, ttl).await.unwrap());
     }
 }

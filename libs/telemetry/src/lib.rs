@@ -15,10 +15,6 @@ pub fn init_tracing(service: &'static str) {
         .try_init()
         .is_ok();
     if installed {
-        tracing::info!(
-            service,
-            version = env!("CARGO_PKG_VERSION"),
-            "tracing initialised"
-        );
+        tracing::info!(service, version = env!("CARGO_PKG_VERSION"), "tracing initialised");
     }
 }

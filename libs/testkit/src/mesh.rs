@@ -37,13 +37,7 @@ impl Default for MeshOptions {
             redis_url: String::new(),
             tenants: vec![(
                 "acme".into(),
-                vec![
-                    "echo".into(),
-                    "text.upper".into(),
-                    "kv.*".into(),
-                    "email.send".into(),
-                    "fail".into(),
-                ],
+                vec!["echo".into(), "text.upper".into(), "kv.*".into(), "email.send".into(), "fail".into()],
             )],
             max_steps: 10,
             lease_ttl_ms: 2_000,
@@ -56,10 +50,7 @@ impl Default for MeshOptions {
 /// The directory of the workspace's built binaries (next to the running test binary).
 pub fn bin_dir() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let mut dir = exe
-        .parent()
-        .context("test binary has no directory")?
-        .to_path_buf();
+    let mut dir = exe.parent().context("test binary has no directory")?.to_path_buf();
     if dir.ends_with("deps") {
         dir.pop();
     }
@@ -68,11 +59,7 @@ pub fn bin_dir() -> anyhow::Result<PathBuf> {
 
 fn binary(name: &str) -> anyhow::Result<PathBuf> {
     let p = bin_dir()?.join(name);
-    anyhow::ensure!(
-        p.is_file(),
-        "{} is not built: run `cargo build --workspace --bins` first",
-        p.display()
-    );
+    anyhow::ensure!(p.is_file(), "{} is not built: run `cargo build --workspace --bins` first", p.display());
     Ok(p)
 }
 
@@ -93,42 +80,23 @@ impl ServiceProcess {
         env: Vec<(String, String)>,
         log: PathBuf,
     ) -> anyhow::Result<ServiceProcess> {
-        let mut p = ServiceProcess {
-            name,
-            endpoint: String::new(),
-            bin,
-            env,
-            child: None,
-            log,
-        };
+        let mut p = ServiceProcess { name, endpoint: String::new(), bin, env, child: None, log };
         p.spawn()?;
         Ok(p)
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)?;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let mut cmd = Command::new(&self.bin);
-        cmd.envs(self.env.iter().cloned())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .stdin(Stdio::null());
-        let mut child = spawn_tied(cmd, libc::SIGKILL)
-            .with_context(|| format!("spawning {}", self.bin.display()))?;
+        cmd.envs(self.env.iter().cloned()).stdout(Stdio::piped()).stderr(log).stdin(Stdio::null());
+        let mut child = spawn_tied(cmd, libc::SIGKILL).with_context(|| format!("spawning {}", self.bin.display()))?;
         let stdout = child.stdout.take().context("no stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut lines = BufReader::new(stdout).lines();
             for line in lines.by_ref().map_while(Result::ok) {
                 if let Some(rest) = line.strip_prefix("WARDEN_LISTENING ") {
-                    let _ = tx.send(
-                        rest.split_whitespace()
-                            .nth(1)
-                            .unwrap_or_default()
-                            .to_string(),
-                    );
+                    let _ = tx.send(rest.split_whitespace().nth(1).unwrap_or_default().to_string());
                     break;
                 }
             }
@@ -166,11 +134,7 @@ impl ServiceProcess {
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
         let addr = self.endpoint.trim_start_matches("http://").to_string();
-        let key = self
-            .env
-            .iter()
-            .position(|(k, _)| k.ends_with("__LISTEN"))
-            .context("no listen variable")?;
+        let key = self.env.iter().position(|(k, _)| k.ends_with("__LISTEN")).context("no listen variable")?;
         self.env[key].1 = addr;
         let mut last = None;
         for _ in 0..50 {
@@ -185,8 +149,7 @@ impl ServiceProcess {
     }
 
     pub fn channel(&self) -> Channel {
-        warden_grpc::channel(&self.endpoint)
-            .unwrap_or_else(|e| panic!("bad endpoint {}: {e}", self.endpoint))
+        warden_grpc::channel(&self.endpoint).unwrap_or_else(|e| panic!("bad endpoint {}: {e}", self.endpoint))
     }
 }
 
@@ -212,26 +175,17 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         "[ledger]\ndatabase_url = \"{database_url}\"\nkey_file = \"{}\"\n\n",
         dir.join("ledger.key").display()
     ));
-    s.push_str(&format!(
-        "[policy]\nkey_file = \"{}\"\n\n",
-        dir.join("policy.key").display()
-    ));
+    s.push_str(&format!("[policy]\nkey_file = \"{}\"\n\n", dir.join("policy.key").display()));
     for (tenant, tools) in &opts.tenants {
         let list: Vec<String> = tools.iter().map(|t| format!("\"{t}\"")).collect();
-        s.push_str(&format!(
-            "[policy.tenants.{tenant}]\nallow_tools = [{}]\n\n",
-            list.join(", ")
-        ));
+        s.push_str(&format!("[policy.tenants.{tenant}]\nallow_tools = [{}]\n\n", list.join(", ")));
     }
     s.push_str(&format!("[planner]\nmax_steps = {}\n\n", opts.max_steps));
     s.push_str(&format!(
         "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\n\n",
         opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms
     ));
-    s.push_str(&format!(
-        "[tools]\noutbox_path = \"{}\"\n",
-        dir.join("outbox.jsonl").display()
-    ));
+    s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n", dir.join("outbox.jsonl").display()));
     s
 }
 
@@ -264,29 +218,20 @@ impl Mesh {
         let policy = ServiceProcess::start(
             "policy",
             binary("warden-policy")?,
-            base(&[
-                ("WARDEN_POLICY__LISTEN", "127.0.0.1:0"),
-                ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint),
-            ]),
+            base(&[("WARDEN_POLICY__LISTEN", "127.0.0.1:0"), ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint)]),
             log("policy"),
         )?;
         let tools = ServiceProcess::start(
             "tools",
             binary("warden-tools")?,
-            base(&[
-                ("WARDEN_TOOLS__LISTEN", "127.0.0.1:0"),
-                ("WARDEN_TOOLS__POLICY_ENDPOINT", &policy.endpoint),
-            ]),
+            base(&[("WARDEN_TOOLS__LISTEN", "127.0.0.1:0"), ("WARDEN_TOOLS__POLICY_ENDPOINT", &policy.endpoint)]),
             log("tools"),
         )?;
         let hosts = format!("[\"{}\"]", tools.endpoint);
         let planner = ServiceProcess::start(
             "planner",
             binary("warden-planner")?,
-            base(&[
-                ("WARDEN_PLANNER__LISTEN", "127.0.0.1:0"),
-                ("WARDEN_PLANNER__TOOL_HOSTS", &hosts),
-            ]),
+            base(&[("WARDEN_PLANNER__LISTEN", "127.0.0.1:0"), ("WARDEN_PLANNER__TOOL_HOSTS", &hosts)]),
             log("planner"),
         )?;
         let mut executors = Vec::new();
@@ -306,24 +251,12 @@ impl Mesh {
                 log(&id),
             )?);
         }
-        Ok(Mesh {
-            dir,
-            database_url,
-            ledger,
-            policy,
-            tools,
-            planner,
-            executors,
-        })
+        Ok(Mesh { dir, database_url, ledger, policy, tools, planner, executors })
     }
 
     /// The front door of the first executor that is still running.
     pub fn runs(&self) -> RunsClient<Channel> {
-        let live = self
-            .executors
-            .iter()
-            .find(|e| e.is_running())
-            .expect("no executor is running");
+        let live = self.executors.iter().find(|e| e.is_running()).expect("no executor is running");
         RunsClient::new(live.channel())
     }
 
@@ -351,15 +284,8 @@ impl Mesh {
     /// Every service's log, for failure messages.
     pub fn logs(&self) -> String {
         let mut all = String::new();
-        for p in [&self.ledger, &self.policy, &self.tools, &self.planner]
-            .into_iter()
-            .chain(self.executors.iter())
-        {
-            all.push_str(&format!(
-                "--- {} ---\n{}\n",
-                p.name,
-                std::fs::read_to_string(&p.log).unwrap_or_default()
-            ));
+        for p in [&self.ledger, &self.policy, &self.tools, &self.planner].into_iter().chain(self.executors.iter()) {
+            all.push_str(&format!("--- {} ---\n{}\n", p.name, std::fs::read_to_string(&p.log).unwrap_or_default()));
         }
         all
     }

@@ -39,19 +39,13 @@ fn keeper() -> &'static std::sync::Mutex<Sender<Job>> {
 /// Spawns `cmd`; the child receives `signal` when this process exits.
 pub fn spawn_tied(cmd: Command, signal: libc::c_int) -> std::io::Result<Child> {
     let (tx, rx) = channel();
-    keeper()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .send((cmd, signal, tx))
-        .map_err(std::io::Error::other)?;
+    keeper().lock().unwrap_or_else(|p| p.into_inner()).send((cmd, signal, tx)).map_err(std::io::Error::other)?;
     rx.recv().map_err(std::io::Error::other)?
 }
 
 /// A free TCP port on loopback (bound and released; callers retry on a lost race).
 pub fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 pub fn is_root() -> bool {
@@ -62,10 +56,7 @@ pub fn is_root() -> bool {
 /// Looks a binary up on PATH and in `extra` directories.
 pub fn find_binary(name: &str, extra: &[std::path::PathBuf]) -> Option<std::path::PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(extra.iter().cloned())
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
+    std::env::split_paths(&path).chain(extra.iter().cloned()).map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 /// `apt-get install -y PACKAGES` (as root), once per package set.
@@ -76,10 +67,7 @@ pub fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
         packages.join(" "),
         packages.join(" ")
     );
-    eprintln!(
-        "warden-testkit: installing {} with apt-get",
-        packages.join(" ")
-    );
+    eprintln!("warden-testkit: installing {} with apt-get", packages.join(" "));
     let update = Command::new("apt-get").args(["update", "-qq"]).status()?;
     anyhow::ensure!(update.success(), "apt-get update failed");
     let status = Command::new("apt-get")
@@ -87,10 +75,6 @@ pub fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
         .args(packages)
         .env("DEBIAN_FRONTEND", "noninteractive")
         .status()?;
-    anyhow::ensure!(
-        status.success(),
-        "apt-get install {} failed",
-        packages.join(" ")
-    );
+    anyhow::ensure!(status.success(), "apt-get install {} failed", packages.join(" "));
     Ok(())
 }

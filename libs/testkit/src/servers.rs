@@ -32,9 +32,7 @@ pub fn redis() -> &'static Redis {
 /// The process-wide PostgreSQL (started on first use, tuned for tests: no fsync).
 pub fn postgres() -> &'static Postgres {
     static P: OnceLock<Postgres> = OnceLock::new();
-    P.get_or_init(|| {
-        start_postgres(true).unwrap_or_else(|e| panic!("no PostgreSQL for the tests: {e:#}"))
-    })
+    P.get_or_init(|| start_postgres(true).unwrap_or_else(|e| panic!("no PostgreSQL for the tests: {e:#}")))
 }
 
 pub fn start_redis() -> anyhow::Result<Redis> {
@@ -45,8 +43,7 @@ pub fn start_redis() -> anyhow::Result<Redis> {
         Some(b) => b,
         None => {
             apt_install(&["redis-server"])?;
-            find_binary("redis-server", &[])
-                .context("redis-server still missing after apt-get install")?
+            find_binary("redis-server", &[]).context("redis-server still missing after apt-get install")?
         }
     };
     let mut last = None;
@@ -74,10 +71,7 @@ pub fn start_redis() -> anyhow::Result<Redis> {
         while Instant::now() < deadline {
             // Alive after the ping: the answer came from our server, not one that won the port.
             if redis_ping(port) && matches!(child.try_wait(), Ok(None)) {
-                return Ok(Redis {
-                    url: format!("redis://127.0.0.1:{port}"),
-                    _child: Some(Mutex::new(child)),
-                });
+                return Ok(Redis { url: format!("redis://127.0.0.1:{port}"), _child: Some(Mutex::new(child)) });
             }
             if let Ok(Some(status)) = child.try_wait() {
                 last = Some(format!("redis-server exited with {status}"));
@@ -87,10 +81,7 @@ pub fn start_redis() -> anyhow::Result<Redis> {
         }
         let _ = child.kill();
     }
-    anyhow::bail!(
-        "redis-server did not start: {}",
-        last.unwrap_or_else(|| "timed out".into())
-    )
+    anyhow::bail!("redis-server did not start: {}", last.unwrap_or_else(|| "timed out".into()))
 }
 
 fn redis_ping(port: u16) -> bool {
@@ -100,17 +91,12 @@ fn redis_ping(port: u16) -> bool {
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
     let mut buf = [0u8; 7];
-    s.write_all(b"PING\r\n").is_ok()
-        && s.read(&mut buf)
-            .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+    s.write_all(b"PING\r\n").is_ok() && s.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
 }
 
 fn postgres_bindir() -> Option<PathBuf> {
-    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path().join("bin"))
-        .collect();
+    let mut versions: Vec<PathBuf> =
+        std::fs::read_dir("/usr/lib/postgresql").ok()?.filter_map(|e| e.ok()).map(|e| e.path().join("bin")).collect();
     versions.sort_by_key(|p| {
         std::cmp::Reverse(
             p.parent()
@@ -142,10 +128,8 @@ fn remove_stale_clusters() {
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(pid) = name
-            .strip_prefix("warden-pg-")
-            .and_then(|r| r.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok())
+        let Some(pid) =
+            name.strip_prefix("warden-pg-").and_then(|r| r.split('-').next()).and_then(|p| p.parse::<u32>().ok())
         else {
             continue;
         };
@@ -159,11 +143,7 @@ fn remove_stale_clusters() {
 /// turns fsync off, for tests; benchmarks keep PostgreSQL's durable defaults.
 pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
     if let Ok(url) = std::env::var("DATABASE_URL") {
-        return Ok(Postgres {
-            admin_url: url,
-            data_dir: None,
-            _child: None,
-        });
+        return Ok(Postgres { admin_url: url, data_dir: None, _child: None });
     }
     let bindir = match postgres_bindir() {
         Some(d) => d,
@@ -173,15 +153,8 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
         }
     };
     remove_stale_clusters();
-    let base = tempfile::Builder::new()
-        .prefix(&format!("warden-pg-{}-", std::process::id()))
-        .tempdir()?
-        .keep();
-    let owner = if is_root() {
-        Some(postgres_user()?)
-    } else {
-        None
-    };
+    let base = tempfile::Builder::new().prefix(&format!("warden-pg-{}-", std::process::id())).tempdir()?.keep();
+    let owner = if is_root() { Some(postgres_user()?) } else { None };
     if let Some((uid, gid)) = owner {
         std::os::unix::fs::chown(&base, Some(uid), Some(gid))?;
     }
@@ -196,24 +169,11 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
     initdb
         .arg("-D")
         .arg(&data)
-        .args([
-            "-A",
-            "trust",
-            "-U",
-            "postgres",
-            "--no-sync",
-            "-E",
-            "UTF8",
-            "--locale=C",
-        ])
+        .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8", "--locale=C"])
         .current_dir(&base);
     as_owner(&mut initdb);
     let out = initdb.output().context("running initdb")?;
-    anyhow::ensure!(
-        out.status.success(),
-        "initdb failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    anyhow::ensure!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
     let mut last = String::new();
     for _ in 0..5 {
         let port = free_port()?;
@@ -231,14 +191,7 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
             "max_connections=400",
         ]);
         if fast {
-            cmd.args([
-                "-c",
-                "fsync=off",
-                "-c",
-                "synchronous_commit=off",
-                "-c",
-                "full_page_writes=off",
-            ]);
+            cmd.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
         }
         cmd.current_dir(&base).stdout(Stdio::null()).stderr(log);
         as_owner(&mut cmd);
@@ -246,11 +199,7 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
         let mut child = spawn_tied(cmd, libc::SIGQUIT)?;
         let admin_url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
         if wait_for_postgres(&admin_url, &mut child)? {
-            return Ok(Postgres {
-                admin_url,
-                data_dir: Some(base),
-                _child: Some(Mutex::new(child)),
-            });
+            return Ok(Postgres { admin_url, data_dir: Some(base), _child: Some(Mutex::new(child)) });
         }
         let _ = child.kill();
         let _ = child.wait();
@@ -268,10 +217,7 @@ fn wait_for_postgres(url: &str, child: &mut Child) -> anyhow::Result<bool> {
         }
         let u = url.clone();
         let ok = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
             rt.block_on(async { sqlx::PgConnection::connect(&u).await.ok().map(|_| ()) })
         })
         .join()
@@ -304,13 +250,8 @@ impl Postgres {
     /// Creates an empty database for one test and returns its URL.
     pub async fn create_database(&self) -> anyhow::Result<String> {
         let name = format!("warden_{}", uuid_simple());
-        let mut conn = sqlx::PgConnection::connect(&self.admin_url)
-            .await
-            .context("connecting to PostgreSQL")?;
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut conn)
-            .await
-            .context("CREATE DATABASE")?;
+        let mut conn = sqlx::PgConnection::connect(&self.admin_url).await.context("connecting to PostgreSQL")?;
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.context("CREATE DATABASE")?;
         Ok(with_database(&self.admin_url, &name))
     }
 }
@@ -318,16 +259,9 @@ impl Postgres {
 fn uuid_simple() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    format!(
-        "{}_{}_{}",
-        std::process::id(),
-        t % 1_000_000_000_000,
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    let t =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or_default();
+    format!("{}_{}_{}", std::process::id(), t % 1_000_000_000_000, N.fetch_add(1, Ordering::Relaxed))
 }
 
 #[cfg(test)]
@@ -336,10 +270,7 @@ mod tests {
 
     #[test]
     fn database_urls() {
-        assert_eq!(
-            with_database("postgres://u@h:1/postgres", "x"),
-            "postgres://u@h:1/x"
-        );
+        assert_eq!(with_database("postgres://u@h:1/postgres", "x"), "postgres://u@h:1/x");
         assert_eq!(
             with_database("postgres://u@h:1/postgres?sslmode=disable", "x"),
             "postgres://u@h:1/x?sslmode=disable"

@@ -78,9 +78,10 @@ impl RunCtx {
         for attempt in 0.. {
             match self.ex.inner.ledger.clone().append_event(req.clone()).await {
                 Ok(r) => {
-                    return r.into_inner().event.ok_or_else(|| {
-                        DriveError::Ledger(Status::internal("ledger returned no event"))
-                    });
+                    return r
+                        .into_inner()
+                        .event
+                        .ok_or_else(|| DriveError::Ledger(Status::internal("ledger returned no event")));
                 }
                 Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
                 Err(s) if retryable(&s) && attempt < 8 && !self.lost.is_cancelled() => {
@@ -102,18 +103,8 @@ impl RunCtx {
         attempt: u32,
         payload: Value,
     ) -> Result<StepOutcome, DriveError> {
-        let reason = payload
-            .get("reason")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        self.append(
-            event_type,
-            step_id,
-            self.step_key(step_id, attempt, "failed"),
-            payload,
-        )
-        .await?;
+        let reason = payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
+        self.append(event_type, step_id, self.step_key(step_id, attempt, "failed"), payload).await?;
         Ok(StepOutcome::Failed(reason))
     }
 
@@ -125,20 +116,12 @@ impl RunCtx {
 fn retryable(s: &Status) -> bool {
     matches!(
         s.code(),
-        Code::Unavailable
-            | Code::Unknown
-            | Code::DeadlineExceeded
-            | Code::Aborted
-            | Code::ResourceExhausted
+        Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Aborted | Code::ResourceExhausted
     )
 }
 
 /// Reads a run's whole log and folds it.
-pub(crate) async fn load_view(
-    ex: &Executor,
-    tenant: &str,
-    run_id: &str,
-) -> Result<(RunView, Vec<pb::Event>), Status> {
+pub(crate) async fn load_view(ex: &Executor, tenant: &str, run_id: &str) -> Result<(RunView, Vec<pb::Event>), Status> {
     let mut stream = ex
         .inner
         .ledger
@@ -155,12 +138,7 @@ pub(crate) async fn load_view(
     let mut all = Vec::new();
     while let Some(e) = stream.message().await? {
         let ce = event_from_proto(&e);
-        view.apply(
-            ce.body.seq,
-            &ce.body.event_type,
-            &ce.body.step_id,
-            &ce.body.payload,
-        );
+        view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
         all.push(e);
     }
     Ok((view, all))
@@ -172,10 +150,7 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         .inner
         .ledger
         .clone()
-        .get_run(pb::GetLedgerRunRequest {
-            tenant: String::new(),
-            run_id: run_id.to_string(),
-        })
+        .get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: run_id.to_string() })
         .await
         .map_err(DriveError::Ledger)?
         .into_inner();
@@ -185,12 +160,7 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         return Ok(());
     }
     let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
-    let Some(lease) = ex
-        .inner
-        .leases
-        .acquire(run_id, &ex.inner.id, ttl, run.max_epoch)
-        .await?
-    else {
+    let Some(lease) = ex.inner.leases.acquire(run_id, &ex.inner.id, ttl, run.max_epoch).await? else {
         return Ok(()); // another replica drives it
     };
     let lost = CancellationToken::new();
@@ -204,16 +174,14 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
     };
     let mut result = drive_leased(&ctx).await;
     if let Err(DriveError::Ledger(s)) = &result
-        && matches!(
-            s.code(),
-            Code::InvalidArgument | Code::FailedPrecondition | Code::Internal
-        ) && !lost.is_cancelled()
-        {
-            // Retrying cannot help: record why and end the run instead of re-driving it forever.
-            let reason = format!("the ledger refused an event of this run: {}", s.message());
-            tracing::warn!(run_id, %reason, "failing run");
-            result = finish(&ctx, events::RUN_FAILED, json!({"reason": reason})).await;
-        }
+        && matches!(s.code(), Code::InvalidArgument | Code::FailedPrecondition | Code::Internal)
+        && !lost.is_cancelled()
+    {
+        // Retrying cannot help: record why and end the run instead of re-driving it forever.
+        let reason = format!("the ledger refused an event of this run: {}", s.message());
+        tracing::warn!(run_id, %reason, "failing run");
+        result = finish(&ctx, events::RUN_FAILED, json!({"reason": reason})).await;
+    }
     renewal.abort();
     if let Err(e) = ex.inner.leases.release(&lease).await {
         tracing::warn!(run_id, error = %e, "lease release failed; it will expire");
@@ -263,9 +231,7 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
         Err(DriveError::Ledger(s)) if s.code() == Code::FailedPrecondition => return Ok(()),
         Err(e) => return Err(e),
     }
-    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id)
-        .await
-        .map_err(DriveError::Ledger)?;
+    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
     if !matches!(view.status, RunStatus::Pending | RunStatus::Active) {
         return Ok(());
     }
@@ -278,42 +244,18 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
         .await;
     };
     if let Some(text) = &plan.direct_response {
-        return finish(
-            ctx,
-            events::RUN_COMPLETED,
-            json!({"reason": "", "direct_response": text}),
-        )
-        .await;
+        return finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "direct_response": text})).await;
     }
     if plan.steps.is_empty() {
-        return finish(
-            ctx,
-            events::RUN_EMPTY_PLAN,
-            json!({"reason": "the plan has no steps"}),
-        )
-        .await;
+        return finish(ctx, events::RUN_EMPTY_PLAN, json!({"reason": "the plan has no steps"})).await;
     }
-    let tools = ctx
-        .ex
-        .inner
-        .catalog
-        .tools()
-        .await
-        .map_err(DriveError::Ledger)?;
+    let tools = ctx.ex.inner.catalog.tools().await.map_err(DriveError::Ledger)?;
     // Unknown outcomes (tool_requested with no result) from an earlier holder.
     for s in view.steps.iter().filter(|s| s.outcome_unknown) {
         let idempotent = tools.get(&s.tool).is_some_and(|t| t.spec.idempotent);
         if !idempotent {
-            let reason = format!(
-                "step '{}' ({}) may or may not have run and the tool is not idempotent",
-                s.id, s.tool
-            );
-            return finish(
-                ctx,
-                events::RUN_REQUIRES_RECONCILIATION,
-                json!({"reason": reason, "step_id": s.id}),
-            )
-            .await;
+            let reason = format!("step '{}' ({}) may or may not have run and the tool is not idempotent", s.id, s.tool);
+            return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": s.id})).await;
         }
         tracing::info!(run_id = %ctx.run_id, step_id = %s.id, "re-invoking idempotent step with an unknown outcome");
     }
@@ -321,8 +263,7 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
 }
 
 async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), DriveError> {
-    ctx.append(event_type, "", event_type.to_string(), payload)
-        .await?;
+    ctx.append(event_type, "", event_type.to_string(), payload).await?;
     tracing::info!(run_id = %ctx.run_id, outcome = event_type, "run finished");
     Ok(())
 }
@@ -330,41 +271,19 @@ async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), Dr
 async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveError> {
     let all_tools = |_: &str| true;
     let order = plan
-        .validate(&PlanLimits {
-            max_steps: usize::MAX,
-            known_tool: &all_tools,
-        })
-        .map_err(|e| {
-            DriveError::Ledger(Status::internal(format!(
-                "recorded plan no longer validates: {e}"
-            )))
-        })?;
+        .validate(&PlanLimits { max_steps: usize::MAX, known_tool: &all_tools })
+        .map_err(|e| DriveError::Ledger(Status::internal(format!("recorded plan no longer validates: {e}"))))?;
     let mut status: HashMap<String, StepStatus> = view
         .steps
         .iter()
-        .map(|s| {
-            (
-                s.id.clone(),
-                if s.outcome_unknown {
-                    StepStatus::Pending
-                } else {
-                    s.status
-                },
-            )
-        })
+        .map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status }))
         .collect();
     let mut outputs = view.outputs();
     let mut first_failure: Option<String> = view
         .steps
         .iter()
         .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied))
-        .map(|s| {
-            format!(
-                "step '{}' failed: {}",
-                s.id,
-                s.error.clone().unwrap_or_default()
-            )
-        });
+        .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
     let limit = ctx.ex.inner.config.max_concurrency;
     let mut reconcile: Option<(String, String)> = None;
     let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
@@ -381,10 +300,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 continue;
             }
             let blocked = step.depends_on.iter().find(|d| {
-                matches!(
-                    status[d.as_str()],
-                    StepStatus::Failed | StepStatus::Denied | StepStatus::Cancelled
-                )
+                matches!(status[d.as_str()], StepStatus::Failed | StepStatus::Denied | StepStatus::Cancelled)
             });
             if let Some(dep) = blocked {
                 let reason = format!("dependency '{dep}' did not complete");
@@ -405,10 +321,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             }
             let step = &plan.steps[i];
             let ready = status[&step.id] == StepStatus::Pending
-                && step
-                    .depends_on
-                    .iter()
-                    .all(|d| status[d.as_str()] == StepStatus::Completed);
+                && step.depends_on.iter().all(|d| status[d.as_str()] == StepStatus::Completed);
             if !ready {
                 continue;
             }
@@ -437,18 +350,14 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             }
         }
         if running.is_empty() {
-            let settled = status
-                .values()
-                .all(|s| *s != StepStatus::Pending && *s != StepStatus::Running);
+            let settled = status.values().all(|s| *s != StepStatus::Pending && *s != StepStatus::Running);
             if settled || reconcile.is_some() {
                 break;
             }
             // Every pending step is either ready or cancelled by the passes above, so an idle
             // loop here would be a scheduler bug: stop rather than spin.
             if !launched {
-                return Err(DriveError::Ledger(Status::internal(
-                    "scheduler found no runnable step",
-                )));
+                return Err(DriveError::Ledger(Status::internal("scheduler found no runnable step")));
             }
             continue;
         }
@@ -457,8 +366,8 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
         };
         let Some(joined) = joined else { continue };
-        let (step_id, outcome) = joined
-            .map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
+        let (step_id, outcome) =
+            joined.map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
         match outcome? {
             StepOutcome::Completed(out) => {
                 outputs.insert(step_id.clone(), out);
@@ -476,12 +385,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
     }
     if let Some((step_id, why)) = reconcile {
         let reason = format!("step '{step_id}' has an unknown outcome: {why}");
-        return finish(
-            ctx,
-            events::RUN_REQUIRES_RECONCILIATION,
-            json!({"reason": reason, "step_id": step_id}),
-        )
-        .await;
+        return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": step_id})).await;
     }
     let count = |st: StepStatus| status.values().filter(|s| **s == st).count();
     let summary = json!({
@@ -490,37 +394,18 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         "cancelled": count(StepStatus::Cancelled),
     });
     match first_failure {
-        None => {
-            finish(
-                ctx,
-                events::RUN_COMPLETED,
-                json!({"reason": "", "summary": summary}),
-            )
-            .await
-        }
-        Some(reason) => {
-            finish(
-                ctx,
-                events::RUN_FAILED,
-                json!({"reason": reason, "summary": summary}),
-            )
-            .await
-        }
+        None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await,
+        Some(reason) => finish(ctx, events::RUN_FAILED, json!({"reason": reason, "summary": summary})).await,
     }
 }
 
 /// One step, one attempt: authorize, record the request, invoke, record the outcome.
-async fn execute_step(
-    ctx: &RunCtx,
-    step: &PlanStep,
-    args: Value,
-) -> Result<StepOutcome, DriveError> {
+async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<StepOutcome, DriveError> {
     let attempt = 1u32;
     let started = std::time::Instant::now();
     let idempotency_key = format!("{}:{}:{attempt}", ctx.run_id, step.id);
     let fail = |kind: &str, reason: String, extra: Value| {
-        let mut payload =
-            json!({"kind": kind, "reason": reason, "attempt": attempt, "tool": step.tool});
+        let mut payload = json!({"kind": kind, "reason": reason, "attempt": attempt, "tool": step.tool});
         if let (Some(p), Value::Object(x)) = (payload.as_object_mut(), extra) {
             p.extend(x);
         }
@@ -529,25 +414,13 @@ async fn execute_step(
     let tools = match ctx.ex.inner.catalog.tools().await {
         Ok(t) => t,
         Err(s) => {
-            let p = fail(
-                "tool_catalog_unavailable",
-                s.message().to_string(),
-                json!({}),
-            );
-            return ctx
-                .step_failed(events::STEP_FAILED, &step.id, attempt, p)
-                .await;
+            let p = fail("tool_catalog_unavailable", s.message().to_string(), json!({}));
+            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
         }
     };
     let Some(entry) = tools.get(&step.tool) else {
-        let p = fail(
-            "unknown_tool",
-            format!("no tool host serves '{}'", step.tool),
-            json!({}),
-        );
-        return ctx
-            .step_failed(events::STEP_FAILED, &step.id, attempt, p)
-            .await;
+        let p = fail("unknown_tool", format!("no tool host serves '{}'", step.tool), json!({}));
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     };
     let args_json = canonical_json(&args);
     // K01/K19: without a recorded allow decision and its signed authorization, nothing runs.
@@ -575,24 +448,17 @@ async fn execute_step(
             let reason = format!("policy unavailable, failing closed: {}", s.message());
             tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, error = %s, "no policy decision; step not executed");
             let p = fail("policy_unavailable", reason, json!({}));
-            return ctx
-                .step_failed(events::STEP_FAILED, &step.id, attempt, p)
-                .await;
+            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
         }
     };
     let decision = authorized.decision.unwrap_or_default();
     let (Some(auth), pb::Outcome::Allow) = (authorized.authorization, decision.outcome()) else {
         let p = fail(
             "policy_denied",
-            format!(
-                "denied by policy rule '{}': {}",
-                decision.rule_id, decision.reason
-            ),
+            format!("denied by policy rule '{}': {}", decision.rule_id, decision.reason),
             json!({"decision_id": decision.decision_id, "rule_id": decision.rule_id}),
         );
-        return ctx
-            .step_failed(events::STEP_FAILED, &step.id, attempt, p)
-            .await;
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     };
     ctx.append(
         events::TOOL_REQUESTED,
@@ -628,27 +494,15 @@ async fn execute_step(
     // A timeout or a broken connection leaves the outcome unknown: the tool may have acted.
     // An idempotent tool is asked again with the same key (the host returns the first
     // outcome); otherwise, or if it stays unknown, an operator must reconcile the step.
-    let tries = if entry.spec.idempotent {
-        UNKNOWN_OUTCOME_TRIES
-    } else {
-        1
-    };
+    let tries = if entry.spec.idempotent { UNKNOWN_OUTCOME_TRIES } else { 1 };
     let mut answer = None;
     let mut unknown = String::new();
     for _ in 0..tries {
         let mut host = ctx.ex.inner.catalog.host(entry.host);
         match tokio::time::timeout(timeout, host.invoke(request.clone())).await {
-            Err(_) => {
-                unknown = format!(
-                    "no answer within {}s (the tool's timeout_sec)",
-                    timeout.as_secs()
-                )
-            }
+            Err(_) => unknown = format!("no answer within {}s (the tool's timeout_sec)", timeout.as_secs()),
             Ok(Err(s))
-                if matches!(
-                    s.code(),
-                    Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded
-                ) =>
+                if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) =>
             {
                 unknown = format!("tool host call broke off: {}", s.message());
             }
@@ -663,36 +517,20 @@ async fn execute_step(
     };
     let outcome = match answer {
         Err(s) => {
-            let kind = if s.code() == Code::PermissionDenied {
-                "authorization_refused"
-            } else {
-                "tool_host_error"
-            };
+            let kind = if s.code() == Code::PermissionDenied { "authorization_refused" } else { "tool_host_error" };
             Err(failed(kind, s.message().to_string(), json!({})))
         }
         Ok(resp) => {
             let resp = resp.into_inner();
             match resp.outcome {
-                Some(pb::invoke_response::Outcome::OutputJson(text)) => {
-                    match serde_json::from_str::<Value>(&text) {
-                        Ok(out) => Ok((out, resp.replayed)),
-                        Err(e) => Err(failed(
-                            "invalid_output",
-                            format!("tool output is not JSON: {e}"),
-                            json!({}),
-                        )),
-                    }
+                Some(pb::invoke_response::Outcome::OutputJson(text)) => match serde_json::from_str::<Value>(&text) {
+                    Ok(out) => Ok((out, resp.replayed)),
+                    Err(e) => Err(failed("invalid_output", format!("tool output is not JSON: {e}"), json!({}))),
+                },
+                Some(pb::invoke_response::Outcome::Error(e)) => {
+                    Err(failed("tool_error", e.message, json!({"code": e.code, "retryable": e.retryable})))
                 }
-                Some(pb::invoke_response::Outcome::Error(e)) => Err(failed(
-                    "tool_error",
-                    e.message,
-                    json!({"code": e.code, "retryable": e.retryable}),
-                )),
-                None => Err(failed(
-                    "invalid_output",
-                    "tool host returned no outcome".into(),
-                    json!({}),
-                )),
+                None => Err(failed("invalid_output", "tool host returned no outcome".into(), json!({}))),
             }
         }
     };
@@ -723,9 +561,6 @@ async fn execute_step(
                 Err(e) => Err(e),
             }
         }
-        Err(payload) => {
-            ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload)
-                .await
-        }
+        Err(payload) => ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await,
     }
 }

@@ -47,10 +47,7 @@ pub(crate) struct Inner {
 impl Executor {
     pub async fn new(config: &ExecutorConfig) -> anyhow::Result<Executor> {
         let id = if config.executor_id.is_empty() {
-            format!(
-                "executor-{}",
-                &uuid::Uuid::new_v4().simple().to_string()[..12]
-            )
+            format!("executor-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
         } else {
             config.executor_id.clone()
         };
@@ -91,11 +88,7 @@ impl Executor {
             if let Err(e) = driver::drive(&this, &run_id).await {
                 tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
             }
-            this.inner
-                .driving
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&run_id);
+            this.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).remove(&run_id);
         });
     }
 
@@ -128,12 +121,7 @@ impl Executor {
                 .await?
                 .into_inner();
             for run in page.runs {
-                let mine = self
-                    .inner
-                    .driving
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .contains(&run.run_id);
+                let mine = self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).contains(&run.run_id);
                 if !mine && !self.inner.leases.is_held(&run.run_id).await? {
                     tracing::info!(run_id = %run.run_id, "sweeper picked up run without a live lease");
                     self.dispatch(run.run_id);
@@ -152,9 +140,7 @@ pub const SERVICES: &[&str] = &["warden.v1.Runs"];
 
 /// Adds the `Runs` front door to `routes`.
 pub fn add_routes(routes: &mut RoutesBuilder, executor: Executor) {
-    routes.add_service(pb::runs_server::RunsServer::new(runs::RunsService::new(
-        executor,
-    )));
+    routes.add_service(pb::runs_server::RunsServer::new(runs::RunsService::new(executor)));
 }
 
 /// Serves `Runs` and runs the sweeper until `shutdown`.

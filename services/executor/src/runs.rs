@@ -37,21 +37,14 @@ fn step_status(s: StepStatus) -> pb::StepStatus {
 
 #[tonic::async_trait]
 impl Runs for RunsService {
-    async fn submit_run(
-        &self,
-        req: Request<pb::SubmitRunRequest>,
-    ) -> Result<Response<pb::SubmitRunResponse>, Status> {
+    async fn submit_run(&self, req: Request<pb::SubmitRunRequest>) -> Result<Response<pb::SubmitRunResponse>, Status> {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
             id_field("idempotency_key", &r.idempotency_key)?;
         }
-        pb::CancelPolicy::try_from(r.cancel_policy).map_err(|_| {
-            invalid_field(
-                "cancel_policy",
-                format!("{} is not a cancel policy", r.cancel_policy),
-            )
-        })?;
+        pb::CancelPolicy::try_from(r.cancel_policy)
+            .map_err(|_| invalid_field("cancel_policy", format!("{} is not a cancel policy", r.cancel_policy)))?;
         match (r.plan_json.is_empty(), r.goal.is_empty()) {
             (false, true) => {}
             (true, false) => {
@@ -60,10 +53,7 @@ impl Runs for RunsService {
                 ));
             }
             _ => {
-                return Err(invalid_field(
-                    "plan_json",
-                    "exactly one of plan_json and goal must be set",
-                ));
+                return Err(invalid_field("plan_json", "exactly one of plan_json and goal must be set"));
             }
         }
         let max = self.ex.inner.config.max_plan_bytes;
@@ -79,10 +69,7 @@ impl Runs for RunsService {
             .inner
             .planner
             .clone()
-            .validate_plan(pb::ValidatePlanRequest {
-                tenant: r.tenant.clone(),
-                plan_json: r.plan_json,
-            })
+            .validate_plan(pb::ValidatePlanRequest { tenant: r.tenant.clone(), plan_json: r.plan_json })
             .await?
             .into_inner();
         let created = self
@@ -99,9 +86,7 @@ impl Runs for RunsService {
             })
             .await?
             .into_inner();
-        let run = created
-            .run
-            .ok_or_else(|| Status::internal("ledger returned no run"))?;
+        let run = created.run.ok_or_else(|| Status::internal("ledger returned no run"))?;
         let status = run.status();
         if !warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal()) {
             self.ex.dispatch(run.run_id.clone());
@@ -123,10 +108,7 @@ impl Runs for RunsService {
             .inner
             .ledger
             .clone()
-            .get_run(pb::GetLedgerRunRequest {
-                tenant: r.tenant.clone(),
-                run_id: r.run_id.clone(),
-            })
+            .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
             .await?
             .into_inner();
         let (view, _) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
@@ -148,20 +130,14 @@ impl Runs for RunsService {
             status: run.status,
             reason: run.reason,
             steps,
-            direct_response: view
-                .plan
-                .and_then(|p| p.direct_response)
-                .unwrap_or_default(),
+            direct_response: view.plan.and_then(|p| p.direct_response).unwrap_or_default(),
             created_at_ms: run.created_at_ms,
             updated_at_ms: run.updated_at_ms,
             last_seq: run.last_seq,
         }))
     }
 
-    async fn list_runs(
-        &self,
-        req: Request<pb::ListRunsRequest>,
-    ) -> Result<Response<pb::ListRunsResponse>, Status> {
+    async fn list_runs(&self, req: Request<pb::ListRunsRequest>) -> Result<Response<pb::ListRunsResponse>, Status> {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         let page = self
@@ -192,27 +168,14 @@ impl Runs for RunsService {
                 last_seq: l.last_seq,
             })
             .collect();
-        Ok(Response::new(pb::ListRunsResponse {
-            runs,
-            next_page_token: page.next_page_token,
-        }))
+        Ok(Response::new(pb::ListRunsResponse { runs, next_page_token: page.next_page_token }))
     }
 
-    async fn cancel_run(
-        &self,
-        _: Request<pb::CancelRunRequest>,
-    ) -> Result<Response<pb::CancelRunResponse>, Status> {
-        Err(Status::unimplemented(
-            "Runs.CancelRun is not available in this Warden release",
-        ))
+    async fn cancel_run(&self, _: Request<pb::CancelRunRequest>) -> Result<Response<pb::CancelRunResponse>, Status> {
+        Err(Status::unimplemented("Runs.CancelRun is not available in this Warden release"))
     }
 
-    async fn reconcile_step(
-        &self,
-        _: Request<pb::ReconcileStepRequest>,
-    ) -> Result<Response<pb::Run>, Status> {
-        Err(Status::unimplemented(
-            "Runs.ReconcileStep is not available in this Warden release",
-        ))
+    async fn reconcile_step(&self, _: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {
+        Err(Status::unimplemented("Runs.ReconcileStep is not available in this Warden release"))
     }
 }

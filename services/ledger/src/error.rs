@@ -20,10 +20,7 @@ pub enum LedgerError {
 
 impl LedgerError {
     pub fn invalid(field: &str, reason: impl Into<String>) -> LedgerError {
-        LedgerError::InvalidArgument {
-            field: field.to_string(),
-            reason: reason.into(),
-        }
+        LedgerError::InvalidArgument { field: field.to_string(), reason: reason.into() }
     }
 }
 
@@ -60,9 +57,7 @@ impl From<LedgerError> for Status {
     fn from(e: LedgerError) -> Status {
         match e {
             LedgerError::NotFound(_) => Status::not_found(e.to_string()),
-            LedgerError::InvalidArgument { field, reason } => {
-                warden_grpc::invalid_field(field, reason)
-            }
+            LedgerError::InvalidArgument { field, reason } => warden_grpc::invalid_field(field, reason),
             LedgerError::Fenced { .. } => warden_grpc::fenced(e.to_string()),
             LedgerError::Precondition(_) => Status::failed_precondition(e.to_string()),
             LedgerError::Unavailable(_) => Status::unavailable(e.to_string()),

@@ -43,10 +43,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let service = open(config).await?;
-    tracing::info!(
-        backend = service.store().backend().as_str(),
-        "ledger store ready"
-    );
+    tracing::info!(backend = service.store().backend().as_str(), "ledger store ready");
     let mut routes = Routes::builder();
     add_routes(&mut routes, service);
     warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -13,13 +13,14 @@ use warden_core::events::{self, RunStatus};
 use warden_core::head::Head;
 use warden_core::ids::{check_id, check_step_id};
 use warden_core::receipt::{Receipt, receipt_for};
+use warden_core::run::{RunView, StepStatus};
 use warden_grpc::convert::{event_to_proto, status_to_proto, statuses};
 use warden_grpc::{invalid_field, now_ms};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_server::Ledger;
 
 use crate::error::LedgerError;
-use crate::store::{LedgerStore, NewEvent, NewRun, RunRow};
+use crate::store::{LedgerStore, NewEvent, NewRun, RunRow, SummaryRow};
 
 /// Events read per page when streaming or verifying (bounded memory per request).
 const PAGE: u32 = 1000;
@@ -76,11 +77,7 @@ impl LedgerService {
             max_payload_bytes,
             followers: Default::default(),
             // SQLite has one writer: queueing here is cheaper than its busy-wait sleeps.
-            stripes: Arc::new(
-                (0..if sqlite { 1 } else { STRIPES })
-                    .map(|_| tokio::sync::Mutex::new(()))
-                    .collect(),
-            ),
+            stripes: Arc::new((0..if sqlite { 1 } else { STRIPES }).map(|_| tokio::sync::Mutex::new(())).collect()),
         }
     }
 
@@ -109,9 +106,7 @@ impl LedgerService {
     }
 
     fn stripe(&self, run_id: &str) -> &tokio::sync::Mutex<()> {
-        let h = run_id.bytes().fold(0xcbf29ce484222325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100000001b3)
-        });
+        let h = run_id.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
         &self.stripes[(h % self.stripes.len() as u64) as usize]
     }
 
@@ -119,19 +114,80 @@ impl LedgerService {
         if json.len() > self.max_payload_bytes {
             return Err(invalid_field(
                 field,
-                format!(
-                    "{} bytes is over the maximum of {}",
-                    json.len(),
-                    self.max_payload_bytes
-                ),
+                format!("{} bytes is over the maximum of {}", json.len(), self.max_payload_bytes),
             ));
         }
-        let v: Value = serde_json::from_str(json)
-            .map_err(|e| invalid_field(field, format!("not valid JSON: {e}")))?;
+        let v: Value = serde_json::from_str(json).map_err(|e| invalid_field(field, format!("not valid JSON: {e}")))?;
         if !v.is_object() {
             return Err(invalid_field(field, "must be a JSON object"));
         }
         Ok(v)
+    }
+
+    /// Appends one event for the RPCs: serialized per run, followers notified.
+    #[allow(clippy::too_many_arguments)]
+    async fn append(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        epoch: u64,
+        idempotency_key: &str,
+        event_type: &str,
+        payload: Value,
+        step_id: &str,
+    ) -> Result<(ChainedEvent, bool), LedgerError> {
+        let serial = self.stripe(run_id).lock().await;
+        let appended = self
+            .store
+            .append(NewEvent { tenant, run_id, epoch, idempotency_key, event_type, payload, step_id, now_ms: now_ms() })
+            .await?;
+        drop(serial);
+        if !appended.1 {
+            self.notify(run_id);
+        }
+        Ok(appended)
+    }
+
+    /// Appends a `run_summary` of `summary_type`.
+    async fn summary(
+        &self,
+        base: (&str, &str, u64, &str),
+        summary_type: &str,
+        payload: Value,
+        step_id: &str,
+    ) -> Result<pb::Summary, Status> {
+        let (tenant, run_id, epoch, key) = base;
+        id_field("tenant", tenant)?;
+        id_field("run_id", run_id)?;
+        id_field("idempotency_key", key)?;
+        let ok = !summary_type.is_empty()
+            && summary_type.len() <= 160
+            && summary_type.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'));
+        if !ok {
+            return Err(invalid_field(
+                "summary_type",
+                "must be 1-160 characters of letters, digits, '_', '.', ':' or '-'",
+            ));
+        }
+        if !step_id.is_empty() {
+            check_step_id(step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
+        }
+        let body = json!({"summary_type": summary_type, "payload": payload});
+        let (e, _) = self.append(tenant, run_id, epoch, key, events::RUN_SUMMARY, body, step_id).await?;
+        Ok(summary_to_proto(&e))
+    }
+
+    /// Parses a JSON value of at most `max` bytes.
+    fn parse_value(&self, field: &str, json: &str, max: usize) -> Result<Value, Status> {
+        if json.len() > max {
+            return Err(invalid_field(field, format!("{} bytes is over the maximum of {max}", json.len())));
+        }
+        serde_json::from_str(json).map_err(|e| invalid_field(field, format!("not valid JSON: {e}")))
+    }
+
+    async fn tx_outcome(&self, e: &ChainedEvent, status: &str) -> Result<pb::TxOutcome, Status> {
+        let receipt = self.store.receipts(&e.body.run_id, None).await?.into_iter().find(|r| r.seq == e.body.seq);
+        Ok(pb::TxOutcome { status: status.into(), receipt: receipt.map(receipt_to_proto) })
     }
 
     /// A run visible to `tenant` (any run when `tenant` is empty: internal callers).
@@ -191,34 +247,19 @@ impl LedgerService {
         let (count, head) = (v.verified(), v.head().to_string());
         if count != run.last_seq || head != run.head_hash {
             let reason = if count < run.last_seq {
-                format!(
-                    "run records {} events but only {count} are stored",
-                    run.last_seq
-                )
+                format!("run records {} events but only {count} are stored", run.last_seq)
             } else {
                 "stored events do not end at the run's recorded head".to_string()
             };
             return Ok(invalid(count, count.min(run.last_seq) + 1, reason));
         }
         if let Some(seq) = receipts.keys().min() {
-            return Ok(invalid(
-                count,
-                *seq,
-                "a receipt cites no outcome event".into(),
-            ));
+            return Ok(invalid(count, *seq, "a receipt cites no outcome event".into()));
         }
-        let signed = Head {
-            run_id: run.run_id.clone(),
-            seq: count,
-            hash: head.clone(),
-        };
+        let signed = Head { run_id: run.run_id.clone(), seq: count, hash: head.clone() };
         let signature = hex::decode(&run.head_signature).unwrap_or_default();
         if !signed.verify(&signature, &self.store.verifying_key()) {
-            return Ok(invalid(
-                count,
-                count,
-                "the chain head's signature does not verify".into(),
-            ));
+            return Ok(invalid(count, count, "the chain head's signature does not verify".into()));
         }
         Ok(pb::VerifyRunResponse {
             valid: true,
@@ -234,30 +275,41 @@ impl LedgerService {
 fn check_receipt(e: &ChainedEvent, receipts: &mut HashMap<u64, Receipt>) -> Result<(), ChainBreak> {
     let seq = e.body.seq;
     let stored = receipts.remove(&seq);
-    let expected = receipt_for(
-        e,
-        stored
-            .as_ref()
-            .map(|r| r.capability_id.as_str())
-            .unwrap_or_default(),
-    );
+    let expected = receipt_for(e, stored.as_ref().map(|r| r.capability_id.as_str()).unwrap_or_default());
     match (expected, stored) {
         (None, None) => Ok(()),
         (Some(x), Some(s)) if x == s => Ok(()),
-        (Some(_), None) => Err(ChainBreak {
-            seq,
-            reason: "tool call outcome has no receipt".into(),
-        }),
-        (None, Some(_)) => Err(ChainBreak {
-            seq,
-            reason: "receipt for an event that is no outcome".into(),
-        }),
-        (Some(_), Some(_)) => Err(ChainBreak {
-            seq,
-            reason: "receipt does not match its event".into(),
-        }),
+        (Some(_), None) => Err(ChainBreak { seq, reason: "tool call outcome has no receipt".into() }),
+        (None, Some(_)) => Err(ChainBreak { seq, reason: "receipt for an event that is no outcome".into() }),
+        (Some(_), Some(_)) => Err(ChainBreak { seq, reason: "receipt does not match its event".into() }),
     }
 }
+
+fn summary_to_proto(e: &ChainedEvent) -> pb::Summary {
+    let p = &e.body.payload;
+    pb::Summary {
+        run_id: e.body.run_id.clone(),
+        seq: e.body.seq,
+        summary_type: p.get("summary_type").and_then(Value::as_str).unwrap_or_default().to_string(),
+        payload_json: warden_core::canonical_json(p.get("payload").unwrap_or(&Value::Null)),
+        timestamp_ms: e.body.timestamp_ms,
+        step_id: e.body.step_id.clone(),
+    }
+}
+
+fn row_to_summary(run_id: &str, r: SummaryRow) -> pb::Summary {
+    pb::Summary {
+        run_id: run_id.to_string(),
+        seq: r.seq,
+        summary_type: r.summary_type,
+        payload_json: r.payload_json,
+        timestamp_ms: r.timestamp_ms,
+        step_id: r.step_id,
+    }
+}
+
+/// Largest artifact value accepted.
+pub const MAX_ARTIFACT_BYTES: usize = 256 * 1024;
 
 fn receipt_to_proto(r: Receipt) -> pb::Receipt {
     pb::Receipt {
@@ -281,16 +333,9 @@ fn receipt_to_proto(r: Receipt) -> pb::Receipt {
     }
 }
 
-fn unimplemented(what: &str) -> Status {
-    Status::unimplemented(format!("{what} is not available in this Warden release"))
-}
-
 #[tonic::async_trait]
 impl Ledger for LedgerService {
-    async fn create_run(
-        &self,
-        req: Request<pb::CreateRunRequest>,
-    ) -> Result<Response<pb::CreateRunResponse>, Status> {
+    async fn create_run(&self, req: Request<pb::CreateRunRequest>) -> Result<Response<pb::CreateRunResponse>, Status> {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
@@ -300,17 +345,11 @@ impl Ledger for LedgerService {
             (false, true) => Some(self.parse_payload("plan_json", &r.plan_json)?),
             (true, false) => None,
             _ => {
-                return Err(invalid_field(
-                    "plan_json",
-                    "exactly one of plan_json and goal must be set",
-                ));
+                return Err(invalid_field("plan_json", "exactly one of plan_json and goal must be set"));
             }
         };
         if r.goal.len() > self.max_payload_bytes {
-            return Err(invalid_field(
-                "goal",
-                format!("over the maximum of {} bytes", self.max_payload_bytes),
-            ));
+            return Err(invalid_field("goal", format!("over the maximum of {} bytes", self.max_payload_bytes)));
         }
         pb::CancelPolicy::try_from(r.cancel_policy)
             .map_err(|_| invalid_field("cancel_policy", "unknown cancel policy"))?;
@@ -327,10 +366,7 @@ impl Ledger for LedgerService {
                 now_ms: now_ms(),
             })
             .await?;
-        Ok(Response::new(pb::CreateRunResponse {
-            run: Some(run_to_proto(run)),
-            deduplicated,
-        }))
+        Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated }))
     }
 
     async fn append_event(
@@ -341,52 +377,32 @@ impl Ledger for LedgerService {
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("idempotency_key", &r.idempotency_key)?;
-        if !events::KNOWN.contains(&r.event_type.as_str()) || r.event_type == events::RUN_SUBMITTED
-        {
+        // Run creation, summaries and transactions have their own RPCs, which validate them.
+        let own_rpc = [
+            events::RUN_SUBMITTED,
+            events::RUN_SUMMARY,
+            events::TX_PROPOSED,
+            events::TX_COMMITTED,
+            events::TX_ROLLED_BACK,
+        ];
+        if !events::KNOWN.contains(&r.event_type.as_str()) || own_rpc.contains(&r.event_type.as_str()) {
             return Err(invalid_field(
                 "event_type",
-                format!(
-                    "'{}' is not an event type that can be appended",
-                    r.event_type
-                ),
+                format!("'{}' is not an event type that can be appended", r.event_type),
             ));
         }
         if !r.step_id.is_empty() {
             check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
         }
         let payload = self.parse_payload("payload_json", &r.payload_json)?;
-        let _serial = self.stripe(&r.run_id).lock().await;
-        let (event, deduplicated) = self
-            .store
-            .append(NewEvent {
-                tenant: &r.tenant,
-                run_id: &r.run_id,
-                epoch: r.epoch,
-                idempotency_key: &r.idempotency_key,
-                event_type: &r.event_type,
-                payload,
-                step_id: &r.step_id,
-                now_ms: now_ms(),
-            })
-            .await?;
-        drop(_serial);
-        if !deduplicated {
-            self.notify(&r.run_id);
-        }
-        Ok(Response::new(pb::AppendEventResponse {
-            event: Some(event_to_proto(&event)),
-            deduplicated,
-        }))
+        let (event, deduplicated) =
+            self.append(&r.tenant, &r.run_id, r.epoch, &r.idempotency_key, &r.event_type, payload, &r.step_id).await?;
+        Ok(Response::new(pb::AppendEventResponse { event: Some(event_to_proto(&event)), deduplicated }))
     }
 
-    async fn get_run(
-        &self,
-        req: Request<pb::GetLedgerRunRequest>,
-    ) -> Result<Response<pb::LedgerRun>, Status> {
+    async fn get_run(&self, req: Request<pb::GetLedgerRunRequest>) -> Result<Response<pb::LedgerRun>, Status> {
         let r = req.into_inner();
-        Ok(Response::new(run_to_proto(
-            self.visible_run(&r.tenant, &r.run_id).await?,
-        )))
+        Ok(Response::new(run_to_proto(self.visible_run(&r.tenant, &r.run_id).await?)))
     }
 
     async fn list_runs(
@@ -404,10 +420,7 @@ impl Ledger for LedgerService {
             n if n > 1000 => return Err(invalid_field("page_size", "must be at most 1000")),
             n => n,
         };
-        let runs = self
-            .store
-            .list_runs(tenant, &wanted, &r.page_token, size)
-            .await?;
+        let runs = self.store.list_runs(tenant, &wanted, &r.page_token, size).await?;
         let next_page_token = if runs.len() == size as usize {
             runs.last().map(|r| r.run_id.clone()).unwrap_or_default()
         } else {
@@ -490,19 +503,13 @@ impl Ledger for LedgerService {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn verify_run(
-        &self,
-        req: Request<pb::VerifyRunRequest>,
-    ) -> Result<Response<pb::VerifyRunResponse>, Status> {
+    async fn verify_run(&self, req: Request<pb::VerifyRunRequest>) -> Result<Response<pb::VerifyRunResponse>, Status> {
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         Ok(Response::new(self.verify(&run).await?))
     }
 
-    async fn get_schema_info(
-        &self,
-        _: Request<pb::GetSchemaInfoRequest>,
-    ) -> Result<Response<pb::SchemaInfo>, Status> {
+    async fn get_schema_info(&self, _: Request<pb::GetSchemaInfoRequest>) -> Result<Response<pb::SchemaInfo>, Status> {
         Ok(Response::new(pb::SchemaInfo {
             backend: self.store.backend().as_str().into(),
             schema_version: crate::store::SCHEMA_VERSION.into(),
@@ -522,9 +529,7 @@ impl Ledger for LedgerService {
             Some(r.step_id.as_str())
         };
         let receipts = self.store.receipts(&run.run_id, step).await?;
-        Ok(Response::new(pb::ListReceiptsResponse {
-            receipts: receipts.into_iter().map(receipt_to_proto).collect(),
-        }))
+        Ok(Response::new(pb::ListReceiptsResponse { receipts: receipts.into_iter().map(receipt_to_proto).collect() }))
     }
 
     async fn get_signed_head(
@@ -543,24 +548,231 @@ impl Ledger for LedgerService {
         }))
     }
 
+    async fn get_run_progress(
+        &self,
+        req: Request<pb::GetRunProgressRequest>,
+    ) -> Result<Response<pb::RunProgress>, Status> {
+        let r = req.into_inner();
+        let run = self.visible_run(&r.tenant, &r.run_id).await?;
+        let mut view = RunView::default();
+        let mut completed = Vec::new();
+        let mut since = 0;
+        loop {
+            let page = self.store.events(&run.run_id, since, PAGE).await?;
+            for e in &page {
+                view.apply(e.body.seq, &e.body.event_type, &e.body.step_id, &e.body.payload);
+                if e.body.event_type == events::TOOL_COMPLETED {
+                    completed.push(e.body.step_id.clone());
+                }
+                since = e.body.seq;
+            }
+            if page.len() < PAGE as usize {
+                break;
+            }
+        }
+        // Explicit `task_progress` summaries win over what the steps say (Artana).
+        let progress = self.store.summaries(&run.run_id, Some("task_progress"), None, 1).await?;
+        let latest: Option<Value> = progress.first().and_then(|s| serde_json::from_str(&s.payload_json).ok());
+        let total = view.steps.len();
+        let percent = match (&latest, run.status.is_terminal()) {
+            (Some(p), _) if p.get("percent").is_some() => p["percent"].as_u64().unwrap_or(0).min(100) as u32,
+            (_, true) => 100,
+            _ if total == 0 => 0,
+            _ => (completed.len() * 100 / total) as u32,
+        };
+        let current_stage = latest
+            .as_ref()
+            .and_then(|p| p.get("stage").and_then(Value::as_str).map(str::to_string))
+            .or_else(|| view.steps.iter().find(|s| s.status == StepStatus::Running).map(|s| s.id.clone()))
+            .unwrap_or_default();
+        Ok(Response::new(pb::RunProgress {
+            run_id: run.run_id,
+            status: status_to_proto(run.status) as i32,
+            percent,
+            current_stage,
+            completed_stages: completed,
+        }))
+    }
+
+    async fn put_summary(&self, req: Request<pb::PutSummaryRequest>) -> Result<Response<pb::Summary>, Status> {
+        let r = req.into_inner();
+        let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
+        let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
+        Ok(Response::new(self.summary(base, &r.summary_type, payload, &r.step_id).await?))
+    }
+
+    async fn put_checkpoint(&self, req: Request<pb::PutCheckpointRequest>) -> Result<Response<pb::Summary>, Status> {
+        let r = req.into_inner();
+        id_field("name", &r.name)?;
+        let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
+        let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
+        let kind = format!("{}{}", events::CHECKPOINT_PREFIX, r.name);
+        Ok(Response::new(self.summary(base, &kind, payload, "").await?))
+    }
+
+    async fn put_artifact(&self, req: Request<pb::PutArtifactRequest>) -> Result<Response<pb::Summary>, Status> {
+        let r = req.into_inner();
+        id_field("key", &r.key)?;
+        let value = self.parse_value("value_json", &r.value_json, MAX_ARTIFACT_BYTES.min(self.max_payload_bytes))?;
+        let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
+        let kind = format!("{}{}", events::ARTIFACT_PREFIX, r.key);
+        Ok(Response::new(self.summary(base, &kind, json!({"value": value}), "").await?))
+    }
+
+    async fn list_summaries(
+        &self,
+        req: Request<pb::ListSummariesRequest>,
+    ) -> Result<Response<pb::ListSummariesResponse>, Status> {
+        let r = req.into_inner();
+        let run = self.visible_run(&r.tenant, &r.run_id).await?;
+        let limit = match r.limit {
+            0 => 100,
+            n if n > 1000 => return Err(invalid_field("limit", "must be at most 1000")),
+            n => n,
+        };
+        let kind = (!r.summary_type.is_empty()).then_some(r.summary_type.as_str());
+        let rows = self.store.summaries(&run.run_id, kind, None, limit).await?;
+        Ok(Response::new(pb::ListSummariesResponse {
+            summaries: rows.into_iter().map(|s| row_to_summary(&run.run_id, s)).collect(),
+        }))
+    }
+
+    async fn list_artifacts(
+        &self,
+        req: Request<pb::ListArtifactsRequest>,
+    ) -> Result<Response<pb::ListArtifactsResponse>, Status> {
+        let r = req.into_inner();
+        let run = self.visible_run(&r.tenant, &r.run_id).await?;
+        if r.history && r.key.is_empty() {
+            return Err(invalid_field("key", "history needs the artifact key"));
+        }
+        let rows = if r.key.is_empty() {
+            self.store.summaries(&run.run_id, None, Some(events::ARTIFACT_PREFIX), u32::MAX).await?
+        } else {
+            id_field("key", &r.key)?;
+            let kind = format!("{}{}", events::ARTIFACT_PREFIX, r.key);
+            self.store.summaries(&run.run_id, Some(&kind), None, if r.history { u32::MAX } else { 1 }).await?
+        };
+        let mut seen = std::collections::HashSet::new();
+        let mut artifacts: Vec<pb::Artifact> = rows
+            .into_iter()
+            .filter(|s| r.history || seen.insert(s.summary_type.clone()))
+            .map(|s| {
+                let value = serde_json::from_str::<Value>(&s.payload_json)
+                    .ok()
+                    .and_then(|p| p.get("value").cloned())
+                    .unwrap_or(Value::Null);
+                pb::Artifact {
+                    key: s.summary_type.trim_start_matches(events::ARTIFACT_PREFIX).to_string(),
+                    value_json: warden_core::canonical_json(&value),
+                    seq: s.seq,
+                    timestamp_ms: s.timestamp_ms,
+                }
+            })
+            .collect();
+        // Newest first from the store; history reads oldest first, snapshots by key.
+        if r.history {
+            artifacts.reverse();
+        } else {
+            artifacts.sort_by(|a, b| a.key.cmp(&b.key));
+        }
+        Ok(Response::new(pb::ListArtifactsResponse { artifacts }))
+    }
+
     async fn propose_state_delta(
         &self,
-        _: Request<pb::ProposeStateDeltaRequest>,
+        req: Request<pb::ProposeStateDeltaRequest>,
     ) -> Result<Response<pb::ProposeStateDeltaResponse>, Status> {
-        Err(unimplemented("Ledger.ProposeStateDelta"))
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        id_field("tx_id", &r.tx_id)?;
+        let delta = self.parse_value("delta_json", &r.delta_json, self.max_payload_bytes)?;
+        check_delta(&delta)?;
+        let provenance = if r.provenance_json.is_empty() {
+            Value::Null
+        } else {
+            self.parse_value("provenance_json", &r.provenance_json, self.max_payload_bytes)?
+        };
+        let body = json!({"tx_id": r.tx_id, "delta": delta, "provenance": provenance});
+        // Retrying the same proposal is idempotent; a different one stages another delta.
+        let key =
+            format!("tx:{}:proposed:{}", r.tx_id, &warden_core::sha256_hex(warden_core::canonical_json(&body))[..16]);
+        let (e, _) = self.append(&r.tenant, &r.run_id, r.epoch, &key, events::TX_PROPOSED, body, "").await?;
+        Ok(Response::new(pb::ProposeStateDeltaResponse { proposal_id: format!("{}#{}", r.tx_id, e.body.seq) }))
     }
 
-    async fn commit_tx(
-        &self,
-        _: Request<pb::CommitTxRequest>,
-    ) -> Result<Response<pb::TxOutcome>, Status> {
-        Err(unimplemented("Ledger.CommitTx"))
+    async fn commit_tx(&self, req: Request<pb::CommitTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        id_field("tx_id", &r.tx_id)?;
+        id_field("decision_id", &r.decision_id)?;
+        let body = json!({"tx_id": r.tx_id, "decision_id": r.decision_id});
+        let key = format!("tx:{}:commit", r.tx_id);
+        let (e, _) = self.append(&r.tenant, &r.run_id, r.epoch, &key, events::TX_COMMITTED, body, "").await?;
+        Ok(Response::new(self.tx_outcome(&e, "committed").await?))
     }
 
-    async fn rollback_tx(
-        &self,
-        _: Request<pb::RollbackTxRequest>,
-    ) -> Result<Response<pb::TxOutcome>, Status> {
-        Err(unimplemented("Ledger.RollbackTx"))
+    async fn rollback_tx(&self, req: Request<pb::RollbackTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        id_field("tx_id", &r.tx_id)?;
+        if r.reason.is_empty() || r.reason.len() > 4096 {
+            return Err(invalid_field("reason", "say why, in at most 4096 bytes"));
+        }
+        let body = json!({"tx_id": r.tx_id, "reason": r.reason});
+        let key = format!("tx:{}:rollback", r.tx_id);
+        let (e, _) = self.append(&r.tenant, &r.run_id, r.epoch, &key, events::TX_ROLLED_BACK, body, "").await?;
+        Ok(Response::new(self.tx_outcome(&e, "rolled_back").await?))
     }
+
+    async fn get_state(&self, req: Request<pb::GetStateRequest>) -> Result<Response<pb::StateEntry>, Status> {
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        if r.key.is_empty() || r.key.len() > 512 {
+            return Err(invalid_field("key", "must be 1-512 bytes"));
+        }
+        let entry = match self.store.state(&r.tenant, &r.key).await? {
+            Some((value_json, version, tx_id)) => {
+                pb::StateEntry { key: r.key, found: true, value_json, version, tx_id }
+            }
+            None => {
+                pb::StateEntry { key: r.key, found: false, value_json: String::new(), version: 0, tx_id: String::new() }
+            }
+        };
+        Ok(Response::new(entry))
+    }
+}
+
+/// A delta is an object of `set` (object), `delete` (array of strings) and `expect`
+/// (object of non-negative integer versions); nothing else.
+fn check_delta(d: &Value) -> Result<(), Status> {
+    let obj = d.as_object().ok_or_else(|| invalid_field("delta_json", "must be a JSON object"))?;
+    for (k, v) in obj {
+        let ok = match k.as_str() {
+            "set" => v.is_object(),
+            "delete" => v.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
+            "expect" => v.as_object().is_some_and(|m| m.values().all(|x| x.as_u64().is_some())),
+            _ => return Err(invalid_field(format!("delta_json.{k}"), "unknown field (set, delete, expect)")),
+        };
+        if !ok {
+            return Err(invalid_field(format!("delta_json.{k}"), "has the wrong shape"));
+        }
+    }
+    let keys =
+        obj.get("set").and_then(Value::as_object).map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+    let deletes = obj
+        .get("delete")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_string).collect::<Vec<_>>())
+        .unwrap_or_default();
+    if keys.is_empty() && deletes.is_empty() {
+        return Err(invalid_field("delta_json", "changes nothing (no set, no delete)"));
+    }
+    if let Some(k) = keys.iter().chain(deletes.iter()).find(|k| k.is_empty() || k.len() > 512) {
+        return Err(invalid_field("delta_json", format!("state key '{k}' must be 1-512 bytes")));
+    }
+    Ok(())
 }

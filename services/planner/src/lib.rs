@@ -27,10 +27,7 @@ pub struct PlannerService {
 
 impl PlannerService {
     pub fn new(config: &PlannerConfig) -> anyhow::Result<PlannerService> {
-        Ok(PlannerService {
-            max_steps: config.max_steps,
-            catalog: ToolCatalog::new(&config.tool_hosts)?,
-        })
+        Ok(PlannerService { max_steps: config.max_steps, catalog: ToolCatalog::new(&config.tool_hosts)? })
     }
 
     /// Parses and validates plan JSON; returns the plan and its canonical JSON.
@@ -38,20 +35,14 @@ impl PlannerService {
         if plan_json.len() > MAX_PLAN_BYTES {
             return Err(invalid_field(
                 "plan_json",
-                format!(
-                    "{} bytes is over the maximum of {MAX_PLAN_BYTES}",
-                    plan_json.len()
-                ),
+                format!("{} bytes is over the maximum of {MAX_PLAN_BYTES}", plan_json.len()),
             ));
         }
         let plan = Plan::parse(plan_json).map_err(|e| invalid_field(e.field(), e.to_string()))?;
         let catalog = self.catalog.tools().await?;
         let known = |t: &str| catalog.contains_key(t);
-        plan.validate(&PlanLimits {
-            max_steps: self.max_steps,
-            known_tool: &known,
-        })
-        .map_err(|e| invalid_field(e.field(), e.to_string()))?;
+        plan.validate(&PlanLimits { max_steps: self.max_steps, known_tool: &known })
+            .map_err(|e| invalid_field(e.field(), e.to_string()))?;
         let canonical = warden_core::canonical_json(&plan);
         Ok((plan, canonical))
     }
@@ -66,25 +57,16 @@ impl Planner for PlannerService {
         let r = req.into_inner();
         check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
         let (plan, plan_json) = self.validate(&r.plan_json).await?;
-        Ok(Response::new(pb::ValidatePlanResponse {
-            plan_json,
-            step_count: plan.steps.len() as u32,
-        }))
+        Ok(Response::new(pb::ValidatePlanResponse { plan_json, step_count: plan.steps.len() as u32 }))
     }
 
-    async fn create_plan(
-        &self,
-        _: Request<pb::CreatePlanRequest>,
-    ) -> Result<Response<pb::CreatePlanResponse>, Status> {
+    async fn create_plan(&self, _: Request<pb::CreatePlanRequest>) -> Result<Response<pb::CreatePlanResponse>, Status> {
         Err(Status::unimplemented(
             "Planner.CreatePlan (model-backed planning from a goal) is not available in this Warden release; submit an explicit plan",
         ))
     }
 
-    async fn list_tools(
-        &self,
-        _: Request<pb::ListToolsRequest>,
-    ) -> Result<Response<pb::ListToolsResponse>, Status> {
+    async fn list_tools(&self, _: Request<pb::ListToolsRequest>) -> Result<Response<pb::ListToolsResponse>, Status> {
         let catalog = self.catalog.tools().await?;
         let mut tools: Vec<pb::ToolSpec> = catalog.values().map(|e| e.spec.clone()).collect();
         tools.sort_by(|a, b| a.name.cmp(&b.name));

@@ -30,11 +30,7 @@ pub fn add_routes(routes: &mut RoutesBuilder, service: PolicyService) {
         .add_service(ApprovalsServer::new(server::ApprovalsService));
 }
 
-pub const SERVICES: &[&str] = &[
-    "warden.v1.Policy",
-    "warden.v1.Capabilities",
-    "warden.v1.Approvals",
-];
+pub const SERVICES: &[&str] = &["warden.v1.Policy", "warden.v1.Capabilities", "warden.v1.Approvals"];
 
 pub async fn serve(
     config: &PolicyConfig,

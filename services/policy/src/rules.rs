@@ -35,10 +35,7 @@ fn matches(pattern: &str, tool: &str) -> bool {
 
 /// Decides whether `tenant` may call `tool`.
 pub fn decide(config: &PolicyConfig, tenant: &str, tool: &str) -> RuleDecision {
-    let allowed = config
-        .tenants
-        .get(tenant)
-        .and_then(|t| t.allow_tools.iter().find(|p| matches(p, tool)));
+    let allowed = config.tenants.get(tenant).and_then(|t| t.allow_tools.iter().find(|p| matches(p, tool)));
     let enforced = match allowed {
         Some(pattern) => RuleDecision {
             verdict: Verdict::Allow,
@@ -55,10 +52,7 @@ pub fn decide(config: &PolicyConfig, tenant: &str, tool: &str) -> RuleDecision {
         (PolicyMode::Permissive, Verdict::Deny) => RuleDecision {
             verdict: Verdict::Allow,
             rule_id: "permissive_mode".into(),
-            reason: format!(
-                "permissive mode; enforced mode would deny: {}",
-                enforced.reason
-            ),
+            reason: format!("permissive mode; enforced mode would deny: {}", enforced.reason),
         },
         _ => enforced,
     }
@@ -70,16 +64,8 @@ mod tests {
     use warden_config::TenantPolicy;
 
     fn config(mode: PolicyMode) -> PolicyConfig {
-        let mut c = PolicyConfig {
-            mode,
-            ..PolicyConfig::default()
-        };
-        c.tenants.insert(
-            "acme".into(),
-            TenantPolicy {
-                allow_tools: vec!["echo".into(), "kv.*".into()],
-            },
-        );
+        let mut c = PolicyConfig { mode, ..PolicyConfig::default() };
+        c.tenants.insert("acme".into(), TenantPolicy { allow_tools: vec!["echo".into(), "kv.*".into()] });
         c
     }
 
@@ -89,10 +75,7 @@ mod tests {
         assert_eq!(decide(&c, "acme", "echo").verdict, Verdict::Allow);
         assert_eq!(decide(&c, "acme", "kv.put").verdict, Verdict::Allow);
         let d = decide(&c, "acme", "email.send");
-        assert_eq!(
-            (d.verdict, d.rule_id.as_str()),
-            (Verdict::Deny, "default_deny")
-        );
+        assert_eq!((d.verdict, d.rule_id.as_str()), (Verdict::Deny, "default_deny"));
         assert_eq!(decide(&c, "other", "echo").verdict, Verdict::Deny);
         assert_eq!(decide(&c, "acme", "echo2").verdict, Verdict::Deny);
     }
@@ -100,10 +83,7 @@ mod tests {
     #[test]
     fn permissive_mode_allows_and_says_so() {
         let d = decide(&config(PolicyMode::Permissive), "other", "echo");
-        assert_eq!(
-            (d.verdict, d.rule_id.as_str()),
-            (Verdict::Allow, "permissive_mode")
-        );
+        assert_eq!((d.verdict, d.rule_id.as_str()), (Verdict::Allow, "permissive_mode"));
         assert!(d.reason.contains("would deny"));
     }
 }

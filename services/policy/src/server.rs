@@ -35,11 +35,7 @@ struct Checked {
     args_sha256: String,
 }
 
-fn id_field(
-    field: &str,
-    v: &str,
-    check: fn(&str) -> Result<(), warden_core::ids::IdError>,
-) -> Result<(), Status> {
+fn id_field(field: &str, v: &str, check: fn(&str) -> Result<(), warden_core::ids::IdError>) -> Result<(), Status> {
     check(v).map_err(|e| invalid_field(field, e.to_string()))
 }
 
@@ -59,20 +55,15 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     if r.args_json.len() > MAX_ARGS_BYTES {
         return Err(invalid_field(
             "args_json",
-            format!(
-                "{} bytes is over the maximum of {MAX_ARGS_BYTES}",
-                r.args_json.len()
-            ),
+            format!("{} bytes is over the maximum of {MAX_ARGS_BYTES}", r.args_json.len()),
         ));
     }
-    let args: Value = serde_json::from_str(&r.args_json)
-        .map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
+    let args: Value =
+        serde_json::from_str(&r.args_json).map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
     if !args.is_object() {
         return Err(invalid_field("args_json", "must be a JSON object"));
     }
-    Ok(Checked {
-        args_sha256: args_digest(&args),
-    })
+    Ok(Checked { args_sha256: args_digest(&args) })
 }
 
 /// Same request, same decision id: a retried `Authorize` records nothing twice.
@@ -91,11 +82,8 @@ fn decision_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
 
 impl PolicyService {
     pub fn new(config: PolicyConfig, key: SigningKey, ledger: Channel) -> PolicyService {
-        let published = vec![PublishedKey {
-            key_id: key_id(&key.verifying_key()),
-            key: key.verifying_key(),
-            current: true,
-        }];
+        let published =
+            vec![PublishedKey { key_id: key_id(&key.verifying_key()), key: key.verifying_key(), current: true }];
         PolicyService {
             config: Arc::new(config),
             key: Arc::new(key),
@@ -131,10 +119,7 @@ fn unimplemented(what: &str) -> Status {
 
 #[tonic::async_trait]
 impl pb::policy_server::Policy for PolicyService {
-    async fn authorize(
-        &self,
-        req: Request<pb::AuthorizeRequest>,
-    ) -> Result<Response<pb::AuthorizeResponse>, Status> {
+    async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
         let r = req.into_inner();
         let checked = validate(&r)?;
         let rule = rules::decide(&self.config, &r.tenant, &r.tool);
@@ -181,9 +166,7 @@ impl pb::policy_server::Policy for PolicyService {
                 )),
             })?
             .into_inner();
-        let event = appended
-            .event
-            .ok_or_else(|| Status::internal("ledger returned no event"))?;
+        let event = appended.event.ok_or_else(|| Status::internal("ledger returned no event"))?;
         // The ledger returned an event with exactly this content (a retry gets the first
         // one back; different content under this id is refused by the ledger), so the fresh
         // evaluation above is what is recorded and what gets signed.
@@ -215,10 +198,7 @@ impl pb::policy_server::Policy for PolicyService {
                 key_id: signed.key_id,
             }
         });
-        Ok(Response::new(pb::AuthorizeResponse {
-            decision: Some(decision),
-            authorization,
-        }))
+        Ok(Response::new(pb::AuthorizeResponse { decision: Some(decision), authorization }))
     }
 
     async fn get_verification_keys(
@@ -237,17 +217,11 @@ impl pb::policy_server::Policy for PolicyService {
         Ok(Response::new(pb::GetVerificationKeysResponse { keys }))
     }
 
-    async fn record_cost(
-        &self,
-        _: Request<pb::RecordCostRequest>,
-    ) -> Result<Response<pb::RecordCostResponse>, Status> {
+    async fn record_cost(&self, _: Request<pb::RecordCostRequest>) -> Result<Response<pb::RecordCostResponse>, Status> {
         Err(unimplemented("Policy.RecordCost"))
     }
 
-    async fn check(
-        &self,
-        req: Request<pb::AuthorizeRequest>,
-    ) -> Result<Response<pb::Decision>, Status> {
+    async fn check(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::Decision>, Status> {
         let r = req.into_inner();
         let checked = validate(&r)?;
         let rule = rules::decide(&self.config, &r.tenant, &r.tool);
@@ -261,22 +235,13 @@ pub struct CapabilitiesService;
 
 #[tonic::async_trait]
 impl pb::capabilities_server::Capabilities for CapabilitiesService {
-    async fn issue(
-        &self,
-        _: Request<pb::IssueCapabilityRequest>,
-    ) -> Result<Response<pb::Capability>, Status> {
+    async fn issue(&self, _: Request<pb::IssueCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
         Err(unimplemented("Capabilities.Issue"))
     }
-    async fn revoke(
-        &self,
-        _: Request<pb::RevokeCapabilityRequest>,
-    ) -> Result<Response<pb::Capability>, Status> {
+    async fn revoke(&self, _: Request<pb::RevokeCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
         Err(unimplemented("Capabilities.Revoke"))
     }
-    async fn get(
-        &self,
-        _: Request<pb::GetCapabilityRequest>,
-    ) -> Result<Response<pb::Capability>, Status> {
+    async fn get(&self, _: Request<pb::GetCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
         Err(unimplemented("Capabilities.Get"))
     }
     async fn list(
@@ -293,35 +258,20 @@ pub struct ApprovalsService;
 
 #[tonic::async_trait]
 impl pb::approvals_server::Approvals for ApprovalsService {
-    async fn list(
-        &self,
-        _: Request<pb::ListApprovalsRequest>,
-    ) -> Result<Response<pb::ListApprovalsResponse>, Status> {
+    async fn list(&self, _: Request<pb::ListApprovalsRequest>) -> Result<Response<pb::ListApprovalsResponse>, Status> {
         Err(unimplemented("Approvals.List"))
     }
-    async fn get(
-        &self,
-        _: Request<pb::GetApprovalRequest>,
-    ) -> Result<Response<pb::Approval>, Status> {
+    async fn get(&self, _: Request<pb::GetApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
         Err(unimplemented("Approvals.Get"))
     }
-    async fn approve(
-        &self,
-        _: Request<pb::ResolveApprovalRequest>,
-    ) -> Result<Response<pb::Approval>, Status> {
+    async fn approve(&self, _: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
         Err(unimplemented("Approvals.Approve"))
     }
-    async fn deny(
-        &self,
-        _: Request<pb::ResolveApprovalRequest>,
-    ) -> Result<Response<pb::Approval>, Status> {
+    async fn deny(&self, _: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
         Err(unimplemented("Approvals.Deny"))
     }
     type WatchStream = tokio_stream::Empty<Result<pb::Approval, Status>>;
-    async fn watch(
-        &self,
-        _: Request<pb::WatchApprovalsRequest>,
-    ) -> Result<Response<Self::WatchStream>, Status> {
+    async fn watch(&self, _: Request<pb::WatchApprovalsRequest>) -> Result<Response<Self::WatchStream>, Status> {
         Err(unimplemented("Approvals.Watch"))
     }
 }

@@ -57,22 +57,13 @@ impl ToolHostService {
     }
 
     fn key(&self, id: &str) -> Option<VerifyingKey> {
-        self.keys
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-            .copied()
+        self.keys.read().unwrap_or_else(|p| p.into_inner()).get(id).copied()
     }
 
     /// Fetches the policy's verification keys (on start and when an unknown key id shows up).
     pub async fn refresh_keys(&self) -> Result<(), Status> {
-        let keys = self
-            .policy
-            .clone()
-            .get_verification_keys(pb::GetVerificationKeysRequest {})
-            .await?
-            .into_inner()
-            .keys;
+        let keys =
+            self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner().keys;
         let mut map = self.keys.write().unwrap_or_else(|p| p.into_inner());
         for k in keys {
             if let Ok(bytes) = <[u8; 32]>::try_from(k.public_key.as_slice())
@@ -103,33 +94,18 @@ impl ToolHostService {
 
 #[tonic::async_trait]
 impl ToolHost for ToolHostService {
-    async fn list_tools(
-        &self,
-        _: Request<pb::ListToolsRequest>,
-    ) -> Result<Response<pb::ListToolsResponse>, Status> {
-        Ok(Response::new(pb::ListToolsResponse {
-            tools: tools::specs(),
-        }))
+    async fn list_tools(&self, _: Request<pb::ListToolsRequest>) -> Result<Response<pb::ListToolsResponse>, Status> {
+        Ok(Response::new(pb::ListToolsResponse { tools: tools::specs() }))
     }
 
-    async fn invoke(
-        &self,
-        req: Request<pb::InvokeRequest>,
-    ) -> Result<Response<pb::InvokeResponse>, Status> {
+    async fn invoke(&self, req: Request<pb::InvokeRequest>) -> Result<Response<pb::InvokeResponse>, Status> {
         let r = req.into_inner();
-        for (field, v) in [
-            ("tenant", &r.tenant),
-            ("run_id", &r.run_id),
-            ("idempotency_key", &r.idempotency_key),
-        ] {
+        for (field, v) in [("tenant", &r.tenant), ("run_id", &r.run_id), ("idempotency_key", &r.idempotency_key)] {
             check_id(v).map_err(|e| invalid_field(field, e.to_string()))?;
         }
         check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
         let Some(tool) = tools::find(&r.tool) else {
-            return Err(Status::not_found(format!(
-                "tool '{}' is not hosted here",
-                r.tool
-            )));
+            return Err(Status::not_found(format!("tool '{}' is not hosted here", r.tool)));
         };
         let args: Value = serde_json::from_str(&r.args_json)
             .map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
@@ -142,11 +118,7 @@ impl ToolHost for ToolHostService {
                 signature: a.signature.clone(),
                 key_id: a.key_id.clone(),
             })
-            .unwrap_or(SignedClaims {
-                claims_json: vec![],
-                signature: vec![],
-                key_id: String::new(),
-            });
+            .unwrap_or(SignedClaims { claims_json: vec![], signature: vec![], key_id: String::new() });
         if !signed.key_id.is_empty() && self.key(&signed.key_id).is_none() {
             // Possibly a rotated key: ask the policy once. Failure leaves the key unknown.
             let _ = self.refresh_keys().await;
@@ -169,19 +141,13 @@ impl ToolHost for ToolHostService {
         let first = slot
             .get_or_init(|| async {
                 ran = true;
-                let ctx = tools::CallContext {
-                    run_id: &r.run_id,
-                    step_id: &r.step_id,
-                    idempotency_key: &r.idempotency_key,
-                };
+                let ctx =
+                    tools::CallContext { run_id: &r.run_id, step_id: &r.step_id, idempotency_key: &r.idempotency_key };
                 let outcome = match tool.run(&self.state, &args, &ctx).await {
                     Ok(out) => pb::invoke_response::Outcome::OutputJson(out.to_string()),
                     Err(e) => pb::invoke_response::Outcome::Error(e),
                 };
-                pb::InvokeResponse {
-                    outcome: Some(outcome),
-                    replayed: false,
-                }
+                pb::InvokeResponse { outcome: Some(outcome), replayed: false }
             })
             .await;
         let mut resp = first.clone();

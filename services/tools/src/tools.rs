@@ -15,11 +15,7 @@ pub struct ToolState {
 
 impl ToolState {
     pub fn new(outbox: &str) -> ToolState {
-        ToolState {
-            kv: Mutex::default(),
-            outbox: outbox.into(),
-            outbox_lock: Mutex::default(),
-        }
+        ToolState { kv: Mutex::default(), outbox: outbox.into(), outbox_lock: Mutex::default() }
     }
 }
 
@@ -40,35 +36,19 @@ pub enum Tool {
     Sleep,
 }
 
-const ALL: [Tool; 7] = [
-    Tool::Echo,
-    Tool::Upper,
-    Tool::KvPut,
-    Tool::KvGet,
-    Tool::EmailSend,
-    Tool::Fail,
-    Tool::Sleep,
-];
+const ALL: [Tool; 7] = [Tool::Echo, Tool::Upper, Tool::KvPut, Tool::KvGet, Tool::EmailSend, Tool::Fail, Tool::Sleep];
 
 /// Longest `sleep` the demo host accepts.
 const MAX_SLEEP_MS: u64 = 60_000;
 
 fn tool_error(code: &str, message: impl Into<String>, retryable: bool) -> pb::ToolError {
-    pb::ToolError {
-        code: code.into(),
-        message: message.into(),
-        retryable,
-    }
+    pb::ToolError { code: code.into(), message: message.into(), retryable }
 }
 
 fn string_arg<'a>(args: &'a Value, name: &str) -> Result<&'a str, pb::ToolError> {
-    args.get(name).and_then(Value::as_str).ok_or_else(|| {
-        tool_error(
-            "invalid_arguments",
-            format!("'{name}' must be a string"),
-            false,
-        )
-    })
+    args.get(name)
+        .and_then(Value::as_str)
+        .ok_or_else(|| tool_error("invalid_arguments", format!("'{name}' must be a string"), false))
 }
 
 impl Tool {
@@ -86,12 +66,7 @@ impl Tool {
 
     fn spec(self) -> pb::ToolSpec {
         let (description, schema, read_only, consequential) = match self {
-            Tool::Echo => (
-                "returns its arguments",
-                json!({"type": "object"}),
-                true,
-                false,
-            ),
+            Tool::Echo => ("returns its arguments", json!({"type": "object"}), true, false),
             Tool::Upper => (
                 "upper-cases `text`",
                 json!({"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}),
@@ -117,12 +92,7 @@ impl Tool {
                 false,
                 true,
             ),
-            Tool::Fail => (
-                "always fails with `message`",
-                json!({"type": "object"}),
-                true,
-                false,
-            ),
+            Tool::Fail => ("always fails with `message`", json!({"type": "object"}), true, false),
             Tool::Sleep => (
                 "waits `ms` milliseconds (at most 60000), then returns them",
                 json!({"type": "object", "required": ["ms"], "properties": {"ms": {"type": "integer", "minimum": 0, "maximum": MAX_SLEEP_MS}}}),
@@ -144,12 +114,7 @@ impl Tool {
         }
     }
 
-    pub async fn run(
-        self,
-        state: &ToolState,
-        args: &Value,
-        ctx: &CallContext<'_>,
-    ) -> Result<Value, pb::ToolError> {
+    pub async fn run(self, state: &ToolState, args: &Value, ctx: &CallContext<'_>) -> Result<Value, pb::ToolError> {
         match self {
             Tool::Echo => Ok(args.clone()),
             Tool::Upper => Ok(json!({"text": string_arg(args, "text")?.to_uppercase()})),
@@ -159,33 +124,18 @@ impl Tool {
                     .get("value")
                     .cloned()
                     .ok_or_else(|| tool_error("invalid_arguments", "'value' is required", false))?;
-                let previous = state
-                    .kv
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(key.to_string(), value);
+                let previous = state.kv.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_string(), value);
                 Ok(json!({"key": key, "previous": previous}))
             }
             Tool::KvGet => {
                 let key = string_arg(args, "key")?;
-                let value = state
-                    .kv
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(key)
-                    .cloned();
+                let value = state.kv.lock().unwrap_or_else(|p| p.into_inner()).get(key).cloned();
                 Ok(json!({"key": key, "found": value.is_some(), "value": value}))
             }
             Tool::EmailSend => {
-                let (to, subject, body) = (
-                    string_arg(args, "to")?,
-                    string_arg(args, "subject")?,
-                    string_arg(args, "body")?,
-                );
-                let message_id = format!(
-                    "msg-{}",
-                    &warden_core::sha256_hex(ctx.idempotency_key)[..16]
-                );
+                let (to, subject, body) =
+                    (string_arg(args, "to")?, string_arg(args, "subject")?, string_arg(args, "body")?);
+                let message_id = format!("msg-{}", &warden_core::sha256_hex(ctx.idempotency_key)[..16]);
                 let line = json!({"message_id": message_id, "to": to, "subject": subject, "body": body,
                     "run_id": ctx.run_id, "step_id": ctx.step_id, "idempotency_key": ctx.idempotency_key});
                 let _guard = state.outbox_lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -194,25 +144,16 @@ impl Tool {
                 Ok(json!({"message_id": message_id, "to": to}))
             }
             Tool::Sleep => {
-                let ms = args
-                    .get("ms")
-                    .and_then(Value::as_u64)
-                    .filter(|ms| *ms <= MAX_SLEEP_MS);
+                let ms = args.get("ms").and_then(Value::as_u64).filter(|ms| *ms <= MAX_SLEEP_MS);
                 let ms = ms.ok_or_else(|| {
-                    tool_error(
-                        "invalid_arguments",
-                        format!("'ms' must be an integer from 0 to {MAX_SLEEP_MS}"),
-                        false,
-                    )
+                    tool_error("invalid_arguments", format!("'ms' must be an integer from 0 to {MAX_SLEEP_MS}"), false)
                 })?;
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
                 Ok(json!({"slept_ms": ms}))
             }
             Tool::Fail => Err(tool_error(
                 "requested_failure",
-                args.get("message")
-                    .and_then(Value::as_str)
-                    .unwrap_or("failed as asked"),
+                args.get("message").and_then(Value::as_str).unwrap_or("failed as asked"),
                 false,
             )),
         }
@@ -223,10 +164,7 @@ fn append_line(path: &std::path::Path, line: &str) -> std::io::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
     writeln!(f, "{line}")?;
     f.sync_data()
 }

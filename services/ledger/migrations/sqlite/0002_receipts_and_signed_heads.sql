@@ -9,7 +9,9 @@ CREATE TABLE receipts (
     status          TEXT NOT NULL,
     hash            TEXT NOT NULL
 );
-CREATE UNIQUE INDEX receipts_call ON receipts (run_id, step_id, attempt);
+-- receipt_id is derived from (run, step, attempt) or (run, tx): the primary key is the
+-- "exactly one receipt per call" guarantee.
+CREATE INDEX receipts_step ON receipts (run_id, step_id, attempt);
 CREATE INDEX receipts_run_seq ON receipts (run_id, seq);
 
 -- The ledger's signature over each run's latest {run_id, seq, hash}.

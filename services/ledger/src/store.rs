@@ -22,11 +22,13 @@ use warden_core::receipt::{Receipt, receipt_for};
 
 use crate::error::LedgerError;
 
+pub mod derived;
+
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("migrations/postgres");
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("migrations/sqlite");
 
 /// Version of the schema contract, reported by `GetSchemaInfo`.
-pub const SCHEMA_VERSION: &str = "2";
+pub const SCHEMA_VERSION: &str = "3";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -61,6 +63,15 @@ pub struct RunRow {
     pub head_key_id: String,
 }
 
+#[derive(Debug, Clone, PartialEq)]
+pub struct SummaryRow {
+    pub seq: u64,
+    pub summary_type: String,
+    pub payload_json: String,
+    pub step_id: String,
+    pub timestamp_ms: i64,
+}
+
 /// A run to create with its `run_submitted` event.
 pub struct NewRun<'a> {
     pub run_id: &'a str,
@@ -93,7 +104,8 @@ pub struct LedgerStore {
 }
 
 const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
-const EVENT_COLUMNS: &str = "run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash";
+const EVENT_COLUMNS: &str =
+    "run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash";
 
 fn run_from_row(r: &AnyRow) -> Result<RunRow, LedgerError> {
     let status: String = r.try_get("status")?;
@@ -138,24 +150,16 @@ pub fn event_from_row(r: &AnyRow) -> Result<ChainedEvent, LedgerError> {
 }
 
 fn sqlite_url(url: &str) -> Result<String, LedgerError> {
-    let path = url
-        .trim_start_matches("sqlite://")
-        .trim_start_matches("sqlite:");
+    let path = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
     let file = path.split('?').next().unwrap_or_default();
     if file.is_empty() {
-        return Err(LedgerError::invalid(
-            "ledger.database_url",
-            "sqlite URL has no file path",
-        ));
+        return Err(LedgerError::invalid("ledger.database_url", "sqlite URL has no file path"));
     }
     if file != ":memory:"
-        && let Some(dir) = std::path::Path::new(file)
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
+        && let Some(dir) = std::path::Path::new(file).parent().filter(|d| !d.as_os_str().is_empty())
     {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            LedgerError::Unavailable(format!("cannot create {}: {e}", dir.display()))
-        })?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| LedgerError::Unavailable(format!("cannot create {}: {e}", dir.display())))?;
     }
     Ok(if path.contains("mode=") {
         format!("sqlite://{path}")
@@ -168,11 +172,7 @@ fn sqlite_url(url: &str) -> Result<String, LedgerError> {
 
 impl LedgerStore {
     /// Connects and runs the embedded migrations of the URL's backend.
-    pub async fn connect(
-        url: &str,
-        max_connections: u32,
-        key: SigningKey,
-    ) -> Result<LedgerStore, LedgerError> {
+    pub async fn connect(url: &str, max_connections: u32, key: SigningKey) -> Result<LedgerStore, LedgerError> {
         sqlx::any::install_default_drivers();
         let (backend, url) = if url.starts_with("sqlite:") {
             (Backend::Sqlite, sqlite_url(url)?)
@@ -204,15 +204,8 @@ impl LedgerStore {
             Backend::Sqlite => &SQLITE_MIGRATIONS,
             Backend::Postgres => &POSTGRES_MIGRATIONS,
         };
-        migrator
-            .run(&pool)
-            .await
-            .map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
-        Ok(LedgerStore {
-            pool,
-            backend,
-            key: Arc::new(key),
-        })
+        migrator.run(&pool).await.map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
+        Ok(LedgerStore { pool, backend, key: Arc::new(key) })
     }
 
     pub fn verifying_key(&self) -> ed25519_dalek::VerifyingKey {
@@ -220,12 +213,7 @@ impl LedgerStore {
     }
 
     fn sign_head(&self, run_id: &str, seq: u64, hash: &str) -> (String, String) {
-        let (sig, key_id) = Head {
-            run_id: run_id.to_string(),
-            seq,
-            hash: hash.to_string(),
-        }
-        .sign(&self.key);
+        let (sig, key_id) = Head { run_id: run_id.to_string(), seq, hash: hash.to_string() }.sign(&self.key);
         (hex::encode(sig), key_id)
     }
 
@@ -241,14 +229,11 @@ impl LedgerStore {
     /// the same `(tenant, idempotency_key)` created (`true` = deduplicated).
     pub async fn create_run(&self, new: NewRun<'_>) -> Result<(RunRow, bool), LedgerError> {
         if !new.idempotency_key.is_empty()
-            && let Some(run) = self
-                .run_by_submit_key(new.tenant, new.idempotency_key)
-                .await?
+            && let Some(run) = self.run_by_submit_key(new.tenant, new.idempotency_key).await?
         {
             return Ok((run, true));
         }
-        let mut payload =
-            serde_json::json!({"tenant": new.tenant, "cancel_policy": new.cancel_policy});
+        let mut payload = serde_json::json!({"tenant": new.tenant, "cancel_policy": new.cancel_policy});
         if let Some(plan) = new.plan {
             payload["plan"] = plan.clone();
         }
@@ -268,10 +253,7 @@ impl LedgerStore {
             },
             GENESIS_HASH,
         );
-        let plan_json = new
-            .plan
-            .map(warden_core::canonical_json)
-            .unwrap_or_default();
+        let plan_json = new.plan.map(warden_core::canonical_json).unwrap_or_default();
         let submit_key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
         let (signature, key_id) = self.sign_head(new.run_id, 1, &first.hash);
         let mut tx = self.pool.begin().await?;
@@ -305,33 +287,20 @@ impl LedgerStore {
         }
         insert_event(&mut tx, &first).await?;
         tx.commit().await?;
-        let run = self
-            .get_run(new.run_id)
-            .await?
-            .ok_or_else(|| LedgerError::Internal("created run vanished".into()))?;
+        let run =
+            self.get_run(new.run_id).await?.ok_or_else(|| LedgerError::Internal("created run vanished".into()))?;
         Ok((run, false))
     }
 
-    async fn run_by_submit_key(
-        &self,
-        tenant: &str,
-        key: &str,
-    ) -> Result<Option<RunRow>, LedgerError> {
+    async fn run_by_submit_key(&self, tenant: &str, key: &str) -> Result<Option<RunRow>, LedgerError> {
         let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND submit_key = $2");
-        let row = sqlx::query(&sql)
-            .bind(tenant)
-            .bind(key)
-            .fetch_optional(&self.pool)
-            .await?;
+        let row = sqlx::query(&sql).bind(tenant).bind(key).fetch_optional(&self.pool).await?;
         row.as_ref().map(run_from_row).transpose()
     }
 
     pub async fn get_run(&self, run_id: &str) -> Result<Option<RunRow>, LedgerError> {
         let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $1");
-        let row = sqlx::query(&sql)
-            .bind(run_id)
-            .fetch_optional(&self.pool)
-            .await?;
+        let row = sqlx::query(&sql).bind(run_id).fetch_optional(&self.pool).await?;
         row.as_ref().map(run_from_row).transpose()
     }
 
@@ -350,9 +319,7 @@ impl LedgerStore {
             sql.push_str(&format!(" AND tenant = ${n}"));
         }
         if !statuses.is_empty() {
-            let marks: Vec<String> = (0..statuses.len())
-                .map(|i| format!("${}", n + 1 + i))
-                .collect();
+            let marks: Vec<String> = (0..statuses.len()).map(|i| format!("${}", n + 1 + i)).collect();
             sql.push_str(&format!(" AND status IN ({})", marks.join(", ")));
         }
         sql.push_str(&format!(" ORDER BY run_id LIMIT {limit}"));
@@ -363,28 +330,15 @@ impl LedgerStore {
         for s in statuses {
             q = q.bind(s.as_str());
         }
-        q.fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(run_from_row)
-            .collect()
+        q.fetch_all(&self.pool).await?.iter().map(run_from_row).collect()
     }
 
     /// Events with `seq > since_seq`, at most `limit`, in order.
-    pub async fn events(
-        &self,
-        run_id: &str,
-        since_seq: u64,
-        limit: u32,
-    ) -> Result<Vec<ChainedEvent>, LedgerError> {
-        let sql = format!(
-            "SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}"
-        );
-        let rows = sqlx::query(&sql)
-            .bind(run_id)
-            .bind(since_seq.min(i64::MAX as u64) as i64)
-            .fetch_all(&self.pool)
-            .await?;
+    pub async fn events(&self, run_id: &str, since_seq: u64, limit: u32) -> Result<Vec<ChainedEvent>, LedgerError> {
+        let sql =
+            format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}");
+        let rows =
+            sqlx::query(&sql).bind(run_id).bind(since_seq.min(i64::MAX as u64) as i64).fetch_all(&self.pool).await?;
         rows.iter().map(event_from_row).collect()
     }
 
@@ -405,22 +359,16 @@ impl LedgerStore {
         if tenant != new.tenant {
             return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
         }
-        let sql = format!(
-            "SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND idempotency_key = $2"
-        );
-        if let Some(existing) = sqlx::query(&sql)
-            .bind(new.run_id)
-            .bind(new.idempotency_key)
-            .fetch_optional(&mut *tx)
-            .await?
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND idempotency_key = $2");
+        if let Some(existing) =
+            sqlx::query(&sql).bind(new.run_id).bind(new.idempotency_key).fetch_optional(&mut *tx).await?
         {
             let existing = event_from_row(&existing)?;
             // A retry carries the same content; anything else reusing the key is refused, so
             // nobody can pre-record an event another writer will later be handed back.
             let same = existing.body.event_type == new.event_type
                 && existing.body.step_id == new.step_id
-                && warden_core::canonical_json(&existing.body.payload)
-                    == warden_core::canonical_json(&new.payload);
+                && warden_core::canonical_json(&existing.body.payload) == warden_core::canonical_json(&new.payload);
             if !same {
                 return Err(LedgerError::invalid(
                     "idempotency_key",
@@ -434,26 +382,17 @@ impl LedgerStore {
         }
         let max_epoch = head.try_get::<i64, _>("max_epoch")? as u64;
         if new.epoch < max_epoch {
-            return Err(LedgerError::Fenced {
-                epoch: new.epoch,
-                max_epoch,
-            });
+            return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch });
         }
         let status: String = head.try_get("status")?;
         let current = RunStatus::parse(&status);
         // A run waiting for an operator or an approval is not picked up again by an executor.
         if new.event_type == events::RUN_STARTED
-            && matches!(
-                current,
-                Some(RunStatus::RequiresReconciliation | RunStatus::Blocked)
-            )
+            && matches!(current, Some(RunStatus::RequiresReconciliation | RunStatus::Blocked))
         {
-            return Err(LedgerError::Precondition(format!(
-                "run '{}' is {status}; it cannot be started",
-                new.run_id
-            )));
+            return Err(LedgerError::Precondition(format!("run '{}' is {status}; it cannot be started", new.run_id)));
         }
-        if current.is_some_and(RunStatus::is_terminal) {
+        if current.is_some_and(RunStatus::is_terminal) && !events::AFTER_END.contains(&new.event_type) {
             return Err(LedgerError::Precondition(format!(
                 "run '{}' is {status}; it accepts no more events",
                 new.run_id
@@ -461,14 +400,7 @@ impl LedgerStore {
         }
         let mut capability_id = String::new();
         if events::NEEDS_ALLOW.contains(&new.event_type) {
-            capability_id = check_cited_allow(
-                &mut tx,
-                new.run_id,
-                new.step_id,
-                &new.payload,
-                new.event_type,
-            )
-            .await?;
+            capability_id = check_cited_allow(&mut tx, new.run_id, new.step_id, &new.payload, new.event_type).await?;
         }
         let seq = head.try_get::<i64, _>("last_seq")? as u64;
         let prev_hash: String = head.try_get("head_hash")?;
@@ -485,6 +417,8 @@ impl LedgerStore {
             },
             &prev_hash,
         );
+        // Derived state first: a refused transaction step leaves no event behind either.
+        derived::apply(&mut tx, &tenant, &event).await?;
         insert_event(&mut tx, &event).await?;
         if let Some(receipt) = receipt_for(&event, &capability_id) {
             insert_receipt(&mut tx, &receipt).await?;
@@ -493,13 +427,7 @@ impl LedgerStore {
         let (status, reason) = match events::status_after(new.event_type) {
             Some(st) => (
                 st.as_str().to_string(),
-                event
-                    .body
-                    .payload
-                    .get("reason")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_string(),
+                event.body.payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string(),
             ),
             None => (status, String::new()),
         };
@@ -524,20 +452,65 @@ impl LedgerStore {
         Ok((event, false))
     }
 
-    /// Receipts of a run (of one step when `step_id` is given), in seq order.
-    pub async fn receipts(
+    /// Summaries of a run, newest first; `kind` filters by exact type, `prefix` by type prefix.
+    pub async fn summaries(
         &self,
         run_id: &str,
-        step_id: Option<&str>,
-    ) -> Result<Vec<Receipt>, LedgerError> {
+        kind: Option<&str>,
+        prefix: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<SummaryRow>, LedgerError> {
+        let base = "SELECT seq, summary_type, payload_json, step_id, timestamp_ms FROM summaries WHERE run_id = $1";
+        let rows = match (kind, prefix) {
+            (Some(k), _) => {
+                let sql = format!("{base} AND summary_type = $2 ORDER BY seq DESC LIMIT {limit}");
+                sqlx::query(&sql).bind(run_id).bind(k).fetch_all(&self.pool).await?
+            }
+            (None, Some(p)) => {
+                // A range scan instead of LIKE: no escaping of '_' or '%' in user prefixes.
+                let sql =
+                    format!("{base} AND summary_type >= $2 AND summary_type < $3 ORDER BY seq DESC LIMIT {limit}");
+                let upper = format!("{p}\u{10FFFF}");
+                sqlx::query(&sql).bind(run_id).bind(p).bind(upper).fetch_all(&self.pool).await?
+            }
+            (None, None) => {
+                let sql = format!("{base} ORDER BY seq DESC LIMIT {limit}");
+                sqlx::query(&sql).bind(run_id).fetch_all(&self.pool).await?
+            }
+        };
+        rows.iter()
+            .map(|r| {
+                Ok(SummaryRow {
+                    seq: r.try_get::<i64, _>(0)? as u64,
+                    summary_type: r.try_get(1)?,
+                    payload_json: r.try_get(2)?,
+                    step_id: r.try_get(3)?,
+                    timestamp_ms: r.try_get(4)?,
+                })
+            })
+            .collect()
+    }
+
+    /// A tenant's committed state under `key`: (value JSON, version, tx id).
+    pub async fn state(&self, tenant: &str, key: &str) -> Result<Option<(String, u64, String)>, LedgerError> {
+        let row = sqlx::query("SELECT value_json, version, tx_id FROM state WHERE tenant = $1 AND state_key = $2")
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| Ok((r.try_get(0)?, r.try_get::<i64, _>(1)? as u64, r.try_get(2)?))).transpose()
+    }
+
+    /// Receipts of a run (of one step when `step_id` is given), in seq order.
+    pub async fn receipts(&self, run_id: &str, step_id: Option<&str>) -> Result<Vec<Receipt>, LedgerError> {
         let rows = match step_id {
-            Some(step) => sqlx::query(
-                "SELECT body_json FROM receipts WHERE run_id = $1 AND step_id = $2 ORDER BY seq",
-            )
-            .bind(run_id)
-            .bind(step)
-            .fetch_all(&self.pool)
-            .await?,
+            Some(step) => {
+                sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 AND step_id = $2 ORDER BY seq")
+                    .bind(run_id)
+                    .bind(step)
+                    .fetch_all(&self.pool)
+                    .await?
+            }
             None => {
                 sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 ORDER BY seq")
                     .bind(run_id)
@@ -549,10 +522,8 @@ impl LedgerStore {
             .map(|r| {
                 let body: String = r.try_get(0)?;
                 // A body that no longer parses was edited in the database; verification says so.
-                Ok(serde_json::from_str(&body).unwrap_or_else(|_| Receipt {
-                    receipt_id: body,
-                    ..empty_receipt(run_id)
-                }))
+                Ok(serde_json::from_str(&body)
+                    .unwrap_or_else(|_| Receipt { receipt_id: body, ..empty_receipt(run_id) }))
             })
             .collect()
     }
@@ -580,10 +551,7 @@ fn empty_receipt(run_id: &str) -> Receipt {
     }
 }
 
-async fn insert_receipt(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    r: &Receipt,
-) -> Result<(), LedgerError> {
+async fn insert_receipt(tx: &mut sqlx::Transaction<'_, sqlx::Any>, r: &Receipt) -> Result<(), LedgerError> {
     let inserted = sqlx::query(
         "INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
     )
@@ -608,10 +576,7 @@ async fn insert_receipt(
     }
 }
 
-async fn insert_event(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    e: &ChainedEvent,
-) -> Result<(), LedgerError> {
+async fn insert_event(tx: &mut sqlx::Transaction<'_, sqlx::Any>, e: &ChainedEvent) -> Result<(), LedgerError> {
     sqlx::query(
         "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
@@ -639,21 +604,18 @@ async fn check_cited_allow(
     payload: &Value,
     event_type: &str,
 ) -> Result<String, LedgerError> {
-    let Some(decision_id) = payload
-        .get("decision_id")
-        .and_then(Value::as_str)
-        .filter(|d| !d.is_empty())
-    else {
+    let Some(decision_id) = payload.get("decision_id").and_then(Value::as_str).filter(|d| !d.is_empty()) else {
         return Err(LedgerError::invalid(
             "payload_json.decision_id",
             format!("a {event_type} event must cite the allow decision it acts on"),
         ));
     };
-    let row = sqlx::query("SELECT event_type, step_id, payload_json FROM events WHERE run_id = $1 AND idempotency_key = $2")
-        .bind(run_id)
-        .bind(events::decision_key(decision_id))
-        .fetch_optional(&mut **tx)
-        .await?;
+    let row =
+        sqlx::query("SELECT event_type, step_id, payload_json FROM events WHERE run_id = $1 AND idempotency_key = $2")
+            .bind(run_id)
+            .bind(events::decision_key(decision_id))
+            .fetch_optional(&mut **tx)
+            .await?;
     let refused = |why: &str| {
         Err(LedgerError::Precondition(format!(
             "{event_type} for step '{step_id}' cites decision '{decision_id}', {why}"
@@ -662,16 +624,9 @@ async fn check_cited_allow(
     let Some(row) = row else {
         return refused("which is not recorded for this run");
     };
-    let (etype, dstep, dpayload): (String, String, String) =
-        (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+    let (etype, dstep, dpayload): (String, String, String) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
     let decision: Value = serde_json::from_str(&dpayload).unwrap_or_default();
-    let field = |k: &str| {
-        decision
-            .get(k)
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string()
-    };
+    let field = |k: &str| decision.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
     if etype != events::POLICY_DECISION || dstep != step_id {
         return refused("which is not a decision for this step");
     }
@@ -686,10 +641,7 @@ async fn check_cited_allow(
     }
     if event_type == events::TOOL_REQUESTED {
         let args = payload.get("args").ok_or_else(|| {
-            LedgerError::invalid(
-                "payload_json.args",
-                "a tool_requested event records the arguments it was allowed for",
-            )
+            LedgerError::invalid("payload_json.args", "a tool_requested event records the arguments it was allowed for")
         })?;
         if warden_core::canonical::args_digest(args) != field("args_sha256") {
             return refused("which allowed different arguments");

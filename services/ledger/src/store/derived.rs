@@ -1,0 +1,190 @@
+//! Tables derived from events inside the append's database transaction: summaries (for
+//! typed queries) and SPEC-KERN-01 transactions (staged deltas, committed state). A refused
+//! step — a commit whose preconditions no longer hold, a rollback of a committed
+//! transaction — fails the whole append, so nothing is written.
+
+use serde_json::Value;
+use sqlx::{Any, Row, Transaction};
+use warden_core::chain::ChainedEvent;
+use warden_core::events;
+
+use crate::error::LedgerError;
+
+type Tx<'a> = Transaction<'a, Any>;
+
+pub async fn apply(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), LedgerError> {
+    match e.body.event_type.as_str() {
+        events::RUN_SUMMARY => summary(tx, e).await,
+        events::TX_PROPOSED => propose(tx, tenant, e).await,
+        events::TX_COMMITTED => commit(tx, tenant, e).await,
+        events::TX_ROLLED_BACK => rollback(tx, e).await,
+        _ => Ok(()),
+    }
+}
+
+fn text<'a>(p: &'a Value, k: &str) -> &'a str {
+    p.get(k).and_then(Value::as_str).unwrap_or_default()
+}
+
+async fn summary(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
+    let p = &e.body.payload;
+    sqlx::query(
+        "INSERT INTO summaries (run_id, seq, summary_type, payload_json, step_id, timestamp_ms) VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(&e.body.run_id)
+    .bind(e.body.seq as i64)
+    .bind(text(p, "summary_type"))
+    .bind(warden_core::canonical_json(p.get("payload").unwrap_or(&Value::Null)))
+    .bind(&e.body.step_id)
+    .bind(e.body.timestamp_ms)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+async fn tx_status(tx: &mut Tx<'_>, run_id: &str, tx_id: &str) -> Result<Option<String>, LedgerError> {
+    let row = sqlx::query("SELECT status FROM transactions WHERE run_id = $1 AND tx_id = $2")
+        .bind(run_id)
+        .bind(tx_id)
+        .fetch_optional(&mut **tx)
+        .await?;
+    Ok(row.map(|r| r.try_get::<String, _>(0)).transpose()?)
+}
+
+fn not_open(tx_id: &str, status: &str) -> LedgerError {
+    LedgerError::Precondition(format!("transaction '{tx_id}' is {status}, not open"))
+}
+
+async fn propose(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), LedgerError> {
+    let tx_id = text(&e.body.payload, "tx_id");
+    match tx_status(tx, &e.body.run_id, tx_id).await?.as_deref() {
+        None => {
+            sqlx::query(
+                "INSERT INTO transactions (run_id, tx_id, tenant, status, reason) VALUES ($1, $2, $3, 'open', '')",
+            )
+            .bind(&e.body.run_id)
+            .bind(tx_id)
+            .bind(tenant)
+            .execute(&mut **tx)
+            .await?;
+        }
+        Some("open") => {}
+        Some(other) => return Err(not_open(tx_id, other)),
+    }
+    sqlx::query("INSERT INTO tx_staged (run_id, tx_id, seq, delta_json) VALUES ($1, $2, $3, $4)")
+        .bind(&e.body.run_id)
+        .bind(tx_id)
+        .bind(e.body.seq as i64)
+        .bind(warden_core::canonical_json(e.body.payload.get("delta").unwrap_or(&Value::Null)))
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+async fn version(tx: &mut Tx<'_>, tenant: &str, key: &str) -> Result<i64, LedgerError> {
+    let row = sqlx::query("SELECT version FROM state WHERE tenant = $1 AND state_key = $2")
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(&mut **tx)
+        .await?;
+    Ok(row.map(|r| r.try_get::<i64, _>(0)).transpose()?.unwrap_or(0))
+}
+
+async fn commit(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), LedgerError> {
+    let (run_id, p) = (&e.body.run_id, &e.body.payload);
+    let tx_id = text(p, "tx_id");
+    match tx_status(tx, run_id, tx_id).await?.as_deref() {
+        Some("open") => {}
+        Some(other) => return Err(not_open(tx_id, other)),
+        None => return Err(LedgerError::NotFound(format!("transaction '{tx_id}'"))),
+    }
+    // Commit applies staged effects only on a recorded allow decision of this run.
+    let decision_id = text(p, "decision_id");
+    let decision =
+        sqlx::query("SELECT event_type, payload_json FROM events WHERE run_id = $1 AND idempotency_key = $2")
+            .bind(run_id)
+            .bind(events::decision_key(decision_id))
+            .fetch_optional(&mut **tx)
+            .await?;
+    let allowed = decision.is_some_and(|r| {
+        let (t, body): (String, String) = (r.try_get(0).unwrap_or_default(), r.try_get(1).unwrap_or_default());
+        let body: Value = serde_json::from_str(&body).unwrap_or_default();
+        t == events::POLICY_DECISION && text(&body, "outcome") == "allow"
+    });
+    if !allowed {
+        return Err(LedgerError::Precondition(format!(
+            "commit of transaction '{tx_id}' cites decision '{decision_id}', which is not a recorded allow of this run"
+        )));
+    }
+    let staged = sqlx::query("SELECT delta_json FROM tx_staged WHERE run_id = $1 AND tx_id = $2 ORDER BY seq")
+        .bind(run_id)
+        .bind(tx_id)
+        .fetch_all(&mut **tx)
+        .await?;
+    let deltas: Vec<Value> = staged
+        .iter()
+        .map(|r| serde_json::from_str(&r.try_get::<String, _>(0).unwrap_or_default()).unwrap_or_default())
+        .collect();
+    // Preconditions are checked against committed state as it is now, all before any change.
+    for d in &deltas {
+        for (key, want) in d.get("expect").and_then(Value::as_object).into_iter().flatten() {
+            let have = version(tx, tenant, key).await?;
+            if Some(have) != want.as_i64() {
+                return Err(LedgerError::Precondition(format!(
+                    "transaction '{tx_id}' expected '{key}' at version {want}, it is at version {have}"
+                )));
+            }
+        }
+    }
+    for d in &deltas {
+        for (key, value) in d.get("set").and_then(Value::as_object).into_iter().flatten() {
+            sqlx::query(
+                "INSERT INTO state (tenant, state_key, value_json, version, run_id, tx_id) VALUES ($1, $2, $3, 1, $4, $5)
+                 ON CONFLICT (tenant, state_key) DO UPDATE SET value_json = excluded.value_json,
+                     version = state.version + 1, run_id = excluded.run_id, tx_id = excluded.tx_id",
+            )
+            .bind(tenant)
+            .bind(key)
+            .bind(warden_core::canonical_json(value))
+            .bind(run_id)
+            .bind(tx_id)
+            .execute(&mut **tx)
+            .await?;
+        }
+        for key in d.get("delete").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str) {
+            sqlx::query("DELETE FROM state WHERE tenant = $1 AND state_key = $2")
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await?;
+        }
+    }
+    finish(tx, run_id, tx_id, "committed", "").await
+}
+
+async fn rollback(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
+    let (run_id, p) = (&e.body.run_id, &e.body.payload);
+    let tx_id = text(p, "tx_id");
+    match tx_status(tx, run_id, tx_id).await?.as_deref() {
+        Some("open") => {}
+        Some(other) => return Err(not_open(tx_id, other)),
+        None => return Err(LedgerError::NotFound(format!("transaction '{tx_id}'"))),
+    }
+    finish(tx, run_id, tx_id, "rolled_back", text(p, "reason")).await
+}
+
+async fn finish(tx: &mut Tx<'_>, run_id: &str, tx_id: &str, status: &str, reason: &str) -> Result<(), LedgerError> {
+    sqlx::query("DELETE FROM tx_staged WHERE run_id = $1 AND tx_id = $2")
+        .bind(run_id)
+        .bind(tx_id)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query("UPDATE transactions SET status = $3, reason = $4 WHERE run_id = $1 AND tx_id = $2")
+        .bind(run_id)
+        .bind(tx_id)
+        .bind(status)
+        .bind(reason)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}

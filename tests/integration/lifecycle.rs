@@ -1,0 +1,249 @@
+//! Run lifecycle (progress, summaries, checkpoints, artifacts) and SPEC-KERN-01 transactions,
+//! on both backends.
+
+use serde_json::json;
+use warden_proto::v1 as pb;
+
+use crate::*;
+
+async fn lifecycle(backend: Backend) {
+    let mesh = mesh_on(backend).await;
+    let id = submit(&mesh, "acme", HELLO).await;
+    settled(&mesh, "acme", &id).await;
+    let mut l = mesh.ledger();
+    let progress = l
+        .get_run_progress(pb::GetRunProgressRequest { tenant: "acme".into(), run_id: id.clone() })
+        .await
+        .expect("progress")
+        .into_inner();
+    assert_eq!(progress.percent, 100);
+    assert_eq!(progress.completed_stages, ["greet", "shout", "remember", "recall", "notify"]);
+
+    let run = l
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() })
+        .await
+        .expect("run")
+        .into_inner();
+    let epoch = run.max_epoch;
+    let artifact = |key: &str, value: serde_json::Value, idem: &str| pb::PutArtifactRequest {
+        tenant: "acme".into(),
+        run_id: id.clone(),
+        epoch,
+        idempotency_key: idem.into(),
+        key: key.into(),
+        value_json: value.to_string(),
+    };
+    // Summaries still land after the run ended: they record, they do not act.
+    l.put_artifact(artifact("report", json!({"v": 1}), "a1")).await.expect("artifact");
+    l.put_artifact(artifact("report", json!({"v": 2}), "a2")).await.expect("artifact");
+    l.put_artifact(artifact("score", json!(0.93), "a3")).await.expect("artifact");
+    l.put_checkpoint(pb::PutCheckpointRequest {
+        tenant: "acme".into(),
+        run_id: id.clone(),
+        epoch,
+        idempotency_key: "c1".into(),
+        name: "after-notify".into(),
+        payload_json: r#"{"cursor": 5}"#.into(),
+    })
+    .await
+    .expect("checkpoint");
+    let latest = l
+        .list_artifacts(pb::ListArtifactsRequest { tenant: "acme".into(), run_id: id.clone(), ..Default::default() })
+        .await
+        .expect("artifacts")
+        .into_inner()
+        .artifacts;
+    let latest: Vec<(String, String)> = latest.into_iter().map(|a| (a.key, a.value_json)).collect();
+    assert_eq!(latest, [("report".to_string(), r#"{"v":2}"#.to_string()), ("score".to_string(), "0.93".to_string())]);
+    let history = l
+        .list_artifacts(pb::ListArtifactsRequest {
+            tenant: "acme".into(),
+            run_id: id.clone(),
+            key: "report".into(),
+            history: true,
+        })
+        .await
+        .expect("history")
+        .into_inner()
+        .artifacts;
+    assert_eq!(history.iter().map(|a| a.value_json.as_str()).collect::<Vec<_>>(), [r#"{"v":1}"#, r#"{"v":2}"#]);
+    let checkpoints = l
+        .list_summaries(pb::ListSummariesRequest {
+            tenant: "acme".into(),
+            run_id: id.clone(),
+            summary_type: "checkpoint::after-notify".into(),
+            limit: 0,
+        })
+        .await
+        .expect("summaries")
+        .into_inner()
+        .summaries;
+    assert_eq!(checkpoints.len(), 1);
+    assert_eq!(checkpoints[0].payload_json, r#"{"cursor":5}"#);
+
+    let before = l
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() })
+        .await
+        .expect("run")
+        .into_inner()
+        .last_seq;
+    let huge = json!({"blob": "x".repeat(300 * 1024)});
+    let e = l.put_artifact(artifact("big", huge, "a4")).await.expect_err("oversize");
+    assert_field_violation(&e, "value_json");
+    let e = l.put_artifact(artifact("bad key!", json!(1), "a5")).await.expect_err("bad key");
+    assert_field_violation(&e, "key");
+    let after = l
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() })
+        .await
+        .expect("run")
+        .into_inner()
+        .last_seq;
+    assert_eq!(before, after, "refused artifacts wrote nothing");
+    assert!(verify(&mut l, "acme", &id).await.valid, "summaries are part of the chain");
+}
+
+#[tokio::test]
+async fn run_lifecycle_progress_checkpoints_and_artifacts_on_sqlite() {
+    lifecycle(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn run_lifecycle_progress_checkpoints_and_artifacts_on_postgres() {
+    lifecycle(Backend::Postgres).await;
+}
+
+async fn transactions(backend: Backend) {
+    let mesh = services_on(backend).await;
+    let mut l = mesh.ledger();
+    let run = l
+        .create_run(pb::CreateRunRequest {
+            tenant: "acme".into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run")
+        .run_id;
+    let allow = mesh
+        .policy()
+        .authorize(pb::AuthorizeRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            step_id: "pay".into(),
+            attempt: 1,
+            tool: "kv.put".into(),
+            args_json: r#"{"key":"balance","value":10}"#.into(),
+            capability_id: String::new(),
+            idempotency_key: format!("{run}:pay:1"),
+            epoch: 0,
+        })
+        .await
+        .expect("authorize")
+        .into_inner()
+        .decision
+        .expect("decision");
+    assert_eq!(allow.outcome(), pb::Outcome::Allow);
+    let state = |mut l: LedgerClient<Channel>| async move {
+        l.get_state(pb::GetStateRequest { tenant: "acme".into(), key: "balance".into() })
+            .await
+            .expect("state")
+            .into_inner()
+    };
+    let propose = |tx: &str, delta: serde_json::Value| pb::ProposeStateDeltaRequest {
+        tenant: "acme".into(),
+        run_id: run.clone(),
+        tx_id: tx.into(),
+        delta_json: delta.to_string(),
+        provenance_json: r#"{"source":"test"}"#.into(),
+        epoch: 0,
+    };
+    let commit = |tx: &str, decision: &str| pb::CommitTxRequest {
+        tenant: "acme".into(),
+        run_id: run.clone(),
+        tx_id: tx.into(),
+        decision_id: decision.into(),
+        epoch: 0,
+    };
+    l.propose_state_delta(propose("tx1", json!({"set": {"balance": 10}, "expect": {"balance": 0}})))
+        .await
+        .expect("stage");
+    assert!(!state(l.clone()).await.found, "staged effects are not committed state");
+
+    let before = l
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run.clone() })
+        .await
+        .expect("run")
+        .into_inner()
+        .last_seq;
+    let e = l.commit_tx(commit("tx1", "no-such-decision")).await.expect_err("no allow");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    let after = l
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run.clone() })
+        .await
+        .expect("run")
+        .into_inner()
+        .last_seq;
+    assert_eq!(before, after, "a refused commit writes nothing");
+
+    let done = l.commit_tx(commit("tx1", &allow.decision_id)).await.expect("commit").into_inner();
+    assert_eq!(done.status, "committed");
+    let receipt = done.receipt.expect("a commit yields a receipt");
+    assert_eq!(
+        (receipt.status.as_str(), receipt.action_type.as_str(), receipt.tx_id.as_str()),
+        ("ok", "commit_tx", "tx1")
+    );
+    let s = state(l.clone()).await;
+    assert_eq!((s.found, s.value_json.as_str(), s.version), (true, "10", 1));
+    let again =
+        l.commit_tx(commit("tx1", &allow.decision_id)).await.expect("a retried commit is idempotent").into_inner();
+    assert_eq!(again.receipt.expect("receipt").receipt_id, receipt.receipt_id);
+
+    let e = l
+        .rollback_tx(pb::RollbackTxRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            tx_id: "tx1".into(),
+            reason: "oops".into(),
+            epoch: 0,
+        })
+        .await
+        .expect_err("committed");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+
+    // A stale expectation: tx2 thought the key did not exist yet.
+    l.propose_state_delta(propose("tx2", json!({"set": {"balance": 20}, "expect": {"balance": 0}})))
+        .await
+        .expect("stage");
+    let e = l.commit_tx(commit("tx2", &allow.decision_id)).await.expect_err("precondition no longer holds");
+    assert!(e.message().contains("version"), "{e:?}");
+    let rolled = l
+        .rollback_tx(pb::RollbackTxRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            tx_id: "tx2".into(),
+            reason: "stale".into(),
+            epoch: 0,
+        })
+        .await
+        .expect("rollback")
+        .into_inner();
+    assert_eq!(rolled.receipt.expect("receipt").status, "cancelled");
+    assert_eq!(state(l.clone()).await.version, 1, "the rolled-back delta never applied");
+
+    let e = l.propose_state_delta(propose("tx3", json!({"sett": {}}))).await.expect_err("bad delta");
+    assert_field_violation(&e, "delta_json.sett");
+    assert!(verify(&mut l, "acme", &run).await.valid);
+}
+
+#[tokio::test]
+async fn transactions_stage_commit_and_roll_back_on_sqlite() {
+    transactions(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn transactions_stage_commit_and_roll_back_on_postgres() {
+    transactions(Backend::Postgres).await;
+}
