@@ -21,6 +21,7 @@ pub struct Postgres {
     /// Where a throwaway cluster lives (None for `DATABASE_URL`).
     pub data_dir: Option<PathBuf>,
     _child: Option<Mutex<Child>>,
+    launch: Option<Launch>,
 }
 
 /// The process-wide Redis (started on first use).
@@ -143,8 +144,59 @@ fn remove_stale_clusters() {
 /// turns fsync off, for tests; benchmarks keep PostgreSQL's durable defaults.
 pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
     if let Ok(url) = std::env::var("DATABASE_URL") {
-        return Ok(Postgres { admin_url: url, data_dir: None, _child: None });
+        return Ok(Postgres { admin_url: url, data_dir: None, _child: None, launch: None });
     }
+    start_private_postgres(fast)
+}
+
+/// What it takes to start (and restart) one cluster.
+struct Launch {
+    bindir: PathBuf,
+    base: PathBuf,
+    owner: Option<(u32, u32)>,
+    fast: bool,
+    port: u16,
+}
+
+impl Launch {
+    fn as_owner(&self, cmd: &mut Command) {
+        if let Some((uid, gid)) = self.owner {
+            std::os::unix::process::CommandExt::uid(cmd, uid);
+            std::os::unix::process::CommandExt::gid(cmd, gid);
+        }
+    }
+
+    fn spawn(&self) -> anyhow::Result<Child> {
+        let log_path = self.base.join("postgres.log");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
+        if let Some((uid, gid)) = self.owner {
+            std::os::unix::fs::chown(&log_path, Some(uid), Some(gid))?;
+        }
+        let mut cmd = Command::new(self.bindir.join("postgres"));
+        cmd.arg("-D").arg(self.base.join("data")).arg("-k").arg(&self.base).args([
+            "-p",
+            &self.port.to_string(),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "max_connections=400",
+        ]);
+        if self.fast {
+            cmd.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
+        }
+        cmd.current_dir(&self.base).stdout(Stdio::null()).stderr(log);
+        self.as_owner(&mut cmd);
+        // SIGQUIT: immediate shutdown when the test process goes away.
+        Ok(spawn_tied(cmd, libc::SIGQUIT)?)
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+/// Always a new cluster of our own (never `DATABASE_URL`): for tests that stop and start it.
+pub fn start_private_postgres(fast: bool) -> anyhow::Result<Postgres> {
     let bindir = match postgres_bindir() {
         Some(d) => d,
         None => {
@@ -158,54 +210,28 @@ pub fn start_postgres(fast: bool) -> anyhow::Result<Postgres> {
     if let Some((uid, gid)) = owner {
         std::os::unix::fs::chown(&base, Some(uid), Some(gid))?;
     }
-    let data = base.join("data");
-    let as_owner = |cmd: &mut Command| {
-        if let Some((uid, gid)) = owner {
-            std::os::unix::process::CommandExt::uid(cmd, uid);
-            std::os::unix::process::CommandExt::gid(cmd, gid);
-        }
-    };
-    let mut initdb = Command::new(bindir.join("initdb"));
+    let mut launch = Launch { bindir, base: base.clone(), owner, fast, port: 0 };
+    let mut initdb = Command::new(launch.bindir.join("initdb"));
     initdb
         .arg("-D")
-        .arg(&data)
+        .arg(base.join("data"))
         .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8", "--locale=C"])
         .current_dir(&base);
-    as_owner(&mut initdb);
+    launch.as_owner(&mut initdb);
     let out = initdb.output().context("running initdb")?;
     anyhow::ensure!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
-    let mut last = String::new();
     for _ in 0..5 {
-        let port = free_port()?;
-        let log = std::fs::File::create(base.join("postgres.log"))?;
-        if let Some((uid, gid)) = owner {
-            std::os::unix::fs::chown(base.join("postgres.log"), Some(uid), Some(gid))?;
-        }
-        let mut cmd = Command::new(bindir.join("postgres"));
-        cmd.arg("-D").arg(&data).arg("-k").arg(&base).args([
-            "-p",
-            &port.to_string(),
-            "-c",
-            "listen_addresses=127.0.0.1",
-            "-c",
-            "max_connections=400",
-        ]);
-        if fast {
-            cmd.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
-        }
-        cmd.current_dir(&base).stdout(Stdio::null()).stderr(log);
-        as_owner(&mut cmd);
-        // SIGQUIT: immediate shutdown when the test process goes away.
-        let mut child = spawn_tied(cmd, libc::SIGQUIT)?;
-        let admin_url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+        launch.port = free_port()?;
+        let mut child = launch.spawn()?;
+        let admin_url = launch.url();
         if wait_for_postgres(&admin_url, &mut child)? {
-            return Ok(Postgres { admin_url, data_dir: Some(base), _child: Some(Mutex::new(child)) });
+            return Ok(Postgres { admin_url, data_dir: Some(base), _child: Some(Mutex::new(child)), launch: Some(launch) });
         }
         let _ = child.kill();
         let _ = child.wait();
-        last = std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default();
     }
-    anyhow::bail!("postgres did not start:\n{last}")
+    let log = std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default();
+    anyhow::bail!("postgres did not start:\n{log}")
 }
 
 fn wait_for_postgres(url: &str, child: &mut Child) -> anyhow::Result<bool> {
@@ -247,6 +273,24 @@ pub fn with_database(url: &str, db: &str) -> String {
 }
 
 impl Postgres {
+    /// Stops the server (fast shutdown: clients are disconnected, as in a real restart) and
+    /// starts it again on the same port and data. Only for clusters this process started.
+    pub fn restart(&self) -> anyhow::Result<()> {
+        let (Some(child), Some(launch)) = (&self._child, &self.launch) else {
+            anyhow::bail!("only a private cluster can be restarted");
+        };
+        let mut child = child.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+        }
+        let _ = child.wait();
+        let mut fresh = launch.spawn()?;
+        anyhow::ensure!(wait_for_postgres(&launch.url(), &mut fresh)?, "postgres did not come back");
+        *child = fresh;
+        Ok(())
+    }
+
     /// Creates an empty database for one test and returns its URL.
     pub async fn create_database(&self) -> anyhow::Result<String> {
         let name = format!("warden_{}", uuid_simple());
