@@ -23,8 +23,22 @@ enum Shape {
     Both,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Suite {
+    /// Steps through every service.
+    Steps,
+    /// The ledger alone.
+    Ledger,
+    All,
+}
+
 #[derive(clap::Args)]
 pub struct BenchArgs {
+    /// What to measure.
+    #[arg(long, value_enum, default_value = "all")]
+    suite: Suite,
+    #[command(flatten)]
+    ledger: crate::bench_ledger::LedgerBenchArgs,
     /// Which deployment shape to measure.
     #[arg(long, value_enum, default_value = "both")]
     shape: Shape,
@@ -209,11 +223,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         "warden bench: build {}; step latency = executor-measured authorize+record+invoke per step",
         if cfg!(debug_assertions) { "debug (use --release for real figures)" } else { "release" }
     );
-    if matches!(args.shape, Shape::Dev | Shape::Both) {
-        dev_shape(&args).await?;
+    if args.suite != Suite::Ledger {
+        if matches!(args.shape, Shape::Dev | Shape::Both) {
+            dev_shape(&args).await?;
+        }
+        if matches!(args.shape, Shape::Prod | Shape::Both) {
+            prod_shape(&args).await?;
+        }
     }
-    if matches!(args.shape, Shape::Prod | Shape::Both) {
-        prod_shape(&args).await?;
+    if args.suite != Suite::Steps {
+        crate::bench_ledger::run(&args.ledger).await?;
     }
     Ok(0)
 }

@@ -1,6 +1,7 @@
 //! `warden`: start a development mesh, submit and inspect runs, verify ledgers, benchmark.
 
 mod bench;
+mod bench_ledger;
 mod dev;
 mod ledger;
 mod run;

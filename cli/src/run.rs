@@ -338,6 +338,8 @@ async fn receipts(target: &Target, run_id: &str, step: Option<String>, as_json: 
             tenant: target.tenant.clone(),
             run_id: run_id.into(),
             step_id: step.unwrap_or_default(),
+            page_size: 5000,
+            after_seq: 0,
         })
         .await
         .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
@@ -364,9 +366,20 @@ async fn receipts(target: &Target, run_id: &str, step: Option<String>, as_json: 
 /// Export: the signed head is read first and the events cut at its seq, so the file is a
 /// consistent snapshot even while the run is still moving.
 async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
-    use std::io::Write;
-    use warden_core::export::{FORMAT, Header, Line, SignedHeadLine};
     let mut ledger = ledger_client(&target.ledger_endpoint).await?;
+    let out = std::io::stdout();
+    let mut out = std::io::BufWriter::new(out.lock());
+    export_with(&mut ledger, target, run_id, &mut out).await?;
+    Ok(0)
+}
+
+pub async fn export_with(
+    ledger: &mut LedgerClient<Channel>,
+    target: &Target,
+    run_id: &str,
+    out: &mut impl std::io::Write,
+) -> anyhow::Result<()> {
+    use warden_core::export::{FORMAT, Header, Line, SignedHeadLine};
     let err = |s: tonic::Status| anyhow::anyhow!("{}", describe(&s));
     let head = ledger
         .get_signed_head(pb::GetSignedHeadRequest { tenant: target.tenant.clone(), run_id: run_id.into() })
@@ -378,8 +391,6 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
         .await
         .map_err(err)?
         .into_inner();
-    let out = std::io::stdout();
-    let mut out = std::io::BufWriter::new(out.lock());
     let mut emit = |line: &Line| -> anyhow::Result<()> { Ok(writeln!(out, "{}", serde_json::to_string(line)?)?) };
     emit(&Line::Header(Header {
         format: FORMAT.into(),
@@ -404,35 +415,44 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
         }
         emit(&Line::Event(warden_grpc::convert::event_from_proto(&e)))?;
     }
-    let receipts = ledger
-        .list_receipts(pb::ListReceiptsRequest {
-            tenant: target.tenant.clone(),
-            run_id: run_id.into(),
-            step_id: String::new(),
-        })
-        .await
-        .map_err(err)?
-        .into_inner();
-    for r in receipts.receipts.into_iter().filter(|r| r.seq <= head.seq) {
-        emit(&Line::Receipt(warden_core::receipt::Receipt {
-            receipt_id: r.receipt_id,
-            run_id: r.run_id,
-            step_id: r.step_id,
-            attempt: r.attempt,
-            seq: r.seq,
-            trace_id: r.trace_id,
-            span_id: r.span_id,
-            job_id: r.job_id,
-            tx_id: r.tx_id,
-            capability_id: r.capability_id,
-            policy_decision: r.policy_decision,
-            action_type: r.action_type,
-            timestamp_ms: r.timestamp_ms,
-            status: r.status,
-            reason: r.reason,
-            event_hash: r.event_hash,
-            hash: r.hash,
-        }))?;
+    let mut after_seq = 0;
+    loop {
+        let page = ledger
+            .list_receipts(pb::ListReceiptsRequest {
+                tenant: target.tenant.clone(),
+                run_id: run_id.into(),
+                step_id: String::new(),
+                page_size: 5000,
+                after_seq,
+            })
+            .await
+            .map_err(err)?
+            .into_inner();
+        for r in page.receipts.into_iter().filter(|r| r.seq <= head.seq) {
+            emit(&Line::Receipt(warden_core::receipt::Receipt {
+                receipt_id: r.receipt_id,
+                run_id: r.run_id,
+                step_id: r.step_id,
+                attempt: r.attempt,
+                seq: r.seq,
+                trace_id: r.trace_id,
+                span_id: r.span_id,
+                job_id: r.job_id,
+                tx_id: r.tx_id,
+                capability_id: r.capability_id,
+                policy_decision: r.policy_decision,
+                action_type: r.action_type,
+                timestamp_ms: r.timestamp_ms,
+                status: r.status,
+                reason: r.reason,
+                event_hash: r.event_hash,
+                hash: r.hash,
+            }))?;
+        }
+        if page.next_after_seq == 0 {
+            break;
+        }
+        after_seq = page.next_after_seq;
     }
     emit(&Line::Head(SignedHeadLine {
         head: warden_core::head::Head { run_id: head.run_id, seq: head.seq, hash: head.hash },
@@ -441,7 +461,7 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
         public_key: hex::encode(head.public_key),
     }))?;
     out.flush()?;
-    Ok(0)
+    Ok(())
 }
 
 async fn summaries(

@@ -215,15 +215,26 @@ async fn streams_resume_and_end_with_the_run_on_postgres() {
 #[tokio::test]
 async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     let pg = std::sync::Arc::new(
-        tokio::task::spawn_blocking(|| warden_testkit::servers::start_private_postgres(true)).await.expect("join").expect("private postgres"),
+        tokio::task::spawn_blocking(|| warden_testkit::servers::start_private_postgres(true))
+            .await
+            .expect("join")
+            .expect("private postgres"),
     );
     let url = pg.create_database().await.expect("database");
-    let mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions { database_url: url, executors: 0, ..Default::default() })
-        .await
-        .expect("mesh");
+    let mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions {
+        database_url: url,
+        executors: 0,
+        ..Default::default()
+    })
+    .await
+    .expect("mesh");
     let mut ledger = mesh.ledger();
     let run_id = ledger
-        .create_run(pb::CreateRunRequest { tenant: "acme".into(), plan_json: r#"{"steps":[]}"#.into(), ..Default::default() })
+        .create_run(pb::CreateRunRequest {
+            tenant: "acme".into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
         .await
         .expect("create")
         .into_inner()
@@ -273,7 +284,8 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     tokio::task::spawn_blocking(move || restarter.restart()).await.expect("join").expect("restart postgres");
     let at_restart = {
         let mut p = probe.clone();
-        let run = p.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() }).await.expect("run");
+        let run =
+            p.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() }).await.expect("run");
         run.into_inner().last_seq
     };
     assert!(at_restart < (1 + WRITERS * EACH) as u64, "the restart happened mid-stream");
@@ -289,6 +301,9 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     assert_eq!(keys.len(), evs.len());
     assert!(verify(&mut probe, "acme", &run_id).await.valid);
     // Writers caught mid-call saw UNAVAILABLE and retried; others just waited for a connection.
-    eprintln!("appends answered UNAVAILABLE during the restart: {}", unavailable.load(std::sync::atomic::Ordering::Relaxed));
+    eprintln!(
+        "appends answered UNAVAILABLE during the restart: {}",
+        unavailable.load(std::sync::atomic::Ordering::Relaxed)
+    );
     let _ = &mut ledger;
 }

@@ -11,7 +11,12 @@ use crate::*;
 
 async fn receipts_of(mesh: &warden_testkit::Mesh, tenant: &str, run_id: &str, step: &str) -> Vec<pb::Receipt> {
     mesh.ledger()
-        .list_receipts(pb::ListReceiptsRequest { tenant: tenant.into(), run_id: run_id.into(), step_id: step.into() })
+        .list_receipts(pb::ListReceiptsRequest {
+            tenant: tenant.into(),
+            run_id: run_id.into(),
+            step_id: step.into(),
+            ..Default::default()
+        })
         .await
         .expect("receipts")
         .into_inner()
@@ -219,7 +224,7 @@ async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger() {
     let codes = [
         l.get_run(pb::GetLedgerRunRequest { tenant: t(), run_id: id.clone() }).await.err().map(|e| e.code()),
         l.verify_run(pb::VerifyRunRequest { tenant: t(), run_id: id.clone() }).await.err().map(|e| e.code()),
-        l.list_receipts(pb::ListReceiptsRequest { tenant: t(), run_id: id.clone(), step_id: String::new() })
+        l.list_receipts(pb::ListReceiptsRequest { tenant: t(), run_id: id.clone(), ..Default::default() })
             .await
             .err()
             .map(|e| e.code()),

@@ -225,7 +225,12 @@ pub fn start_private_postgres(fast: bool) -> anyhow::Result<Postgres> {
         let mut child = launch.spawn()?;
         let admin_url = launch.url();
         if wait_for_postgres(&admin_url, &mut child)? {
-            return Ok(Postgres { admin_url, data_dir: Some(base), _child: Some(Mutex::new(child)), launch: Some(launch) });
+            return Ok(Postgres {
+                admin_url,
+                data_dir: Some(base),
+                _child: Some(Mutex::new(child)),
+                launch: Some(launch),
+            });
         }
         let _ = child.kill();
         let _ = child.wait();

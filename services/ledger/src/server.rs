@@ -186,7 +186,12 @@ impl LedgerService {
     }
 
     async fn tx_outcome(&self, e: &ChainedEvent, status: &str) -> Result<pb::TxOutcome, Status> {
-        let receipt = self.store.receipts(&e.body.run_id, None).await?.into_iter().find(|r| r.seq == e.body.seq);
+        let receipt = self
+            .store
+            .receipts(&e.body.run_id, None, e.body.seq.saturating_sub(1), 1)
+            .await?
+            .into_iter()
+            .find(|r| r.seq == e.body.seq);
         Ok(pb::TxOutcome { status: status.into(), receipt: receipt.map(receipt_to_proto) })
     }
 
@@ -210,14 +215,17 @@ impl LedgerService {
             head_hash: String::new(),
         };
         // Receipts are derived from outcome events: each must match its event, once.
-        let mut receipts: HashMap<u64, Receipt> = self
-            .store
-            .receipts(&run.run_id, None)
-            .await?
-            .into_iter()
-            .filter(|r| r.seq <= run.last_seq)
-            .map(|r| (r.seq, r))
-            .collect();
+        let mut receipts: HashMap<u64, Receipt> = HashMap::new();
+        let mut after = 0;
+        loop {
+            let page = self.store.receipts(&run.run_id, None, after, 10_000).await?;
+            let full = page.len() == 10_000;
+            after = page.last().map(|r| r.seq).unwrap_or(after);
+            receipts.extend(page.into_iter().filter(|r| r.seq <= run.last_seq).map(|r| (r.seq, r)));
+            if !full {
+                break;
+            }
+        }
         let mut v = ChainVerifier::default();
         let mut since = 0;
         loop {
@@ -528,8 +536,18 @@ impl Ledger for LedgerService {
             check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
             Some(r.step_id.as_str())
         };
-        let receipts = self.store.receipts(&run.run_id, step).await?;
-        Ok(Response::new(pb::ListReceiptsResponse { receipts: receipts.into_iter().map(receipt_to_proto).collect() }))
+        let size = match r.page_size {
+            0 => 1000,
+            n if n > 5000 => return Err(invalid_field("page_size", "must be at most 5000")),
+            n => n,
+        };
+        let receipts = self.store.receipts(&run.run_id, step, r.after_seq, size).await?;
+        let next_after_seq =
+            if receipts.len() == size as usize { receipts.last().map(|r| r.seq).unwrap_or(0) } else { 0 };
+        Ok(Response::new(pb::ListReceiptsResponse {
+            receipts: receipts.into_iter().map(receipt_to_proto).collect(),
+            next_after_seq,
+        }))
     }
 
     async fn get_signed_head(

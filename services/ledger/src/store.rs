@@ -225,6 +225,85 @@ impl LedgerStore {
         &self.pool
     }
 
+    /// Imports a whole run (for restores, migrations and benchmarks): the chain is verified
+    /// first, then the run, its events and receipts are written in one transaction, and the
+    /// head is signed by this ledger. Refused when the run id exists.
+    pub async fn import(&self, tenant: &str, events: &[ChainedEvent]) -> Result<RunRow, LedgerError> {
+        let first =
+            events.first().ok_or_else(|| LedgerError::invalid("events", "an import needs at least one event"))?;
+        if first.body.event_type != events::RUN_SUBMITTED {
+            return Err(LedgerError::invalid("events", "a run starts with run_submitted"));
+        }
+        warden_core::chain::verify_chain(events).map_err(|b| LedgerError::invalid("events", b.to_string()))?;
+        let run_id = &first.body.run_id;
+        let last = events.last().unwrap_or(first);
+        let mut view = warden_core::run::RunView::default();
+        let mut max_epoch = 0;
+        for e in events {
+            view.apply(e.body.seq, &e.body.event_type, &e.body.step_id, &e.body.payload);
+            max_epoch = max_epoch.max(e.body.epoch);
+        }
+        let plan_json = first.body.payload.get("plan").map(warden_core::canonical_json).unwrap_or_default();
+        let (signature, key_id) = self.sign_head(run_id, last.body.seq, &last.hash);
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO runs (run_id, tenant, status, reason, plan_json, goal, cancel_policy, submit_key, last_seq, head_hash, max_epoch,
+                               created_at_ms, updated_at_ms, head_signature, head_key_id)
+             VALUES ($1, $2, $3, $4, $5, '', 0, NULL, $6, $7, $8, $9, $10, $11, $12)",
+        )
+        .bind(run_id)
+        .bind(tenant)
+        .bind(view.status.as_str())
+        .bind(&view.reason)
+        .bind(&plan_json)
+        .bind(last.body.seq as i64)
+        .bind(&last.hash)
+        .bind(max_epoch as i64)
+        .bind(first.body.timestamp_ms)
+        .bind(last.body.timestamp_ms)
+        .bind(&signature)
+        .bind(&key_id)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| if is_unique_violation(&e) { LedgerError::Precondition(format!("run '{run_id}' already exists")) } else { e.into() })?;
+        // Multi-row inserts: one round trip per few hundred events.
+        const ROWS: usize = 400;
+        for chunk in events.chunks(ROWS) {
+            let marks: Vec<String> = (0..chunk.len())
+                .map(|r| format!("({})", (1..=10).map(|c| format!("${}", r * 10 + c)).collect::<Vec<_>>().join(", ")))
+                .collect();
+            let sql = format!(
+                "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash) VALUES {}",
+                marks.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for e in chunk {
+                q = q
+                    .bind(&e.body.run_id)
+                    .bind(e.body.seq as i64)
+                    .bind(&e.body.event_type)
+                    .bind(warden_core::canonical_json(&e.body.payload))
+                    .bind(&e.body.step_id)
+                    .bind(e.body.epoch as i64)
+                    .bind(&e.body.idempotency_key)
+                    .bind(e.body.timestamp_ms)
+                    .bind(&e.prev_hash)
+                    .bind(&e.hash);
+            }
+            q.execute(&mut *tx).await?;
+        }
+        for e in events {
+            if let Some(r) = receipt_for(e, "") {
+                insert_receipt(&mut tx, &r).await?;
+            }
+            if e.body.event_type == events::RUN_SUMMARY {
+                derived::apply(&mut tx, tenant, e).await?;
+            }
+        }
+        tx.commit().await?;
+        self.get_run(run_id).await?.ok_or_else(|| LedgerError::Internal("imported run vanished".into()))
+    }
+
     /// Creates a run with its first event, or returns the run an earlier submission with
     /// the same `(tenant, idempotency_key)` created (`true` = deduplicated).
     pub async fn create_run(&self, new: NewRun<'_>) -> Result<(RunRow, bool), LedgerError> {
@@ -501,21 +580,26 @@ impl LedgerStore {
         row.map(|r| Ok((r.try_get(0)?, r.try_get::<i64, _>(1)? as u64, r.try_get(2)?))).transpose()
     }
 
-    /// Receipts of a run (of one step when `step_id` is given), in seq order.
-    pub async fn receipts(&self, run_id: &str, step_id: Option<&str>) -> Result<Vec<Receipt>, LedgerError> {
+    /// Receipts of a run (of one step when `step_id` is given) after `after_seq`, in seq order.
+    pub async fn receipts(
+        &self,
+        run_id: &str,
+        step_id: Option<&str>,
+        after_seq: u64,
+        limit: u32,
+    ) -> Result<Vec<Receipt>, LedgerError> {
+        let after = after_seq.min(i64::MAX as u64) as i64;
         let rows = match step_id {
             Some(step) => {
-                sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 AND step_id = $2 ORDER BY seq")
-                    .bind(run_id)
-                    .bind(step)
-                    .fetch_all(&self.pool)
-                    .await?
+                let sql = format!(
+                    "SELECT body_json FROM receipts WHERE run_id = $1 AND step_id = $2 AND seq > $3 ORDER BY seq LIMIT {limit}"
+                );
+                sqlx::query(&sql).bind(run_id).bind(step).bind(after).fetch_all(&self.pool).await?
             }
             None => {
-                sqlx::query("SELECT body_json FROM receipts WHERE run_id = $1 ORDER BY seq")
-                    .bind(run_id)
-                    .fetch_all(&self.pool)
-                    .await?
+                let sql =
+                    format!("SELECT body_json FROM receipts WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}");
+                sqlx::query(&sql).bind(run_id).bind(after).fetch_all(&self.pool).await?
             }
         };
         rows.iter()
