@@ -45,6 +45,10 @@ pub struct LedgerConfig {
     pub max_payload_bytes: usize,
     /// Ed25519 seed (hex) the ledger signs chain heads with; created 0600 when missing.
     pub key_file: String,
+    /// Group-commit writers (PostgreSQL; SQLite always uses one). A run always uses the same one.
+    pub write_lanes: usize,
+    /// Most events committed together by one writer.
+    pub max_batch: usize,
 }
 
 impl Default for LedgerConfig {
@@ -55,6 +59,8 @@ impl Default for LedgerConfig {
             max_connections: 16,
             max_payload_bytes: 1 << 20,
             key_file: ".warden/ledger.key".into(),
+            write_lanes: 4,
+            max_batch: 128,
         }
     }
 }
@@ -234,6 +240,8 @@ impl WardenConfig {
         let positive = [
             ("ledger.max_connections", self.ledger.max_connections as u64),
             ("ledger.max_payload_bytes", self.ledger.max_payload_bytes as u64),
+            ("ledger.write_lanes", self.ledger.write_lanes as u64),
+            ("ledger.max_batch", self.ledger.max_batch as u64),
             ("planner.max_steps", self.planner.max_steps as u64),
             ("executor.max_concurrency", self.executor.max_concurrency as u64),
             ("executor.max_plan_bytes", self.executor.max_plan_bytes as u64),

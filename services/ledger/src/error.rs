@@ -19,6 +19,26 @@ pub enum LedgerError {
 }
 
 impl LedgerError {
+    /// A refusal of the request itself (as opposed to storage trouble).
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            LedgerError::NotFound(_) | LedgerError::InvalidArgument { .. } | LedgerError::Fenced { .. } | LedgerError::Precondition(_)
+        )
+    }
+
+    /// The same error for every member of a failed batch.
+    pub fn clone_for_batch(&self) -> LedgerError {
+        match self {
+            LedgerError::NotFound(m) => LedgerError::NotFound(m.clone()),
+            LedgerError::InvalidArgument { field, reason } => LedgerError::InvalidArgument { field: field.clone(), reason: reason.clone() },
+            LedgerError::Fenced { epoch, max_epoch } => LedgerError::Fenced { epoch: *epoch, max_epoch: *max_epoch },
+            LedgerError::Precondition(m) => LedgerError::Precondition(m.clone()),
+            LedgerError::Unavailable(m) => LedgerError::Unavailable(m.clone()),
+            LedgerError::Internal(m) => LedgerError::Internal(m.clone()),
+        }
+    }
+
     pub fn invalid(field: &str, reason: impl Into<String>) -> LedgerError {
         LedgerError::InvalidArgument { field: field.to_string(), reason: reason.into() }
     }

@@ -4,6 +4,7 @@
 //! no recorded allow decision, and deduplicates retried appends by idempotency key.
 
 pub mod error;
+pub mod group;
 pub mod server;
 pub mod store;
 
@@ -21,7 +22,7 @@ pub async fn open(config: &LedgerConfig) -> Result<LedgerService, LedgerError> {
     let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))
         .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
     let store = LedgerStore::connect(&config.database_url, config.max_connections, key).await?;
-    Ok(LedgerService::new(store, config.max_payload_bytes))
+    Ok(LedgerService::new(store, config.max_payload_bytes, config.write_lanes, config.max_batch))
 }
 
 /// Adds the ledger's gRPC service to `routes`.

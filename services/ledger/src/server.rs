@@ -20,7 +20,8 @@ use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_server::Ledger;
 
 use crate::error::LedgerError;
-use crate::store::{LedgerStore, NewEvent, NewRun, RunRow, SummaryRow};
+use crate::group::GroupCommit;
+use crate::store::{LedgerStore, NewRun, OwnedEvent, RunRow, SummaryRow};
 
 /// Events read per page when streaming or verifying (bounded memory per request).
 const PAGE: u32 = 1000;
@@ -29,15 +30,14 @@ const STREAM_BUFFER: usize = 256;
 /// How often a follower re-reads without a local notification (appends made by another
 /// ledger replica).
 const FOLLOW_POLL: Duration = Duration::from_millis(500);
-const STRIPES: usize = 64;
 
 #[derive(Clone)]
 pub struct LedgerService {
     store: LedgerStore,
     max_payload_bytes: usize,
     followers: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
-    /// Appends to one run queue here instead of on the database row lock.
-    stripes: Arc<Vec<tokio::sync::Mutex<()>>>,
+    /// Appends go through group commit.
+    writer: GroupCommit,
 }
 
 fn id_field(field: &str, v: &str) -> Result<(), Status> {
@@ -70,14 +70,14 @@ fn run_to_proto(r: RunRow) -> pb::LedgerRun {
 }
 
 impl LedgerService {
-    pub fn new(store: LedgerStore, max_payload_bytes: usize) -> LedgerService {
-        let sqlite = store.backend() == crate::store::Backend::Sqlite;
+    pub fn new(store: LedgerStore, max_payload_bytes: usize, write_lanes: usize, max_batch: usize) -> LedgerService {
+        // SQLite has one writer: more lanes would only queue on its lock.
+        let lanes = if store.backend() == crate::store::Backend::Sqlite { 1 } else { write_lanes };
         LedgerService {
+            writer: GroupCommit::start(store.clone(), lanes, max_batch),
             store,
             max_payload_bytes,
             followers: Default::default(),
-            // SQLite has one writer: queueing here is cheaper than its busy-wait sleeps.
-            stripes: Arc::new((0..if sqlite { 1 } else { STRIPES }).map(|_| tokio::sync::Mutex::new(())).collect()),
         }
     }
 
@@ -103,11 +103,6 @@ impl LedgerService {
         if let Some(n) = f.get(run_id) {
             n.notify_waiters();
         }
-    }
-
-    fn stripe(&self, run_id: &str) -> &tokio::sync::Mutex<()> {
-        let h = run_id.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
-        &self.stripes[(h % self.stripes.len() as u64) as usize]
     }
 
     fn parse_payload(&self, field: &str, json: &str) -> Result<Value, Status> {
@@ -136,12 +131,19 @@ impl LedgerService {
         payload: Value,
         step_id: &str,
     ) -> Result<(ChainedEvent, bool), LedgerError> {
-        let serial = self.stripe(run_id).lock().await;
         let appended = self
-            .store
-            .append(NewEvent { tenant, run_id, epoch, idempotency_key, event_type, payload, step_id, now_ms: now_ms() })
+            .writer
+            .append(OwnedEvent {
+                tenant: tenant.to_string(),
+                run_id: run_id.to_string(),
+                epoch,
+                idempotency_key: idempotency_key.to_string(),
+                event_type: event_type.to_string(),
+                payload,
+                step_id: step_id.to_string(),
+                now_ms: now_ms(),
+            })
             .await?;
-        drop(serial);
         if !appended.1 {
             self.notify(run_id);
         }

@@ -72,6 +72,34 @@ pub struct SummaryRow {
     pub timestamp_ms: i64,
 }
 
+/// [`NewEvent`] with owned fields, for queues.
+#[derive(Debug, Clone)]
+pub struct OwnedEvent {
+    pub tenant: String,
+    pub run_id: String,
+    pub epoch: u64,
+    pub idempotency_key: String,
+    pub event_type: String,
+    pub payload: Value,
+    pub step_id: String,
+    pub now_ms: i64,
+}
+
+impl OwnedEvent {
+    pub fn borrowed(&self) -> NewEvent<'_> {
+        NewEvent {
+            tenant: &self.tenant,
+            run_id: &self.run_id,
+            epoch: self.epoch,
+            idempotency_key: &self.idempotency_key,
+            event_type: &self.event_type,
+            payload: self.payload.clone(),
+            step_id: &self.step_id,
+            now_ms: self.now_ms,
+        }
+    }
+}
+
 /// A run to create with its `run_submitted` event.
 pub struct NewRun<'a> {
     pub run_id: &'a str,
@@ -422,15 +450,61 @@ impl LedgerStore {
     }
 
     /// Appends one event; returns it and whether it was a duplicate of an earlier append.
+    /// A write transaction. SQLite's starts IMMEDIATE: it reads before it writes, and a
+    /// deferred transaction could not upgrade after another writer committed.
+    async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, sqlx::Error> {
+        match self.backend {
+            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
+            Backend::Postgres => self.pool.begin().await,
+        }
+    }
+
+    /// Appends one event in its own transaction; returns it and whether it was a duplicate.
     pub async fn append(&self, new: NewEvent<'_>) -> Result<(ChainedEvent, bool), LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        // Lock the run row first: everything below sees every committed event of the run.
-        let head = sqlx::query(
-            "UPDATE runs SET last_seq = last_seq + 1 WHERE run_id = $1 RETURNING tenant, status, last_seq, head_hash, max_epoch",
-        )
-        .bind(new.run_id)
-        .fetch_optional(&mut *tx)
-        .await?;
+        let mut tx = self.begin_write().await?;
+        let appended = self.append_in(&mut tx, new).await?;
+        tx.commit().await?;
+        Ok(appended)
+    }
+
+    /// Appends many events in one database transaction (group commit), one commit for all.
+    /// A refused event wrote nothing (every check precedes the writes), so the others go on;
+    /// a database failure fails the events not yet refused, and their writers retry.
+    pub async fn append_batch(&self, batch: Vec<OwnedEvent>) -> Vec<Result<(ChainedEvent, bool), LedgerError>> {
+        let fail_all = |results: Vec<Result<(ChainedEvent, bool), LedgerError>>, n: usize, e: LedgerError| {
+            let mut out: Vec<_> = results.into_iter().map(|r| r.and_then(|_| Err(e.clone_for_batch()))).collect();
+            out.extend((out.len()..n).map(|_| Err(e.clone_for_batch())));
+            out
+        };
+        let n = batch.len();
+        let mut tx = match self.begin_write().await {
+            Ok(tx) => tx,
+            Err(e) => return fail_all(Vec::new(), n, e.into()),
+        };
+        let mut results = Vec::with_capacity(n);
+        for new in &batch {
+            match self.append_in(&mut tx, new.borrowed()).await {
+                Err(e) if !e.is_refusal() => return fail_all(results, n, e),
+                r => results.push(r),
+            }
+        }
+        match tx.commit().await {
+            Ok(()) => results,
+            Err(e) => fail_all(results, n, e.into()),
+        }
+    }
+
+    /// The append itself, inside `tx`. The caller commits (or rolls back a duplicate).
+    async fn append_in(&self, tx: &mut sqlx::Transaction<'_, sqlx::Any>, new: NewEvent<'_>) -> Result<(ChainedEvent, bool), LedgerError> {
+        // Lock the run row first (PostgreSQL row lock; SQLite's write transaction is already
+        // exclusive): everything below sees every committed event of the run. Every check
+        // that can refuse the event runs before the first write, so a refusal leaves the
+        // transaction clean for the rest of a batch.
+        let sql = match self.backend {
+            Backend::Postgres => "SELECT tenant, status, last_seq, head_hash, max_epoch FROM runs WHERE run_id = $1 FOR UPDATE",
+            Backend::Sqlite => "SELECT tenant, status, last_seq, head_hash, max_epoch FROM runs WHERE run_id = $1",
+        };
+        let head = sqlx::query(sql).bind(new.run_id).fetch_optional(&mut **tx).await?;
         let Some(head) = head else {
             return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
         };
@@ -440,7 +514,7 @@ impl LedgerStore {
         }
         let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND idempotency_key = $2");
         if let Some(existing) =
-            sqlx::query(&sql).bind(new.run_id).bind(new.idempotency_key).fetch_optional(&mut *tx).await?
+            sqlx::query(&sql).bind(new.run_id).bind(new.idempotency_key).fetch_optional(&mut **tx).await?
         {
             let existing = event_from_row(&existing)?;
             // A retry carries the same content; anything else reusing the key is refused, so
@@ -479,9 +553,9 @@ impl LedgerStore {
         }
         let mut capability_id = String::new();
         if events::NEEDS_ALLOW.contains(&new.event_type) {
-            capability_id = check_cited_allow(&mut tx, new.run_id, new.step_id, &new.payload, new.event_type).await?;
+            capability_id = check_cited_allow(tx, new.run_id, new.step_id, &new.payload, new.event_type).await?;
         }
-        let seq = head.try_get::<i64, _>("last_seq")? as u64;
+        let seq = head.try_get::<i64, _>("last_seq")? as u64 + 1;
         let prev_hash: String = head.try_get("head_hash")?;
         let event = link(
             EventBody {
@@ -496,11 +570,22 @@ impl LedgerStore {
             },
             &prev_hash,
         );
-        // Derived state first: a refused transaction step leaves no event behind either.
-        derived::apply(&mut tx, &tenant, &event).await?;
-        insert_event(&mut tx, &event).await?;
-        if let Some(receipt) = receipt_for(&event, &capability_id) {
-            insert_receipt(&mut tx, &receipt).await?;
+        let receipt = receipt_for(&event, &capability_id);
+        if let Some(r) = &receipt {
+            // K02: one receipt per call; a second outcome for the same attempt is refused.
+            let exists = sqlx::query("SELECT 1 FROM receipts WHERE receipt_id = $1").bind(&r.receipt_id).fetch_optional(&mut **tx).await?;
+            if exists.is_some() {
+                return Err(LedgerError::Precondition(format!(
+                    "step '{}' attempt {} already has an outcome (receipt {})",
+                    r.step_id, r.attempt, r.receipt_id
+                )));
+            }
+        }
+        // Derived state checks before it writes: a refused transaction step leaves nothing.
+        derived::apply(tx, &tenant, &event).await?;
+        insert_event(tx, &event).await?;
+        if let Some(r) = &receipt {
+            insert_receipt(tx, r).await?;
         }
         let (signature, key_id) = self.sign_head(new.run_id, seq, &event.hash);
         let (status, reason) = match events::status_after(new.event_type) {
@@ -513,7 +598,8 @@ impl LedgerStore {
         let keep_reason = events::status_after(new.event_type).is_none();
         sqlx::query(
             "UPDATE runs SET head_hash = $2, max_epoch = $3, status = $4,
-                 reason = CASE WHEN $5 = 1 THEN reason ELSE $6 END, updated_at_ms = $7, head_signature = $8, head_key_id = $9
+                 reason = CASE WHEN $5 = 1 THEN reason ELSE $6 END, updated_at_ms = $7, head_signature = $8, head_key_id = $9,
+                 last_seq = $10
              WHERE run_id = $1",
         )
         .bind(new.run_id)
@@ -525,9 +611,9 @@ impl LedgerStore {
         .bind(new.now_ms)
         .bind(&signature)
         .bind(&key_id)
-        .execute(&mut *tx)
+        .bind(seq as i64)
+        .execute(&mut **tx)
         .await?;
-        tx.commit().await?;
         Ok((event, false))
     }
 
@@ -651,11 +737,9 @@ async fn insert_receipt(tx: &mut sqlx::Transaction<'_, sqlx::Any>, r: &Receipt) 
     .await;
     match inserted {
         Ok(_) => Ok(()),
-        // K02: one receipt per call; a second outcome for the same attempt is refused.
-        Err(e) if is_unique_violation(&e) => Err(LedgerError::Precondition(format!(
-            "step '{}' attempt {} already has an outcome (receipt {})",
-            r.step_id, r.attempt, r.receipt_id
-        ))),
+        // The append checked first; a violation here is a race the database caught, and the
+        // transaction is unusable: report it as storage trouble, never as a refusal.
+        Err(e) if is_unique_violation(&e) => Err(LedgerError::Internal(format!("receipt {} written twice: {e}", r.receipt_id))),
         Err(e) => Err(e.into()),
     }
 }
