@@ -46,6 +46,23 @@ fn text(p: &Value, k: &str) -> String {
     p.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
 }
 
+fn attempt_of(p: &Value) -> u32 {
+    p.get("attempt").and_then(Value::as_u64).unwrap_or(1).max(1) as u32
+}
+
+/// The id of the receipt an outcome event yields: a function of the call (run, step,
+/// attempt) or of the transaction, so a second outcome for the same call has the same id.
+pub fn receipt_id(run_id: &str, event_type: &str, step_id: &str, p: &Value) -> Option<String> {
+    let call = match event_type {
+        events::TX_COMMITTED | events::TX_ROLLED_BACK => format!("{run_id}:tx:{}", text(p, "tx_id")),
+        events::TOOL_COMPLETED | events::TOOL_FAILED | events::STEP_FAILED | events::STEP_CANCELLED => {
+            format!("{run_id}:{step_id}:{}", attempt_of(p))
+        }
+        _ => return None,
+    };
+    Some(format!("rcpt-{}", &sha256_hex(call)[..24]))
+}
+
 /// The receipt an outcome event yields, if it is one. `capability_id` comes from the cited
 /// decision when the event itself does not carry one.
 pub fn receipt_for(event: &ChainedEvent, capability_id: &str) -> Option<Receipt> {
@@ -62,21 +79,19 @@ pub fn receipt_for(event: &ChainedEvent, capability_id: &str) -> Option<Receipt>
         _ => return None,
     };
     let tx_id = text(p, "tx_id");
-    let is_tx = matches!(b.event_type.as_str(), events::TX_COMMITTED | events::TX_ROLLED_BACK);
-    let attempt = p.get("attempt").and_then(Value::as_u64).unwrap_or(1).max(1) as u32;
+    let attempt = attempt_of(p);
     let mut cap = text(p, "capability_id");
     if cap.is_empty() {
         cap = capability_id.to_string();
     }
-    // One receipt per call: the id is a function of the call (or of the transaction).
-    let call = if is_tx { format!("{}:tx:{tx_id}", b.run_id) } else { format!("{}:{}:{attempt}", b.run_id, b.step_id) };
+    let receipt_id = receipt_id(&b.run_id, &b.event_type, &b.step_id, p)?;
     let action_type = match b.event_type.as_str() {
         events::TX_COMMITTED => "commit_tx".to_string(),
         events::TX_ROLLED_BACK => "rollback_tx".to_string(),
         _ => text(p, "tool"),
     };
     let mut r = Receipt {
-        receipt_id: format!("rcpt-{}", &sha256_hex(call)[..24]),
+        receipt_id,
         run_id: b.run_id.clone(),
         step_id: b.step_id.clone(),
         attempt,

@@ -18,10 +18,12 @@ use sqlx::{AnyPool, Row};
 use warden_core::chain::{ChainedEvent, EventBody, GENESIS_HASH, link};
 use warden_core::events::{self, RunStatus};
 use warden_core::head::Head;
-use warden_core::receipt::{Receipt, receipt_for};
+use warden_core::receipt::{Receipt, receipt_for, receipt_id};
 
 use crate::error::LedgerError;
 
+mod batch;
+mod checks;
 pub mod derived;
 
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("migrations/postgres");
@@ -132,7 +134,7 @@ pub struct LedgerStore {
 }
 
 const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
-const EVENT_COLUMNS: &str =
+pub(crate) const EVENT_COLUMNS: &str =
     "run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash";
 
 fn run_from_row(r: &AnyRow) -> Result<RunRow, LedgerError> {
@@ -240,7 +242,7 @@ impl LedgerStore {
         self.key.verifying_key()
     }
 
-    fn sign_head(&self, run_id: &str, seq: u64, hash: &str) -> (String, String) {
+    pub(crate) fn sign_head(&self, run_id: &str, seq: u64, hash: &str) -> (String, String) {
         let (sig, key_id) = Head { run_id: run_id.to_string(), seq, hash: hash.to_string() }.sign(&self.key);
         (hex::encode(sig), key_id)
     }
@@ -294,39 +296,11 @@ impl LedgerStore {
         .execute(&mut *tx)
         .await
         .map_err(|e| if is_unique_violation(&e) { LedgerError::Precondition(format!("run '{run_id}' already exists")) } else { e.into() })?;
-        // Multi-row inserts: one round trip per few hundred events.
-        const ROWS: usize = 400;
-        for chunk in events.chunks(ROWS) {
-            let marks: Vec<String> = (0..chunk.len())
-                .map(|r| format!("({})", (1..=10).map(|c| format!("${}", r * 10 + c)).collect::<Vec<_>>().join(", ")))
-                .collect();
-            let sql = format!(
-                "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash) VALUES {}",
-                marks.join(", ")
-            );
-            let mut q = sqlx::query(&sql);
-            for e in chunk {
-                q = q
-                    .bind(&e.body.run_id)
-                    .bind(e.body.seq as i64)
-                    .bind(&e.body.event_type)
-                    .bind(warden_core::canonical_json(&e.body.payload))
-                    .bind(&e.body.step_id)
-                    .bind(e.body.epoch as i64)
-                    .bind(&e.body.idempotency_key)
-                    .bind(e.body.timestamp_ms)
-                    .bind(&e.prev_hash)
-                    .bind(&e.hash);
-            }
-            q.execute(&mut *tx).await?;
-        }
-        for e in events {
-            if let Some(r) = receipt_for(e, "") {
-                insert_receipt(&mut tx, &r).await?;
-            }
-            if e.body.event_type == events::RUN_SUMMARY {
-                derived::apply(&mut tx, tenant, e).await?;
-            }
+        batch::insert_events(&mut tx, events).await?;
+        let receipts: Vec<Receipt> = events.iter().filter_map(|e| receipt_for(e, "")).collect();
+        batch::insert_receipts(&mut tx, &receipts).await?;
+        for e in events.iter().filter(|e| e.body.event_type == events::RUN_SUMMARY) {
+            derived::apply(&mut tx, tenant, e).await?;
         }
         tx.commit().await?;
         self.get_run(run_id).await?.ok_or_else(|| LedgerError::Internal("imported run vanished".into()))
@@ -392,7 +366,7 @@ impl LedgerStore {
             }
             return Err(e.into());
         }
-        insert_event(&mut tx, &first).await?;
+        batch::insert_events(&mut tx, std::slice::from_ref(&first)).await?;
         tx.commit().await?;
         let run =
             self.get_run(new.run_id).await?.ok_or_else(|| LedgerError::Internal("created run vanished".into()))?;
@@ -471,96 +445,70 @@ impl LedgerStore {
     /// A refused event wrote nothing (every check precedes the writes), so the others go on;
     /// a database failure fails the events not yet refused, and their writers retry.
     pub async fn append_batch(&self, batch: Vec<OwnedEvent>) -> Vec<Result<(ChainedEvent, bool), LedgerError>> {
-        let fail_all = |results: Vec<Result<(ChainedEvent, bool), LedgerError>>, n: usize, e: LedgerError| {
+        let n = batch.len();
+        let fail_all = |results: Vec<Result<(ChainedEvent, bool), LedgerError>>, e: LedgerError| {
             let mut out: Vec<_> = results.into_iter().map(|r| r.and_then(|_| Err(e.clone_for_batch()))).collect();
             out.extend((out.len()..n).map(|_| Err(e.clone_for_batch())));
             out
         };
-        let n = batch.len();
         let mut tx = match self.begin_write().await {
             Ok(tx) => tx,
-            Err(e) => return fail_all(Vec::new(), n, e.into()),
+            Err(e) => return fail_all(Vec::new(), e.into()),
         };
-        let mut results = Vec::with_capacity(n);
-        for new in &batch {
-            match self.append_in(&mut tx, new.borrowed()).await {
-                Err(e) if !e.is_refusal() => return fail_all(results, n, e),
-                r => results.push(r),
+        // Events with derived effects (summaries, transactions) read state that earlier
+        // events of the batch may change: they take the one-by-one path.
+        let derived = batch.iter().any(|e| derived::has_effects(&e.event_type));
+        let results = if derived {
+            let mut results = Vec::with_capacity(n);
+            for new in &batch {
+                match self.append_in(&mut tx, new.borrowed()).await {
+                    Err(e) if !e.is_refusal() => return fail_all(results, e),
+                    r => results.push(r),
+                }
             }
-        }
+            results
+        } else {
+            match batch::append_plain(self, &mut tx, &batch).await {
+                Ok(r) => r,
+                Err(e) => return fail_all(Vec::new(), e),
+            }
+        };
         match tx.commit().await {
             Ok(()) => results,
-            Err(e) => fail_all(results, n, e.into()),
+            Err(e) => fail_all(results, e.into()),
         }
     }
 
-    /// The append itself, inside `tx`. The caller commits (or rolls back a duplicate).
+    /// One event inside `tx`, reading what it needs as it goes. The caller commits.
     async fn append_in(&self, tx: &mut sqlx::Transaction<'_, sqlx::Any>, new: NewEvent<'_>) -> Result<(ChainedEvent, bool), LedgerError> {
-        // Lock the run row first (PostgreSQL row lock; SQLite's write transaction is already
-        // exclusive): everything below sees every committed event of the run. Every check
-        // that can refuse the event runs before the first write, so a refusal leaves the
-        // transaction clean for the rest of a batch.
-        let sql = match self.backend {
-            Backend::Postgres => "SELECT tenant, status, last_seq, head_hash, max_epoch FROM runs WHERE run_id = $1 FOR UPDATE",
-            Backend::Sqlite => "SELECT tenant, status, last_seq, head_hash, max_epoch FROM runs WHERE run_id = $1",
-        };
-        let head = sqlx::query(sql).bind(new.run_id).fetch_optional(&mut **tx).await?;
-        let Some(head) = head else {
-            return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
-        };
-        let tenant: String = head.try_get("tenant")?;
-        if tenant != new.tenant {
-            return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
+        let mut heads = batch::lock_heads(self, tx, &[new.run_id.to_string()]).await?;
+        let Some(head) = heads.get_mut(new.run_id) else { return Err(LedgerError::NotFound(format!("run '{}'", new.run_id))) };
+        checks::check_tenant(head, &new)?;
+        let own_key = (new.run_id.to_string(), new.idempotency_key.to_string());
+        let mut keys = vec![own_key.clone()];
+        let cited = checks::cited_decision_key(&new)?;
+        if let Some(k) = &cited {
+            keys.push((new.run_id.to_string(), k.clone()));
         }
-        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND idempotency_key = $2");
-        if let Some(existing) =
-            sqlx::query(&sql).bind(new.run_id).bind(new.idempotency_key).fetch_optional(&mut **tx).await?
-        {
-            let existing = event_from_row(&existing)?;
-            // A retry carries the same content; anything else reusing the key is refused, so
-            // nobody can pre-record an event another writer will later be handed back.
-            let same = existing.body.event_type == new.event_type
-                && existing.body.step_id == new.step_id
-                && warden_core::canonical_json(&existing.body.payload) == warden_core::canonical_json(&new.payload);
-            if !same {
-                return Err(LedgerError::invalid(
-                    "idempotency_key",
-                    format!(
-                        "already used by a different {} event of step '{}'",
-                        existing.body.event_type, existing.body.step_id
-                    ),
-                ));
+        let found = batch::find_events(tx, &keys).await?;
+        if let Some(existing) = found.get(&own_key) {
+            checks::check_duplicate(existing, &new)?;
+            return Ok((existing.clone(), true));
+        }
+        checks::check_writable(head, &new)?;
+        let capability_id = match cited {
+            Some(k) => checks::check_allow(found.get(&(new.run_id.to_string(), k)), &new)?,
+            None => String::new(),
+        };
+        if let Some(id) = receipt_id(new.run_id, new.event_type, new.step_id, &new.payload) {
+            if !batch::existing_receipts(tx, &[id.clone()]).await?.is_empty() {
+                return Err(LedgerError::Precondition(format!("step '{}' already has an outcome for this attempt (receipt {id})", new.step_id)));
             }
-            return Ok((existing, true));
         }
-        let max_epoch = head.try_get::<i64, _>("max_epoch")? as u64;
-        if new.epoch < max_epoch {
-            return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch });
-        }
-        let status: String = head.try_get("status")?;
-        let current = RunStatus::parse(&status);
-        // A run waiting for an operator or an approval is not picked up again by an executor.
-        if new.event_type == events::RUN_STARTED
-            && matches!(current, Some(RunStatus::RequiresReconciliation | RunStatus::Blocked))
-        {
-            return Err(LedgerError::Precondition(format!("run '{}' is {status}; it cannot be started", new.run_id)));
-        }
-        if current.is_some_and(RunStatus::is_terminal) && !events::AFTER_END.contains(&new.event_type) {
-            return Err(LedgerError::Precondition(format!(
-                "run '{}' is {status}; it accepts no more events",
-                new.run_id
-            )));
-        }
-        let mut capability_id = String::new();
-        if events::NEEDS_ALLOW.contains(&new.event_type) {
-            capability_id = check_cited_allow(tx, new.run_id, new.step_id, &new.payload, new.event_type).await?;
-        }
-        let seq = head.try_get::<i64, _>("last_seq")? as u64 + 1;
-        let prev_hash: String = head.try_get("head_hash")?;
         let event = link(
             EventBody {
                 run_id: new.run_id.to_string(),
-                seq,
+                seq: head.last_seq + 1,
                 event_type: new.event_type.to_string(),
                 payload: new.payload,
                 step_id: new.step_id.to_string(),
@@ -568,52 +516,16 @@ impl LedgerStore {
                 idempotency_key: new.idempotency_key.to_string(),
                 timestamp_ms: new.now_ms,
             },
-            &prev_hash,
+            &head.head_hash,
         );
-        let receipt = receipt_for(&event, &capability_id);
-        if let Some(r) = &receipt {
-            // K02: one receipt per call; a second outcome for the same attempt is refused.
-            let exists = sqlx::query("SELECT 1 FROM receipts WHERE receipt_id = $1").bind(&r.receipt_id).fetch_optional(&mut **tx).await?;
-            if exists.is_some() {
-                return Err(LedgerError::Precondition(format!(
-                    "step '{}' attempt {} already has an outcome (receipt {})",
-                    r.step_id, r.attempt, r.receipt_id
-                )));
-            }
-        }
         // Derived state checks before it writes: a refused transaction step leaves nothing.
-        derived::apply(tx, &tenant, &event).await?;
-        insert_event(tx, &event).await?;
-        if let Some(r) = &receipt {
-            insert_receipt(tx, r).await?;
+        derived::apply(tx, &head.tenant, &event).await?;
+        batch::insert_events(tx, std::slice::from_ref(&event)).await?;
+        if let Some(r) = receipt_for(&event, &capability_id) {
+            batch::insert_receipts(tx, &[r]).await?;
         }
-        let (signature, key_id) = self.sign_head(new.run_id, seq, &event.hash);
-        let (status, reason) = match events::status_after(new.event_type) {
-            Some(st) => (
-                st.as_str().to_string(),
-                event.body.payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string(),
-            ),
-            None => (status, String::new()),
-        };
-        let keep_reason = events::status_after(new.event_type).is_none();
-        sqlx::query(
-            "UPDATE runs SET head_hash = $2, max_epoch = $3, status = $4,
-                 reason = CASE WHEN $5 = 1 THEN reason ELSE $6 END, updated_at_ms = $7, head_signature = $8, head_key_id = $9,
-                 last_seq = $10
-             WHERE run_id = $1",
-        )
-        .bind(new.run_id)
-        .bind(&event.hash)
-        .bind(max_epoch.max(new.epoch) as i64)
-        .bind(&status)
-        .bind(keep_reason as i64)
-        .bind(&reason)
-        .bind(new.now_ms)
-        .bind(&signature)
-        .bind(&key_id)
-        .bind(seq as i64)
-        .execute(&mut **tx)
-        .await?;
+        head.advance(&event);
+        batch::write_head(self, tx, head).await?;
         Ok((event, false))
     }
 
@@ -719,103 +631,6 @@ fn empty_receipt(run_id: &str) -> Receipt {
         event_hash: String::new(),
         hash: String::new(),
     }
-}
-
-async fn insert_receipt(tx: &mut sqlx::Transaction<'_, sqlx::Any>, r: &Receipt) -> Result<(), LedgerError> {
-    let inserted = sqlx::query(
-        "INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-    )
-    .bind(&r.receipt_id)
-    .bind(&r.run_id)
-    .bind(&r.step_id)
-    .bind(r.attempt as i64)
-    .bind(r.seq as i64)
-    .bind(warden_core::canonical_json(r))
-    .bind(&r.status)
-    .bind(&r.hash)
-    .execute(&mut **tx)
-    .await;
-    match inserted {
-        Ok(_) => Ok(()),
-        // The append checked first; a violation here is a race the database caught, and the
-        // transaction is unusable: report it as storage trouble, never as a refusal.
-        Err(e) if is_unique_violation(&e) => Err(LedgerError::Internal(format!("receipt {} written twice: {e}", r.receipt_id))),
-        Err(e) => Err(e.into()),
-    }
-}
-
-async fn insert_event(tx: &mut sqlx::Transaction<'_, sqlx::Any>, e: &ChainedEvent) -> Result<(), LedgerError> {
-    sqlx::query(
-        "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-    )
-    .bind(&e.body.run_id)
-    .bind(e.body.seq as i64)
-    .bind(&e.body.event_type)
-    .bind(warden_core::canonical_json(&e.body.payload))
-    .bind(&e.body.step_id)
-    .bind(e.body.epoch as i64)
-    .bind(&e.body.idempotency_key)
-    .bind(e.body.timestamp_ms)
-    .bind(&e.prev_hash)
-    .bind(&e.hash)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// `tool_requested` / `tool_completed` must cite a recorded allow decision for the same step.
-async fn check_cited_allow(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    run_id: &str,
-    step_id: &str,
-    payload: &Value,
-    event_type: &str,
-) -> Result<String, LedgerError> {
-    let Some(decision_id) = payload.get("decision_id").and_then(Value::as_str).filter(|d| !d.is_empty()) else {
-        return Err(LedgerError::invalid(
-            "payload_json.decision_id",
-            format!("a {event_type} event must cite the allow decision it acts on"),
-        ));
-    };
-    let row =
-        sqlx::query("SELECT event_type, step_id, payload_json FROM events WHERE run_id = $1 AND idempotency_key = $2")
-            .bind(run_id)
-            .bind(events::decision_key(decision_id))
-            .fetch_optional(&mut **tx)
-            .await?;
-    let refused = |why: &str| {
-        Err(LedgerError::Precondition(format!(
-            "{event_type} for step '{step_id}' cites decision '{decision_id}', {why}"
-        )))
-    };
-    let Some(row) = row else {
-        return refused("which is not recorded for this run");
-    };
-    let (etype, dstep, dpayload): (String, String, String) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
-    let decision: Value = serde_json::from_str(&dpayload).unwrap_or_default();
-    let field = |k: &str| decision.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
-    if etype != events::POLICY_DECISION || dstep != step_id {
-        return refused("which is not a decision for this step");
-    }
-    if field("outcome") != "allow" {
-        return refused("which is not an allow");
-    }
-    // The event must be about the very call that was allowed.
-    for key in ["attempt", "tool", "idempotency_key"] {
-        if payload.get(key) != decision.get(key) {
-            return refused(&format!("which allowed a different {key}"));
-        }
-    }
-    if event_type == events::TOOL_REQUESTED {
-        let args = payload.get("args").ok_or_else(|| {
-            LedgerError::invalid("payload_json.args", "a tool_requested event records the arguments it was allowed for")
-        })?;
-        if warden_core::canonical::args_digest(args) != field("args_sha256") {
-            return refused("which allowed different arguments");
-        }
-    }
-    Ok(field("capability_id"))
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {

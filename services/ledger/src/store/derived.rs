@@ -12,6 +12,11 @@ use crate::error::LedgerError;
 
 type Tx<'a> = Transaction<'a, Any>;
 
+/// Whether events of this type change derived tables.
+pub fn has_effects(event_type: &str) -> bool {
+    matches!(event_type, events::RUN_SUMMARY | events::TX_PROPOSED | events::TX_COMMITTED | events::TX_ROLLED_BACK)
+}
+
 pub async fn apply(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), LedgerError> {
     match e.body.event_type.as_str() {
         events::RUN_SUMMARY => summary(tx, e).await,
