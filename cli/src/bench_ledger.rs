@@ -16,10 +16,10 @@ use warden_proto::v1 as pb;
 #[derive(clap::Args, Clone)]
 pub struct LedgerBenchArgs {
     /// Runs written concurrently.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 128)]
     pub runs: usize,
     /// Appends per run in the concurrent test.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 100)]
     pub appends: usize,
     /// Events in the verification test.
     #[arg(long, default_value_t = 100_000)]

@@ -23,7 +23,10 @@ impl LedgerError {
     pub fn is_refusal(&self) -> bool {
         matches!(
             self,
-            LedgerError::NotFound(_) | LedgerError::InvalidArgument { .. } | LedgerError::Fenced { .. } | LedgerError::Precondition(_)
+            LedgerError::NotFound(_)
+                | LedgerError::InvalidArgument { .. }
+                | LedgerError::Fenced { .. }
+                | LedgerError::Precondition(_)
         )
     }
 
@@ -31,7 +34,9 @@ impl LedgerError {
     pub fn clone_for_batch(&self) -> LedgerError {
         match self {
             LedgerError::NotFound(m) => LedgerError::NotFound(m.clone()),
-            LedgerError::InvalidArgument { field, reason } => LedgerError::InvalidArgument { field: field.clone(), reason: reason.clone() },
+            LedgerError::InvalidArgument { field, reason } => {
+                LedgerError::InvalidArgument { field: field.clone(), reason: reason.clone() }
+            }
             LedgerError::Fenced { epoch, max_epoch } => LedgerError::Fenced { epoch: *epoch, max_epoch: *max_epoch },
             LedgerError::Precondition(m) => LedgerError::Precondition(m.clone()),
             LedgerError::Unavailable(m) => LedgerError::Unavailable(m.clone()),

@@ -480,9 +480,15 @@ impl LedgerStore {
     }
 
     /// One event inside `tx`, reading what it needs as it goes. The caller commits.
-    async fn append_in(&self, tx: &mut sqlx::Transaction<'_, sqlx::Any>, new: NewEvent<'_>) -> Result<(ChainedEvent, bool), LedgerError> {
+    async fn append_in(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        new: NewEvent<'_>,
+    ) -> Result<(ChainedEvent, bool), LedgerError> {
         let mut heads = batch::lock_heads(self, tx, &[new.run_id.to_string()]).await?;
-        let Some(head) = heads.get_mut(new.run_id) else { return Err(LedgerError::NotFound(format!("run '{}'", new.run_id))) };
+        let Some(head) = heads.get_mut(new.run_id) else {
+            return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
+        };
         checks::check_tenant(head, &new)?;
         let own_key = (new.run_id.to_string(), new.idempotency_key.to_string());
         let mut keys = vec![own_key.clone()];
@@ -502,7 +508,10 @@ impl LedgerStore {
         };
         if let Some(id) = receipt_id(new.run_id, new.event_type, new.step_id, &new.payload) {
             if !batch::existing_receipts(tx, &[id.clone()]).await?.is_empty() {
-                return Err(LedgerError::Precondition(format!("step '{}' already has an outcome for this attempt (receipt {id})", new.step_id)));
+                return Err(LedgerError::Precondition(format!(
+                    "step '{}' already has an outcome for this attempt (receipt {id})",
+                    new.step_id
+                )));
             }
         }
         let event = link(

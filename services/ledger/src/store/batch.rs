@@ -21,13 +21,19 @@ const ROWS: usize = 400;
 
 fn marks(rows: usize, cols: usize, from: usize) -> String {
     (0..rows)
-        .map(|r| format!("({})", (1..=cols).map(|c| format!("${}", from + r * cols + c)).collect::<Vec<_>>().join(", ")))
+        .map(|r| {
+            format!("({})", (1..=cols).map(|c| format!("${}", from + r * cols + c)).collect::<Vec<_>>().join(", "))
+        })
         .collect::<Vec<_>>()
         .join(", ")
 }
 
 /// Locks the runs (in id order, so concurrent batches cannot deadlock) and reads their heads.
-pub async fn lock_heads(store: &LedgerStore, tx: &mut Tx<'_>, run_ids: &[String]) -> Result<HashMap<String, RunHead>, LedgerError> {
+pub async fn lock_heads(
+    store: &LedgerStore,
+    tx: &mut Tx<'_>,
+    run_ids: &[String],
+) -> Result<HashMap<String, RunHead>, LedgerError> {
     let mut ids: Vec<&String> = run_ids.iter().collect();
     ids.sort();
     ids.dedup();
@@ -61,7 +67,10 @@ pub async fn lock_heads(store: &LedgerStore, tx: &mut Tx<'_>, run_ids: &[String]
 }
 
 /// Events by `(run_id, idempotency_key)`.
-pub async fn find_events(tx: &mut Tx<'_>, keys: &[(String, String)]) -> Result<HashMap<(String, String), ChainedEvent>, LedgerError> {
+pub async fn find_events(
+    tx: &mut Tx<'_>,
+    keys: &[(String, String)],
+) -> Result<HashMap<(String, String), ChainedEvent>, LedgerError> {
     let mut found = HashMap::new();
     for chunk in keys.chunks(ROWS) {
         let pairs = marks(chunk.len(), 2, 0);
@@ -168,7 +177,11 @@ pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, h: &RunHead) -> Re
 }
 
 /// Appends a batch of events without derived effects. `Err` only for storage trouble.
-pub async fn append_plain(store: &LedgerStore, tx: &mut Tx<'_>, batch: &[OwnedEvent]) -> Result<Vec<Appended>, LedgerError> {
+pub async fn append_plain(
+    store: &LedgerStore,
+    tx: &mut Tx<'_>,
+    batch: &[OwnedEvent],
+) -> Result<Vec<Appended>, LedgerError> {
     let run_ids: Vec<String> = batch.iter().map(|e| e.run_id.clone()).collect();
     let mut heads = lock_heads(store, tx, &run_ids).await?;
     let mut keys = Vec::with_capacity(batch.len() * 2);

@@ -53,7 +53,10 @@ pub fn check_duplicate(existing: &ChainedEvent, new: &NewEvent<'_>) -> Result<()
     if !same {
         return Err(LedgerError::invalid(
             "idempotency_key",
-            format!("already used by a different {} event of step '{}'", existing.body.event_type, existing.body.step_id),
+            format!(
+                "already used by a different {} event of step '{}'",
+                existing.body.event_type, existing.body.step_id
+            ),
         ));
     }
     Ok(())
@@ -66,11 +69,19 @@ pub fn check_writable(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerEr
     }
     let current = RunStatus::parse(&head.status);
     // A run waiting for an operator or an approval is not picked up again by an executor.
-    if new.event_type == events::RUN_STARTED && matches!(current, Some(RunStatus::RequiresReconciliation | RunStatus::Blocked)) {
-        return Err(LedgerError::Precondition(format!("run '{}' is {}; it cannot be started", new.run_id, head.status)));
+    if new.event_type == events::RUN_STARTED
+        && matches!(current, Some(RunStatus::RequiresReconciliation | RunStatus::Blocked))
+    {
+        return Err(LedgerError::Precondition(format!(
+            "run '{}' is {}; it cannot be started",
+            new.run_id, head.status
+        )));
     }
     if current.is_some_and(RunStatus::is_terminal) && !events::AFTER_END.contains(&new.event_type) {
-        return Err(LedgerError::Precondition(format!("run '{}' is {}; it accepts no more events", new.run_id, head.status)));
+        return Err(LedgerError::Precondition(format!(
+            "run '{}' is {}; it accepts no more events",
+            new.run_id, head.status
+        )));
     }
     Ok(())
 }
@@ -94,7 +105,10 @@ pub fn cited_decision_key(new: &NewEvent<'_>) -> Result<Option<String>, LedgerEr
 pub fn check_allow(decision: Option<&ChainedEvent>, new: &NewEvent<'_>) -> Result<String, LedgerError> {
     let id = new.payload.get("decision_id").and_then(Value::as_str).unwrap_or_default();
     let refused = |why: &str| {
-        Err(LedgerError::Precondition(format!("{} for step '{}' cites decision '{id}', {why}", new.event_type, new.step_id)))
+        Err(LedgerError::Precondition(format!(
+            "{} for step '{}' cites decision '{id}', {why}",
+            new.event_type, new.step_id
+        )))
     };
     let Some(d) = decision else { return refused("which is not recorded for this run") };
     let field = |k: &str| d.body.payload.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
