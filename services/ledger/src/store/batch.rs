@@ -211,14 +211,13 @@ pub async fn append_plain(
                 Some(k) => checks::check_allow(known.get(&(e.run_id.clone(), k)), &new)?,
                 None => String::new(),
             };
-            if let Some(id) = receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload) {
-                if receipts_taken.contains(&id) {
+            if let Some(id) = receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload)
+                && receipts_taken.contains(&id) {
                     return Err(LedgerError::Precondition(format!(
                         "step '{}' already has an outcome for this attempt (receipt {id})",
                         e.step_id
                     )));
                 }
-            }
             let event = link(
                 EventBody {
                     run_id: e.run_id.clone(),
