@@ -212,12 +212,13 @@ pub async fn append_plain(
                 None => String::new(),
             };
             if let Some(id) = receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload)
-                && receipts_taken.contains(&id) {
-                    return Err(LedgerError::Precondition(format!(
-                        "step '{}' already has an outcome for this attempt (receipt {id})",
-                        e.step_id
-                    )));
-                }
+                && receipts_taken.contains(&id)
+            {
+                return Err(LedgerError::Precondition(format!(
+                    "step '{}' already has an outcome for this attempt (receipt {id})",
+                    e.step_id
+                )));
+            }
             let event = link(
                 EventBody {
                     run_id: e.run_id.clone(),
