@@ -206,6 +206,7 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
         lease_ttl_ms: 10_000,
         sweep_interval_ms: 2_000,
         executors: 1,
+        ..Default::default()
     })
     .await?;
     let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };

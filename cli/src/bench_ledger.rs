@@ -92,7 +92,7 @@ pub async fn run(args: &LedgerBenchArgs) -> anyhow::Result<()> {
     })
     .await?;
     let ledger = warden_proto::v1::ledger_client::LedgerClient::new(mesh.ledger.channel());
-    let create = |mut l: warden_proto::v1::ledger_client::LedgerClient<tonic::transport::Channel>| async move {
+    let create = |mut l: warden_proto::v1::ledger_client::LedgerClient<warden_grpc::auth::Ch>| async move {
         let r = l
             .create_run(pb::CreateRunRequest {
                 tenant: "default".into(),
@@ -183,7 +183,7 @@ pub async fn run(args: &LedgerBenchArgs) -> anyhow::Result<()> {
 }
 
 async fn export_to(
-    l: &mut warden_proto::v1::ledger_client::LedgerClient<tonic::transport::Channel>,
+    l: &mut warden_proto::v1::ledger_client::LedgerClient<warden_grpc::auth::Ch>,
     run_id: &str,
     path: &std::path::Path,
 ) -> anyhow::Result<()> {

@@ -71,12 +71,14 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
     let planner = warden_planner::PlannerService::new(&config.planner)?;
     let tools = warden_tools::ToolHostService::new(&config.tools)?;
     let executor = warden_executor::Executor::new(&config.executor).await?;
+    warden_grpc::auth::set_client_token(&config.auth.token);
+    let tokens = warden_grpc::auth::Tokens::new(&config.auth.tokens);
     let mut routes = Routes::builder();
-    warden_ledger::add_routes(&mut routes, ledger);
-    warden_policy::add_routes(&mut routes, policy);
-    warden_planner::add_routes(&mut routes, planner);
+    warden_ledger::add_routes(&mut routes, ledger, &tokens);
+    warden_policy::add_routes(&mut routes, policy, &tokens);
+    warden_planner::add_routes(&mut routes, planner, &tokens);
     warden_tools::add_routes(&mut routes, tools);
-    warden_executor::add_routes(&mut routes, executor.clone());
+    warden_executor::add_routes(&mut routes, executor.clone(), &tokens);
     let services: Vec<&str> = [
         warden_ledger::SERVICES,
         warden_policy::SERVICES,

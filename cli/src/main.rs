@@ -21,6 +21,9 @@ struct Cli {
     /// The ledger, when it is not served at --endpoint (production shape).
     #[arg(long, global = true, env = "WARDEN_LEDGER_ENDPOINT")]
     ledger_endpoint: Option<String>,
+    /// Bearer token to present (when the mesh authenticates callers).
+    #[arg(long, global = true, env = "WARDEN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     /// Tenant to act as.
     #[arg(long, global = true, env = "WARDEN_TENANT", default_value = "default")]
     tenant: String,
@@ -52,6 +55,9 @@ pub struct Target {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
+    if let Some(t) = &cli.token {
+        warden_grpc::auth::set_client_token(t);
+    }
     let target = Target {
         ledger_endpoint: cli.ledger_endpoint.clone().unwrap_or_else(|| cli.endpoint.clone()),
         endpoint: cli.endpoint,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use serde_json::json;
-use tonic::transport::Channel;
+use warden_grpc::auth::Ch;
 use warden_grpc::convert::status_name;
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
@@ -88,11 +88,11 @@ pub enum RunCommand {
     },
 }
 
-pub async fn runs_client(endpoint: &str) -> anyhow::Result<RunsClient<Channel>> {
+pub async fn runs_client(endpoint: &str) -> anyhow::Result<RunsClient<Ch>> {
     Ok(RunsClient::new(warden_grpc::channel(endpoint)?))
 }
 
-pub async fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<Channel>> {
+pub async fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<Ch>> {
     Ok(LedgerClient::new(warden_grpc::channel(endpoint)?).max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES))
 }
 
@@ -374,7 +374,7 @@ async fn export(target: &Target, run_id: &str) -> anyhow::Result<i32> {
 }
 
 pub async fn export_with(
-    ledger: &mut LedgerClient<Channel>,
+    ledger: &mut LedgerClient<Ch>,
     target: &Target,
     run_id: &str,
     out: &mut impl std::io::Write,

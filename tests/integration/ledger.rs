@@ -7,7 +7,7 @@ use crate::*;
 
 struct Fixture {
     mesh: warden_testkit::Mesh,
-    ledger: LedgerClient<Channel>,
+    ledger: LedgerClient<Ch>,
     run_id: String,
 }
 

@@ -146,7 +146,7 @@ async fn transactions(backend: Backend) {
         .decision
         .expect("decision");
     assert_eq!(allow.outcome(), pb::Outcome::Allow);
-    let state = |mut l: LedgerClient<Channel>| async move {
+    let state = |mut l: LedgerClient<Ch>| async move {
         l.get_state(pb::GetStateRequest { tenant: "acme".into(), key: "balance".into() })
             .await
             .expect("state")

@@ -11,7 +11,7 @@ mod receipts;
 use std::time::Duration;
 
 use serde_json::Value;
-use tonic::transport::Channel;
+use warden_grpc::auth::Ch;
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 use warden_testkit::{Mesh, MeshOptions};
@@ -85,7 +85,7 @@ pub async fn settled(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
     run.unwrap_or_else(|| panic!("run {run_id} did not settle\n{}", mesh.logs()))
 }
 
-pub async fn events(ledger: &mut LedgerClient<Channel>, tenant: &str, run_id: &str) -> Vec<pb::Event> {
+pub async fn events(ledger: &mut LedgerClient<Ch>, tenant: &str, run_id: &str) -> Vec<pb::Event> {
     let mut s = ledger
         .stream_events(pb::StreamEventsRequest {
             tenant: tenant.into(),
@@ -107,7 +107,7 @@ pub fn payload(e: &pb::Event) -> Value {
     serde_json::from_str(&e.payload_json).expect("payload is JSON")
 }
 
-pub async fn verify(ledger: &mut LedgerClient<Channel>, tenant: &str, run_id: &str) -> pb::VerifyRunResponse {
+pub async fn verify(ledger: &mut LedgerClient<Ch>, tenant: &str, run_id: &str) -> pb::VerifyRunResponse {
     ledger
         .verify_run(pb::VerifyRunRequest { tenant: tenant.into(), run_id: run_id.into() })
         .await

@@ -246,3 +246,91 @@ async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger() {
         .into_inner();
     assert!(listed.runs.is_empty());
 }
+
+/// With authentication on, a token scoped to one tenant can neither read nor write another
+/// tenant's runs, whatever tenant its requests name (K20); operators' `*` tokens read across.
+#[tokio::test]
+async fn k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs() {
+    use tonic::Code;
+    let (ops, acme, globex) =
+        ("ops-token-0123456789abcdef", "acme-token-0123456789abcdef", "globex-token-0123456789abcdef");
+    let mut opts = warden_testkit::MeshOptions {
+        auth_tokens: vec![(ops.into(), "*".into()), (acme.into(), "acme".into()), (globex.into(), "globex".into())],
+        service_token: ops.into(),
+        ..Default::default()
+    };
+    opts.tenants.push(("globex".into(), vec!["echo".into()]));
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let id = mesh
+        .runs_as(acme)
+        .submit_run(pb::SubmitRunRequest { tenant: "acme".into(), plan_json: HELLO.into(), ..Default::default() })
+        .await
+        .expect("acme submits with its own token")
+        .into_inner()
+        .run_id;
+    assert_eq!(settled(&mesh, "acme", &id).await.status(), pb::RunStatus::Completed);
+
+    let code = |r: Result<tonic::Response<pb::LedgerRun>, tonic::Status>| r.err().map(|e| e.code());
+    let (mut g, mut a) = (mesh.ledger_as(globex), mesh.ledger_as(acme));
+    let as_acme = || pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() };
+    assert_eq!(code(g.get_run(as_acme()).await), Some(Code::PermissionDenied), "naming another tenant");
+    assert_eq!(
+        code(g.get_run(pb::GetLedgerRunRequest { tenant: "globex".into(), run_id: id.clone() }).await),
+        Some(Code::NotFound)
+    );
+    assert_eq!(
+        code(g.get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: id.clone() }).await),
+        Some(Code::PermissionDenied)
+    );
+    assert_eq!(code(mesh.ledger_as("").get_run(as_acme()).await), Some(Code::Unauthenticated), "no token");
+    assert_eq!(
+        code(mesh.ledger_as("wrong-token-0123456789abcdef").get_run(as_acme()).await),
+        Some(Code::Unauthenticated)
+    );
+    assert!(a.get_run(as_acme()).await.is_ok(), "acme reads its own run");
+
+    let e = g
+        .stream_events(pb::StreamEventsRequest {
+            tenant: "acme".into(),
+            run_id: id.clone(),
+            since_seq: 0,
+            follow: false,
+        })
+        .await
+        .expect_err("stream");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let e = g.verify_run(pb::VerifyRunRequest { tenant: "acme".into(), run_id: id.clone() }).await.expect_err("verify");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let write = pb::PutArtifactRequest {
+        tenant: "acme".into(),
+        run_id: id.clone(),
+        epoch: 99,
+        idempotency_key: "x1".into(),
+        key: "k".into(),
+        value_json: "1".into(),
+    };
+    assert_eq!(g.put_artifact(write).await.expect_err("write").code(), Code::PermissionDenied);
+    let e = g.list_runs(pb::ListLedgerRunsRequest::default()).await.expect_err("all tenants");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let e = mesh
+        .runs_as(globex)
+        .submit_run(pb::SubmitRunRequest { tenant: "acme".into(), plan_json: HELLO.into(), ..Default::default() })
+        .await
+        .expect_err("submitting for another tenant");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let listed = mesh
+        .runs_as(acme)
+        .list_runs(pb::ListRunsRequest { tenant: "acme".into(), ..Default::default() })
+        .await
+        .expect("list");
+    assert_eq!(listed.into_inner().runs.len(), 1);
+
+    // Probes need no token.
+    let mut health = tonic_health::pb::health_client::HealthClient::new(mesh.ledger.channel());
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+        .await
+        .expect("health")
+        .into_inner();
+    assert_eq!(status.status(), tonic_health::pb::health_check_response::ServingStatus::Serving);
+}

@@ -32,6 +32,17 @@ pub struct WardenConfig {
     pub planner: PlannerConfig,
     pub executor: ExecutorConfig,
     pub tools: ToolsConfig,
+    pub auth: AuthConfig,
+}
+
+/// Caller authentication (see `warden_grpc::auth`). No tokens: not authenticated.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Accepted bearer tokens: token → tenant name, or `*` for operators and services.
+    pub tokens: BTreeMap<String, String>,
+    /// The token this process presents to other services (a `*` token in a mesh).
+    pub token: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -253,6 +264,14 @@ impl WardenConfig {
         }
         if self.executor.lease_ttl_ms < 300 {
             return Err(invalid("executor.lease_ttl_ms", "must be at least 300 ms"));
+        }
+        for (token, scope) in &self.auth.tokens {
+            if token.len() < 16 || !token.chars().all(|c| c.is_ascii_graphic()) {
+                return Err(invalid("auth.tokens", "tokens are at least 16 printable ASCII characters"));
+            }
+            if scope != "*" && !scope.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | ':' | '.')) {
+                return Err(invalid("auth.tokens", format!("scope '{scope}' is neither '*' nor a tenant id")));
+            }
         }
         for (tenant, t) in &self.policy.tenants {
             if t.allow_tools.iter().any(|p| p.is_empty() || p[..p.len() - 1].contains('*')) {

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
 use tonic::Status;
-use tonic::transport::Channel;
 use warden_proto::v1 as pb;
 use warden_proto::v1::tool_host_client::ToolHostClient;
 
@@ -24,7 +23,7 @@ pub type Tools = Arc<HashMap<String, CatalogEntry>>;
 
 #[derive(Clone)]
 pub struct ToolCatalog {
-    hosts: Vec<ToolHostClient<Channel>>,
+    hosts: Vec<ToolHostClient<crate::auth::Ch>>,
     cached: Arc<Mutex<Option<(Instant, Tools)>>>,
 }
 
@@ -78,7 +77,7 @@ impl ToolCatalog {
     }
 
     /// A client for host `i`.
-    pub fn host(&self, i: usize) -> ToolHostClient<Channel> {
+    pub fn host(&self, i: usize) -> ToolHostClient<crate::auth::Ch> {
         self.hosts[i].clone()
     }
 }

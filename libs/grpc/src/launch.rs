@@ -16,6 +16,8 @@ struct ServiceArgs {
 pub struct Launched {
     pub config: WardenConfig,
     pub listener: TcpListener,
+    /// The tokens this server accepts.
+    pub tokens: crate::auth::Tokens,
 }
 
 /// Prepares `binary` to serve the section `service`, listening where `listen` says.
@@ -27,7 +29,9 @@ pub async fn launch(
     let args = ServiceArgs::parse();
     warden_telemetry::init_tracing(binary);
     let config = WardenConfig::load(args.config.as_deref())?;
+    crate::auth::set_client_token(&config.auth.token);
+    let tokens = crate::auth::Tokens::new(&config.auth.tokens);
     let listener = crate::bind(listen(&config)).await?;
     crate::announce(service, listener.local_addr()?);
-    Ok(Launched { config, listener })
+    Ok(Launched { config, listener, tokens })
 }

@@ -2,6 +2,7 @@
 //! on a bound listener, rich `INVALID_ARGUMENT` errors that name the field, and lazily
 //! connected channels.
 
+pub mod auth;
 pub mod catalog;
 pub mod keyfile;
 pub mod launch;
@@ -62,8 +63,17 @@ pub async fn serve(
 }
 
 /// A channel that connects on first use and reconnects after failures, so services can
-/// start in any order.
-pub fn channel(endpoint: &str) -> Result<Channel, Status> {
+/// start in any order. Its calls carry this process's token (see [`auth`]).
+pub fn channel(endpoint: &str) -> Result<auth::Ch, Status> {
+    Ok(tonic::service::interceptor::InterceptedService::new(raw_channel(endpoint)?, auth::Bearer::process()))
+}
+
+/// [`channel`] presenting `token` instead of the process's own.
+pub fn channel_with_token(endpoint: &str, token: &str) -> Result<auth::Ch, Status> {
+    Ok(tonic::service::interceptor::InterceptedService::new(raw_channel(endpoint)?, auth::Bearer::new(Some(token))?))
+}
+
+fn raw_channel(endpoint: &str) -> Result<Channel, Status> {
     Ok(Endpoint::from_shared(endpoint.to_string())
         .map_err(|e| Status::invalid_argument(format!("invalid endpoint '{endpoint}': {e}")))?
         .connect_timeout(Duration::from_secs(2))

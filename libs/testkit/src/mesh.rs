@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::Context;
-use tonic::transport::Channel;
+use warden_grpc::auth::Ch;
 use warden_proto::v1::ledger_client::LedgerClient;
 use warden_proto::v1::policy_client::PolicyClient;
 use warden_proto::v1::runs_client::RunsClient;
@@ -28,6 +28,10 @@ pub struct MeshOptions {
     pub sweep_interval_ms: u64,
     /// Executor replicas; 0 for tests that drive the ledger, policy and tools directly.
     pub executors: usize,
+    /// `(token, tenant or "*")`; empty: authentication off.
+    pub auth_tokens: Vec<(String, String)>,
+    /// The `*` token services present to each other (and the test's default client token).
+    pub service_token: String,
 }
 
 impl Default for MeshOptions {
@@ -43,6 +47,8 @@ impl Default for MeshOptions {
             lease_ttl_ms: 2_000,
             sweep_interval_ms: 500,
             executors: 1,
+            auth_tokens: Vec::new(),
+            service_token: String::new(),
         }
     }
 }
@@ -148,8 +154,18 @@ impl ServiceProcess {
         Err(last.unwrap_or_else(|| anyhow::anyhow!("restart failed")))
     }
 
-    pub fn channel(&self) -> Channel {
+    /// A channel presenting no token (authentication off, or probing that it is on).
+    pub fn channel(&self) -> Ch {
         warden_grpc::channel(&self.endpoint).unwrap_or_else(|e| panic!("bad endpoint {}: {e}", self.endpoint))
+    }
+
+    /// A channel presenting `token` (none when empty).
+    pub fn channel_as(&self, token: &str) -> Ch {
+        if token.is_empty() {
+            return self.channel();
+        }
+        warden_grpc::channel_with_token(&self.endpoint, token)
+            .unwrap_or_else(|e| panic!("bad endpoint {}: {e}", self.endpoint))
     }
 }
 
@@ -161,6 +177,8 @@ impl Drop for ServiceProcess {
 
 pub struct Mesh {
     pub dir: tempfile::TempDir,
+    /// Token the test's clients present by default.
+    pub token: String,
     pub database_url: String,
     pub ledger: ServiceProcess,
     pub policy: ServiceProcess,
@@ -185,7 +203,11 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\n\n",
         opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms
     ));
-    s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n", dir.join("outbox.jsonl").display()));
+    s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n\n", dir.join("outbox.jsonl").display()));
+    s.push_str(&format!("[auth]\ntoken = \"{}\"\n[auth.tokens]\n", opts.service_token));
+    for (token, scope) in &opts.auth_tokens {
+        s.push_str(&format!("\"{token}\" = \"{scope}\"\n"));
+    }
     s
 }
 
@@ -251,24 +273,33 @@ impl Mesh {
                 log(&id),
             )?);
         }
-        Ok(Mesh { dir, database_url, ledger, policy, tools, planner, executors })
+        Ok(Mesh { dir, token: opts.service_token.clone(), database_url, ledger, policy, tools, planner, executors })
     }
 
     /// The front door of the first executor that is still running.
-    pub fn runs(&self) -> RunsClient<Channel> {
+    pub fn runs(&self) -> RunsClient<Ch> {
+        self.runs_as(&self.token)
+    }
+
+    /// The front door of the first executor that is still running, presenting `token`.
+    pub fn runs_as(&self, token: &str) -> RunsClient<Ch> {
         let live = self.executors.iter().find(|e| e.is_running()).expect("no executor is running");
-        RunsClient::new(live.channel())
+        RunsClient::new(live.channel_as(token))
     }
 
-    pub fn ledger(&self) -> LedgerClient<Channel> {
-        LedgerClient::new(self.ledger.channel())
+    pub fn ledger(&self) -> LedgerClient<Ch> {
+        self.ledger_as(&self.token)
     }
 
-    pub fn policy(&self) -> PolicyClient<Channel> {
-        PolicyClient::new(self.policy.channel())
+    pub fn ledger_as(&self, token: &str) -> LedgerClient<Ch> {
+        LedgerClient::new(self.ledger.channel_as(token))
     }
 
-    pub fn tool_host(&self) -> ToolHostClient<Channel> {
+    pub fn policy(&self) -> PolicyClient<Ch> {
+        PolicyClient::new(self.policy.channel_as(&self.token))
+    }
+
+    pub fn tool_host(&self) -> ToolHostClient<Ch> {
         ToolHostClient::new(self.tools.channel())
     }
 

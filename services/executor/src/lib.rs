@@ -16,9 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
-use tonic::transport::Channel;
 use warden_config::ExecutorConfig;
+use warden_grpc::auth::{Ch, Tokens};
 use warden_grpc::catalog::ToolCatalog;
 use warden_lease::LeaseStore;
 use warden_proto::v1 as pb;
@@ -35,9 +36,9 @@ pub struct Executor {
 pub(crate) struct Inner {
     pub id: String,
     pub config: ExecutorConfig,
-    pub ledger: LedgerClient<Channel>,
-    pub policy: PolicyClient<Channel>,
-    pub planner: PlannerClient<Channel>,
+    pub ledger: LedgerClient<Ch>,
+    pub policy: PolicyClient<Ch>,
+    pub planner: PlannerClient<Ch>,
     pub catalog: ToolCatalog,
     pub leases: LeaseStore,
     /// Runs this replica is driving right now.
@@ -139,13 +140,15 @@ impl Executor {
 pub const SERVICES: &[&str] = &["warden.v1.Runs"];
 
 /// Adds the `Runs` front door to `routes`.
-pub fn add_routes(routes: &mut RoutesBuilder, executor: Executor) {
-    routes.add_service(pb::runs_server::RunsServer::new(runs::RunsService::new(executor)));
+pub fn add_routes(routes: &mut RoutesBuilder, executor: Executor, tokens: &Tokens) {
+    let server = pb::runs_server::RunsServer::new(runs::RunsService::new(executor));
+    routes.add_service(InterceptedService::new(server, tokens.clone()));
 }
 
 /// Serves `Runs` and runs the sweeper until `shutdown`.
 pub async fn serve(
     config: &ExecutorConfig,
+    tokens: Tokens,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
@@ -153,7 +156,7 @@ pub async fn serve(
     tracing::info!(executor_id = executor.id(), "executor ready");
     let sweeper = tokio::spawn(executor.clone().sweep_forever());
     let mut routes = Routes::builder();
-    add_routes(&mut routes, executor);
+    add_routes(&mut routes, executor, &tokens);
     let served = warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await;
     sweeper.abort();
     served?;

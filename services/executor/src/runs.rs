@@ -38,6 +38,7 @@ fn step_status(s: StepStatus) -> pb::StepStatus {
 #[tonic::async_trait]
 impl Runs for RunsService {
     async fn submit_run(&self, req: Request<pb::SubmitRunRequest>) -> Result<Response<pb::SubmitRunResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
@@ -100,6 +101,7 @@ impl Runs for RunsService {
     }
 
     async fn get_run(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::Run>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
@@ -138,6 +140,7 @@ impl Runs for RunsService {
     }
 
     async fn list_runs(&self, req: Request<pb::ListRunsRequest>) -> Result<Response<pb::ListRunsResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         let page = self

@@ -9,8 +9,10 @@ pub mod server;
 pub mod store;
 
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
 use warden_config::LedgerConfig;
+use warden_grpc::auth::Tokens;
 use warden_proto::v1::ledger_server::LedgerServer;
 
 pub use error::LedgerError;
@@ -26,12 +28,11 @@ pub async fn open(config: &LedgerConfig) -> Result<LedgerService, LedgerError> {
 }
 
 /// Adds the ledger's gRPC service to `routes`.
-pub fn add_routes(routes: &mut RoutesBuilder, service: LedgerService) {
-    routes.add_service(
-        LedgerServer::new(service)
-            .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(warden_grpc::MAX_MESSAGE_BYTES),
-    );
+pub fn add_routes(routes: &mut RoutesBuilder, service: LedgerService, tokens: &Tokens) {
+    let server = LedgerServer::new(service)
+        .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(warden_grpc::MAX_MESSAGE_BYTES);
+    routes.add_service(InterceptedService::new(server, tokens.clone()));
 }
 
 /// Service names reported by the health service.
@@ -40,13 +41,14 @@ pub const SERVICES: &[&str] = &["warden.v1.Ledger"];
 /// Serves the ledger on `listener` until `shutdown`.
 pub async fn serve(
     config: &LedgerConfig,
+    tokens: Tokens,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let service = open(config).await?;
     tracing::info!(backend = service.store().backend().as_str(), "ledger store ready");
     let mut routes = Routes::builder();
-    add_routes(&mut routes, service);
+    add_routes(&mut routes, service, &tokens);
     warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;
     Ok(())
 }

@@ -346,6 +346,7 @@ fn receipt_to_proto(r: Receipt) -> pb::Receipt {
 #[tonic::async_trait]
 impl Ledger for LedgerService {
     async fn create_run(&self, req: Request<pb::CreateRunRequest>) -> Result<Response<pb::CreateRunResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
@@ -383,6 +384,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::AppendEventRequest>,
     ) -> Result<Response<pb::AppendEventResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
@@ -411,6 +413,7 @@ impl Ledger for LedgerService {
     }
 
     async fn get_run(&self, req: Request<pb::GetLedgerRunRequest>) -> Result<Response<pb::LedgerRun>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         Ok(Response::new(run_to_proto(self.visible_run(&r.tenant, &r.run_id).await?)))
     }
@@ -419,6 +422,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::ListLedgerRunsRequest>,
     ) -> Result<Response<pb::ListLedgerRunsResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let tenant = optional_tenant(&r.tenant)?;
         let wanted = statuses("statuses", &r.statuses)?;
@@ -448,6 +452,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::StreamEventsRequest>,
     ) -> Result<Response<Self::StreamEventsStream>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
@@ -514,6 +519,7 @@ impl Ledger for LedgerService {
     }
 
     async fn verify_run(&self, req: Request<pb::VerifyRunRequest>) -> Result<Response<pb::VerifyRunResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         Ok(Response::new(self.verify(&run).await?))
@@ -530,6 +536,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::ListReceiptsRequest>,
     ) -> Result<Response<pb::ListReceiptsResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         let step = if r.step_id.is_empty() {
@@ -556,6 +563,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::GetSignedHeadRequest>,
     ) -> Result<Response<pb::SignedHead>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         Ok(Response::new(pb::SignedHead {
@@ -572,6 +580,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::GetRunProgressRequest>,
     ) -> Result<Response<pb::RunProgress>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         let mut view = RunView::default();
@@ -615,6 +624,7 @@ impl Ledger for LedgerService {
     }
 
     async fn put_summary(&self, req: Request<pb::PutSummaryRequest>) -> Result<Response<pb::Summary>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
@@ -622,6 +632,7 @@ impl Ledger for LedgerService {
     }
 
     async fn put_checkpoint(&self, req: Request<pb::PutCheckpointRequest>) -> Result<Response<pb::Summary>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("name", &r.name)?;
         let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
@@ -631,6 +642,7 @@ impl Ledger for LedgerService {
     }
 
     async fn put_artifact(&self, req: Request<pb::PutArtifactRequest>) -> Result<Response<pb::Summary>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("key", &r.key)?;
         let value = self.parse_value("value_json", &r.value_json, MAX_ARTIFACT_BYTES.min(self.max_payload_bytes))?;
@@ -643,6 +655,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::ListSummariesRequest>,
     ) -> Result<Response<pb::ListSummariesResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         let limit = match r.limit {
@@ -661,6 +674,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::ListArtifactsRequest>,
     ) -> Result<Response<pb::ListArtifactsResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
         if r.history && r.key.is_empty() {
@@ -703,6 +717,7 @@ impl Ledger for LedgerService {
         &self,
         req: Request<pb::ProposeStateDeltaRequest>,
     ) -> Result<Response<pb::ProposeStateDeltaResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
@@ -723,6 +738,7 @@ impl Ledger for LedgerService {
     }
 
     async fn commit_tx(&self, req: Request<pb::CommitTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
@@ -735,6 +751,7 @@ impl Ledger for LedgerService {
     }
 
     async fn rollback_tx(&self, req: Request<pb::RollbackTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
@@ -749,6 +766,7 @@ impl Ledger for LedgerService {
     }
 
     async fn get_state(&self, req: Request<pb::GetStateRequest>) -> Result<Response<pb::StateEntry>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if r.key.is_empty() || r.key.len() > 512 {

@@ -6,11 +6,13 @@
 //! references, and more than `max_steps` steps (an error to fix, never a truncation).
 
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
 use warden_config::PlannerConfig;
 use warden_core::ids::check_id;
 use warden_core::plan::{Plan, PlanLimits};
+use warden_grpc::auth::Tokens;
 use warden_grpc::catalog::ToolCatalog;
 use warden_grpc::invalid_field;
 use warden_proto::v1 as pb;
@@ -54,6 +56,7 @@ impl Planner for PlannerService {
         &self,
         req: Request<pb::ValidatePlanRequest>,
     ) -> Result<Response<pb::ValidatePlanResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
         let (plan, plan_json) = self.validate(&r.plan_json).await?;
@@ -75,19 +78,20 @@ impl Planner for PlannerService {
 }
 
 /// Adds the planner's gRPC service to `routes`.
-pub fn add_routes(routes: &mut RoutesBuilder, service: PlannerService) {
-    routes.add_service(PlannerServer::new(service));
+pub fn add_routes(routes: &mut RoutesBuilder, service: PlannerService, tokens: &Tokens) {
+    routes.add_service(InterceptedService::new(PlannerServer::new(service), tokens.clone()));
 }
 
 pub const SERVICES: &[&str] = &["warden.v1.Planner"];
 
 pub async fn serve(
     config: &PlannerConfig,
+    tokens: Tokens,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let mut routes = Routes::builder();
-    add_routes(&mut routes, PlannerService::new(config)?);
+    add_routes(&mut routes, PlannerService::new(config)?, &tokens);
     warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;
     Ok(())
 }

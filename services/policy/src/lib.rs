@@ -7,8 +7,10 @@ pub mod rules;
 pub mod server;
 
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
 use warden_config::PolicyConfig;
+use warden_grpc::auth::Tokens;
 use warden_proto::v1::approvals_server::ApprovalsServer;
 use warden_proto::v1::capabilities_server::CapabilitiesServer;
 use warden_proto::v1::policy_server::PolicyServer;
@@ -23,23 +25,24 @@ pub fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
 }
 
 /// Adds `Policy`, `Capabilities` and `Approvals` to `routes`.
-pub fn add_routes(routes: &mut RoutesBuilder, service: PolicyService) {
+pub fn add_routes(routes: &mut RoutesBuilder, service: PolicyService, tokens: &Tokens) {
     routes
-        .add_service(PolicyServer::new(service))
-        .add_service(CapabilitiesServer::new(server::CapabilitiesService))
-        .add_service(ApprovalsServer::new(server::ApprovalsService));
+        .add_service(InterceptedService::new(PolicyServer::new(service), tokens.clone()))
+        .add_service(InterceptedService::new(CapabilitiesServer::new(server::CapabilitiesService), tokens.clone()))
+        .add_service(InterceptedService::new(ApprovalsServer::new(server::ApprovalsService), tokens.clone()));
 }
 
 pub const SERVICES: &[&str] = &["warden.v1.Policy", "warden.v1.Capabilities", "warden.v1.Approvals"];
 
 pub async fn serve(
     config: &PolicyConfig,
+    tokens: Tokens,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let service = build(config)?;
     let mut routes = Routes::builder();
-    add_routes(&mut routes, service);
+    add_routes(&mut routes, service, &tokens);
     warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;
     Ok(())
 }

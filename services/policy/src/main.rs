@@ -3,5 +3,5 @@
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let l = warden_grpc::launch::launch("warden-policy", "policy", |c| &c.policy.listen).await?;
-    warden_policy::serve(&l.config.policy, l.listener, warden_grpc::shutdown_signal()).await
+    warden_policy::serve(&l.config.policy, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
 }

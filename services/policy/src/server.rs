@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use ed25519_dalek::SigningKey;
 use serde_json::{Value, json};
-use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 use warden_config::PolicyConfig;
 use warden_core::auth::{AuthorizationClaims, CallIdentity, key_id, sign};
@@ -27,7 +26,7 @@ pub struct PolicyService {
     config: Arc<PolicyConfig>,
     key: Arc<SigningKey>,
     published: Arc<Vec<PublishedKey>>,
-    ledger: LedgerClient<Channel>,
+    ledger: LedgerClient<warden_grpc::auth::Ch>,
 }
 
 /// A request that passed validation, with its canonical arguments.
@@ -81,7 +80,7 @@ fn decision_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
 }
 
 impl PolicyService {
-    pub fn new(config: PolicyConfig, key: SigningKey, ledger: Channel) -> PolicyService {
+    pub fn new(config: PolicyConfig, key: SigningKey, ledger: warden_grpc::auth::Ch) -> PolicyService {
         let published =
             vec![PublishedKey { key_id: key_id(&key.verifying_key()), key: key.verifying_key(), current: true }];
         PolicyService {
@@ -120,6 +119,7 @@ fn unimplemented(what: &str) -> Status {
 #[tonic::async_trait]
 impl pb::policy_server::Policy for PolicyService {
     async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let checked = validate(&r)?;
         let rule = rules::decide(&self.config, &r.tenant, &r.tool);
@@ -222,6 +222,7 @@ impl pb::policy_server::Policy for PolicyService {
     }
 
     async fn check(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::Decision>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let checked = validate(&r)?;
         let rule = rules::decide(&self.config, &r.tenant, &r.tool);

@@ -13,7 +13,6 @@ use ed25519_dalek::VerifyingKey;
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tonic::service::{Routes, RoutesBuilder};
-use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use warden_config::ToolsConfig;
 use warden_core::auth::{self, CallIdentity, SignedClaims};
@@ -42,7 +41,7 @@ struct Outcomes {
 pub struct ToolHostService {
     state: Arc<tools::ToolState>,
     keys: Arc<RwLock<HashMap<String, VerifyingKey>>>,
-    policy: PolicyClient<Channel>,
+    policy: PolicyClient<warden_grpc::auth::Ch>,
     outcomes: Arc<Mutex<Outcomes>>,
 }
 
@@ -165,6 +164,7 @@ pub const SERVICES: &[&str] = &["warden.v1.ToolHost"];
 
 pub async fn serve(
     config: &ToolsConfig,
+    _tokens: warden_grpc::auth::Tokens,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {

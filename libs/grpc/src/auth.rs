@@ -1,0 +1,118 @@
+//! Caller scoping. With `[auth] tokens` configured, every call to a Warden service carries
+//! `authorization: Bearer <token>`; the token maps to one tenant, or to `*` (operators and
+//! the mesh's own services). A caller scoped to a tenant can only name that tenant; reads
+//! across tenants need `*`. With no tokens configured (the `warden dev` default) calls are
+//! not authenticated and the tenant named in each request is trusted.
+//!
+//! Health and reflection stay open, so probes and stock tooling work without a token.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Request, Status};
+
+/// A channel whose calls carry this process's bearer token (when it has one).
+pub type Ch = InterceptedService<Channel, Bearer>;
+
+static CLIENT_TOKEN: RwLock<Option<String>> = RwLock::new(None);
+
+/// Sets the token this process presents when it calls other services.
+pub fn set_client_token(token: &str) {
+    *CLIENT_TOKEN.write().unwrap_or_else(|p| p.into_inner()) = (!token.is_empty()).then(|| token.to_string());
+}
+
+fn client_token() -> Option<String> {
+    CLIENT_TOKEN.read().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// Adds the bearer token to every request of a client.
+#[derive(Clone, Default)]
+pub struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl Bearer {
+    pub fn new(token: Option<&str>) -> Result<Bearer, Status> {
+        token
+            .map(|t| {
+                format!("Bearer {t}")
+                    .parse::<MetadataValue<Ascii>>()
+                    .map_err(|_| Status::invalid_argument("token is not valid header text"))
+            })
+            .transpose()
+            .map(Bearer)
+    }
+
+    /// The process's own token (see [`set_client_token`]).
+    pub fn process() -> Bearer {
+        Bearer::new(client_token().as_deref()).unwrap_or_default()
+    }
+}
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            request.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// Who is calling, as established by [`Tokens`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// Every tenant (operators, the mesh's services).
+    Any,
+    Tenant(String),
+}
+
+/// The server side: token → scope. Empty = authentication off.
+#[derive(Clone, Default)]
+pub struct Tokens(Arc<BTreeMap<String, Scope>>);
+
+impl Tokens {
+    /// From configuration: token → tenant name or `*`.
+    pub fn new(tokens: &BTreeMap<String, String>) -> Tokens {
+        Tokens(Arc::new(
+            tokens
+                .iter()
+                .map(|(t, s)| (t.clone(), if s == "*" { Scope::Any } else { Scope::Tenant(s.clone()) }))
+                .collect(),
+        ))
+    }
+
+    pub fn enabled(&self) -> bool {
+        !self.0.is_empty()
+    }
+}
+
+impl Interceptor for Tokens {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if !self.enabled() {
+            return Ok(request);
+        }
+        let presented = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| Status::unauthenticated("missing 'authorization: Bearer <token>'"))?;
+        let scope = self.0.get(presented).cloned().ok_or_else(|| Status::unauthenticated("unknown token"))?;
+        request.extensions_mut().insert(scope);
+        Ok(request)
+    }
+}
+
+/// Checks that the caller may act for `tenant` (empty: across tenants, operators only).
+pub fn check<T>(request: &Request<T>, tenant: &str) -> Result<(), Status> {
+    match request.extensions().get::<Scope>() {
+        None | Some(Scope::Any) => Ok(()),
+        Some(Scope::Tenant(_)) if tenant.is_empty() => {
+            Err(Status::permission_denied("reading across tenants needs an operator token"))
+        }
+        Some(Scope::Tenant(t)) if t == tenant => Ok(()),
+        Some(Scope::Tenant(t)) => Err(Status::permission_denied(format!("this token acts for tenant '{t}' only"))),
+    }
+}
