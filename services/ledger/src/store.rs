@@ -507,7 +507,7 @@ impl LedgerStore {
             None => String::new(),
         };
         if let Some(id) = receipt_id(new.run_id, new.event_type, new.step_id, &new.payload)
-            && !batch::existing_receipts(tx, &[id.clone()]).await?.is_empty()
+            && !batch::existing_receipts(tx, std::slice::from_ref(&id)).await?.is_empty()
         {
             return Err(LedgerError::Precondition(format!(
                 "step '{}' already has an outcome for this attempt (receipt {id})",
