@@ -113,7 +113,9 @@ async fn run_lifecycle_progress_checkpoints_and_artifacts_on_postgres() {
 }
 
 async fn transactions(backend: Backend) {
-    let mesh = services_on(backend).await;
+    let mut opts = warden_testkit::MeshOptions { executors: 0, ..Default::default() };
+    opts.tenants[0].1.push("commit_tx".into());
+    let mesh = mesh_with(backend, opts).await;
     let mut l = mesh.ledger();
     let run = l
         .create_run(pb::CreateRunRequest {
@@ -127,24 +129,29 @@ async fn transactions(backend: Backend) {
         .run
         .expect("run")
         .run_id;
-    let allow = mesh
-        .policy()
-        .authorize(pb::AuthorizeRequest {
-            tenant: "acme".into(),
-            run_id: run.clone(),
-            step_id: "pay".into(),
-            attempt: 1,
-            tool: "kv.put".into(),
-            args_json: r#"{"key":"balance","value":10}"#.into(),
-            capability_id: String::new(),
-            idempotency_key: format!("{run}:pay:1"),
-            epoch: 0,
-        })
-        .await
-        .expect("authorize")
-        .into_inner()
-        .decision
-        .expect("decision");
+    // A commit needs an allow for exactly it: tool `commit_tx`, arguments {"tx_id": …}.
+    let authorize_commit = |tx: &'static str| {
+        let (mut p, run) = (mesh.policy(), run.clone());
+        async move {
+            p.authorize(pb::AuthorizeRequest {
+                tenant: "acme".into(),
+                run_id: run.clone(),
+                step_id: format!("commit-{tx}"),
+                attempt: 1,
+                tool: "commit_tx".into(),
+                args_json: json!({ "tx_id": tx }).to_string(),
+                capability_id: String::new(),
+                idempotency_key: format!("{run}:commit-{tx}:1"),
+                epoch: 0,
+            })
+            .await
+            .expect("authorize")
+            .into_inner()
+            .decision
+            .expect("decision")
+        }
+    };
+    let allow = authorize_commit("tx1").await;
     assert_eq!(allow.outcome(), pb::Outcome::Allow);
     let state = |mut l: LedgerClient<Ch>| async move {
         l.get_state(pb::GetStateRequest { tenant: "acme".into(), key: "balance".into() })
@@ -217,7 +224,10 @@ async fn transactions(backend: Backend) {
     l.propose_state_delta(propose("tx2", json!({"set": {"balance": 20}, "expect": {"balance": 0}})))
         .await
         .expect("stage");
-    let e = l.commit_tx(commit("tx2", &allow.decision_id)).await.expect_err("precondition no longer holds");
+    let e = l.commit_tx(commit("tx2", &allow.decision_id)).await.expect_err("tx1's allow does not commit tx2");
+    assert!(e.message().contains("not a recorded allow"), "{e:?}");
+    let allow2 = authorize_commit("tx2").await;
+    let e = l.commit_tx(commit("tx2", &allow2.decision_id)).await.expect_err("precondition no longer holds");
     assert!(e.message().contains("version"), "{e:?}");
     let rolled = l
         .rollback_tx(pb::RollbackTxRequest {
@@ -233,6 +243,36 @@ async fn transactions(backend: Backend) {
     assert_eq!(rolled.receipt.expect("receipt").status, "cancelled");
     assert_eq!(state(l.clone()).await.version, 1, "the rolled-back delta never applied");
 
+    // Delete, then write again: versions keep counting, so tx1's old expectation (0) is stale.
+    l.propose_state_delta(propose("tx4", json!({"delete": ["balance"], "expect": {"balance": 1}})))
+        .await
+        .expect("stage");
+    let allow4 = authorize_commit("tx4").await;
+    l.commit_tx(commit("tx4", &allow4.decision_id)).await.expect("delete");
+    let gone = state(l.clone()).await;
+    assert!(!gone.found);
+    l.propose_state_delta(propose("tx5", json!({"set": {"balance": 1}, "expect": {"balance": 0}})))
+        .await
+        .expect("stage");
+    let allow5 = authorize_commit("tx5").await;
+    let e =
+        l.commit_tx(commit("tx5", &allow5.decision_id)).await.expect_err("a deleted key is not a never-written key");
+    assert!(e.message().contains("version 2"), "{e:?}");
+
+    // Delete, then write again: versions keep counting, so an old expectation (0) is stale.
+    l.propose_state_delta(propose("tx4", json!({"delete": ["balance"], "expect": {"balance": 1}})))
+        .await
+        .expect("stage");
+    let allow4 = authorize_commit("tx4").await;
+    l.commit_tx(commit("tx4", &allow4.decision_id)).await.expect("delete");
+    assert!(!state(l.clone()).await.found);
+    l.propose_state_delta(propose("tx5", json!({"set": {"balance": 1}, "expect": {"balance": 0}})))
+        .await
+        .expect("stage");
+    let allow5 = authorize_commit("tx5").await;
+    let e =
+        l.commit_tx(commit("tx5", &allow5.decision_id)).await.expect_err("a deleted key is not a never-written key");
+    assert!(e.message().contains("version 2"), "{e:?}");
     let e = l.propose_state_delta(propose("tx3", json!({"sett": {}}))).await.expect_err("bad delta");
     assert_field_violation(&e, "delta_json.sett");
     assert!(verify(&mut l, "acme", &run).await.valid);

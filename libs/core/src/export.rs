@@ -74,6 +74,8 @@ where
     let mut header: Option<Header> = None;
     let mut chain = ChainVerifier::default();
     let mut outcome_events: HashMap<u64, ChainedEvent> = HashMap::new();
+    // Decision id → capability: a receipt's capability must be its cited decision's.
+    let mut decisions: HashMap<String, String> = HashMap::new();
     let mut receipts: Vec<(usize, Receipt)> = Vec::new();
     let mut head: Option<(usize, SignedHeadLine)> = None;
     let mut n = 0;
@@ -112,6 +114,12 @@ where
                 if let Err(b) = chain.push(&e) {
                     return err(no, Some(b.seq), b.reason);
                 }
+                if e.body.event_type == crate::events::POLICY_DECISION {
+                    let field = |k: &str| {
+                        e.body.payload.get(k).and_then(serde_json::Value::as_str).unwrap_or_default().to_string()
+                    };
+                    decisions.insert(field("decision_id"), field("capability_id"));
+                }
                 if receipt_for(&e, "").is_some() {
                     outcome_events.insert(e.body.seq, e);
                 }
@@ -127,7 +135,7 @@ where
         let Some(e) = outcome_events.remove(&r.seq) else {
             return err(*no, Some(r.seq), "receipt cites no outcome event (or a second receipt for one)".into());
         };
-        if receipt_for(&e, &r.capability_id).as_ref() != Some(r) {
+        if receipt_for(&e, &crate::receipt::expected_capability(&e, &decisions)).as_ref() != Some(r) {
             return err(*no, Some(r.seq), "receipt does not match its event".into());
         }
     }

@@ -54,13 +54,25 @@ fn attempt_of(p: &Value) -> u32 {
 /// attempt) or of the transaction, so a second outcome for the same call has the same id.
 pub fn receipt_id(run_id: &str, event_type: &str, step_id: &str, p: &Value) -> Option<String> {
     let call = match event_type {
+        // Distinct prefixes: a step named "tx" can never collide with a transaction.
         events::TX_COMMITTED | events::TX_ROLLED_BACK => format!("{run_id}:tx:{}", text(p, "tx_id")),
         events::TOOL_COMPLETED | events::TOOL_FAILED | events::STEP_FAILED | events::STEP_CANCELLED => {
-            format!("{run_id}:{step_id}:{}", attempt_of(p))
+            format!("{run_id}:call:{step_id}:{}", attempt_of(p))
         }
         _ => return None,
     };
     Some(format!("rcpt-{}", &sha256_hex(call)[..24]))
+}
+
+/// The capability a receipt must name: the one of the allow decision its event cites
+/// (`decisions`: decision id → capability id), for the outcomes that cite one.
+pub fn expected_capability(event: &ChainedEvent, decisions: &std::collections::HashMap<String, String>) -> String {
+    match event.body.event_type.as_str() {
+        events::TOOL_COMPLETED | events::TX_COMMITTED => {
+            decisions.get(&text(&event.body.payload, "decision_id")).cloned().unwrap_or_default()
+        }
+        _ => String::new(),
+    }
 }
 
 /// The receipt an outcome event yields, if it is one. `capability_id` comes from the cited

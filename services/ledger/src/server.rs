@@ -12,7 +12,7 @@ use warden_core::chain::{ChainBreak, ChainVerifier, ChainedEvent};
 use warden_core::events::{self, RunStatus};
 use warden_core::head::Head;
 use warden_core::ids::{check_id, check_step_id};
-use warden_core::receipt::{Receipt, receipt_for};
+use warden_core::receipt::{Receipt, expected_capability, receipt_for};
 use warden_core::run::{RunView, StepStatus};
 use warden_grpc::convert::{event_to_proto, status_to_proto, statuses};
 use warden_grpc::{invalid_field, now_ms};
@@ -223,12 +223,20 @@ impl LedgerService {
             let page = self.store.receipts(&run.run_id, None, after, 10_000).await?;
             let full = page.len() == 10_000;
             after = page.last().map(|r| r.seq).unwrap_or(after);
-            receipts.extend(page.into_iter().filter(|r| r.seq <= run.last_seq).map(|r| (r.seq, r)));
+            for r in page.into_iter().filter(|r| r.seq <= run.last_seq) {
+                let seq = r.seq;
+                if receipts.insert(seq, r).is_some() {
+                    return Ok(invalid(0, seq, "two receipts for one outcome event".into()));
+                }
+            }
             if !full {
                 break;
             }
         }
         let mut v = ChainVerifier::default();
+        // Decision id → capability, so each receipt's capability is checked against the
+        // decision its event cites (both are in the chain), not taken from the receipt.
+        let mut decisions: HashMap<String, String> = HashMap::new();
         let mut since = 0;
         loop {
             // Only up to the head read above: an active run may grow while we verify.
@@ -236,16 +244,17 @@ impl LedgerService {
             let n = page.len();
             page.retain(|e| e.body.seq <= run.last_seq);
             // Hashing a long chain is CPU work: keep it off the async workers.
-            let (verifier, left, result) = tokio::task::spawn_blocking(move || {
+            let (verifier, left, known, result) = tokio::task::spawn_blocking(move || {
                 let r = page.iter().try_for_each(|e| {
                     v.push(e)?;
-                    check_receipt(e, &mut receipts)
+                    note_decision(e, &mut decisions);
+                    check_receipt(e, &mut receipts, &decisions)
                 });
-                (v, receipts, r)
+                (v, receipts, decisions, r)
             })
             .await
             .map_err(|e| LedgerError::Internal(e.to_string()))?;
-            (v, receipts) = (verifier, left);
+            (v, receipts, decisions) = (verifier, left, known);
             if let Err(b) = result {
                 return Ok(invalid(v.verified(), b.seq, b.reason));
             }
@@ -282,10 +291,21 @@ impl LedgerService {
 }
 
 /// Checks the stored receipt of an outcome event (and that a non-outcome event has none).
-fn check_receipt(e: &ChainedEvent, receipts: &mut HashMap<u64, Receipt>) -> Result<(), ChainBreak> {
+fn note_decision(e: &ChainedEvent, decisions: &mut HashMap<String, String>) {
+    if e.body.event_type == events::POLICY_DECISION {
+        let field = |k: &str| e.body.payload.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+        decisions.insert(field("decision_id"), field("capability_id"));
+    }
+}
+
+fn check_receipt(
+    e: &ChainedEvent,
+    receipts: &mut HashMap<u64, Receipt>,
+    decisions: &HashMap<String, String>,
+) -> Result<(), ChainBreak> {
     let seq = e.body.seq;
     let stored = receipts.remove(&seq);
-    let expected = receipt_for(e, stored.as_ref().map(|r| r.capability_id.as_str()).unwrap_or_default());
+    let expected = receipt_for(e, &expected_capability(e, decisions));
     match (expected, stored) {
         (None, None) => Ok(()),
         (Some(x), Some(s)) if x == s => Ok(()),

@@ -300,7 +300,7 @@ impl LedgerStore {
         let receipts: Vec<Receipt> = events.iter().filter_map(|e| receipt_for(e, "")).collect();
         batch::insert_receipts(&mut tx, &receipts).await?;
         for e in events.iter().filter(|e| e.body.event_type == events::RUN_SUMMARY) {
-            derived::apply(&mut tx, tenant, e).await?;
+            derived::apply(&mut tx, self.backend, tenant, e).await?;
         }
         tx.commit().await?;
         self.get_run(run_id).await?.ok_or_else(|| LedgerError::Internal("imported run vanished".into()))
@@ -442,41 +442,46 @@ impl LedgerStore {
     }
 
     /// Appends many events in one database transaction (group commit), one commit for all.
-    /// A refused event wrote nothing (every check precedes the writes), so the others go on;
-    /// a database failure fails the events not yet refused, and their writers retry.
+    /// A refused event wrote nothing (every check precedes the writes), so the others go on.
+    /// If the batch itself fails (storage trouble, or one event the database will not take),
+    /// every event is appended again on its own, so each gets its own answer — refusals
+    /// included, since they may have depended on events of the failed batch.
     pub async fn append_batch(&self, batch: Vec<OwnedEvent>) -> Vec<Result<(ChainedEvent, bool), LedgerError>> {
-        let n = batch.len();
-        let fail_all = |results: Vec<Result<(ChainedEvent, bool), LedgerError>>, e: LedgerError| {
-            let mut out: Vec<_> = results.into_iter().map(|r| r.and_then(|_| Err(e.clone_for_batch()))).collect();
-            out.extend((out.len()..n).map(|_| Err(e.clone_for_batch())));
-            out
-        };
-        let mut tx = match self.begin_write().await {
-            Ok(tx) => tx,
-            Err(e) => return fail_all(Vec::new(), e.into()),
-        };
+        match self.try_batch(&batch).await {
+            Ok(results) => results,
+            Err(e) if batch.len() == 1 => vec![Err(e)],
+            Err(e) => {
+                tracing::warn!(events = batch.len(), error = %e, "batch failed; appending its events one by one");
+                let mut results = Vec::with_capacity(batch.len());
+                for new in &batch {
+                    results.push(self.append(new.borrowed()).await);
+                }
+                results
+            }
+        }
+    }
+
+    async fn try_batch(
+        &self,
+        batch: &[OwnedEvent],
+    ) -> Result<Vec<Result<(ChainedEvent, bool), LedgerError>>, LedgerError> {
+        let mut tx = self.begin_write().await?;
         // Events with derived effects (summaries, transactions) read state that earlier
         // events of the batch may change: they take the one-by-one path.
-        let derived = batch.iter().any(|e| derived::has_effects(&e.event_type));
-        let results = if derived {
-            let mut results = Vec::with_capacity(n);
-            for new in &batch {
+        let results = if batch.iter().any(|e| derived::has_effects(&e.event_type)) {
+            let mut results = Vec::with_capacity(batch.len());
+            for new in batch {
                 match self.append_in(&mut tx, new.borrowed()).await {
-                    Err(e) if !e.is_refusal() => return fail_all(results, e),
+                    Err(e) if !e.is_refusal() => return Err(e),
                     r => results.push(r),
                 }
             }
             results
         } else {
-            match batch::append_plain(self, &mut tx, &batch).await {
-                Ok(r) => r,
-                Err(e) => return fail_all(Vec::new(), e),
-            }
+            batch::append_plain(self, &mut tx, batch).await?
         };
-        match tx.commit().await {
-            Ok(()) => results,
-            Err(e) => fail_all(results, e.into()),
-        }
+        tx.commit().await?;
+        Ok(results)
     }
 
     /// One event inside `tx`, reading what it needs as it goes. The caller commits.
@@ -528,7 +533,8 @@ impl LedgerStore {
             &head.head_hash,
         );
         // Derived state checks before it writes: a refused transaction step leaves nothing.
-        derived::apply(tx, &head.tenant, &event).await?;
+        let committed_with = derived::apply(tx, self.backend, &head.tenant, &event).await?;
+        let capability_id = if committed_with.is_empty() { capability_id } else { committed_with };
         batch::insert_events(tx, std::slice::from_ref(&event)).await?;
         if let Some(r) = receipt_for(&event, &capability_id) {
             batch::insert_receipts(tx, &[r]).await?;
@@ -553,11 +559,12 @@ impl LedgerStore {
                 sqlx::query(&sql).bind(run_id).bind(k).fetch_all(&self.pool).await?
             }
             (None, Some(p)) => {
-                // A range scan instead of LIKE: no escaping of '_' or '%' in user prefixes.
-                let sql =
-                    format!("{base} AND summary_type >= $2 AND summary_type < $3 ORDER BY seq DESC LIMIT {limit}");
-                let upper = format!("{p}\u{10FFFF}");
-                sqlx::query(&sql).bind(run_id).bind(p).bind(upper).fetch_all(&self.pool).await?
+                // substr, not LIKE (no escaping of '_' or '%') nor a range (PostgreSQL's
+                // collation may not order bytewise).
+                let sql = format!(
+                    "{base} AND substr(summary_type, 1, CAST($3 AS INTEGER)) = $2 ORDER BY seq DESC LIMIT {limit}"
+                );
+                sqlx::query(&sql).bind(run_id).bind(p).bind(p.chars().count() as i64).fetch_all(&self.pool).await?
             }
             (None, None) => {
                 let sql = format!("{base} ORDER BY seq DESC LIMIT {limit}");
@@ -579,11 +586,13 @@ impl LedgerStore {
 
     /// A tenant's committed state under `key`: (value JSON, version, tx id).
     pub async fn state(&self, tenant: &str, key: &str) -> Result<Option<(String, u64, String)>, LedgerError> {
-        let row = sqlx::query("SELECT value_json, version, tx_id FROM state WHERE tenant = $1 AND state_key = $2")
-            .bind(tenant)
-            .bind(key)
-            .fetch_optional(&self.pool)
-            .await?;
+        let row = sqlx::query(
+            "SELECT value_json, version, tx_id FROM state WHERE tenant = $1 AND state_key = $2 AND deleted = 0",
+        )
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?;
         row.map(|r| Ok((r.try_get(0)?, r.try_get::<i64, _>(1)? as u64, r.try_get(2)?))).transpose()
     }
 
@@ -599,22 +608,30 @@ impl LedgerStore {
         let rows = match step_id {
             Some(step) => {
                 let sql = format!(
-                    "SELECT body_json FROM receipts WHERE run_id = $1 AND step_id = $2 AND seq > $3 ORDER BY seq LIMIT {limit}"
+                    "SELECT body_json, seq FROM receipts WHERE run_id = $1 AND step_id = $2 AND seq > $3 ORDER BY seq LIMIT {limit}"
                 );
                 sqlx::query(&sql).bind(run_id).bind(step).bind(after).fetch_all(&self.pool).await?
             }
             None => {
-                let sql =
-                    format!("SELECT body_json FROM receipts WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}");
+                let sql = format!(
+                    "SELECT body_json, seq FROM receipts WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}"
+                );
                 sqlx::query(&sql).bind(run_id).bind(after).fetch_all(&self.pool).await?
             }
         };
         rows.iter()
             .map(|r| {
                 let body: String = r.try_get(0)?;
-                // A body that no longer parses was edited in the database; verification says so.
-                Ok(serde_json::from_str(&body)
-                    .unwrap_or_else(|_| Receipt { receipt_id: body, ..empty_receipt(run_id) }))
+                let seq = r.try_get::<i64, _>(1)? as u64;
+                // A body that no longer parses, or whose seq is not its row's, was edited in
+                // the database: it keeps the row's seq (paging goes on) and fails verification.
+                let mut receipt: Receipt = serde_json::from_str(&body)
+                    .unwrap_or_else(|_| Receipt { receipt_id: body, ..empty_receipt(run_id) });
+                if receipt.seq != seq {
+                    receipt.seq = seq;
+                    receipt.hash = String::from("edited: seq differs from its row");
+                }
+                Ok(receipt)
             })
             .collect()
     }

@@ -35,5 +35,7 @@ CREATE TABLE state (
     version    BIGINT NOT NULL,
     run_id     TEXT NOT NULL,
     tx_id      TEXT NOT NULL,
+    -- Deletes keep a tombstone: versions only ever increase.
+    deleted    BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (tenant, state_key)
 );

@@ -31,7 +31,9 @@ impl RunHead {
         self.updated_at_ms = event.body.timestamp_ms;
         if let Some(st) = events::status_after(&event.body.event_type) {
             self.status = st.as_str().to_string();
-            self.reason = event.body.payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
+            // PostgreSQL TEXT cannot hold NUL; the event keeps the exact reason.
+            self.reason =
+                event.body.payload.get("reason").and_then(Value::as_str).unwrap_or_default().replace('\0', "\u{FFFD}");
         }
     }
 }
@@ -64,6 +66,11 @@ pub fn check_duplicate(existing: &ChainedEvent, new: &NewEvent<'_>) -> Result<()
 
 /// Fencing and lifecycle: stale epochs, restarts of waiting runs, events after the end.
 pub fn check_writable(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerError> {
+    if let Some(a) = new.payload.get("attempt")
+        && !a.as_u64().is_some_and(|a| (1..=u32::MAX as u64).contains(&a))
+    {
+        return Err(LedgerError::invalid("payload_json.attempt", "attempts are whole numbers from 1 to 4294967295"));
+    }
     if new.epoch < head.max_epoch {
         return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch: head.max_epoch });
     }

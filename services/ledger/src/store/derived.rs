@@ -8,7 +8,11 @@ use sqlx::{Any, Row, Transaction};
 use warden_core::chain::ChainedEvent;
 use warden_core::events;
 
+use super::Backend;
 use crate::error::LedgerError;
+
+/// The tool a decision allowing a commit names (its arguments: `{"tx_id": …}`).
+pub const COMMIT_TOOL: &str = "commit_tx";
 
 type Tx<'a> = Transaction<'a, Any>;
 
@@ -17,13 +21,14 @@ pub fn has_effects(event_type: &str) -> bool {
     matches!(event_type, events::RUN_SUMMARY | events::TX_PROPOSED | events::TX_COMMITTED | events::TX_ROLLED_BACK)
 }
 
-pub async fn apply(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), LedgerError> {
+/// Applies `e`'s derived effects; returns the capability a commit's decision named.
+pub async fn apply(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedEvent) -> Result<String, LedgerError> {
     match e.body.event_type.as_str() {
-        events::RUN_SUMMARY => summary(tx, e).await,
-        events::TX_PROPOSED => propose(tx, tenant, e).await,
-        events::TX_COMMITTED => commit(tx, tenant, e).await,
-        events::TX_ROLLED_BACK => rollback(tx, e).await,
-        _ => Ok(()),
+        events::RUN_SUMMARY => summary(tx, e).await.map(|_| String::new()),
+        events::TX_PROPOSED => propose(tx, tenant, e).await.map(|_| String::new()),
+        events::TX_COMMITTED => commit(tx, backend, tenant, e).await,
+        events::TX_ROLLED_BACK => rollback(tx, e).await.map(|_| String::new()),
+        _ => Ok(String::new()),
     }
 }
 
@@ -95,7 +100,7 @@ async fn version(tx: &mut Tx<'_>, tenant: &str, key: &str) -> Result<i64, Ledger
     Ok(row.map(|r| r.try_get::<i64, _>(0)).transpose()?.unwrap_or(0))
 }
 
-async fn commit(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), LedgerError> {
+async fn commit(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedEvent) -> Result<String, LedgerError> {
     let (run_id, p) = (&e.body.run_id, &e.body.payload);
     let tx_id = text(p, "tx_id");
     match tx_status(tx, run_id, tx_id).await?.as_deref() {
@@ -103,7 +108,8 @@ async fn commit(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), L
         Some(other) => return Err(not_open(tx_id, other)),
         None => return Err(LedgerError::NotFound(format!("transaction '{tx_id}'"))),
     }
-    // Commit applies staged effects only on a recorded allow decision of this run.
+    // Commit applies staged effects only on a recorded allow of this very commit: tool
+    // `commit_tx` with arguments {"tx_id": …}, in this run.
     let decision_id = text(p, "decision_id");
     let decision =
         sqlx::query("SELECT event_type, payload_json FROM events WHERE run_id = $1 AND idempotency_key = $2")
@@ -111,16 +117,22 @@ async fn commit(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), L
             .bind(events::decision_key(decision_id))
             .fetch_optional(&mut **tx)
             .await?;
-    let allowed = decision.is_some_and(|r| {
+    let expected_args = warden_core::canonical::args_digest(&serde_json::json!({ "tx_id": tx_id }));
+    let capability = decision.and_then(|r| {
         let (t, body): (String, String) = (r.try_get(0).unwrap_or_default(), r.try_get(1).unwrap_or_default());
         let body: Value = serde_json::from_str(&body).unwrap_or_default();
-        t == events::POLICY_DECISION && text(&body, "outcome") == "allow"
+        let allowed = t == events::POLICY_DECISION
+            && text(&body, "outcome") == "allow"
+            && text(&body, "tool") == COMMIT_TOOL
+            && text(&body, "args_sha256") == expected_args;
+        allowed.then(|| text(&body, "capability_id").to_string())
     });
-    if !allowed {
+    let Some(capability) = capability else {
         return Err(LedgerError::Precondition(format!(
-            "commit of transaction '{tx_id}' cites decision '{decision_id}', which is not a recorded allow of this run"
+            "commit of transaction '{tx_id}' cites decision '{decision_id}', which is not a recorded allow of \
+             '{COMMIT_TOOL}' for this transaction in this run"
         )));
-    }
+    };
     let staged = sqlx::query("SELECT delta_json FROM tx_staged WHERE run_id = $1 AND tx_id = $2 ORDER BY seq")
         .bind(run_id)
         .bind(tx_id)
@@ -130,6 +142,32 @@ async fn commit(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), L
         .iter()
         .map(|r| serde_json::from_str(&r.try_get::<String, _>(0).unwrap_or_default()).unwrap_or_default())
         .collect();
+    // Commits of one tenant may run in other write lanes: on PostgreSQL, lock every key this
+    // commit touches (sorted, so two commits cannot deadlock) before reading any version.
+    if backend == Backend::Postgres {
+        let mut keys: Vec<String> = Vec::new();
+        for d in &deltas {
+            for field in ["expect", "set"] {
+                keys.extend(d.get(field).and_then(Value::as_object).into_iter().flat_map(|m| m.keys().cloned()));
+            }
+            keys.extend(
+                d.get("delete")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string),
+            );
+        }
+        keys.sort_unstable();
+        keys.dedup();
+        for key in keys {
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+                .bind(format!("{tenant}\u{1f}{key}"))
+                .execute(&mut **tx)
+                .await?;
+        }
+    }
     // Preconditions are checked against committed state as it is now, all before any change.
     for d in &deltas {
         for (key, want) in d.get("expect").and_then(Value::as_object).into_iter().flatten() {
@@ -144,9 +182,9 @@ async fn commit(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), L
     for d in &deltas {
         for (key, value) in d.get("set").and_then(Value::as_object).into_iter().flatten() {
             sqlx::query(
-                "INSERT INTO state (tenant, state_key, value_json, version, run_id, tx_id) VALUES ($1, $2, $3, 1, $4, $5)
+                "INSERT INTO state (tenant, state_key, value_json, version, run_id, tx_id, deleted) VALUES ($1, $2, $3, 1, $4, $5, 0)
                  ON CONFLICT (tenant, state_key) DO UPDATE SET value_json = excluded.value_json,
-                     version = state.version + 1, run_id = excluded.run_id, tx_id = excluded.tx_id",
+                     version = state.version + 1, run_id = excluded.run_id, tx_id = excluded.tx_id, deleted = 0",
             )
             .bind(tenant)
             .bind(key)
@@ -156,15 +194,24 @@ async fn commit(tx: &mut Tx<'_>, tenant: &str, e: &ChainedEvent) -> Result<(), L
             .execute(&mut **tx)
             .await?;
         }
+        // A delete leaves a tombstone whose version keeps counting, so an old expectation
+        // can never match a key that was deleted and written again.
         for key in d.get("delete").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str) {
-            sqlx::query("DELETE FROM state WHERE tenant = $1 AND state_key = $2")
-                .bind(tenant)
-                .bind(key)
-                .execute(&mut **tx)
-                .await?;
+            sqlx::query(
+                "INSERT INTO state (tenant, state_key, value_json, version, run_id, tx_id, deleted) VALUES ($1, $2, 'null', 1, $3, $4, 1)
+                 ON CONFLICT (tenant, state_key) DO UPDATE SET value_json = 'null', version = state.version + 1,
+                     run_id = excluded.run_id, tx_id = excluded.tx_id, deleted = 1",
+            )
+            .bind(tenant)
+            .bind(key)
+            .bind(run_id)
+            .bind(tx_id)
+            .execute(&mut **tx)
+            .await?;
         }
     }
-    finish(tx, run_id, tx_id, "committed", "").await
+    finish(tx, run_id, tx_id, "committed", "").await?;
+    Ok(capability)
 }
 
 async fn rollback(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
