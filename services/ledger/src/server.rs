@@ -776,8 +776,8 @@ impl Ledger for LedgerService {
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;
-        if r.reason.is_empty() || r.reason.len() > 4096 {
-            return Err(invalid_field("reason", "say why, in at most 4096 bytes"));
+        if r.reason.is_empty() || r.reason.len() > 4096 || r.reason.contains('\0') {
+            return Err(invalid_field("reason", "say why, in at most 4096 bytes, without NUL"));
         }
         let body = json!({"tx_id": r.tx_id, "reason": r.reason});
         let key = format!("tx:{}:rollback", r.tx_id);
@@ -829,8 +829,8 @@ fn check_delta(d: &Value) -> Result<(), Status> {
     if keys.is_empty() && deletes.is_empty() {
         return Err(invalid_field("delta_json", "changes nothing (no set, no delete)"));
     }
-    if let Some(k) = keys.iter().chain(deletes.iter()).find(|k| k.is_empty() || k.len() > 512) {
-        return Err(invalid_field("delta_json", format!("state key '{k}' must be 1-512 bytes")));
+    if let Some(k) = keys.iter().chain(deletes.iter()).find(|k| k.is_empty() || k.len() > 512 || k.contains('\0')) {
+        return Err(invalid_field("delta_json", format!("state key '{}' must be 1-512 bytes without NUL", k.escape_debug())));
     }
     Ok(())
 }
