@@ -41,6 +41,7 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     c.ledger.database_url = format!("sqlite://{}", path("ledger.db"));
     c.ledger.key_file = path("ledger.key");
     c.policy.key_file = path("policy.key");
+    c.policy.database_url = format!("sqlite://{}", path("policy.db"));
     c.policy.ledger_endpoint = endpoint.into();
     if c.policy.tenants.is_empty() {
         c.policy
@@ -67,7 +68,7 @@ pub struct DevMesh {
 /// Starts every service on `listen` in this process.
 pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> anyhow::Result<DevMesh> {
     let ledger = warden_ledger::open(&config.ledger).await.context("opening the ledger")?;
-    let policy = warden_policy::build(&config.policy)?;
+    let policy = warden_policy::build(&config.policy).await?;
     let planner = warden_planner::PlannerService::new(&config.planner)?;
     let tools = warden_tools::ToolHostService::new(&config.tools)?;
     let executor = warden_executor::Executor::new(&config.executor).await?;

@@ -43,7 +43,7 @@ fn authorize_request(run_id: &str, args: &Value) -> pb::AuthorizeRequest {
         attempt: 1,
         tool: "echo".into(),
         args_json: args.to_string(),
-        capability_id: String::new(),
+        capability_handle: String::new(),
         idempotency_key: format!("{run_id}:s1:1"),
         epoch: 0,
     }
@@ -342,4 +342,131 @@ async fn k19_policy_unavailable_means_nothing_executes() {
     assert!(mesh.outbox().is_empty());
     let failed = evs.iter().find(|e| e.event_type == "step_failed").expect("step_failed recorded");
     assert_eq!(payload(failed)["kind"], json!("policy_unavailable"));
+}
+
+/// K14: capability handles cannot be forged; expired, revoked, another tenant's and
+/// out-of-scope ones are refused — each refusal a recorded deny — and an allow names the
+/// capability it used (never the handle).
+async fn k14_capabilities(backend: Backend) {
+    use warden_proto::v1::capabilities_client::CapabilitiesClient;
+    let mut opts = MeshOptions { executors: 0, ..MeshOptions::default() };
+    opts.tenants.push(("globex".into(), vec![]));
+    let mesh = mesh_with(backend, opts).await;
+    let mut caps = CapabilitiesClient::new(mesh.policy.channel());
+    let issue = |tenant: &str, tools: &[&str], resources: &[&str], ttl: u64| pb::IssueCapabilityRequest {
+        tenant: tenant.into(),
+        tool_patterns: tools.iter().map(|s| s.to_string()).collect(),
+        action_patterns: vec![],
+        resource_patterns: resources.iter().map(|s| s.to_string()).collect(),
+        ttl_seconds: ttl,
+    };
+    // globex's allowlist is empty: only a capability can let it act.
+    let good = caps.issue(issue("globex", &["payments.*"], &["acct:42*"], 3600)).await.expect("issue").into_inner();
+    assert!(good.handle.starts_with("wcap_") && !good.capability_id.contains(&good.handle[5..]));
+    let short = caps.issue(issue("globex", &["payments.*"], &[], 1)).await.expect("issue").into_inner();
+    let revoked = caps.issue(issue("globex", &["payments.*"], &[], 3600)).await.expect("issue").into_inner();
+    caps.revoke(pb::RevokeCapabilityRequest {
+        tenant: "globex".into(),
+        capability_id: revoked.capability_id.clone(),
+        reason: "rotated".into(),
+    })
+    .await
+    .expect("revoke");
+    let acmes = caps.issue(issue("acme", &["payments.*"], &[], 3600)).await.expect("issue").into_inner();
+
+    let mut ledger = mesh.ledger();
+    let run = ledger
+        .create_run(pb::CreateRunRequest {
+            tenant: "globex".into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run")
+        .run_id;
+    let policy = mesh.policy();
+    let mut n = 0;
+    let mut ask = |handle: &str, tool: &str, resource: &str| {
+        n += 1;
+        let req = pb::AuthorizeRequest {
+            tenant: "globex".into(),
+            run_id: run.clone(),
+            step_id: format!("s{n}"),
+            attempt: 1,
+            tool: tool.into(),
+            args_json: json!({"resource": resource, "amount": 5}).to_string(),
+            capability_handle: handle.into(),
+            idempotency_key: format!("{run}:s{n}:1"),
+            epoch: 0,
+        };
+        let mut p = policy.clone();
+        async move { p.authorize(req).await.expect("a decision").into_inner() }
+    };
+    let ok = ask(&good.handle, "payments.transfer", "acct:4217").await;
+    assert_eq!(ok.decision.as_ref().expect("decision").outcome(), pb::Outcome::Allow);
+    let claims: Value = serde_json::from_slice(&ok.authorization.expect("signed").claims_json).expect("claims");
+    assert_eq!(claims["capability_id"], json!(good.capability_id), "the authorization names the capability");
+
+    // Expire the short one without sleeping in the test body: wait for the clock.
+    warden_testkit::eventually(Duration::from_secs(5), || async {
+        (warden_grpc::now_ms() > short.expires_at_ms).then_some(())
+    })
+    .await;
+    let forged = format!("wcap_{}", "0".repeat(64));
+    let cases = [
+        (forged.as_str(), "payments.transfer", "acct:4217", "capability_invalid"),
+        ("not-a-handle", "payments.transfer", "acct:4217", "capability_invalid"),
+        (short.handle.as_str(), "payments.transfer", "acct:4217", "capability_expired"),
+        (revoked.handle.as_str(), "payments.transfer", "acct:4217", "capability_revoked"),
+        (acmes.handle.as_str(), "payments.transfer", "acct:4217", "capability_tenant"),
+        (good.handle.as_str(), "email.send", "acct:4217", "capability_scope"),
+        (good.handle.as_str(), "payments.transfer", "acct:99", "capability_scope"),
+        ("", "payments.transfer", "acct:4217", "default_deny"),
+    ];
+    for (handle, tool, resource, rule) in cases {
+        let d = ask(handle, tool, resource).await;
+        let decision = d.decision.expect("decision");
+        assert_eq!(
+            (decision.outcome(), decision.rule_id.as_str()),
+            (pb::Outcome::Deny, rule),
+            "{handle} {tool} {resource}"
+        );
+        assert!(d.authorization.is_none());
+    }
+    let evs = events(&mut ledger, "globex", &run).await;
+    let recorded: Vec<Value> = evs.iter().filter(|e| e.event_type == "policy_decision").map(payload).collect();
+    assert_eq!(recorded.len(), 9, "every decision, allow or deny, is recorded");
+    assert!(evs.iter().all(|e| !e.payload_json.contains("wcap_")), "no handle ever reaches the ledger");
+
+    let e = caps
+        .get(pb::GetCapabilityRequest { tenant: "acme".into(), capability_id: good.capability_id.clone() })
+        .await
+        .expect_err("another tenant's capability does not exist for acme");
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    let listed = caps
+        .list(pb::ListCapabilitiesRequest { tenant: "globex".into(), ..Default::default() })
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(listed.capabilities.len(), 3);
+    assert!(listed.capabilities.iter().all(|c| c.handle.is_empty()), "handles are shown once");
+    let e = caps.issue(issue("globex", &[], &[], 60)).await.expect_err("no tools");
+    assert_field_violation(&e, "tool_patterns");
+    let e = caps.issue(issue("globex", &["a*b"], &[], 60)).await.expect_err("bad pattern");
+    assert_field_violation(&e, "tool_patterns");
+    let e = caps.issue(issue("globex", &["x"], &[], 0)).await.expect_err("no ttl");
+    assert_field_violation(&e, "ttl_seconds");
+}
+
+#[tokio::test]
+async fn k14_capability_handles_cannot_be_forged_and_expired_or_revoked_ones_are_refused_on_sqlite() {
+    k14_capabilities(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k14_capability_handles_cannot_be_forged_and_expired_or_revoked_ones_are_refused_on_postgres() {
+    k14_capabilities(Backend::Postgres).await;
 }

@@ -140,7 +140,7 @@ async fn transactions(backend: Backend) {
                 attempt: 1,
                 tool: "commit_tx".into(),
                 args_json: json!({ "tx_id": tx }).to_string(),
-                capability_id: String::new(),
+                capability_handle: String::new(),
                 idempotency_key: format!("{run}:commit-{tx}:1"),
                 epoch: 0,
             })

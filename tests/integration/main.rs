@@ -40,6 +40,8 @@ pub async fn mesh_on(backend: Backend) -> Mesh {
 
 pub async fn mesh_with(backend: Backend, mut opts: MeshOptions) -> Mesh {
     opts.database_url = backend.database_url().await;
+    // Policy state lives in its own database of the same backend.
+    opts.policy_database_url = backend.database_url().await;
     if opts.redis_url.is_empty() {
         opts.redis_url = warden_testkit::redis().url.clone();
     }

@@ -152,7 +152,7 @@ async fn k01_a_forged_decision_record_never_yields_a_signed_authorization() {
             attempt: 1,
             tool: "shell.exec".into(),
             args_json: args.to_string(),
-            capability_id: String::new(),
+            capability_handle: String::new(),
             idempotency_key: key,
             epoch: 0,
         })

@@ -100,6 +100,10 @@ pub struct PolicyConfig {
     pub ledger_endpoint: String,
     /// Ed25519 signing key seed (hex); created with mode 0600 when missing.
     pub key_file: String,
+    /// Policy state (capabilities): `sqlite://path` or `postgres://…` (its own database).
+    pub database_url: String,
+    /// Longest capability lifetime Issue grants, in seconds.
+    pub max_capability_ttl_secs: u64,
     pub mode: PolicyMode,
     pub authorization_ttl_ms: u64,
     pub tenants: BTreeMap<String, TenantPolicy>,
@@ -111,6 +115,8 @@ impl Default for PolicyConfig {
             listen: "127.0.0.1:7102".into(),
             ledger_endpoint: "http://127.0.0.1:7101".into(),
             key_file: ".warden/policy.key".into(),
+            database_url: "sqlite://.warden/policy.db".into(),
+            max_capability_ttl_secs: 30 * 24 * 3600,
             mode: PolicyMode::Enforced,
             authorization_ttl_ms: 60_000,
             tenants: BTreeMap::new(),
@@ -240,6 +246,10 @@ impl WardenConfig {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
                 return Err(invalid(key, format!("'{e}' must be an http:// or https:// URL")));
             }
+        }
+        let pdb = &self.policy.database_url;
+        if !(pdb.starts_with("sqlite:") || pdb.starts_with("postgres://") || pdb.starts_with("postgresql://")) {
+            return Err(invalid("policy.database_url", "must start with sqlite:, postgres:// or postgresql://"));
         }
         let db = &self.ledger.database_url;
         if !(db.starts_with("sqlite:") || db.starts_with("postgres://") || db.starts_with("postgresql://")) {

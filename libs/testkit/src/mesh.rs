@@ -28,6 +28,8 @@ pub struct MeshOptions {
     pub sweep_interval_ms: u64,
     /// Executor replicas; 0 for tests that drive the ledger, policy and tools directly.
     pub executors: usize,
+    /// Policy state database; empty means SQLite in the mesh's directory.
+    pub policy_database_url: String,
     /// `(token, tenant or "*")`; empty: authentication off.
     pub auth_tokens: Vec<(String, String)>,
     /// The `*` token services present to each other (and the test's default client token).
@@ -47,6 +49,7 @@ impl Default for MeshOptions {
             lease_ttl_ms: 2_000,
             sweep_interval_ms: 500,
             executors: 1,
+            policy_database_url: String::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
         }
@@ -193,7 +196,15 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         "[ledger]\ndatabase_url = \"{database_url}\"\nkey_file = \"{}\"\n\n",
         dir.join("ledger.key").display()
     ));
-    s.push_str(&format!("[policy]\nkey_file = \"{}\"\n\n", dir.join("policy.key").display()));
+    let policy_db = if opts.policy_database_url.is_empty() {
+        format!("sqlite://{}", dir.join("policy.db").display())
+    } else {
+        opts.policy_database_url.clone()
+    };
+    s.push_str(&format!(
+        "[policy]\nkey_file = \"{}\"\ndatabase_url = \"{policy_db}\"\n\n",
+        dir.join("policy.key").display()
+    ));
     for (tenant, tools) in &opts.tenants {
         let list: Vec<String> = tools.iter().map(|t| format!("\"{t}\"")).collect();
         s.push_str(&format!("[policy.tenants.{tenant}]\nallow_tools = [{}]\n\n", list.join(", ")));

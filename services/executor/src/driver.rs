@@ -436,7 +436,7 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
             attempt,
             tool: step.tool.clone(),
             args_json: args_json.clone(),
-            capability_id: String::new(),
+            capability_handle: String::new(),
             idempotency_key: idempotency_key.clone(),
             epoch: ctx.epoch,
         })

@@ -830,7 +830,10 @@ fn check_delta(d: &Value) -> Result<(), Status> {
         return Err(invalid_field("delta_json", "changes nothing (no set, no delete)"));
     }
     if let Some(k) = keys.iter().chain(deletes.iter()).find(|k| k.is_empty() || k.len() > 512 || k.contains('\0')) {
-        return Err(invalid_field("delta_json", format!("state key '{}' must be 1-512 bytes without NUL", k.escape_debug())));
+        return Err(invalid_field(
+            "delta_json",
+            format!("state key '{}' must be 1-512 bytes without NUL", k.escape_debug()),
+        ));
     }
     Ok(())
 }

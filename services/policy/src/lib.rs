@@ -3,8 +3,10 @@
 //! its `rule_id` and `reason` before answering, and signs allows as Ed25519
 //! authorizations bound to the exact call, which tool hosts verify before acting.
 
+pub mod caps;
 pub mod rules;
 pub mod server;
+pub mod store;
 
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
@@ -18,17 +20,19 @@ use warden_proto::v1::policy_server::PolicyServer;
 pub use server::PolicyService;
 
 /// Builds the service from configuration (loading or creating the signing key).
-pub fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
+pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
     let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))?;
     let ledger = warden_grpc::channel(&config.ledger_endpoint)?;
-    Ok(PolicyService::new(config.clone(), key, ledger))
+    let store = store::PolicyStore::connect(&config.database_url).await?;
+    Ok(PolicyService::new(config.clone(), key, ledger, store))
 }
 
 /// Adds `Policy`, `Capabilities` and `Approvals` to `routes`.
 pub fn add_routes(routes: &mut RoutesBuilder, service: PolicyService, tokens: &Tokens) {
+    let capabilities = caps::CapabilitiesService::new(service.store().clone(), service.max_capability_ttl_secs());
     routes
         .add_service(InterceptedService::new(PolicyServer::new(service), tokens.clone()))
-        .add_service(InterceptedService::new(CapabilitiesServer::new(server::CapabilitiesService), tokens.clone()))
+        .add_service(InterceptedService::new(CapabilitiesServer::new(capabilities), tokens.clone()))
         .add_service(InterceptedService::new(ApprovalsServer::new(server::ApprovalsService), tokens.clone()));
 }
 
@@ -40,7 +44,7 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    let service = build(config)?;
+    let service = build(config).await?;
     let mut routes = Routes::builder();
     add_routes(&mut routes, service, &tokens);
     warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;

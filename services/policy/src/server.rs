@@ -16,6 +16,7 @@ use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 
 use crate::rules::{self, Verdict};
+use crate::store::PolicyStore;
 use warden_grpc::keyfile::PublishedKey;
 
 /// Largest accepted argument document.
@@ -27,11 +28,15 @@ pub struct PolicyService {
     key: Arc<SigningKey>,
     published: Arc<Vec<PublishedKey>>,
     ledger: LedgerClient<warden_grpc::auth::Ch>,
+    store: PolicyStore,
 }
 
 /// A request that passed validation, with its canonical arguments.
 struct Checked {
     args_sha256: String,
+    args: Value,
+    /// Public id of the capability the request presented (resolved from its handle).
+    capability_id: String,
 }
 
 fn id_field(field: &str, v: &str, check: fn(&str) -> Result<(), warden_core::ids::IdError>) -> Result<(), Status> {
@@ -45,8 +50,8 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     id_field("tool", &r.tool, check_tool_name)?;
     // K04: every mediated call carries an idempotency key.
     id_field("idempotency_key", &r.idempotency_key, check_id)?;
-    if !r.capability_id.is_empty() {
-        id_field("capability_id", &r.capability_id, check_id)?;
+    if r.capability_handle.len() > 256 {
+        return Err(invalid_field("capability_handle", "at most 256 characters"));
     }
     if r.attempt == 0 {
         return Err(invalid_field("attempt", "attempts count from 1"));
@@ -62,11 +67,12 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     if !args.is_object() {
         return Err(invalid_field("args_json", "must be a JSON object"));
     }
-    Ok(Checked { args_sha256: args_digest(&args) })
+    Ok(Checked { args_sha256: args_digest(&args), args, capability_id: String::new() })
 }
 
 /// Same request, same decision id: a retried `Authorize` records nothing twice.
-fn decision_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
+fn decision_id(r: &pb::AuthorizeRequest, c: &Checked) -> String {
+    let args_sha256 = c.args_sha256.as_str();
     let call = CallIdentity {
         tenant: &r.tenant,
         run_id: &r.run_id,
@@ -76,11 +82,16 @@ fn decision_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
         args_sha256,
         idempotency_key: &r.idempotency_key,
     };
-    warden_core::auth::decision_id(&call, &r.capability_id)
+    warden_core::auth::decision_id(&call, &c.capability_id)
 }
 
 impl PolicyService {
-    pub fn new(config: PolicyConfig, key: SigningKey, ledger: warden_grpc::auth::Ch) -> PolicyService {
+    pub fn new(
+        config: PolicyConfig,
+        key: SigningKey,
+        ledger: warden_grpc::auth::Ch,
+        store: PolicyStore,
+    ) -> PolicyService {
         let published =
             vec![PublishedKey { key_id: key_id(&key.verifying_key()), key: key.verifying_key(), current: true }];
         PolicyService {
@@ -88,7 +99,63 @@ impl PolicyService {
             key: Arc::new(key),
             published: Arc::new(published),
             ledger: LedgerClient::new(ledger),
+            store,
         }
+    }
+
+    pub fn store(&self) -> &PolicyStore {
+        &self.store
+    }
+
+    pub fn max_capability_ttl_secs(&self) -> u64 {
+        self.config.max_capability_ttl_secs
+    }
+
+    /// The rule decision for a request. A presented capability handle is the authority when
+    /// it is valid for this call (and a recorded deny when it is not); without one, the
+    /// tenant's allowlist decides. Capability refusals are enforced in every mode.
+    async fn evaluate(&self, r: &pb::AuthorizeRequest, c: &mut Checked) -> Result<rules::RuleDecision, Status> {
+        if r.capability_handle.is_empty() {
+            return Ok(rules::decide(&self.config, &r.tenant, &r.tool));
+        }
+        let deny =
+            |rule: &str, reason: String| rules::RuleDecision { verdict: Verdict::Deny, rule_id: rule.into(), reason };
+        let Some(sha) = crate::caps::handle_sha256(&r.capability_handle) else {
+            return Ok(deny("capability_invalid", "the capability handle is not one Warden issued".into()));
+        };
+        let Some(cap) = self.store.by_handle(&sha).await? else {
+            return Ok(deny("capability_invalid", "the capability handle is not one Warden issued".into()));
+        };
+        c.capability_id = cap.capability_id.clone();
+        if cap.tenant != r.tenant {
+            return Ok(deny(
+                "capability_tenant",
+                format!("capability {} belongs to another tenant", cap.capability_id),
+            ));
+        }
+        if cap.revoked {
+            return Ok(deny(
+                "capability_revoked",
+                format!("capability {} was revoked: {}", cap.capability_id, cap.revoke_reason),
+            ));
+        }
+        if now_ms() >= cap.expires_at_ms {
+            return Ok(deny(
+                "capability_expired",
+                format!("capability {} expired at {}", cap.capability_id, cap.expires_at_ms),
+            ));
+        }
+        if let Err(why) = crate::caps::grants(&cap, &r.tool, &c.args) {
+            return Ok(deny(
+                "capability_scope",
+                format!("capability {} does not cover this call: {why}", cap.capability_id),
+            ));
+        }
+        Ok(rules::RuleDecision {
+            verdict: Verdict::Allow,
+            rule_id: "capability".into(),
+            reason: format!("capability {} grants '{}'", cap.capability_id, r.tool),
+        })
     }
 
     fn decision(
@@ -99,7 +166,7 @@ impl PolicyService {
         d: &rules::RuleDecision,
     ) -> pb::Decision {
         pb::Decision {
-            decision_id: decision_id(r, &c.args_sha256),
+            decision_id: decision_id(r, c),
             outcome: match d.verdict {
                 Verdict::Allow => pb::Outcome::Allow,
                 Verdict::Deny => pb::Outcome::Deny,
@@ -121,16 +188,16 @@ impl pb::policy_server::Policy for PolicyService {
     async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
-        let checked = validate(&r)?;
-        let rule = rules::decide(&self.config, &r.tenant, &r.tool);
-        let id = decision_id(&r, &checked.args_sha256);
+        let mut checked = validate(&r)?;
+        let rule = self.evaluate(&r, &mut checked).await?;
+        let id = decision_id(&r, &checked);
         let payload = json!({
             "decision_id": id,
             "attempt": r.attempt,
             "tool": r.tool,
             "fingerprint": format!("{}@{}", r.tool, &checked.args_sha256[..16]),
             "args_sha256": checked.args_sha256,
-            "capability_id": r.capability_id,
+            "capability_id": checked.capability_id,
             "idempotency_key": r.idempotency_key,
             "outcome": rule.verdict.as_str(),
             "rule_id": rule.rule_id,
@@ -186,7 +253,7 @@ impl pb::policy_server::Policy for PolicyService {
                     tool: r.tool.clone(),
                     args_sha256: checked.args_sha256.clone(),
                     idempotency_key: r.idempotency_key.clone(),
-                    capability_id: r.capability_id.clone(),
+                    capability_id: checked.capability_id.clone(),
                     issued_at_ms: now,
                     expires_at_ms: now + self.config.authorization_ttl_ms as i64,
                 },
@@ -224,32 +291,9 @@ impl pb::policy_server::Policy for PolicyService {
     async fn check(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::Decision>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
-        let checked = validate(&r)?;
-        let rule = rules::decide(&self.config, &r.tenant, &r.tool);
+        let mut checked = validate(&r)?;
+        let rule = self.evaluate(&r, &mut checked).await?;
         Ok(Response::new(self.decision(&r, &checked, 0, &rule)))
-    }
-}
-
-/// Answers every `Capabilities` call with UNIMPLEMENTED.
-#[derive(Clone, Default)]
-pub struct CapabilitiesService;
-
-#[tonic::async_trait]
-impl pb::capabilities_server::Capabilities for CapabilitiesService {
-    async fn issue(&self, _: Request<pb::IssueCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
-        Err(unimplemented("Capabilities.Issue"))
-    }
-    async fn revoke(&self, _: Request<pb::RevokeCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
-        Err(unimplemented("Capabilities.Revoke"))
-    }
-    async fn get(&self, _: Request<pb::GetCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
-        Err(unimplemented("Capabilities.Get"))
-    }
-    async fn list(
-        &self,
-        _: Request<pb::ListCapabilitiesRequest>,
-    ) -> Result<Response<pb::ListCapabilitiesResponse>, Status> {
-        Err(unimplemented("Capabilities.List"))
     }
 }
 

@@ -1,0 +1,4 @@
+// Re-embed migrations when they change.
+fn main() {
+    println!("cargo:rerun-if-changed=migrations");
+}

@@ -1,0 +1,184 @@
+//! Capabilities (SPEC-KERN-01 §2.2): opaque handles userland cannot forge, scoped to tool,
+//! action and resource patterns, time-bounded and revocable.
+//!
+//! A handle is `wcap_` + 64 hex chars of randomness, shown once at issue. The store keeps only
+//! its SHA-256; the public `capability_id` (recorded in decisions, authorizations and
+//! receipts) is derived from that hash and grants nothing by itself.
+//!
+//! Scope: the tool must match a tool pattern; when action (resource) patterns are set, the
+//! call's `action` (`resource`) argument must be a string matching one. Patterns are exact
+//! or end in one `*`.
+
+use serde_json::Value;
+use tonic::{Request, Response, Status};
+use warden_core::ids::check_id;
+use warden_grpc::{invalid_field, now_ms};
+use warden_proto::v1 as pb;
+
+use crate::store::{CapabilityRow, PolicyStore};
+
+const PREFIX: &str = "wcap_";
+
+/// The SHA-256 of a well-formed handle (None for anything Warden could not have issued).
+pub fn handle_sha256(handle: &str) -> Option<String> {
+    let hex_part = handle.strip_prefix(PREFIX)?;
+    (hex_part.len() == 64 && hex_part.bytes().all(|b| b.is_ascii_hexdigit())).then(|| warden_core::sha256_hex(handle))
+}
+
+fn matches(pattern: &str, value: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => value.starts_with(prefix),
+        None => pattern == value,
+    }
+}
+
+/// Whether `cap` covers calling `tool` with `args`; the reason when it does not.
+pub fn grants(cap: &CapabilityRow, tool: &str, args: &Value) -> Result<(), String> {
+    if !cap.tool_patterns.iter().any(|p| matches(p, tool)) {
+        return Err(format!("tool '{tool}' is outside {:?}", cap.tool_patterns));
+    }
+    for (field, patterns) in [("action", &cap.action_patterns), ("resource", &cap.resource_patterns)] {
+        if patterns.is_empty() {
+            continue;
+        }
+        match args.get(field).and_then(Value::as_str) {
+            Some(v) if patterns.iter().any(|p| matches(p, v)) => {}
+            Some(v) => return Err(format!("{field} '{v}' is outside {patterns:?}")),
+            None => return Err(format!("the call names no {field}")),
+        }
+    }
+    Ok(())
+}
+
+fn check_patterns(field: &str, patterns: &[String], required: bool) -> Result<(), Status> {
+    if required && patterns.is_empty() {
+        return Err(invalid_field(field, "name at least one pattern"));
+    }
+    if patterns.len() > 64 {
+        return Err(invalid_field(field, "at most 64 patterns"));
+    }
+    for p in patterns {
+        let body = p.strip_suffix('*').unwrap_or(p);
+        let ok = p.len() <= 256 && !body.contains('*') && !p.is_empty() && p.chars().all(|c| !c.is_control());
+        if !ok {
+            return Err(invalid_field(field, format!("'{p}' is not a pattern (text with at most one trailing '*')")));
+        }
+    }
+    Ok(())
+}
+
+fn to_proto(c: CapabilityRow, handle: String) -> pb::Capability {
+    pb::Capability {
+        capability_id: c.capability_id,
+        tenant: c.tenant,
+        tool_patterns: c.tool_patterns,
+        action_patterns: c.action_patterns,
+        resource_patterns: c.resource_patterns,
+        expires_at_ms: c.expires_at_ms,
+        revoked: c.revoked,
+        issued_at_ms: c.issued_at_ms,
+        handle,
+        revoke_reason: c.revoke_reason,
+    }
+}
+
+#[derive(Clone)]
+pub struct CapabilitiesService {
+    store: PolicyStore,
+    max_ttl_secs: u64,
+}
+
+impl CapabilitiesService {
+    pub fn new(store: PolicyStore, max_ttl_secs: u64) -> CapabilitiesService {
+        CapabilitiesService { store, max_ttl_secs }
+    }
+
+    /// The tenant's capability, or NOT_FOUND (another tenant's does not exist for the caller).
+    async fn owned(&self, tenant: &str, capability_id: &str) -> Result<CapabilityRow, Status> {
+        check_id(tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        check_id(capability_id).map_err(|e| invalid_field("capability_id", e.to_string()))?;
+        match self.store.capability(capability_id).await? {
+            Some(c) if c.tenant == tenant => Ok(c),
+            _ => Err(Status::not_found(format!("capability '{capability_id}' not found"))),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::capabilities_server::Capabilities for CapabilitiesService {
+    async fn issue(&self, req: Request<pb::IssueCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        check_patterns("tool_patterns", &r.tool_patterns, true)?;
+        check_patterns("action_patterns", &r.action_patterns, false)?;
+        check_patterns("resource_patterns", &r.resource_patterns, false)?;
+        if r.ttl_seconds == 0 || r.ttl_seconds > self.max_ttl_secs {
+            return Err(invalid_field("ttl_seconds", format!("must be from 1 to {}", self.max_ttl_secs)));
+        }
+        let mut secret = [0u8; 32];
+        getrandom::getrandom(&mut secret).map_err(|e| Status::internal(format!("no randomness: {e}")))?;
+        let handle = format!("{PREFIX}{}", hex::encode(secret));
+        let sha = warden_core::sha256_hex(&handle);
+        let now = now_ms();
+        let row = CapabilityRow {
+            capability_id: format!("cap-{}", &sha[..24]),
+            tenant: r.tenant,
+            tool_patterns: r.tool_patterns,
+            action_patterns: r.action_patterns,
+            resource_patterns: r.resource_patterns,
+            issued_at_ms: now,
+            expires_at_ms: now.saturating_add((r.ttl_seconds as i64).saturating_mul(1000)),
+            revoked: false,
+            revoke_reason: String::new(),
+        };
+        self.store.insert_capability(&row, &sha).await?;
+        tracing::info!(capability_id = %row.capability_id, tenant = %row.tenant, "capability issued");
+        Ok(Response::new(to_proto(row, handle)))
+    }
+
+    async fn revoke(&self, req: Request<pb::RevokeCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        self.owned(&r.tenant, &r.capability_id).await?;
+        if r.reason.is_empty() || r.reason.len() > 1024 || r.reason.contains('\0') {
+            return Err(invalid_field("reason", "say why, in at most 1024 bytes"));
+        }
+        self.store.revoke(&r.capability_id, &r.reason).await?;
+        tracing::info!(capability_id = %r.capability_id, "capability revoked");
+        Ok(Response::new(to_proto(self.owned(&r.tenant, &r.capability_id).await?, String::new())))
+    }
+
+    async fn get(&self, req: Request<pb::GetCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        Ok(Response::new(to_proto(self.owned(&r.tenant, &r.capability_id).await?, String::new())))
+    }
+
+    async fn list(
+        &self,
+        req: Request<pb::ListCapabilitiesRequest>,
+    ) -> Result<Response<pb::ListCapabilitiesResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        if !r.page_token.is_empty() {
+            check_id(&r.page_token).map_err(|e| invalid_field("page_token", e.to_string()))?;
+        }
+        let size = match r.page_size {
+            0 => 100,
+            n if n > 1000 => return Err(invalid_field("page_size", "must be at most 1000")),
+            n => n,
+        };
+        let rows = self.store.list(&r.tenant, &r.page_token, size).await?;
+        let next_page_token = if rows.len() == size as usize {
+            rows.last().map(|c| c.capability_id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListCapabilitiesResponse {
+            capabilities: rows.into_iter().map(|c| to_proto(c, String::new())).collect(),
+            next_page_token,
+        }))
+    }
+}

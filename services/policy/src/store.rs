@@ -1,0 +1,166 @@
+//! Durable policy state through sqlx (PostgreSQL in production, SQLite embedded), with its own
+//! migrations: capabilities now; approvals, budgets and rate windows build on the same store.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
+use sqlx::migrate::Migrator;
+use sqlx::{AnyPool, Row};
+
+static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("migrations/postgres");
+static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("migrations/sqlite");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("policy store unavailable: {0}")]
+    Unavailable(String),
+    #[error("policy store: {0}")]
+    Internal(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> StoreError {
+        match &e {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
+            _ => StoreError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<StoreError> for tonic::Status {
+    fn from(e: StoreError) -> tonic::Status {
+        match e {
+            StoreError::Unavailable(_) => tonic::Status::unavailable(e.to_string()),
+            StoreError::Internal(_) => tonic::Status::internal(e.to_string()),
+        }
+    }
+}
+
+/// A stored capability (never its handle).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapabilityRow {
+    pub capability_id: String,
+    pub tenant: String,
+    pub tool_patterns: Vec<String>,
+    pub action_patterns: Vec<String>,
+    pub resource_patterns: Vec<String>,
+    pub issued_at_ms: i64,
+    pub expires_at_ms: i64,
+    pub revoked: bool,
+    pub revoke_reason: String,
+}
+
+#[derive(Clone)]
+pub struct PolicyStore {
+    pool: AnyPool,
+}
+
+const COLUMNS: &str = "capability_id, tenant, tool_patterns, action_patterns, resource_patterns, issued_at_ms, expires_at_ms, revoked, revoke_reason";
+
+fn list(v: &str) -> Vec<String> {
+    serde_json::from_str::<Vec<String>>(v).unwrap_or_default()
+}
+
+fn row(r: &AnyRow) -> Result<CapabilityRow, StoreError> {
+    Ok(CapabilityRow {
+        capability_id: r.try_get("capability_id")?,
+        tenant: r.try_get("tenant")?,
+        tool_patterns: list(&r.try_get::<String, _>("tool_patterns")?),
+        action_patterns: list(&r.try_get::<String, _>("action_patterns")?),
+        resource_patterns: list(&r.try_get::<String, _>("resource_patterns")?),
+        issued_at_ms: r.try_get("issued_at_ms")?,
+        expires_at_ms: r.try_get("expires_at_ms")?,
+        revoked: r.try_get::<i64, _>("revoked")? != 0,
+        revoke_reason: r.try_get("revoke_reason")?,
+    })
+}
+
+impl PolicyStore {
+    pub async fn connect(url: &str) -> Result<PolicyStore, StoreError> {
+        sqlx::any::install_default_drivers();
+        let sqlite = url.starts_with("sqlite:");
+        let url = if sqlite {
+            let path = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
+            let file = path.split('?').next().unwrap_or_default();
+            if let Some(dir) = std::path::Path::new(file).parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| StoreError::Unavailable(format!("cannot create {}: {e}", dir.display())))?;
+            }
+            if path.contains('?') { format!("sqlite://{path}") } else { format!("sqlite://{path}?mode=rwc") }
+        } else {
+            url.to_string()
+        };
+        let options = AnyConnectOptions::from_str(&url)
+            .map_err(|e| StoreError::Unavailable(format!("policy.database_url: {e}")))?;
+        let pool = AnyPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await?;
+        let migrator = if sqlite { &SQLITE_MIGRATIONS } else { &POSTGRES_MIGRATIONS };
+        migrator.run(&pool).await.map_err(|e| StoreError::Unavailable(format!("policy migrations failed: {e}")))?;
+        Ok(PolicyStore { pool })
+    }
+
+    pub async fn insert_capability(&self, c: &CapabilityRow, handle_sha256: &str) -> Result<(), StoreError> {
+        let json = |v: &Vec<String>| Value::from(v.clone()).to_string();
+        sqlx::query(&format!(
+            "INSERT INTO capabilities ({COLUMNS}, handle_sha256) VALUES ($1, $2, $3, $4, $5, $6, $7, 0, '', $8)"
+        ))
+        .bind(&c.capability_id)
+        .bind(&c.tenant)
+        .bind(json(&c.tool_patterns))
+        .bind(json(&c.action_patterns))
+        .bind(json(&c.resource_patterns))
+        .bind(c.issued_at_ms)
+        .bind(c.expires_at_ms)
+        .bind(handle_sha256)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    pub async fn capability(&self, capability_id: &str) -> Result<Option<CapabilityRow>, StoreError> {
+        let r = sqlx::query(&format!("SELECT {COLUMNS} FROM capabilities WHERE capability_id = $1"))
+            .bind(capability_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        r.as_ref().map(row).transpose()
+    }
+
+    /// The capability a handle stands for (looked up by the handle's SHA-256).
+    pub async fn by_handle(&self, handle_sha256: &str) -> Result<Option<CapabilityRow>, StoreError> {
+        let r = sqlx::query(&format!("SELECT {COLUMNS} FROM capabilities WHERE handle_sha256 = $1"))
+            .bind(handle_sha256)
+            .fetch_optional(&self.pool)
+            .await?;
+        r.as_ref().map(row).transpose()
+    }
+
+    /// Revokes (idempotently: the first reason stays).
+    pub async fn revoke(&self, capability_id: &str, reason: &str) -> Result<(), StoreError> {
+        sqlx::query("UPDATE capabilities SET revoked = 1, revoke_reason = $2 WHERE capability_id = $1 AND revoked = 0")
+            .bind(capability_id)
+            .bind(reason)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn list(&self, tenant: &str, after: &str, limit: u32) -> Result<Vec<CapabilityRow>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM capabilities WHERE tenant = $1 AND capability_id > $2 ORDER BY capability_id LIMIT {limit}"
+        ))
+        .bind(tenant)
+        .bind(after)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(row).collect()
+    }
+}
