@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_ledger;
+mod caps;
 mod dev;
 mod ledger;
 mod run;
@@ -21,6 +22,9 @@ struct Cli {
     /// The ledger, when it is not served at --endpoint (production shape).
     #[arg(long, global = true, env = "WARDEN_LEDGER_ENDPOINT")]
     ledger_endpoint: Option<String>,
+    /// The policy service, when it is not served at --endpoint (production shape).
+    #[arg(long, global = true, env = "WARDEN_POLICY_ENDPOINT")]
+    policy_endpoint: Option<String>,
     /// Bearer token to present (when the mesh authenticates callers).
     #[arg(long, global = true, env = "WARDEN_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -38,6 +42,9 @@ enum Command {
     /// Submit and inspect runs.
     #[command(subcommand)]
     Run(run::RunCommand),
+    /// Capability handles (policy service; --policy-endpoint, default --endpoint).
+    #[command(subcommand)]
+    Caps(caps::CapsCommand),
     /// Work with ledger exports offline.
     #[command(subcommand)]
     Ledger(ledger::LedgerCommand),
@@ -58,6 +65,7 @@ async fn main() {
     if let Some(t) = &cli.token {
         warden_grpc::auth::set_client_token(t);
     }
+    let policy_endpoint = cli.policy_endpoint.clone();
     let target = Target {
         ledger_endpoint: cli.ledger_endpoint.clone().unwrap_or_else(|| cli.endpoint.clone()),
         endpoint: cli.endpoint,
@@ -68,6 +76,10 @@ async fn main() {
         Command::Run(cmd) => run::run(&target, cmd).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Ledger(cmd) => ledger::run(cmd),
+        Command::Caps(cmd) => {
+            let endpoint = policy_endpoint.unwrap_or_else(|| target.endpoint.clone());
+            caps::run(&target, &endpoint, cmd).await
+        }
     };
     match result {
         Ok(code) => std::process::exit(code),
