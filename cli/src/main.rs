@@ -5,6 +5,7 @@ mod bench_ledger;
 mod caps;
 mod dev;
 mod ledger;
+mod policy;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -45,6 +46,9 @@ enum Command {
     /// Capability handles (policy service; --policy-endpoint, default --endpoint).
     #[command(subcommand)]
     Caps(caps::CapsCommand),
+    /// Validate Cedar policies; dry-run decisions.
+    #[command(subcommand)]
+    Policy(policy::PolicyCommand),
     /// Work with ledger exports offline.
     #[command(subcommand)]
     Ledger(ledger::LedgerCommand),
@@ -79,6 +83,10 @@ async fn main() {
         Command::Caps(cmd) => {
             let endpoint = policy_endpoint.unwrap_or_else(|| target.endpoint.clone());
             caps::run(&target, &endpoint, cmd).await
+        }
+        Command::Policy(cmd) => {
+            let endpoint = policy_endpoint.unwrap_or_else(|| target.endpoint.clone());
+            policy::run(&target, &endpoint, cmd).await
         }
     };
     match result {

@@ -6,6 +6,7 @@ mod conformance;
 mod ledger;
 mod lifecycle;
 mod mesh;
+mod policy;
 mod receipts;
 
 use std::time::Duration;

@@ -104,6 +104,11 @@ pub struct PolicyConfig {
     pub database_url: String,
     /// Longest capability lifetime Issue grants, in seconds.
     pub max_capability_ttl_secs: u64,
+    /// Directory of Cedar policies (`schema.cedarschema` + `*.cedar`); empty: the tenant
+    /// allowlists decide. Changes are picked up without a restart.
+    pub policy_dir: String,
+    /// How often the policy directory is checked for changes.
+    pub reload_interval_ms: u64,
     pub mode: PolicyMode,
     pub authorization_ttl_ms: u64,
     pub tenants: BTreeMap<String, TenantPolicy>,
@@ -117,6 +122,8 @@ impl Default for PolicyConfig {
             key_file: ".warden/policy.key".into(),
             database_url: "sqlite://.warden/policy.db".into(),
             max_capability_ttl_secs: 30 * 24 * 3600,
+            policy_dir: String::new(),
+            reload_interval_ms: 1_000,
             mode: PolicyMode::Enforced,
             authorization_ttl_ms: 60_000,
             tenants: BTreeMap::new(),

@@ -28,6 +28,8 @@ pub struct MeshOptions {
     pub sweep_interval_ms: u64,
     /// Executor replicas; 0 for tests that drive the ledger, policy and tools directly.
     pub executors: usize,
+    /// Cedar policy directory for the policy service (empty: allowlists decide).
+    pub policy_dir: String,
     /// Policy state database; empty means SQLite in the mesh's directory.
     pub policy_database_url: String,
     /// `(token, tenant or "*")`; empty: authentication off.
@@ -50,6 +52,7 @@ impl Default for MeshOptions {
             sweep_interval_ms: 500,
             executors: 1,
             policy_database_url: String::new(),
+            policy_dir: String::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
         }
@@ -202,8 +205,9 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         opts.policy_database_url.clone()
     };
     s.push_str(&format!(
-        "[policy]\nkey_file = \"{}\"\ndatabase_url = \"{policy_db}\"\n\n",
-        dir.join("policy.key").display()
+        "[policy]\nkey_file = \"{}\"\ndatabase_url = \"{policy_db}\"\npolicy_dir = \"{}\"\nreload_interval_ms = 200\n\n",
+        dir.join("policy.key").display(),
+        opts.policy_dir
     ));
     for (tenant, tools) in &opts.tenants {
         let list: Vec<String> = tools.iter().map(|t| format!("\"{t}\"")).collect();

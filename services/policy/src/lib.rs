@@ -4,6 +4,7 @@
 //! authorizations bound to the exact call, which tool hosts verify before acting.
 
 pub mod caps;
+pub mod cedar;
 pub mod rules;
 pub mod server;
 pub mod store;
@@ -24,7 +25,20 @@ pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
     let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))?;
     let ledger = warden_grpc::channel(&config.ledger_endpoint)?;
     let store = store::PolicyStore::connect(&config.database_url).await?;
-    Ok(PolicyService::new(config.clone(), key, ledger, store))
+    let service = PolicyService::new(config.clone(), key, ledger, store);
+    if !config.policy_dir.is_empty() {
+        let dir = std::path::PathBuf::from(&config.policy_dir);
+        // At start there is no previous set to fall back on: a bad set stops the service.
+        let policies = cedar::load_dir(&dir).map_err(|errors| {
+            let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
+            anyhow::anyhow!("policy directory {} is invalid:\n{}", dir.display(), lines.join("\n"))
+        })?;
+        tracing::info!(policies = policies.count, dir = %dir.display(), "cedar policies loaded");
+        service.set_cedar(policies);
+        let every = std::time::Duration::from_millis(config.reload_interval_ms.max(100));
+        tokio::spawn(service.clone().watch_policies(dir, every));
+    }
+    Ok(service)
 }
 
 /// Adds `Policy`, `Capabilities` and `Approvals` to `routes`.

@@ -48,11 +48,16 @@ pub fn decide(config: &PolicyConfig, tenant: &str, tool: &str) -> RuleDecision {
             reason: format!("no rule allows tenant '{tenant}' to call '{tool}'"),
         },
     };
-    match (config.mode, enforced.verdict) {
+    apply_mode(config.mode, enforced)
+}
+
+/// Permissive mode turns a deny into an allow that says what enforced mode would have done.
+pub fn apply_mode(mode: PolicyMode, enforced: RuleDecision) -> RuleDecision {
+    match (mode, enforced.verdict) {
         (PolicyMode::Permissive, Verdict::Deny) => RuleDecision {
             verdict: Verdict::Allow,
             rule_id: "permissive_mode".into(),
-            reason: format!("permissive mode; enforced mode would deny: {}", enforced.reason),
+            reason: format!("permissive mode; enforced mode would deny ({}): {}", enforced.rule_id, enforced.reason),
         },
         _ => enforced,
     }

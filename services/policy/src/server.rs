@@ -1,7 +1,7 @@
 //! The `Policy` gRPC service: decide, record the decision in the ledger, sign allows.
 //! `Capabilities` and `Approvals` are part of the contract but not served by this release.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use ed25519_dalek::SigningKey;
 use serde_json::{Value, json};
@@ -15,6 +15,7 @@ use warden_grpc::{invalid_field, now_ms};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 
+use crate::cedar::CedarPolicies;
 use crate::rules::{self, Verdict};
 use crate::store::PolicyStore;
 use warden_grpc::keyfile::PublishedKey;
@@ -29,6 +30,8 @@ pub struct PolicyService {
     published: Arc<Vec<PublishedKey>>,
     ledger: LedgerClient<warden_grpc::auth::Ch>,
     store: PolicyStore,
+    /// The live Cedar policy set (None: allowlists decide). Swapped whole on reload.
+    cedar: Arc<RwLock<Option<Arc<CedarPolicies>>>>,
 }
 
 /// A request that passed validation, with its canonical arguments.
@@ -100,6 +103,46 @@ impl PolicyService {
             published: Arc::new(published),
             ledger: LedgerClient::new(ledger),
             store,
+            cedar: Arc::default(),
+        }
+    }
+
+    /// The live Cedar policy set, if any.
+    pub fn cedar(&self) -> Option<Arc<CedarPolicies>> {
+        self.cedar.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Installs a validated policy set.
+    pub fn set_cedar(&self, policies: CedarPolicies) {
+        *self.cedar.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(policies));
+    }
+
+    /// Reloads the policy directory whenever its files change. A set that does not validate
+    /// is refused (each problem logged with file and line) and the live set stays.
+    pub async fn watch_policies(self, dir: std::path::PathBuf, every: std::time::Duration) {
+        let mut refused = String::new();
+        loop {
+            tokio::time::sleep(every).await;
+            let Ok(digest) = crate::cedar::dir_digest(&dir) else { continue };
+            let live = self.cedar().map(|c| c.digest.clone()).unwrap_or_default();
+            if digest == live || digest == refused {
+                continue;
+            }
+            let d = dir.clone();
+            match tokio::task::spawn_blocking(move || crate::cedar::load_dir(&d)).await {
+                Ok(Ok(policies)) => {
+                    tracing::info!(policies = policies.count, dir = %dir.display(), "cedar policies reloaded");
+                    self.set_cedar(policies);
+                    refused.clear();
+                }
+                Ok(Err(errors)) => {
+                    for e in &errors {
+                        tracing::warn!(file = %e.file, line = e.line, reason = %e.reason, "policy change refused; the previous set stays live");
+                    }
+                    refused = digest;
+                }
+                Err(e) => tracing::warn!(error = %e, "policy reload failed"),
+            }
         }
     }
 
@@ -116,7 +159,10 @@ impl PolicyService {
     /// tenant's allowlist decides. Capability refusals are enforced in every mode.
     async fn evaluate(&self, r: &pb::AuthorizeRequest, c: &mut Checked) -> Result<rules::RuleDecision, Status> {
         if r.capability_handle.is_empty() {
-            return Ok(rules::decide(&self.config, &r.tenant, &r.tool));
+            return Ok(match self.cedar() {
+                Some(cedar) => rules::apply_mode(self.config.mode, cedar.decide(&r.tenant, &r.tool, &c.args)),
+                None => rules::decide(&self.config, &r.tenant, &r.tool),
+            });
         }
         let deny =
             |rule: &str, reason: String| rules::RuleDecision { verdict: Verdict::Deny, rule_id: rule.into(), reason };

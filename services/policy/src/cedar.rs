@@ -1,0 +1,240 @@
+//! Cedar policies: who (a tenant) may call what (an action per tool) on which resource, with
+//! the call's canonical arguments as the context.
+//!
+//! A policy directory holds `schema.cedarschema` and any number of `*.cedar` files. Every
+//! policy is validated against the schema at load; a policy's rule id is its `@id("…")`
+//! annotation, or `<file>:<n>`. Requests are built as
+//! `principal = Tenant::"<tenant>"`, `action = Action::"<tool>"`, `resource = Tool::"<tool>"`,
+//! `context = <arguments>` (typed by the schema's declaration of that action), so a tool the
+//! schema does not declare, or arguments that do not fit it, are denied.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::str::FromStr;
+
+use cedar_policy::{
+    Authorizer, Context, Decision, Entities, EntityUid, PolicyId, PolicySet, Request, Schema, ValidationMode, Validator,
+};
+use miette::Diagnostic;
+use serde_json::Value;
+
+use crate::rules::{RuleDecision, Verdict};
+
+/// Name of the schema file in a policy directory.
+pub const SCHEMA_FILE: &str = "schema.cedarschema";
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}:{line}: {reason}")]
+pub struct LoadError {
+    pub file: String,
+    pub line: usize,
+    pub reason: String,
+}
+
+/// A validated policy set with its schema.
+pub struct CedarPolicies {
+    set: PolicySet,
+    schema: Schema,
+    /// Digest of the files it was loaded from (to notice changes).
+    pub digest: String,
+    pub count: usize,
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1
+}
+
+/// The first labelled line of a diagnostic in `text` (1 when it has none).
+fn diagnostic_line(d: &dyn Diagnostic, text: &str) -> usize {
+    d.labels().and_then(|mut l| l.next()).map(|l| line_of(text, l.offset())).unwrap_or(1)
+}
+
+/// A digest of the directory's policy files (names and contents).
+pub fn dir_digest(dir: &Path) -> std::io::Result<String> {
+    let mut names: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cedar" || x == "cedarschema"))
+        .collect();
+    names.sort();
+    let mut material = String::new();
+    for p in names {
+        material.push_str(&p.display().to_string());
+        material.push('\0');
+        material.push_str(&std::fs::read_to_string(&p)?);
+        material.push('\0');
+    }
+    Ok(warden_core::sha256_hex(material))
+}
+
+/// Loads and validates a policy directory; every problem is reported with file and line.
+pub fn load_dir(dir: &Path) -> Result<CedarPolicies, Vec<LoadError>> {
+    let io = |file: &str, e: std::io::Error| vec![LoadError { file: file.to_string(), line: 0, reason: e.to_string() }];
+    let digest = dir_digest(dir).map_err(|e| io(&dir.display().to_string(), e))?;
+    let schema_path = dir.join(SCHEMA_FILE);
+    let schema_text = std::fs::read_to_string(&schema_path).map_err(|e| io(&schema_path.display().to_string(), e))?;
+    let schema = match Schema::from_cedarschema_str(&schema_text) {
+        Ok((s, _warnings)) => s,
+        Err(e) => {
+            return Err(vec![LoadError {
+                file: schema_path.display().to_string(),
+                line: diagnostic_line(&e, &schema_text),
+                reason: e.to_string(),
+            }]);
+        }
+    };
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| io(&dir.display().to_string(), e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cedar"))
+        .collect();
+    files.sort();
+    let mut set = PolicySet::new();
+    let mut origin: HashMap<PolicyId, (String, String)> = HashMap::new();
+    let mut errors = Vec::new();
+    for path in &files {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| io(&file, e))?;
+        let parsed = match PolicySet::from_str(&text) {
+            Ok(p) => p,
+            Err(e) => {
+                errors.push(LoadError { file: file.clone(), line: diagnostic_line(&e, &text), reason: e.to_string() });
+                continue;
+            }
+        };
+        let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+        for (n, p) in parsed.policies().enumerate() {
+            let id = p.annotation("id").map(str::to_string).unwrap_or_else(|| format!("{stem}:{n}"));
+            let renamed = p.new_id(PolicyId::new(&id));
+            if let Err(e) = set.add(renamed) {
+                errors.push(LoadError { file: file.clone(), line: 1, reason: format!("policy '{id}': {e}") });
+            }
+            origin.insert(PolicyId::new(&id), (file.clone(), text.clone()));
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    let result = Validator::new(schema.clone()).validate(&set, ValidationMode::Strict);
+    let invalid: Vec<LoadError> = result
+        .validation_errors()
+        .map(|e| {
+            let (file, text) = origin.get(e.policy_id()).cloned().unwrap_or_default();
+            LoadError { line: diagnostic_line(e, &text), file, reason: format!("policy '{}': {e}", e.policy_id()) }
+        })
+        .collect();
+    if !invalid.is_empty() {
+        return Err(invalid);
+    }
+    let count = set.policies().count();
+    Ok(CedarPolicies { set, schema, digest, count })
+}
+
+fn uid(kind: &str, id: &str) -> Result<EntityUid, String> {
+    EntityUid::from_str(&format!("{kind}::{}", Value::String(id.to_string()))).map_err(|e| e.to_string())
+}
+
+impl CedarPolicies {
+    /// The decision for `tenant` calling `tool` with `args` (forbid wins; no permit denies).
+    pub fn decide(&self, tenant: &str, tool: &str, args: &Value) -> RuleDecision {
+        let deny = |rule: &str, reason: String| RuleDecision { verdict: Verdict::Deny, rule_id: rule.into(), reason };
+        let (principal, action, resource) = match (uid("Tenant", tenant), uid("Action", tool), uid("Tool", tool)) {
+            (Ok(p), Ok(a), Ok(r)) => (p, a, r),
+            _ => return deny("cedar_request", format!("tenant '{tenant}' or tool '{tool}' cannot be named in Cedar")),
+        };
+        let context = match Context::from_json_value(args.clone(), Some((&self.schema, &action))) {
+            Ok(c) => c,
+            Err(e) => return deny("cedar_context", format!("arguments do not fit the schema of '{tool}': {e}")),
+        };
+        let request = match Request::new(principal, action, resource, context, Some(&self.schema)) {
+            Ok(r) => r,
+            Err(e) => {
+                return deny("cedar_request", format!("'{tool}' is not an action the schema allows for tenants: {e}"));
+            }
+        };
+        let response = Authorizer::new().is_authorized(&request, &self.set, &Entities::empty());
+        let by: Vec<String> = response.diagnostics().reason().map(|id| id.to_string()).collect();
+        let errors: Vec<String> = response.diagnostics().errors().map(|e| e.to_string()).collect();
+        match response.decision() {
+            Decision::Allow => RuleDecision {
+                verdict: Verdict::Allow,
+                rule_id: format!("cedar:{}", by.join(",")),
+                reason: format!("permitted by {}", by.join(", ")),
+            },
+            Decision::Deny if !by.is_empty() => {
+                deny(&format!("cedar:{}", by.join(",")), format!("forbidden by {}", by.join(", ")))
+            }
+            Decision::Deny if !errors.is_empty() => {
+                deny("cedar_error", format!("policy evaluation failed: {}", errors.join("; ")))
+            }
+            Decision::Deny => {
+                deny("cedar_default_deny", format!("no Cedar policy permits tenant '{tenant}' to call '{tool}'"))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const SCHEMA: &str = r#"
+entity Tenant;
+entity Tool;
+action "echo" appliesTo { principal: [Tenant], resource: [Tool], context: {} };
+action "email.send" appliesTo {
+  principal: [Tenant], resource: [Tool],
+  context: { to: String, subject: String, body: String }
+};
+"#;
+
+    fn dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join(SCHEMA_FILE), SCHEMA).unwrap();
+        for (name, text) in files {
+            std::fs::write(d.path().join(name), text).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn permits_forbids_and_denies_by_default() {
+        let d = dir(&[(
+            "mail.cedar",
+            r#"@id("acme-may-echo")
+permit(principal == Tenant::"acme", action == Action::"echo", resource);
+@id("acme-mail")
+permit(principal == Tenant::"acme", action == Action::"email.send", resource);
+@id("internal-mail-only")
+forbid(principal, action == Action::"email.send", resource) unless { context.to like "*@example.com" };
+"#,
+        )]);
+        let p = load_dir(d.path()).unwrap();
+        assert_eq!(p.count, 3);
+        let ok = p.decide("acme", "echo", &json!({}));
+        assert_eq!((ok.verdict, ok.rule_id.as_str()), (Verdict::Allow, "cedar:acme-may-echo"));
+        let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+        assert_eq!(p.decide("acme", "email.send", &mail).verdict, Verdict::Allow);
+        let out = p.decide("acme", "email.send", &json!({"to": "x@evil.test", "subject": "s", "body": "b"}));
+        assert_eq!((out.verdict, out.rule_id.as_str()), (Verdict::Deny, "cedar:internal-mail-only"));
+        assert_eq!(p.decide("globex", "echo", &json!({})).rule_id, "cedar_default_deny");
+        assert_eq!(p.decide("acme", "shell.exec", &json!({})).verdict, Verdict::Deny);
+        assert_eq!(p.decide("acme", "email.send", &json!({"to": 5})).rule_id, "cedar_context");
+    }
+
+    #[test]
+    fn a_bad_policy_is_refused_with_file_and_line() {
+        let d = dir(&[
+            ("ok.cedar", "permit(principal, action, resource);\n"),
+            ("bad.cedar", "\n\npermit(principal, action, resource) when { 1 + };\n"),
+        ]);
+        let errs = load_dir(d.path()).err().unwrap();
+        assert!(errs[0].file.ends_with("bad.cedar") && errs[0].line == 3, "{errs:?}");
+        let d = dir(&[("typo.cedar", "\npermit(principal, action == Action::\"ecco\", resource);\n")]);
+        let errs = load_dir(d.path()).err().unwrap();
+        assert!(errs[0].file.ends_with("typo.cedar") && errs[0].reason.contains("ecco"), "{errs:?}");
+        assert_eq!(errs[0].line, 2, "{errs:?}");
+    }
+}
