@@ -44,9 +44,10 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     c.policy.database_url = format!("sqlite://{}", path("policy.db"));
     c.policy.ledger_endpoint = endpoint.into();
     if c.policy.tenants.is_empty() {
-        c.policy
-            .tenants
-            .insert("default".into(), TenantPolicy { allow_tools: DEV_TOOLS.iter().map(|s| s.to_string()).collect() });
+        c.policy.tenants.insert(
+            "default".into(),
+            TenantPolicy { allow_tools: DEV_TOOLS.iter().map(|s| s.to_string()).collect(), ..Default::default() },
+        );
     }
     c.planner.tool_hosts = vec![endpoint.into()];
     c.executor.ledger_endpoint = endpoint.into();

@@ -95,3 +95,100 @@ async fn cedar_policies_decide_and_reload_without_a_restart() {
     assert_eq!(d.rule_id, "cedar:no-shouting", "the previous set stays live");
     let _ = &mut policy;
 }
+
+fn approvals_client(
+    mesh: &warden_testkit::Mesh,
+) -> warden_proto::v1::approvals_client::ApprovalsClient<warden_grpc::auth::Ch> {
+    warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel())
+}
+
+async fn wait_status(mesh: &warden_testkit::Mesh, run_id: &str, want: pb::RunStatus) -> pb::Run {
+    let found = warden_testkit::eventually(Duration::from_secs(60), || {
+        let mut runs = mesh.runs();
+        let id = run_id.to_string();
+        async move {
+            let run = runs.get_run(pb::GetRunRequest { tenant: "acme".into(), run_id: id }).await.ok()?.into_inner();
+            (run.status() == want).then_some(run)
+        }
+    })
+    .await;
+    found.unwrap_or_else(|| panic!("run {run_id} never became {want:?}\n{}", mesh.logs()))
+}
+
+async fn pending(mesh: &warden_testkit::Mesh) -> Vec<pb::Approval> {
+    approvals_client(mesh)
+        .list(pb::ListApprovalsRequest {
+            tenant: "acme".into(),
+            state: pb::ApprovalState::Pending as i32,
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .into_inner()
+        .approvals
+}
+
+fn resolve(id: &str, approver: &str) -> pb::ResolveApprovalRequest {
+    pb::ResolveApprovalRequest {
+        tenant: "acme".into(),
+        approval_id: id.into(),
+        approver: approver.into(),
+        reason: "checked".into(),
+    }
+}
+
+/// K18: approvals bind to the argument digest; the run waits in `blocked` holding no
+/// executor; approvals survive a policy restart; approving twice changes nothing; only
+/// listed approvers may approve; a denial is never retried.
+#[tokio::test]
+async fn k18_approvals_bind_to_the_argument_digest_and_wait_durably() {
+    let opts = MeshOptions {
+        approval_rules: vec![("acme".into(), vec!["email.send".into()], vec!["alice".into()])],
+        ..MeshOptions::default()
+    };
+    let mut mesh = mesh_with(Backend::Postgres, opts).await;
+
+    let id = submit(&mesh, "acme", &mail("ops@example.com")).await;
+    let blocked = wait_status(&mesh, &id, pb::RunStatus::Blocked).await;
+    assert!(blocked.reason.contains("approval"), "{}", blocked.reason);
+    assert!(mesh.outbox().is_empty(), "nothing is sent before the approval");
+    let waiting = pending(&mesh).await;
+    assert_eq!(waiting.len(), 1);
+    let approval = waiting[0].clone();
+    let args = json!({"to": "ops@example.com", "subject": "s", "body": "HI"});
+    assert_eq!(approval.args_sha256, warden_core::canonical::args_digest(&args), "bound to the exact arguments");
+
+    // Durable: the policy service restarts while the approval waits.
+    mesh.policy.restart().expect("restart policy");
+    assert_eq!(pending(&mesh).await.len(), 1, "the approval survived the restart");
+
+    let e =
+        approvals_client(&mesh).approve(resolve(&approval.approval_id, "mallory")).await.expect_err("not an approver");
+    assert_eq!(e.code(), tonic::Code::PermissionDenied);
+    let ok =
+        approvals_client(&mesh).approve(resolve(&approval.approval_id, "alice")).await.expect("approve").into_inner();
+    assert_eq!((ok.state(), ok.approver.as_str()), (pb::ApprovalState::Approved, "alice"));
+    let again = approvals_client(&mesh)
+        .approve(resolve(&approval.approval_id, "alice"))
+        .await
+        .expect("approving twice")
+        .into_inner();
+    assert_eq!(again, ok, "approving twice changes nothing");
+    let done = settled(&mesh, "acme", &id).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}", done.reason);
+    assert_eq!(mesh.outbox().len(), 1);
+
+    // Changed arguments need a new approval.
+    let other = submit(&mesh, "acme", &mail("finance@example.com")).await;
+    wait_status(&mesh, &other, pb::RunStatus::Blocked).await;
+    let fresh = pending(&mesh).await;
+    assert_eq!(fresh.len(), 1);
+    assert_ne!(fresh[0].approval_id, approval.approval_id);
+    approvals_client(&mesh).deny(resolve(&fresh[0].approval_id, "alice")).await.expect("deny");
+    let denied = settled(&mesh, "acme", &other).await;
+    assert_eq!(denied.status(), pb::RunStatus::Failed);
+    assert!(denied.reason.contains("human_denied"), "{}", denied.reason);
+    assert_eq!(mesh.outbox().len(), 1, "the denied mail never went out");
+    let e = approvals_client(&mesh).approve(resolve(&fresh[0].approval_id, "alice")).await.expect_err("already denied");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+}

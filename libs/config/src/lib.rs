@@ -91,6 +91,10 @@ pub enum PolicyMode {
 pub struct TenantPolicy {
     /// Tools this tenant may call (exact names, or a trailing `*` prefix pattern).
     pub allow_tools: Vec<String>,
+    /// Tools whose calls wait for a human approval of the exact arguments (same patterns).
+    pub require_approval: Vec<String>,
+    /// Who may approve this tenant's calls; empty: any approver the caller names.
+    pub approvers: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -109,6 +113,8 @@ pub struct PolicyConfig {
     pub policy_dir: String,
     /// How often the policy directory is checked for changes.
     pub reload_interval_ms: u64,
+    /// How long a pending approval waits before it expires.
+    pub approval_ttl_secs: u64,
     pub mode: PolicyMode,
     pub authorization_ttl_ms: u64,
     pub tenants: BTreeMap<String, TenantPolicy>,
@@ -124,6 +130,7 @@ impl Default for PolicyConfig {
             max_capability_ttl_secs: 30 * 24 * 3600,
             policy_dir: String::new(),
             reload_interval_ms: 1_000,
+            approval_ttl_secs: 3 * 24 * 3600,
             mode: PolicyMode::Enforced,
             authorization_ttl_ms: 60_000,
             tenants: BTreeMap::new(),

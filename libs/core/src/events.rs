@@ -18,6 +18,8 @@ pub const RUN_BLOCKED: &str = "run_blocked";
 pub const RUN_REQUIRES_RECONCILIATION: &str = "run_requires_reconciliation";
 /// A typed summary (Artana's `run_summary`): progress, checkpoints, artifacts, …
 pub const RUN_SUMMARY: &str = "run_summary";
+/// A blocked run may go on (its approval was resolved): back to pending for any executor.
+pub const RUN_RESUMED: &str = "run_resumed";
 pub const TX_PROPOSED: &str = "tx_proposed";
 pub const TX_COMMITTED: &str = "tx_committed";
 pub const TX_ROLLED_BACK: &str = "tx_rolled_back";
@@ -45,6 +47,7 @@ pub const KNOWN: &[&str] = &[
     RUN_BLOCKED,
     RUN_REQUIRES_RECONCILIATION,
     RUN_SUMMARY,
+    RUN_RESUMED,
     TX_PROPOSED,
     TX_COMMITTED,
     TX_ROLLED_BACK,
@@ -114,6 +117,7 @@ pub fn status_after(event_type: &str) -> Option<RunStatus> {
         RUN_EMPTY_PLAN => RunStatus::EmptyPlan,
         RUN_BLOCKED => RunStatus::Blocked,
         RUN_REQUIRES_RECONCILIATION => RunStatus::RequiresReconciliation,
+        RUN_RESUMED => RunStatus::Pending,
         _ => return None,
     })
 }

@@ -28,6 +28,8 @@ pub struct MeshOptions {
     pub sweep_interval_ms: u64,
     /// Executor replicas; 0 for tests that drive the ledger, policy and tools directly.
     pub executors: usize,
+    /// `(tenant, tools needing approval, approvers)`.
+    pub approval_rules: Vec<(String, Vec<String>, Vec<String>)>,
     /// Cedar policy directory for the policy service (empty: allowlists decide).
     pub policy_dir: String,
     /// Policy state database; empty means SQLite in the mesh's directory.
@@ -53,6 +55,7 @@ impl Default for MeshOptions {
             executors: 1,
             policy_database_url: String::new(),
             policy_dir: String::new(),
+            approval_rules: Vec::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
         }
@@ -211,7 +214,17 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
     ));
     for (tenant, tools) in &opts.tenants {
         let list: Vec<String> = tools.iter().map(|t| format!("\"{t}\"")).collect();
-        s.push_str(&format!("[policy.tenants.{tenant}]\nallow_tools = [{}]\n\n", list.join(", ")));
+        let quoted = |v: &Vec<String>| v.iter().map(|t| format!("\"{t}\"")).collect::<Vec<_>>().join(", ");
+        let (gated, approvers) = opts
+            .approval_rules
+            .iter()
+            .find(|(t, _, _)| t == tenant)
+            .map(|(_, g, a)| (quoted(g), quoted(a)))
+            .unwrap_or_default();
+        s.push_str(&format!(
+            "[policy.tenants.{tenant}]\nallow_tools = [{}]\nrequire_approval = [{gated}]\napprovers = [{approvers}]\n\n",
+            list.join(", ")
+        ));
     }
     s.push_str(&format!("[planner]\nmax_steps = {}\n\n", opts.max_steps));
     s.push_str(&format!(

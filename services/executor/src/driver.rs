@@ -40,6 +40,11 @@ enum StepOutcome {
     Failed(String),
     /// The tool may or may not have acted; nothing more can be known from here.
     Unknown(String),
+    /// Policy wants a human approval first.
+    Blocked {
+        decision_id: String,
+        reason: String,
+    },
 }
 
 /// How often an idempotent tool is asked before an unknown outcome goes to an operator.
@@ -286,6 +291,8 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
     let limit = ctx.ex.inner.config.max_concurrency;
     let mut reconcile: Option<(String, String)> = None;
+    // A step waiting for an approval: nothing new starts, the run blocks once the rest settles.
+    let mut blocked: Option<(String, String, String)> = None;
     let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
     loop {
         if ctx.lost.is_cancelled() {
@@ -316,7 +323,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         }
         for &i in &order {
             // After an unknown outcome nothing new starts: an operator decides first.
-            if running.len() >= limit || reconcile.is_some() {
+            if running.len() >= limit || reconcile.is_some() || blocked.is_some() {
                 break;
             }
             let step = &plan.steps[i];
@@ -351,7 +358,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         }
         if running.is_empty() {
             let settled = status.values().all(|s| *s != StepStatus::Pending && *s != StepStatus::Running);
-            if settled || reconcile.is_some() {
+            if settled || reconcile.is_some() || blocked.is_some() {
                 break;
             }
             // Every pending step is either ready or cancelled by the passes above, so an idle
@@ -381,7 +388,17 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 status.insert(step_id.clone(), StepStatus::Running);
                 reconcile.get_or_insert((step_id, why));
             }
+            StepOutcome::Blocked { decision_id, reason } => {
+                status.insert(step_id.clone(), StepStatus::Pending);
+                blocked.get_or_insert((step_id, decision_id, reason));
+            }
         }
+    }
+    if let Some((step_id, decision_id, reason)) = blocked {
+        let payload = json!({"reason": reason, "step_id": step_id, "decision_id": decision_id});
+        ctx.append(events::RUN_BLOCKED, "", format!("run_blocked:{decision_id}"), payload).await?;
+        tracing::info!(run_id = %ctx.run_id, step_id = %step_id, "run blocked on an approval");
+        return Ok(());
     }
     if let Some((step_id, why)) = reconcile {
         let reason = format!("step '{step_id}' has an unknown outcome: {why}");
@@ -452,6 +469,10 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
         }
     };
     let decision = authorized.decision.unwrap_or_default();
+    if decision.outcome() == pb::Outcome::ApprovalRequired {
+        // Nothing runs and nothing fails: the run will wait, holding no executor.
+        return Ok(StepOutcome::Blocked { decision_id: decision.decision_id, reason: decision.reason });
+    }
     let (Some(auth), pb::Outcome::Allow) = (authorized.authorization, decision.outcome()) else {
         let p = fail(
             "policy_denied",

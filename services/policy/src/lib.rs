@@ -3,6 +3,7 @@
 //! its `rule_id` and `reason` before answering, and signs allows as Ed25519
 //! authorizations bound to the exact call, which tool hosts verify before acting.
 
+pub mod approvals;
 pub mod caps;
 pub mod cedar;
 pub mod rules;
@@ -44,10 +45,11 @@ pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
 /// Adds `Policy`, `Capabilities` and `Approvals` to `routes`.
 pub fn add_routes(routes: &mut RoutesBuilder, service: PolicyService, tokens: &Tokens) {
     let capabilities = caps::CapabilitiesService::new(service.store().clone(), service.max_capability_ttl_secs());
+    let approvals = approvals::ApprovalsService::new(service.clone());
     routes
         .add_service(InterceptedService::new(PolicyServer::new(service), tokens.clone()))
         .add_service(InterceptedService::new(CapabilitiesServer::new(capabilities), tokens.clone()))
-        .add_service(InterceptedService::new(ApprovalsServer::new(server::ApprovalsService), tokens.clone()));
+        .add_service(InterceptedService::new(ApprovalsServer::new(approvals), tokens.clone()));
 }
 
 pub const SERVICES: &[&str] = &["warden.v1.Policy", "warden.v1.Capabilities", "warden.v1.Approvals"];

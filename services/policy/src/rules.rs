@@ -8,6 +8,8 @@ use warden_config::{PolicyConfig, PolicyMode};
 pub enum Verdict {
     Allow,
     Deny,
+    /// Allowed once a human approves these exact arguments.
+    ApprovalRequired,
 }
 
 impl Verdict {
@@ -15,6 +17,7 @@ impl Verdict {
         match self {
             Verdict::Allow => "allow",
             Verdict::Deny => "deny",
+            Verdict::ApprovalRequired => "approval_required",
         }
     }
 }
@@ -70,7 +73,10 @@ mod tests {
 
     fn config(mode: PolicyMode) -> PolicyConfig {
         let mut c = PolicyConfig { mode, ..PolicyConfig::default() };
-        c.tenants.insert("acme".into(), TenantPolicy { allow_tools: vec!["echo".into(), "kv.*".into()] });
+        c.tenants.insert(
+            "acme".into(),
+            TenantPolicy { allow_tools: vec!["echo".into(), "kv.*".into()], ..Default::default() },
+        );
         c
     }
 

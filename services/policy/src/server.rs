@@ -35,11 +35,14 @@ pub struct PolicyService {
 }
 
 /// A request that passed validation, with its canonical arguments.
-struct Checked {
-    args_sha256: String,
+pub(crate) struct Checked {
+    pub(crate) args_sha256: String,
     args: Value,
     /// Public id of the capability the request presented (resolved from its handle).
     capability_id: String,
+    /// The approval gate's state for this call (part of the decision's identity, so the
+    /// decision after an approval is a new decision, not a rewrite of the first).
+    pub(crate) gate: String,
 }
 
 fn id_field(field: &str, v: &str, check: fn(&str) -> Result<(), warden_core::ids::IdError>) -> Result<(), Status> {
@@ -70,7 +73,7 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     if !args.is_object() {
         return Err(invalid_field("args_json", "must be a JSON object"));
     }
-    Ok(Checked { args_sha256: args_digest(&args), args, capability_id: String::new() })
+    Ok(Checked { args_sha256: args_digest(&args), args, capability_id: String::new(), gate: String::new() })
 }
 
 /// Same request, same decision id: a retried `Authorize` records nothing twice.
@@ -85,7 +88,7 @@ fn decision_id(r: &pb::AuthorizeRequest, c: &Checked) -> String {
         args_sha256,
         idempotency_key: &r.idempotency_key,
     };
-    warden_core::auth::decision_id(&call, &c.capability_id)
+    warden_core::auth::decision_id(&call, &format!("{}{}", c.capability_id, c.gate))
 }
 
 impl PolicyService {
@@ -148,6 +151,14 @@ impl PolicyService {
 
     pub fn store(&self) -> &PolicyStore {
         &self.store
+    }
+
+    pub fn config(&self) -> &PolicyConfig {
+        &self.config
+    }
+
+    pub fn ledger(&self) -> LedgerClient<warden_grpc::auth::Ch> {
+        self.ledger.clone()
     }
 
     pub fn max_capability_ttl_secs(&self) -> u64 {
@@ -216,6 +227,7 @@ impl PolicyService {
             outcome: match d.verdict {
                 Verdict::Allow => pb::Outcome::Allow,
                 Verdict::Deny => pb::Outcome::Deny,
+                Verdict::ApprovalRequired => pb::Outcome::ApprovalRequired,
             } as i32,
             rule_id: d.rule_id.clone(),
             reason: d.reason.clone(),
@@ -236,6 +248,7 @@ impl pb::policy_server::Policy for PolicyService {
         let r = req.into_inner();
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
+        let rule = crate::approvals::gate(self, &r, &mut checked, rule).await?;
         let id = decision_id(&r, &checked);
         let payload = json!({
             "decision_id": id,
@@ -340,29 +353,5 @@ impl pb::policy_server::Policy for PolicyService {
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
         Ok(Response::new(self.decision(&r, &checked, 0, &rule)))
-    }
-}
-
-/// Answers every `Approvals` call with UNIMPLEMENTED.
-#[derive(Clone, Default)]
-pub struct ApprovalsService;
-
-#[tonic::async_trait]
-impl pb::approvals_server::Approvals for ApprovalsService {
-    async fn list(&self, _: Request<pb::ListApprovalsRequest>) -> Result<Response<pb::ListApprovalsResponse>, Status> {
-        Err(unimplemented("Approvals.List"))
-    }
-    async fn get(&self, _: Request<pb::GetApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
-        Err(unimplemented("Approvals.Get"))
-    }
-    async fn approve(&self, _: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
-        Err(unimplemented("Approvals.Approve"))
-    }
-    async fn deny(&self, _: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
-        Err(unimplemented("Approvals.Deny"))
-    }
-    type WatchStream = tokio_stream::Empty<Result<pb::Approval, Status>>;
-    async fn watch(&self, _: Request<pb::WatchApprovalsRequest>) -> Result<Response<Self::WatchStream>, Status> {
-        Err(unimplemented("Approvals.Watch"))
     }
 }

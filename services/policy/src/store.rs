@@ -164,3 +164,123 @@ impl PolicyStore {
         rows.iter().map(row).collect()
     }
 }
+
+/// A durable approval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApprovalRow {
+    pub approval_id: String,
+    pub tenant: String,
+    pub run_id: String,
+    pub step_id: String,
+    pub tool: String,
+    pub args_sha256: String,
+    /// `pending`, `approved`, `denied` (expiry is computed from `expires_at_ms`).
+    pub state: String,
+    pub approver: String,
+    pub reason: String,
+    pub created_at_ms: i64,
+    pub expires_at_ms: i64,
+}
+
+const APPROVAL_COLUMNS: &str =
+    "approval_id, tenant, run_id, step_id, tool, args_sha256, state, approver, reason, created_at_ms, expires_at_ms";
+
+fn approval(r: &AnyRow) -> Result<ApprovalRow, StoreError> {
+    Ok(ApprovalRow {
+        approval_id: r.try_get("approval_id")?,
+        tenant: r.try_get("tenant")?,
+        run_id: r.try_get("run_id")?,
+        step_id: r.try_get("step_id")?,
+        tool: r.try_get("tool")?,
+        args_sha256: r.try_get("args_sha256")?,
+        state: r.try_get("state")?,
+        approver: r.try_get("approver")?,
+        reason: r.try_get("reason")?,
+        created_at_ms: r.try_get("created_at_ms")?,
+        expires_at_ms: r.try_get("expires_at_ms")?,
+    })
+}
+
+impl PolicyStore {
+    pub async fn approval(&self, approval_id: &str) -> Result<Option<ApprovalRow>, StoreError> {
+        let r = sqlx::query(&format!("SELECT {APPROVAL_COLUMNS} FROM approvals WHERE approval_id = $1"))
+            .bind(approval_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        r.as_ref().map(approval).transpose()
+    }
+
+    /// Creates the approval unless it exists (a repeated request finds the first one).
+    pub async fn ensure_approval(&self, a: &ApprovalRow) -> Result<ApprovalRow, StoreError> {
+        sqlx::query(&format!(
+            "INSERT INTO approvals ({APPROVAL_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, 'pending', '', '', $7, $8)
+             ON CONFLICT (approval_id) DO NOTHING"
+        ))
+        .bind(&a.approval_id)
+        .bind(&a.tenant)
+        .bind(&a.run_id)
+        .bind(&a.step_id)
+        .bind(&a.tool)
+        .bind(&a.args_sha256)
+        .bind(a.created_at_ms)
+        .bind(a.expires_at_ms)
+        .execute(&self.pool)
+        .await?;
+        self.approval(&a.approval_id).await?.ok_or_else(|| StoreError::Internal("approval vanished".into()))
+    }
+
+    /// Resolves a pending approval; returns whether this call changed it (a second approve
+    /// of the same approval changes nothing and writes nothing).
+    pub async fn resolve_approval(
+        &self,
+        approval_id: &str,
+        state: &str,
+        approver: &str,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE approvals SET state = $2, approver = $3, reason = $4, resolved_at_ms = $5
+             WHERE approval_id = $1 AND state = 'pending' AND expires_at_ms > $5",
+        )
+        .bind(approval_id)
+        .bind(state)
+        .bind(approver)
+        .bind(reason)
+        .bind(now_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    pub async fn approvals(
+        &self,
+        tenant: &str,
+        state: Option<&str>,
+        after: &str,
+        limit: u32,
+    ) -> Result<Vec<ApprovalRow>, StoreError> {
+        let rows = match state {
+            Some(st) => {
+                sqlx::query(&format!(
+                    "SELECT {APPROVAL_COLUMNS} FROM approvals WHERE tenant = $1 AND state = $2 AND approval_id > $3 ORDER BY approval_id LIMIT {limit}"
+                ))
+                .bind(tenant)
+                .bind(st)
+                .bind(after)
+                .fetch_all(&self.pool)
+                .await?
+            }
+            None => {
+                sqlx::query(&format!(
+                    "SELECT {APPROVAL_COLUMNS} FROM approvals WHERE tenant = $1 AND approval_id > $2 ORDER BY approval_id LIMIT {limit}"
+                ))
+                .bind(tenant)
+                .bind(after)
+                .fetch_all(&self.pool)
+                .await?
+            }
+        };
+        rows.iter().map(approval).collect()
+    }
+}

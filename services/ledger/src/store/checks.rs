@@ -84,6 +84,12 @@ pub fn check_writable(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerEr
             new.run_id, head.status
         )));
     }
+    if new.event_type == events::RUN_RESUMED && current != Some(RunStatus::Blocked) {
+        return Err(LedgerError::Precondition(format!(
+            "run '{}' is {}, not blocked; nothing to resume",
+            new.run_id, head.status
+        )));
+    }
     if current.is_some_and(RunStatus::is_terminal) && !events::AFTER_END.contains(&new.event_type) {
         return Err(LedgerError::Precondition(format!(
             "run '{}' is {}; it accepts no more events",

@@ -1,0 +1,289 @@
+//! Approvals: durable, idempotent, bound to the exact argument digest (K18).
+//!
+//! A tenant's `require_approval` patterns gate tools: an otherwise allowed call waits for a
+//! human. The approval for a call is keyed by (tenant, run, step, tool, SHA-256 of the
+//! canonical arguments), so changed arguments need a new approval. The run waits in
+//! `blocked` holding no executor; resolving the approval appends `run_resumed`, and any
+//! executor picks the run up again: an approved call is allowed, a denied one is a
+//! `human_denied` deny (never retried).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use warden_core::events;
+use warden_core::ids::check_id;
+use warden_grpc::{invalid_field, now_ms};
+use warden_proto::v1 as pb;
+
+use crate::rules::{RuleDecision, Verdict};
+use crate::server::{Checked, PolicyService};
+use crate::store::ApprovalRow;
+
+fn matches(pattern: &str, tool: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => tool.starts_with(prefix),
+        None => pattern == tool,
+    }
+}
+
+fn approval_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
+    let key = warden_core::canonical_json(&json!([r.tenant, r.run_id, r.step_id, r.tool, args_sha256]));
+    format!("apr-{}", &warden_core::sha256_hex(key)[..24])
+}
+
+/// Applies the approval gate to an allow (other outcomes pass through). Gates are enforced
+/// in every mode.
+pub(crate) async fn gate(
+    svc: &PolicyService,
+    r: &pb::AuthorizeRequest,
+    c: &mut Checked,
+    rule: RuleDecision,
+) -> Result<RuleDecision, Status> {
+    let gated =
+        svc.config().tenants.get(&r.tenant).is_some_and(|t| t.require_approval.iter().any(|p| matches(p, &r.tool)));
+    if rule.verdict != Verdict::Allow || !gated {
+        return Ok(rule);
+    }
+    let now = now_ms();
+    let wanted = ApprovalRow {
+        approval_id: approval_id(r, &c.args_sha256),
+        tenant: r.tenant.clone(),
+        run_id: r.run_id.clone(),
+        step_id: r.step_id.clone(),
+        tool: r.tool.clone(),
+        args_sha256: c.args_sha256.clone(),
+        state: "pending".into(),
+        approver: String::new(),
+        reason: String::new(),
+        created_at_ms: now,
+        expires_at_ms: now.saturating_add(svc.config().approval_ttl_secs as i64 * 1000),
+    };
+    let a = svc.store().ensure_approval(&wanted).await?;
+    let state = if a.state == "pending" && now >= a.expires_at_ms { "expired" } else { a.state.as_str() };
+    c.gate = format!("|{}:{state}", a.approval_id);
+    let decided = |verdict, rule_id: &str, reason: String| RuleDecision { verdict, rule_id: rule_id.into(), reason };
+    Ok(match state {
+        "approved" => decided(
+            Verdict::Allow,
+            "approval_gate",
+            format!("approved by {} ({}): {}", a.approver, a.approval_id, a.reason),
+        ),
+        "denied" => decided(
+            Verdict::Deny,
+            "human_denied",
+            format!("denied by {} ({}): {}", a.approver, a.approval_id, a.reason),
+        ),
+        "expired" => {
+            decided(Verdict::Deny, "approval_expired", format!("approval {} expired unanswered", a.approval_id))
+        }
+        _ => decided(
+            Verdict::ApprovalRequired,
+            "approval_required",
+            format!("'{}' waits for approval {}", r.tool, a.approval_id),
+        ),
+    })
+}
+
+fn to_proto(a: &ApprovalRow) -> pb::Approval {
+    let state = match a.state.as_str() {
+        "approved" => pb::ApprovalState::Approved,
+        "denied" => pb::ApprovalState::Denied,
+        _ if now_ms() >= a.expires_at_ms => pb::ApprovalState::Expired,
+        _ => pb::ApprovalState::Pending,
+    };
+    pb::Approval {
+        approval_id: a.approval_id.clone(),
+        tenant: a.tenant.clone(),
+        run_id: a.run_id.clone(),
+        step_id: a.step_id.clone(),
+        tool: a.tool.clone(),
+        args_sha256: a.args_sha256.clone(),
+        state: state as i32,
+        approver: a.approver.clone(),
+        reason: a.reason.clone(),
+        created_at_ms: a.created_at_ms,
+        expires_at_ms: a.expires_at_ms,
+    }
+}
+
+#[derive(Clone)]
+pub struct ApprovalsService {
+    policy: PolicyService,
+}
+
+impl ApprovalsService {
+    pub fn new(policy: PolicyService) -> ApprovalsService {
+        ApprovalsService { policy }
+    }
+
+    async fn owned(&self, tenant: &str, approval_id: &str) -> Result<ApprovalRow, Status> {
+        check_id(tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        check_id(approval_id).map_err(|e| invalid_field("approval_id", e.to_string()))?;
+        match self.policy.store().approval(approval_id).await? {
+            Some(a) if a.tenant == tenant => Ok(a),
+            _ => Err(Status::not_found(format!("approval '{approval_id}' not found"))),
+        }
+    }
+
+    async fn resolve(
+        &self,
+        req: Request<pb::ResolveApprovalRequest>,
+        state: &str,
+    ) -> Result<Response<pb::Approval>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        let a = self.owned(&r.tenant, &r.approval_id).await?;
+        if r.approver.is_empty() || r.approver.len() > 256 || r.approver.contains('\0') {
+            return Err(invalid_field("approver", "name who decides (1-256 characters)"));
+        }
+        if r.reason.len() > 4096 || r.reason.contains('\0') {
+            return Err(invalid_field("reason", "at most 4096 bytes"));
+        }
+        let allowed = &self.policy.config().tenants.get(&r.tenant).map(|t| t.approvers.clone()).unwrap_or_default();
+        if !allowed.is_empty() && !allowed.contains(&r.approver) {
+            return Err(Status::permission_denied(format!(
+                "'{}' may not approve tenant '{}' calls",
+                r.approver, r.tenant
+            )));
+        }
+        let changed =
+            self.policy.store().resolve_approval(&a.approval_id, state, &r.approver, &r.reason, now_ms()).await?;
+        let now = self.owned(&r.tenant, &r.approval_id).await?;
+        if !changed && now.state != state {
+            let shown = if now.state == "pending" { "expired" } else { now.state.as_str() };
+            return Err(Status::failed_precondition(format!("approval {} is already {shown}", now.approval_id)));
+        }
+        // Approving again changes nothing but makes sure the run is resumed.
+        tokio::spawn(resume(self.policy.clone(), now.clone()));
+        tracing::info!(approval_id = %now.approval_id, state, approver = %r.approver, "approval resolved");
+        Ok(Response::new(to_proto(&now)))
+    }
+}
+
+/// Appends `run_resumed` once the run is blocked (the executor may still be blocking it),
+/// retrying for a while; the event is idempotent per approval.
+async fn resume(policy: PolicyService, a: ApprovalRow) {
+    for _ in 0..240 {
+        let mut ledger = policy.ledger();
+        let run = ledger.get_run(pb::GetLedgerRunRequest { tenant: a.tenant.clone(), run_id: a.run_id.clone() }).await;
+        let Ok(run) = run.map(|r| r.into_inner()) else {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            continue;
+        };
+        match run.status() {
+            pb::RunStatus::Blocked => {
+                let appended = ledger
+                    .append_event(pb::AppendEventRequest {
+                        tenant: a.tenant.clone(),
+                        run_id: a.run_id.clone(),
+                        epoch: run.max_epoch,
+                        idempotency_key: format!("resumed:{}", a.approval_id),
+                        event_type: events::RUN_RESUMED.into(),
+                        payload_json: json!({"approval_id": a.approval_id, "state": a.state, "approver": a.approver})
+                            .to_string(),
+                        step_id: a.step_id.clone(),
+                    })
+                    .await;
+                if appended.is_ok() {
+                    return;
+                }
+            }
+            pb::RunStatus::Pending | pb::RunStatus::Active => {}
+            _ => return,
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    tracing::warn!(approval_id = %a.approval_id, run_id = %a.run_id, "run not resumed: it never blocked on this approval");
+}
+
+#[tonic::async_trait]
+impl pb::approvals_server::Approvals for ApprovalsService {
+    async fn list(
+        &self,
+        req: Request<pb::ListApprovalsRequest>,
+    ) -> Result<Response<pb::ListApprovalsResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        let state =
+            match pb::ApprovalState::try_from(r.state).map_err(|_| invalid_field("state", "unknown approval state"))? {
+                pb::ApprovalState::Unspecified | pb::ApprovalState::Expired => None,
+                pb::ApprovalState::Pending => Some("pending"),
+                pb::ApprovalState::Approved => Some("approved"),
+                pb::ApprovalState::Denied => Some("denied"),
+            };
+        if !r.page_token.is_empty() {
+            check_id(&r.page_token).map_err(|e| invalid_field("page_token", e.to_string()))?;
+        }
+        let size = match r.page_size {
+            0 => 100,
+            n if n > 1000 => return Err(invalid_field("page_size", "must be at most 1000")),
+            n => n,
+        };
+        let rows = self.policy.store().approvals(&r.tenant, state, &r.page_token, size).await?;
+        let next_page_token = if rows.len() == size as usize {
+            rows.last().map(|a| a.approval_id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let mut approvals: Vec<pb::Approval> = rows.iter().map(to_proto).collect();
+        if r.state == pb::ApprovalState::Expired as i32 {
+            approvals.retain(|a| a.state == pb::ApprovalState::Expired as i32);
+        }
+        Ok(Response::new(pb::ListApprovalsResponse { approvals, next_page_token }))
+    }
+
+    async fn get(&self, req: Request<pb::GetApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        Ok(Response::new(to_proto(&self.owned(&r.tenant, &r.approval_id).await?)))
+    }
+
+    async fn approve(&self, req: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+        self.resolve(req, "approved").await
+    }
+
+    async fn deny(&self, req: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
+        self.resolve(req, "denied").await
+    }
+
+    type WatchStream = ReceiverStream<Result<pb::Approval, Status>>;
+
+    /// Every approval of the tenant as it is now, then each change as it happens.
+    async fn watch(&self, req: Request<pb::WatchApprovalsRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let store = self.policy.store().clone();
+        tokio::spawn(async move {
+            let mut seen: HashMap<String, i32> = HashMap::new();
+            loop {
+                match store.approvals(&r.tenant, None, "", 10_000).await {
+                    Ok(rows) => {
+                        for a in rows.iter().map(to_proto) {
+                            if seen.get(&a.approval_id) != Some(&a.state) {
+                                seen.insert(a.approval_id.clone(), a.state);
+                                if tx.send(Ok(a)).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e.into())).await;
+                        return;
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
