@@ -83,7 +83,6 @@ async fn unimplemented_rpcs_say_so() {
         .expect_err("unimplemented");
     assert_eq!(e.code(), tonic::Code::Unimplemented);
     assert!(!e.message().is_empty());
-    let mut approvals = warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel());
-    let e = approvals.list(pb::ListApprovalsRequest::default()).await.expect_err("unimplemented");
+    let e = mesh.policy().record_cost(pb::RecordCostRequest::default()).await.expect_err("unimplemented");
     assert_eq!(e.code(), tonic::Code::Unimplemented);
 }
