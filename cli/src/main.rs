@@ -1,5 +1,6 @@
 //! `warden`: start a development mesh, submit and inspect runs, verify ledgers, benchmark.
 
+mod approvals;
 mod bench;
 mod bench_ledger;
 mod caps;
@@ -46,6 +47,9 @@ enum Command {
     /// Capability handles (policy service; --policy-endpoint, default --endpoint).
     #[command(subcommand)]
     Caps(caps::CapsCommand),
+    /// Approvals waiting for (or given by) humans.
+    #[command(subcommand)]
+    Approvals(approvals::ApprovalsCommand),
     /// Validate Cedar policies; dry-run decisions.
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
@@ -63,8 +67,30 @@ pub struct Target {
     pub tenant: String,
 }
 
-#[tokio::main]
-async fn main() {
+/// A CLI whose output is piped into `head` should stop quietly when the pipe closes, as
+/// Unix tools do, instead of panicking on the failed write.
+#[allow(unsafe_code)]
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: resetting a signal disposition to its default at startup, before any thread.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+fn main() {
+    restore_sigpipe();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(2);
+        }
+    };
+    runtime.block_on(async_main());
+}
+
+async fn async_main() {
     let cli = Cli::parse();
     if let Some(t) = &cli.token {
         warden_grpc::auth::set_client_token(t);
@@ -83,6 +109,10 @@ async fn main() {
         Command::Caps(cmd) => {
             let endpoint = policy_endpoint.unwrap_or_else(|| target.endpoint.clone());
             caps::run(&target, &endpoint, cmd).await
+        }
+        Command::Approvals(cmd) => {
+            let endpoint = policy_endpoint.clone().unwrap_or_else(|| target.endpoint.clone());
+            approvals::run(&target, &endpoint, cmd).await
         }
         Command::Policy(cmd) => {
             let endpoint = policy_endpoint.unwrap_or_else(|| target.endpoint.clone());
