@@ -21,6 +21,9 @@ pub enum CapsCommand {
         /// Lifetime in seconds.
         #[arg(long, default_value_t = 3600)]
         ttl: u64,
+        /// Bind it to one run: that run's calls use it without presenting the handle.
+        #[arg(long)]
+        run: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -48,7 +51,7 @@ pub async fn run(target: &Target, policy_endpoint: &str, cmd: CapsCommand) -> an
     let mut client = CapabilitiesClient::new(warden_grpc::channel(policy_endpoint)?);
     let err = |s: tonic::Status| anyhow::anyhow!("{}", describe(&s));
     match cmd {
-        CapsCommand::Issue { tools, actions, resources, ttl, json } => {
+        CapsCommand::Issue { tools, actions, resources, ttl, run, json } => {
             let c = client
                 .issue(pb::IssueCapabilityRequest {
                     tenant: target.tenant.clone(),
@@ -56,6 +59,7 @@ pub async fn run(target: &Target, policy_endpoint: &str, cmd: CapsCommand) -> an
                     action_patterns: actions,
                     resource_patterns: resources,
                     ttl_seconds: ttl,
+                    run_id: run.unwrap_or_default(),
                 })
                 .await
                 .map_err(err)?

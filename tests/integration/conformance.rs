@@ -359,6 +359,7 @@ async fn k14_capabilities(backend: Backend) {
         action_patterns: vec![],
         resource_patterns: resources.iter().map(|s| s.to_string()).collect(),
         ttl_seconds: ttl,
+        run_id: String::new(),
     };
     // globex's allowlist is empty: only a capability can let it act.
     let good = caps.issue(issue("globex", &["payments.*"], &["acct:42*"], 3600)).await.expect("issue").into_inner();

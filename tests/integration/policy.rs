@@ -192,3 +192,128 @@ async fn k18_approvals_bind_to_the_argument_digest_and_wait_durably() {
     let e = approvals_client(&mesh).approve(resolve(&fresh[0].approval_id, "alice")).await.expect_err("already denied");
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
 }
+
+fn authorize(run: &str, step: &str, tool: &str, args: serde_json::Value) -> pb::AuthorizeRequest {
+    pb::AuthorizeRequest {
+        tenant: "acme".into(),
+        run_id: run.into(),
+        step_id: step.into(),
+        attempt: 1,
+        tool: tool.into(),
+        args_json: args.to_string(),
+        capability_handle: String::new(),
+        idempotency_key: format!("{run}:{step}:1"),
+        epoch: 0,
+    }
+}
+
+/// Maple: a consequential tool needs an explicit commitment (here a capability bound to the
+/// run); built-in invariants then guard its arguments; safe tools pass with a recorded allow.
+#[tokio::test]
+async fn consequential_tools_need_a_commitment_and_invariants_guard_arguments() {
+    let opts = MeshOptions {
+        executors: 0,
+        policy_extra: r#"consequential_tools = ["email.send"]
+[[policy.invariants]]
+kind = "email_domain_allowlist"
+tool = "email.send"
+field = "to"
+domains = ["example.com"]
+"#
+        .into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = mesh
+        .ledger()
+        .create_run(pb::CreateRunRequest {
+            tenant: "acme".into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run")
+        .run_id;
+    let mut policy = mesh.policy();
+    let decide = |d: pb::AuthorizeResponse| {
+        let x = d.decision.expect("decision");
+        (x.outcome(), x.rule_id)
+    };
+    let inside = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+    let d = policy.authorize(authorize(&run, "m1", "email.send", inside.clone())).await.expect("decide").into_inner();
+    assert_eq!(decide(d), (pb::Outcome::Deny, "missing_commitment".to_string()));
+    let safe = policy.authorize(authorize(&run, "e1", "echo", json!({}))).await.expect("decide").into_inner();
+    assert_eq!(decide(safe), (pb::Outcome::Allow, "tenant_allowlist".to_string()), "safe tools pass, recorded");
+
+    let mut caps = warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel());
+    let cap = caps
+        .issue(pb::IssueCapabilityRequest {
+            tenant: "acme".into(),
+            tool_patterns: vec!["email.send".into()],
+            ttl_seconds: 600,
+            run_id: run.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("issue")
+        .into_inner();
+    let ok = policy.authorize(authorize(&run, "m2", "email.send", inside)).await.expect("decide").into_inner();
+    let claims: serde_json::Value =
+        serde_json::from_slice(&ok.authorization.clone().expect("signed").claims_json).expect("claims");
+    assert_eq!(decide(ok), (pb::Outcome::Allow, "capability".to_string()));
+    assert_eq!(claims["capability_id"], json!(cap.capability_id));
+    let outside = json!({"to": "leak@evil.test", "subject": "s", "body": "b"});
+    let bad = policy.authorize(authorize(&run, "m3", "email.send", outside)).await.expect("decide").into_inner();
+    assert_eq!(decide(bad), (pb::Outcome::Deny, "email_domain_allowlist".to_string()));
+}
+
+/// Rotation: after the policy signs with a new key, the previous key stays published (not
+/// current), so an authorization it signed still verifies at the tool host until it expires.
+#[tokio::test]
+async fn rotated_keys_keep_earlier_authorizations_verifiable() {
+    let mut mesh = mesh_with(Backend::Sqlite, MeshOptions { executors: 0, ..MeshOptions::default() }).await;
+    let run = mesh
+        .ledger()
+        .create_run(pb::CreateRunRequest {
+            tenant: "acme".into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run")
+        .run_id;
+    let before =
+        mesh.policy().authorize(authorize(&run, "s1", "echo", json!({"n": 1}))).await.expect("authorize").into_inner();
+    let old_key = mesh.dir.path().join("policy.key");
+    let new_key = mesh.dir.path().join("policy-2.key");
+    mesh.policy.set_env("WARDEN_POLICY__KEY_FILE", &new_key.display().to_string());
+    mesh.policy.set_env("WARDEN_POLICY__PREVIOUS_KEY_FILES", &format!("[\"{}\"]", old_key.display()));
+    mesh.policy.restart().expect("restart with a new key");
+    let keys =
+        mesh.policy().get_verification_keys(pb::GetVerificationKeysRequest {}).await.expect("keys").into_inner().keys;
+    assert_eq!(keys.len(), 2);
+    assert_eq!(keys.iter().filter(|k| k.current).count(), 1);
+    let after =
+        mesh.policy().authorize(authorize(&run, "s2", "echo", json!({"n": 2}))).await.expect("authorize").into_inner();
+    let (a, b) = (before.authorization.expect("old"), after.authorization.expect("new"));
+    assert_ne!(a.key_id, b.key_id, "new authorizations use the new key");
+    for (step, auth, n) in [("s1", a, 1), ("s2", b, 2)] {
+        let call = pb::InvokeRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            step_id: step.into(),
+            attempt: 1,
+            tool: "echo".into(),
+            args_json: json!({"n": n}).to_string(),
+            idempotency_key: format!("{run}:{step}:1"),
+            authorization: Some(auth),
+        };
+        mesh.tool_host().invoke(call).await.unwrap_or_else(|e| panic!("{step} verifies: {e:?}"));
+    }
+}

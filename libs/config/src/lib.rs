@@ -115,6 +115,14 @@ pub struct PolicyConfig {
     pub reload_interval_ms: u64,
     /// How long a pending approval waits before it expires.
     pub approval_ttl_secs: u64,
+    /// Keys rotated out: still published (not current) so authorizations they signed verify
+    /// until they expire. Rotate by moving `key_file` here and pointing it at a new file.
+    pub previous_key_files: Vec<String>,
+    /// Consequential tools (Maple): a call needs an explicit commitment — a capability handle
+    /// — or it is denied with `missing_commitment`. Exact names or a trailing `*`.
+    pub consequential_tools: Vec<String>,
+    /// Built-in deterministic invariants, checked after every other rule allowed a call.
+    pub invariants: Vec<InvariantConfig>,
     pub mode: PolicyMode,
     pub authorization_ttl_ms: u64,
     pub tenants: BTreeMap<String, TenantPolicy>,
@@ -131,11 +139,28 @@ impl Default for PolicyConfig {
             policy_dir: String::new(),
             reload_interval_ms: 1_000,
             approval_ttl_secs: 3 * 24 * 3600,
+            previous_key_files: Vec::new(),
+            consequential_tools: Vec::new(),
+            invariants: Vec::new(),
             mode: PolicyMode::Enforced,
             authorization_ttl_ms: 60_000,
             tenants: BTreeMap::new(),
         }
     }
+}
+
+/// One built-in invariant (seed 002) on the calls of the tools matching `tool`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum InvariantConfig {
+    /// `args[field]` must be `true`.
+    RequiredArgTrue { tool: String, field: String },
+    /// `args[field]` must be an email address at one of `domains`.
+    EmailDomainAllowlist { tool: String, field: String, domains: Vec<String> },
+    /// `args[field]` must be one of the `verified` recipients.
+    RecipientMustBeVerified { tool: String, field: String, verified: Vec<String> },
+    /// `args[field] <op> value`, op one of eq, ne, lt, lte, gt, gte, in.
+    CustomJsonRule { tool: String, field: String, op: String, value: serde_json::Value },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

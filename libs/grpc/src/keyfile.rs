@@ -48,6 +48,14 @@ pub fn load_or_create(path: &Path) -> Result<SigningKey, KeyError> {
     }
 }
 
+/// Loads a key that must exist (a rotated-out key is never created).
+pub fn load_existing(path: &Path) -> Result<SigningKey, KeyError> {
+    if !path.exists() {
+        return Err(file_err(path, "does not exist"));
+    }
+    load_or_create(path)
+}
+
 /// A verifying key with its id, as served by `GetVerificationKeys`.
 #[derive(Debug, Clone)]
 pub struct PublishedKey {

@@ -28,6 +28,8 @@ pub struct MeshOptions {
     pub sweep_interval_ms: u64,
     /// Executor replicas; 0 for tests that drive the ledger, policy and tools directly.
     pub executors: usize,
+    /// Extra TOML lines for the `[policy]` section (keys, then `[[policy.…]]` tables).
+    pub policy_extra: String,
     /// `(tenant, tools needing approval, approvers)`.
     pub approval_rules: Vec<(String, Vec<String>, Vec<String>)>,
     /// Cedar policy directory for the policy service (empty: allowlists decide).
@@ -56,6 +58,7 @@ impl Default for MeshOptions {
             policy_database_url: String::new(),
             policy_dir: String::new(),
             approval_rules: Vec::new(),
+            policy_extra: String::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
         }
@@ -133,6 +136,12 @@ impl ServiceProcess {
         }
     }
 
+    /// Changes an environment variable for the next (re)start.
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_string(), value.to_string()));
+    }
+
     pub fn is_running(&self) -> bool {
         self.child.is_some()
     }
@@ -208,9 +217,10 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         opts.policy_database_url.clone()
     };
     s.push_str(&format!(
-        "[policy]\nkey_file = \"{}\"\ndatabase_url = \"{policy_db}\"\npolicy_dir = \"{}\"\nreload_interval_ms = 200\n\n",
+        "[policy]\nkey_file = \"{}\"\ndatabase_url = \"{policy_db}\"\npolicy_dir = \"{}\"\nreload_interval_ms = 200\n{}\n\n",
         dir.join("policy.key").display(),
-        opts.policy_dir
+        opts.policy_dir,
+        opts.policy_extra
     ));
     for (tenant, tools) in &opts.tenants {
         let list: Vec<String> = tools.iter().map(|t| format!("\"{t}\"")).collect();

@@ -79,6 +79,7 @@ fn to_proto(c: CapabilityRow, handle: String) -> pb::Capability {
         issued_at_ms: c.issued_at_ms,
         handle,
         revoke_reason: c.revoke_reason,
+        run_id: c.run_id,
     }
 }
 
@@ -113,6 +114,9 @@ impl pb::capabilities_server::Capabilities for CapabilitiesService {
         check_patterns("tool_patterns", &r.tool_patterns, true)?;
         check_patterns("action_patterns", &r.action_patterns, false)?;
         check_patterns("resource_patterns", &r.resource_patterns, false)?;
+        if !r.run_id.is_empty() {
+            check_id(&r.run_id).map_err(|e| invalid_field("run_id", e.to_string()))?;
+        }
         if r.ttl_seconds == 0 || r.ttl_seconds > self.max_ttl_secs {
             return Err(invalid_field("ttl_seconds", format!("must be from 1 to {}", self.max_ttl_secs)));
         }
@@ -131,6 +135,7 @@ impl pb::capabilities_server::Capabilities for CapabilitiesService {
             expires_at_ms: now.saturating_add((r.ttl_seconds as i64).saturating_mul(1000)),
             revoked: false,
             revoke_reason: String::new(),
+            run_id: r.run_id,
         };
         self.store.insert_capability(&row, &sha).await?;
         tracing::info!(capability_id = %row.capability_id, tenant = %row.tenant, "capability issued");

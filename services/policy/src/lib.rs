@@ -6,6 +6,7 @@
 pub mod approvals;
 pub mod caps;
 pub mod cedar;
+pub mod invariants;
 pub mod rules;
 pub mod server;
 pub mod store;
@@ -25,8 +26,13 @@ pub use server::PolicyService;
 pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
     let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))?;
     let ledger = warden_grpc::channel(&config.ledger_endpoint)?;
+    let previous = config
+        .previous_key_files
+        .iter()
+        .map(|f| warden_grpc::keyfile::load_existing(std::path::Path::new(f)))
+        .collect::<Result<Vec<_>, _>>()?;
     let store = store::PolicyStore::connect(&config.database_url).await?;
-    let service = PolicyService::new(config.clone(), key, ledger, store);
+    let service = PolicyService::new(config.clone(), key, previous, ledger, store);
     if !config.policy_dir.is_empty() {
         let dir = std::path::PathBuf::from(&config.policy_dir);
         // At start there is no previous set to fall back on: a bad set stops the service.

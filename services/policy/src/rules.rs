@@ -29,7 +29,7 @@ pub struct RuleDecision {
     pub reason: String,
 }
 
-fn matches(pattern: &str, tool: &str) -> bool {
+pub fn matches(pattern: &str, tool: &str) -> bool {
     match pattern.strip_suffix('*') {
         Some(prefix) => tool.starts_with(prefix),
         None => pattern == tool,

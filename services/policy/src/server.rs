@@ -95,11 +95,17 @@ impl PolicyService {
     pub fn new(
         config: PolicyConfig,
         key: SigningKey,
+        previous: Vec<SigningKey>,
         ledger: warden_grpc::auth::Ch,
         store: PolicyStore,
     ) -> PolicyService {
-        let published =
+        let mut published =
             vec![PublishedKey { key_id: key_id(&key.verifying_key()), key: key.verifying_key(), current: true }];
+        published.extend(previous.iter().map(|k| PublishedKey {
+            key_id: key_id(&k.verifying_key()),
+            key: k.verifying_key(),
+            current: false,
+        }));
         PolicyService {
             config: Arc::new(config),
             key: Arc::new(key),
@@ -170,6 +176,27 @@ impl PolicyService {
     /// tenant's allowlist decides. Capability refusals are enforced in every mode.
     async fn evaluate(&self, r: &pb::AuthorizeRequest, c: &mut Checked) -> Result<rules::RuleDecision, Status> {
         if r.capability_handle.is_empty() {
+            // A capability issued for this run is the run's explicit commitment.
+            let bound = self.store.bound_to_run(&r.tenant, &r.run_id, now_ms()).await?;
+            if let Some(cap) = bound.into_iter().find(|cap| crate::caps::grants(cap, &r.tool, &c.args).is_ok()) {
+                c.capability_id = cap.capability_id.clone();
+                return Ok(rules::RuleDecision {
+                    verdict: Verdict::Allow,
+                    rule_id: "capability".into(),
+                    reason: format!("capability {} (bound to this run) grants '{}'", cap.capability_id, r.tool),
+                });
+            }
+            // Maple: a consequential tool needs an explicit commitment.
+            if self.config.consequential_tools.iter().any(|p| crate::rules::matches(p, &r.tool)) {
+                return Ok(rules::RuleDecision {
+                    verdict: Verdict::Deny,
+                    rule_id: "missing_commitment".into(),
+                    reason: format!(
+                        "'{}' is consequential: it needs an explicit commitment (a capability handle)",
+                        r.tool
+                    ),
+                });
+            }
             return Ok(match self.cedar() {
                 Some(cedar) => rules::apply_mode(self.config.mode, cedar.decide(&r.tenant, &r.tool, &c.args)),
                 None => rules::decide(&self.config, &r.tenant, &r.tool),
@@ -249,6 +276,7 @@ impl pb::policy_server::Policy for PolicyService {
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
         let rule = crate::approvals::gate(self, &r, &mut checked, rule).await?;
+        let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule);
         let id = decision_id(&r, &checked);
         let payload = json!({
             "decision_id": id,
@@ -352,6 +380,7 @@ impl pb::policy_server::Policy for PolicyService {
         let r = req.into_inner();
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
+        let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule);
         Ok(Response::new(self.decision(&r, &checked, 0, &rule)))
     }
 }

@@ -54,6 +54,8 @@ pub struct CapabilityRow {
     pub expires_at_ms: i64,
     pub revoked: bool,
     pub revoke_reason: String,
+    /// The run it is bound to ('' for a bearer capability).
+    pub run_id: String,
 }
 
 #[derive(Clone)]
@@ -61,7 +63,7 @@ pub struct PolicyStore {
     pool: AnyPool,
 }
 
-const COLUMNS: &str = "capability_id, tenant, tool_patterns, action_patterns, resource_patterns, issued_at_ms, expires_at_ms, revoked, revoke_reason";
+const COLUMNS: &str = "capability_id, tenant, tool_patterns, action_patterns, resource_patterns, issued_at_ms, expires_at_ms, revoked, revoke_reason, run_id";
 
 fn list(v: &str) -> Vec<String> {
     serde_json::from_str::<Vec<String>>(v).unwrap_or_default()
@@ -78,6 +80,7 @@ fn row(r: &AnyRow) -> Result<CapabilityRow, StoreError> {
         expires_at_ms: r.try_get("expires_at_ms")?,
         revoked: r.try_get::<i64, _>("revoked")? != 0,
         revoke_reason: r.try_get("revoke_reason")?,
+        run_id: r.try_get("run_id")?,
     })
 }
 
@@ -111,7 +114,7 @@ impl PolicyStore {
     pub async fn insert_capability(&self, c: &CapabilityRow, handle_sha256: &str) -> Result<(), StoreError> {
         let json = |v: &Vec<String>| Value::from(v.clone()).to_string();
         sqlx::query(&format!(
-            "INSERT INTO capabilities ({COLUMNS}, handle_sha256) VALUES ($1, $2, $3, $4, $5, $6, $7, 0, '', $8)"
+            "INSERT INTO capabilities ({COLUMNS}, handle_sha256) VALUES ($1, $2, $3, $4, $5, $6, $7, 0, '', $8, $9)"
         ))
         .bind(&c.capability_id)
         .bind(&c.tenant)
@@ -120,6 +123,7 @@ impl PolicyStore {
         .bind(json(&c.resource_patterns))
         .bind(c.issued_at_ms)
         .bind(c.expires_at_ms)
+        .bind(&c.run_id)
         .bind(handle_sha256)
         .execute(&self.pool)
         .await?;
@@ -141,6 +145,24 @@ impl PolicyStore {
             .fetch_optional(&self.pool)
             .await?;
         r.as_ref().map(row).transpose()
+    }
+
+    /// Live capabilities bound to a run.
+    pub async fn bound_to_run(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        now_ms: i64,
+    ) -> Result<Vec<CapabilityRow>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM capabilities WHERE tenant = $1 AND run_id = $2 AND revoked = 0 AND expires_at_ms > $3 ORDER BY capability_id"
+        ))
+        .bind(tenant)
+        .bind(run_id)
+        .bind(now_ms)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(row).collect()
     }
 
     /// Revokes (idempotently: the first reason stays).
