@@ -29,6 +29,8 @@ enum Suite {
     Steps,
     /// The ledger alone.
     Ledger,
+    /// Policy decisions.
+    Policy,
     All,
 }
 
@@ -224,7 +226,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         "warden bench: build {}; step latency = executor-measured authorize+record+invoke per step",
         if cfg!(debug_assertions) { "debug (use --release for real figures)" } else { "release" }
     );
-    if args.suite != Suite::Ledger {
+    if matches!(args.suite, Suite::Steps | Suite::All) {
         if matches!(args.shape, Shape::Dev | Shape::Both) {
             dev_shape(&args).await?;
         }
@@ -232,8 +234,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             prod_shape(&args).await?;
         }
     }
-    if args.suite != Suite::Steps {
+    if matches!(args.suite, Suite::Ledger | Suite::All) {
         crate::bench_ledger::run(&args.ledger).await?;
+    }
+    if matches!(args.suite, Suite::Policy | Suite::All) {
+        crate::bench_policy::run().await?;
     }
     Ok(0)
 }
