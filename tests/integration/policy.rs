@@ -317,3 +317,53 @@ async fn rotated_keys_keep_earlier_authorizations_verifiable() {
         mesh.tool_host().invoke(call).await.unwrap_or_else(|e| panic!("{step} verifies: {e:?}"));
     }
 }
+
+/// K15: budgets only grow; once the run's calls or cost reach the limit, every further call
+/// is denied and the run stops scheduling.
+#[tokio::test]
+async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling() {
+    let opts = MeshOptions {
+        tenants: vec![("acme".into(), vec!["echo".into()])],
+        budget_rules: vec![("acme".into(), 3, 10.0)],
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let chain: Vec<(&str, &str, serde_json::Value, &[&str])> = vec![
+        ("a", "echo", json!({"cost": 6}), &[]),
+        ("b", "echo", json!({"cost": 6}), &["a"]),
+        ("c", "echo", json!({"cost": 1}), &["b"]),
+        ("d", "echo", json!({}), &["c"]),
+    ];
+    let id = submit(&mesh, "acme", &plan(&chain)).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed);
+    let st = |s: &str| run.steps.iter().find(|x| x.id == s).expect("step").status();
+    assert_eq!((st("a"), st("b")), (pb::StepStatus::Completed, pb::StepStatus::Completed));
+    assert_eq!(st("c"), pb::StepStatus::Denied, "12 spent of 10: the next call is denied");
+    assert_eq!(st("d"), pb::StepStatus::Cancelled);
+    assert!(run.reason.contains("run_budget_exhausted"), "{}", run.reason);
+
+    let e = mesh
+        .policy()
+        .record_cost(pb::RecordCostRequest {
+            tenant: "acme".into(),
+            run_id: id.clone(),
+            step_id: "a".into(),
+            cost: -5.0,
+        })
+        .await
+        .expect_err("no refunds");
+    assert_field_violation(&e, "cost");
+
+    // The call limit: three calls per run.
+    let calls: Vec<(&str, &str, serde_json::Value, &[&str])> = vec![
+        ("a", "echo", json!({}), &[]),
+        ("b", "echo", json!({}), &["a"]),
+        ("c", "echo", json!({}), &["b"]),
+        ("d", "echo", json!({}), &["c"]),
+    ];
+    let id = submit(&mesh, "acme", &plan(&calls)).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert!(run.reason.contains("run_call_limit"), "{}", run.reason);
+    assert_eq!(run.steps.iter().filter(|s| s.status() == pb::StepStatus::Completed).count(), 3);
+}

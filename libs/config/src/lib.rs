@@ -95,6 +95,10 @@ pub struct TenantPolicy {
     pub require_approval: Vec<String>,
     /// Who may approve this tenant's calls; empty: any approver the caller names.
     pub approvers: Vec<String>,
+    /// Budgets (0 = unlimited). Monotonic: once spent, never refunded; a breach denies.
+    pub max_calls_per_run: u64,
+    pub max_cost_per_run: f64,
+    pub max_cost_per_tenant: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

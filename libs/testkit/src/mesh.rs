@@ -30,6 +30,8 @@ pub struct MeshOptions {
     pub executors: usize,
     /// Extra TOML lines for the `[policy]` section (keys, then `[[policy.…]]` tables).
     pub policy_extra: String,
+    /// `(tenant, max calls per run, max cost per run)`.
+    pub budget_rules: Vec<(String, u64, f64)>,
     /// `(tenant, tools needing approval, approvers)`.
     pub approval_rules: Vec<(String, Vec<String>, Vec<String>)>,
     /// Cedar policy directory for the policy service (empty: allowlists decide).
@@ -58,6 +60,7 @@ impl Default for MeshOptions {
             policy_database_url: String::new(),
             policy_dir: String::new(),
             approval_rules: Vec::new(),
+            budget_rules: Vec::new(),
             policy_extra: String::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
@@ -232,9 +235,13 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
             .map(|(_, g, a)| (quoted(g), quoted(a)))
             .unwrap_or_default();
         s.push_str(&format!(
-            "[policy.tenants.{tenant}]\nallow_tools = [{}]\nrequire_approval = [{gated}]\napprovers = [{approvers}]\n\n",
+            "[policy.tenants.{tenant}]\nallow_tools = [{}]\nrequire_approval = [{gated}]\napprovers = [{approvers}]\n",
             list.join(", ")
         ));
+        if let Some((_, calls, cost)) = opts.budget_rules.iter().find(|(t, _, _)| t == tenant) {
+            s.push_str(&format!("max_calls_per_run = {calls}\nmax_cost_per_run = {cost:?}\n"));
+        }
+        s.push('\n');
     }
     s.push_str(&format!("[planner]\nmax_steps = {}\n\n", opts.max_steps));
     s.push_str(&format!(

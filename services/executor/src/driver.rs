@@ -567,7 +567,28 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
             )
             .await;
             match recorded {
-                Ok(_) => Ok(StepOutcome::Completed(output)),
+                Ok(_) => {
+                    // A tool that reports what it cost (`"cost": n` in its output) spends the
+                    // run's and tenant's budgets; later calls are judged against them.
+                    if let Some(cost) = output.get("cost").and_then(Value::as_f64) {
+                        let spent = ctx
+                            .ex
+                            .inner
+                            .policy
+                            .clone()
+                            .record_cost(pb::RecordCostRequest {
+                                tenant: ctx.tenant.clone(),
+                                run_id: ctx.run_id.clone(),
+                                step_id: step.id.clone(),
+                                cost,
+                            })
+                            .await;
+                        if let Err(e) = spent {
+                            tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, error = %e, "cost not recorded");
+                        }
+                    }
+                    Ok(StepOutcome::Completed(output))
+                }
                 // The ledger will not take this output (too large, say): the step fails.
                 Err(DriveError::Ledger(s)) if s.code() == Code::InvalidArgument => {
                     let reason = format!("the ledger refused the tool's output: {}", s.message());

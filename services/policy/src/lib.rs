@@ -4,6 +4,7 @@
 //! authorizations bound to the exact call, which tool hosts verify before acting.
 
 pub mod approvals;
+pub mod budgets;
 pub mod caps;
 pub mod cedar;
 pub mod invariants;

@@ -264,10 +264,6 @@ impl PolicyService {
     }
 }
 
-fn unimplemented(what: &str) -> Status {
-    Status::unimplemented(format!("{what} is not available in this Warden release"))
-}
-
 #[tonic::async_trait]
 impl pb::policy_server::Policy for PolicyService {
     async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
@@ -275,6 +271,7 @@ impl pb::policy_server::Policy for PolicyService {
         let r = req.into_inner();
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
+        let rule = crate::budgets::limits(self, &r, rule).await?;
         let rule = crate::approvals::gate(self, &r, &mut checked, rule).await?;
         let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule);
         let id = decision_id(&r, &checked);
@@ -321,6 +318,9 @@ impl pb::policy_server::Policy for PolicyService {
             })?
             .into_inner();
         let event = appended.event.ok_or_else(|| Status::internal("ledger returned no event"))?;
+        if rule.verdict == Verdict::Allow && !appended.deduplicated {
+            crate::budgets::count(self, &r).await?;
+        }
         // The ledger returned an event with exactly this content (a retry gets the first
         // one back; different content under this id is refused by the ledger), so the fresh
         // evaluation above is what is recorded and what gets signed.
@@ -371,8 +371,13 @@ impl pb::policy_server::Policy for PolicyService {
         Ok(Response::new(pb::GetVerificationKeysResponse { keys }))
     }
 
-    async fn record_cost(&self, _: Request<pb::RecordCostRequest>) -> Result<Response<pb::RecordCostResponse>, Status> {
-        Err(unimplemented("Policy.RecordCost"))
+    async fn record_cost(
+        &self,
+        req: Request<pb::RecordCostRequest>,
+    ) -> Result<Response<pb::RecordCostResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        crate::budgets::record_cost(self, req.into_inner()).await?;
+        Ok(Response::new(pb::RecordCostResponse {}))
     }
 
     async fn check(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::Decision>, Status> {

@@ -306,3 +306,77 @@ impl PolicyStore {
         rows.iter().map(approval).collect()
     }
 }
+
+/// Usage of a budget scope (`run:<id>` or `tenant:<name>`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    pub calls: u64,
+    pub cost: f64,
+}
+
+impl PolicyStore {
+    pub async fn usage(&self, scope: &str) -> Result<Usage, StoreError> {
+        let r = sqlx::query("SELECT calls, cost FROM budgets WHERE scope = $1")
+            .bind(scope)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match r {
+            Some(r) => Usage { calls: r.try_get::<i64, _>(0)? as u64, cost: r.try_get(1)? },
+            None => Usage::default(),
+        })
+    }
+
+    async fn add(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        scope: &str,
+        calls: i64,
+        cost: f64,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO budgets (scope, calls, cost) VALUES ($1, $2, $3)
+             ON CONFLICT (scope) DO UPDATE SET calls = budgets.calls + excluded.calls, cost = budgets.cost + excluded.cost",
+        )
+        .bind(scope)
+        .bind(calls)
+        .bind(cost)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Counts one allowed call against the run and the tenant.
+    pub async fn count_call(&self, tenant: &str, run_id: &str) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        self.add(&mut tx, &format!("run:{run_id}"), 1, 0.0).await?;
+        self.add(&mut tx, &format!("tenant:{tenant}"), 1, 0.0).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records a cost once per `record_key`; returns whether it was new.
+    pub async fn record_cost(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        record_key: &str,
+        cost: f64,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let inserted = sqlx::query(
+            "INSERT INTO cost_records (record_key, cost) VALUES ($1, $2) ON CONFLICT (record_key) DO NOTHING",
+        )
+        .bind(record_key)
+        .bind(cost)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            == 1;
+        if inserted {
+            self.add(&mut tx, &format!("run:{run_id}"), 0, cost).await?;
+            self.add(&mut tx, &format!("tenant:{tenant}"), 0, cost).await?;
+        }
+        tx.commit().await?;
+        Ok(inserted)
+    }
+}

@@ -1,0 +1,57 @@
+//! Budgets (seed 000 §13, K15): per run and per tenant, calls and cost, monotonic. The
+//! limits stage runs before approval gates and invariants (Artana's order); a breach denies
+//! every further call, so a run over budget stops scheduling.
+
+use tonic::Status;
+use warden_core::ids::{check_id, check_step_id};
+use warden_grpc::invalid_field;
+use warden_proto::v1 as pb;
+
+use crate::rules::{RuleDecision, Verdict};
+use crate::server::PolicyService;
+
+/// Applies the tenant's limits to an allow, and counts the call when it stays allowed.
+pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDecision) -> Result<RuleDecision, Status> {
+    if rule.verdict != Verdict::Allow {
+        return Ok(rule);
+    }
+    let Some(t) = svc.config().tenants.get(&r.tenant).cloned() else { return Ok(rule) };
+    let run = svc.store().usage(&format!("run:{}", r.run_id)).await?;
+    let tenant = svc.store().usage(&format!("tenant:{}", r.tenant)).await?;
+    let deny =
+        |rule_id: &str, reason: String| Ok(RuleDecision { verdict: Verdict::Deny, rule_id: rule_id.into(), reason });
+    if t.max_calls_per_run > 0 && run.calls >= t.max_calls_per_run {
+        return deny(
+            "run_call_limit",
+            format!("the run made {} calls, its limit is {}", run.calls, t.max_calls_per_run),
+        );
+    }
+    if t.max_cost_per_run > 0.0 && run.cost >= t.max_cost_per_run {
+        return deny("run_budget_exhausted", format!("the run spent {:.4} of its {:.4}", run.cost, t.max_cost_per_run));
+    }
+    if t.max_cost_per_tenant > 0.0 && tenant.cost >= t.max_cost_per_tenant {
+        return deny(
+            "tenant_budget_exhausted",
+            format!("tenant '{}' spent {:.4} of its {:.4}", r.tenant, tenant.cost, t.max_cost_per_tenant),
+        );
+    }
+    Ok(rule)
+}
+
+/// Counts an allowed call once (a retried Authorize of the same decision is not counted).
+pub async fn count(svc: &PolicyService, r: &pb::AuthorizeRequest) -> Result<(), Status> {
+    svc.store().count_call(&r.tenant, &r.run_id).await?;
+    Ok(())
+}
+
+/// `RecordCost`: adds a step's cost once per (run, step); costs are never negative.
+pub async fn record_cost(svc: &PolicyService, r: pb::RecordCostRequest) -> Result<(), Status> {
+    check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+    check_id(&r.run_id).map_err(|e| invalid_field("run_id", e.to_string()))?;
+    check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
+    if !r.cost.is_finite() || r.cost < 0.0 {
+        return Err(invalid_field("cost", "must be a finite, non-negative number (budgets only grow)"));
+    }
+    svc.store().record_cost(&r.tenant, &r.run_id, &format!("{}:{}", r.run_id, r.step_id), r.cost).await?;
+    Ok(())
+}
