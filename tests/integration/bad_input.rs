@@ -83,6 +83,7 @@ async fn unimplemented_rpcs_say_so() {
         .expect_err("unimplemented");
     assert_eq!(e.code(), tonic::Code::Unimplemented);
     assert!(!e.message().is_empty());
-    let e = mesh.policy().record_cost(pb::RecordCostRequest::default()).await.expect_err("unimplemented");
+    let mut planner = warden_proto::v1::planner_client::PlannerClient::new(mesh.planner.channel());
+    let e = planner.create_plan(pb::CreatePlanRequest::default()).await.expect_err("unimplemented");
     assert_eq!(e.code(), tonic::Code::Unimplemented);
 }
