@@ -367,3 +367,42 @@ async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling() {
     assert!(run.reason.contains("run_call_limit"), "{}", run.reason);
     assert_eq!(run.steps.iter().filter(|s| s.status() == pb::StepStatus::Completed).count(), 3);
 }
+
+/// Per-tenant rate windows live in Redis: over the limit within a minute, calls are denied.
+#[tokio::test]
+async fn tenant_rate_windows_deny_calls_over_the_limit() {
+    let opts = MeshOptions { executors: 0, rate_rules: vec![("acme".into(), 2)], ..MeshOptions::default() };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = mesh
+        .ledger()
+        .create_run(pb::CreateRunRequest {
+            tenant: "acme".into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run")
+        .run_id;
+    // Three calls inside one window (retried if a minute boundary fell between them).
+    for round in 0..3 {
+        let minute = warden_grpc::now_ms() / 60_000;
+        let mut rules = Vec::new();
+        for i in 0..3 {
+            let d = mesh
+                .policy()
+                .authorize(authorize(&run, &format!("r{round}s{i}"), "echo", json!({})))
+                .await
+                .expect("decide");
+            rules.push(d.into_inner().decision.expect("decision").rule_id);
+        }
+        if warden_grpc::now_ms() / 60_000 != minute {
+            continue;
+        }
+        assert_eq!(rules[2], "tenant_rate_limit", "{rules:?}");
+        return;
+    }
+    panic!("could not stay inside one minute");
+}

@@ -99,6 +99,9 @@ pub struct TenantPolicy {
     pub max_calls_per_run: u64,
     pub max_cost_per_run: f64,
     pub max_cost_per_tenant: f64,
+    /// Calls per minute across the tenant's runs (0 = unlimited), counted in Redis so every
+    /// policy replica shares the window.
+    pub rate_limit_per_minute: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -127,6 +130,8 @@ pub struct PolicyConfig {
     pub consequential_tools: Vec<String>,
     /// Built-in deterministic invariants, checked after every other rule allowed a call.
     pub invariants: Vec<InvariantConfig>,
+    /// `redis://…` for rate windows shared by policy replicas; empty: in-process windows.
+    pub redis_url: String,
     pub mode: PolicyMode,
     pub authorization_ttl_ms: u64,
     pub tenants: BTreeMap<String, TenantPolicy>,
@@ -146,6 +151,7 @@ impl Default for PolicyConfig {
             previous_key_files: Vec::new(),
             consequential_tools: Vec::new(),
             invariants: Vec::new(),
+            redis_url: String::new(),
             mode: PolicyMode::Enforced,
             authorization_ttl_ms: 60_000,
             tenants: BTreeMap::new(),

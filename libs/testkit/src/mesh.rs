@@ -30,6 +30,8 @@ pub struct MeshOptions {
     pub executors: usize,
     /// Extra TOML lines for the `[policy]` section (keys, then `[[policy.…]]` tables).
     pub policy_extra: String,
+    /// `(tenant, calls per minute)`.
+    pub rate_rules: Vec<(String, u64)>,
     /// `(tenant, max calls per run, max cost per run)`.
     pub budget_rules: Vec<(String, u64, f64)>,
     /// `(tenant, tools needing approval, approvers)`.
@@ -61,6 +63,7 @@ impl Default for MeshOptions {
             policy_dir: String::new(),
             approval_rules: Vec::new(),
             budget_rules: Vec::new(),
+            rate_rules: Vec::new(),
             policy_extra: String::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
@@ -220,9 +223,10 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         opts.policy_database_url.clone()
     };
     s.push_str(&format!(
-        "[policy]\nkey_file = \"{}\"\ndatabase_url = \"{policy_db}\"\npolicy_dir = \"{}\"\nreload_interval_ms = 200\n{}\n\n",
+        "[policy]\nkey_file = \"{}\"\ndatabase_url = \"{policy_db}\"\npolicy_dir = \"{}\"\nreload_interval_ms = 200\nredis_url = \"{}\"\n{}\n\n",
         dir.join("policy.key").display(),
         opts.policy_dir,
+        opts.redis_url,
         opts.policy_extra
     ));
     for (tenant, tools) in &opts.tenants {
@@ -240,6 +244,9 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         ));
         if let Some((_, calls, cost)) = opts.budget_rules.iter().find(|(t, _, _)| t == tenant) {
             s.push_str(&format!("max_calls_per_run = {calls}\nmax_cost_per_run = {cost:?}\n"));
+        }
+        if let Some((_, per_minute)) = opts.rate_rules.iter().find(|(t, _)| t == tenant) {
+            s.push_str(&format!("rate_limit_per_minute = {per_minute}\n"));
         }
         s.push('\n');
     }

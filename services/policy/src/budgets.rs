@@ -35,6 +35,19 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
             format!("tenant '{}' spent {:.4} of its {:.4}", r.tenant, tenant.cost, t.max_cost_per_tenant),
         );
     }
+    if t.rate_limit_per_minute > 0 {
+        match svc.rate().hit(&r.tenant, warden_grpc::now_ms()).await {
+            Ok(n) if n > t.rate_limit_per_minute => {
+                return deny(
+                    "tenant_rate_limit",
+                    format!("tenant '{}' is over {} calls this minute", r.tenant, t.rate_limit_per_minute),
+                );
+            }
+            Ok(_) => {}
+            // Fail closed: a window that cannot be counted allows nothing.
+            Err(e) => return deny("rate_limiter_unavailable", format!("the rate window could not be counted: {e}")),
+        }
+    }
     Ok(rule)
 }
 

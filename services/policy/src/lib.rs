@@ -8,6 +8,7 @@ pub mod budgets;
 pub mod caps;
 pub mod cedar;
 pub mod invariants;
+pub mod rate;
 pub mod rules;
 pub mod server;
 pub mod store;
@@ -33,7 +34,8 @@ pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
         .map(|f| warden_grpc::keyfile::load_existing(std::path::Path::new(f)))
         .collect::<Result<Vec<_>, _>>()?;
     let store = store::PolicyStore::connect(&config.database_url).await?;
-    let service = PolicyService::new(config.clone(), key, previous, ledger, store);
+    let rate = rate::RateLimiter::connect(&config.redis_url).await?;
+    let service = PolicyService::new(config.clone(), key, previous, ledger, store, rate);
     if !config.policy_dir.is_empty() {
         let dir = std::path::PathBuf::from(&config.policy_dir);
         // At start there is no previous set to fall back on: a bad set stops the service.

@@ -32,6 +32,7 @@ pub struct PolicyService {
     store: PolicyStore,
     /// The live Cedar policy set (None: allowlists decide). Swapped whole on reload.
     cedar: Arc<RwLock<Option<Arc<CedarPolicies>>>>,
+    rate: crate::rate::RateLimiter,
 }
 
 /// A request that passed validation, with its canonical arguments.
@@ -98,6 +99,7 @@ impl PolicyService {
         previous: Vec<SigningKey>,
         ledger: warden_grpc::auth::Ch,
         store: PolicyStore,
+        rate: crate::rate::RateLimiter,
     ) -> PolicyService {
         let mut published =
             vec![PublishedKey { key_id: key_id(&key.verifying_key()), key: key.verifying_key(), current: true }];
@@ -113,6 +115,7 @@ impl PolicyService {
             ledger: LedgerClient::new(ledger),
             store,
             cedar: Arc::default(),
+            rate,
         }
     }
 
@@ -157,6 +160,10 @@ impl PolicyService {
 
     pub fn store(&self) -> &PolicyStore {
         &self.store
+    }
+
+    pub fn rate(&self) -> &crate::rate::RateLimiter {
+        &self.rate
     }
 
     pub fn config(&self) -> &PolicyConfig {
