@@ -406,3 +406,57 @@ async fn tenant_rate_windows_deny_calls_over_the_limit() {
     }
     panic!("could not stay inside one minute");
 }
+
+/// Semantic idempotency: the same semantic key after a success is a duplicate; while the
+/// earlier call's outcome is unknown, it needs reconciliation; a failure frees the key.
+#[tokio::test]
+async fn semantic_keys_block_duplicates_and_unresolved_outcomes() {
+    let extra = "[[policy.semantic_keys]]\ntool = \"email.send\"\ntemplate = \"mail:{to}:{subject}\"\n";
+    let mesh = mesh_with(Backend::Sqlite, MeshOptions { policy_extra: extra.into(), ..MeshOptions::default() }).await;
+    let first = submit(&mesh, "acme", &mail("ops@example.com")).await;
+    assert_eq!(settled(&mesh, "acme", &first).await.status(), pb::RunStatus::Completed);
+    let again = submit(&mesh, "acme", &mail("ops@example.com")).await;
+    let run = settled(&mesh, "acme", &again).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed);
+    assert!(run.reason.contains("semantic_duplicate"), "{}", run.reason);
+    assert_eq!(mesh.outbox().len(), 1, "the duplicate mail never went out");
+
+    // An allowed call whose outcome is not known yet blocks the same key elsewhere.
+    let mut ledger = mesh.ledger();
+    let bare = ledger
+        .create_run(pb::CreateRunRequest {
+            tenant: "acme".into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run")
+        .run_id;
+    let args = json!({"to": "cfo@example.com", "subject": "q3", "body": "b"});
+    let mut policy = mesh.policy();
+    let held = policy.authorize(authorize(&bare, "m1", "email.send", args.clone())).await.expect("decide").into_inner();
+    let held = held.decision.expect("decision");
+    assert_eq!(held.outcome(), pb::Outcome::Allow);
+    let blocked =
+        policy.authorize(authorize(&bare, "m2", "email.send", args.clone())).await.expect("decide").into_inner();
+    assert_eq!(blocked.decision.expect("decision").rule_id, "semantic_requires_reconciliation");
+    // The first call fails: the key is free again.
+    ledger
+        .append_event(pb::AppendEventRequest {
+            tenant: "acme".into(),
+            run_id: bare.clone(),
+            epoch: 0,
+            idempotency_key: "m1-failed".into(),
+            event_type: "tool_failed".into(),
+            payload_json: json!({"decision_id": held.decision_id, "attempt": 1, "tool": "email.send", "kind": "tool_error", "reason": "smtp down"})
+                .to_string(),
+            step_id: "m1".into(),
+        })
+        .await
+        .expect("record the failure");
+    let retry = policy.authorize(authorize(&bare, "m3", "email.send", args)).await.expect("decide").into_inner();
+    assert_eq!(retry.decision.expect("decision").outcome(), pb::Outcome::Allow);
+}

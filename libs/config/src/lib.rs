@@ -132,6 +132,11 @@ pub struct PolicyConfig {
     pub invariants: Vec<InvariantConfig>,
     /// `redis://…` for rate windows shared by policy replicas; empty: in-process windows.
     pub redis_url: String,
+    /// Semantic idempotency (Artana): calls of `tool` whose `template` (with `{field}`
+    /// placeholders filled from the arguments) matches an earlier success are
+    /// `semantic_duplicate`; one whose earlier call has no known outcome is
+    /// `semantic_requires_reconciliation`.
+    pub semantic_keys: Vec<SemanticKeyConfig>,
     pub mode: PolicyMode,
     pub authorization_ttl_ms: u64,
     pub tenants: BTreeMap<String, TenantPolicy>,
@@ -152,11 +157,21 @@ impl Default for PolicyConfig {
             consequential_tools: Vec::new(),
             invariants: Vec::new(),
             redis_url: String::new(),
+            semantic_keys: Vec::new(),
             mode: PolicyMode::Enforced,
             authorization_ttl_ms: 60_000,
             tenants: BTreeMap::new(),
         }
     }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SemanticKeyConfig {
+    /// Tool name or trailing-`*` pattern.
+    pub tool: String,
+    /// E.g. `"pay:{to}:{amount}"`.
+    pub template: String,
 }
 
 /// One built-in invariant (seed 002) on the calls of the tools matching `tool`.

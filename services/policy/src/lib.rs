@@ -10,6 +10,7 @@ pub mod cedar;
 pub mod invariants;
 pub mod rate;
 pub mod rules;
+pub mod semantic;
 pub mod server;
 pub mod store;
 

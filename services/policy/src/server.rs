@@ -278,6 +278,8 @@ impl pb::policy_server::Policy for PolicyService {
         let r = req.into_inner();
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
+        // Artana's order: semantic idempotency → limits/rate → approval gates → invariants.
+        let rule = crate::semantic::check(self, &r, &checked.args, &decision_id(&r, &checked), rule).await?;
         let rule = crate::budgets::limits(self, &r, rule).await?;
         let rule = crate::approvals::gate(self, &r, &mut checked, rule).await?;
         let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule);

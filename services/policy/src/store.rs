@@ -380,3 +380,42 @@ impl PolicyStore {
         Ok(inserted)
     }
 }
+
+/// The call holding a semantic key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SemanticClaim {
+    pub run_id: String,
+    pub step_id: String,
+    pub decision_id: String,
+}
+
+impl PolicyStore {
+    pub async fn semantic_claim(&self, tenant: &str, key: &str) -> Result<Option<SemanticClaim>, StoreError> {
+        let r = sqlx::query(
+            "SELECT run_id, step_id, decision_id FROM semantic_keys WHERE tenant = $1 AND semantic_key = $2",
+        )
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?;
+        r.map(|r| Ok(SemanticClaim { run_id: r.try_get(0)?, step_id: r.try_get(1)?, decision_id: r.try_get(2)? }))
+            .transpose()
+    }
+
+    /// Points the key at this call (first claim, or after the previous holder failed).
+    pub async fn claim_semantic(&self, tenant: &str, key: &str, c: &SemanticClaim) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO semantic_keys (tenant, semantic_key, run_id, step_id, decision_id) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (tenant, semantic_key) DO UPDATE SET run_id = excluded.run_id, step_id = excluded.step_id,
+                 decision_id = excluded.decision_id",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(&c.run_id)
+        .bind(&c.step_id)
+        .bind(&c.decision_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+}
