@@ -16,6 +16,10 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
         return Ok(rule);
     }
     let Some(t) = svc.config().tenants.get(&r.tenant).cloned() else { return Ok(rule) };
+    // No limits configured: nothing to read on the hot path.
+    if !has_limits(&t) {
+        return Ok(rule);
+    }
     let run = svc.store().usage(&format!("run:{}", r.run_id)).await?;
     let tenant = svc.store().usage(&format!("tenant:{}", r.tenant)).await?;
     let deny =
@@ -51,8 +55,16 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
     Ok(rule)
 }
 
-/// Counts an allowed call once (a retried Authorize of the same decision is not counted).
+fn has_limits(t: &warden_config::TenantPolicy) -> bool {
+    t.max_calls_per_run > 0 || t.max_cost_per_run > 0.0 || t.max_cost_per_tenant > 0.0 || t.rate_limit_per_minute > 0
+}
+
+/// Counts an allowed call once (a retried Authorize of the same decision is not counted),
+/// for tenants with limits.
 pub async fn count(svc: &PolicyService, r: &pb::AuthorizeRequest) -> Result<(), Status> {
+    if !svc.config().tenants.get(&r.tenant).is_some_and(has_limits) {
+        return Ok(());
+    }
     svc.store().count_call(&r.tenant, &r.run_id).await?;
     Ok(())
 }

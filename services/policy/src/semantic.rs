@@ -89,28 +89,26 @@ pub async fn check(
     let mine =
         SemanticClaim { run_id: r.run_id.clone(), step_id: r.step_id.clone(), decision_id: decision_id.to_string() };
     if let Some(held) = svc.store().semantic_claim(&r.tenant, &key).await?
-        && held != mine {
-            let deny = |rule_id: &str, reason: String| RuleDecision {
-                verdict: Verdict::Deny,
-                rule_id: rule_id.into(),
-                reason,
-            };
-            match outcome(svc, &r.tenant, &held).await? {
-                Outcome::Succeeded => {
-                    return Ok(deny(
-                        "semantic_duplicate",
-                        format!("'{key}' already succeeded (run {}, step {})", held.run_id, held.step_id),
-                    ));
-                }
-                Outcome::Unknown => {
-                    return Ok(deny(
-                        "semantic_requires_reconciliation",
-                        format!("'{key}' has an unresolved earlier call (run {}, step {})", held.run_id, held.step_id),
-                    ));
-                }
-                Outcome::Failed => {}
+        && held != mine
+    {
+        let deny =
+            |rule_id: &str, reason: String| RuleDecision { verdict: Verdict::Deny, rule_id: rule_id.into(), reason };
+        match outcome(svc, &r.tenant, &held).await? {
+            Outcome::Succeeded => {
+                return Ok(deny(
+                    "semantic_duplicate",
+                    format!("'{key}' already succeeded (run {}, step {})", held.run_id, held.step_id),
+                ));
             }
+            Outcome::Unknown => {
+                return Ok(deny(
+                    "semantic_requires_reconciliation",
+                    format!("'{key}' has an unresolved earlier call (run {}, step {})", held.run_id, held.step_id),
+                ));
+            }
+            Outcome::Failed => {}
         }
+    }
     svc.store().claim_semantic(&r.tenant, &key, &mine).await?;
     Ok(rule)
 }

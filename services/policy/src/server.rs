@@ -183,7 +183,17 @@ impl PolicyService {
     /// tenant's allowlist decides. Capability refusals are enforced in every mode.
     async fn evaluate(&self, r: &pb::AuthorizeRequest, c: &mut Checked) -> Result<rules::RuleDecision, Status> {
         if r.capability_handle.is_empty() {
-            // A capability issued for this run is the run's explicit commitment.
+            let ruled = match self.cedar() {
+                Some(cedar) => rules::apply_mode(self.config.mode, cedar.decide(&r.tenant, &r.tool, &c.args)),
+                None => rules::decide(&self.config, &r.tenant, &r.tool),
+            };
+            let consequential = self.config.consequential_tools.iter().any(|p| crate::rules::matches(p, &r.tool));
+            // The hot path: the rules allow a safe tool; no capability lookup needed.
+            if ruled.verdict == Verdict::Allow && !consequential {
+                return Ok(ruled);
+            }
+            // A capability issued for this run is the run's explicit commitment: it grants
+            // what the rules do not, and it is what a consequential tool needs.
             let bound = self.store.bound_to_run(&r.tenant, &r.run_id, now_ms()).await?;
             if let Some(cap) = bound.into_iter().find(|cap| crate::caps::grants(cap, &r.tool, &c.args).is_ok()) {
                 c.capability_id = cap.capability_id.clone();
@@ -194,7 +204,7 @@ impl PolicyService {
                 });
             }
             // Maple: a consequential tool needs an explicit commitment.
-            if self.config.consequential_tools.iter().any(|p| crate::rules::matches(p, &r.tool)) {
+            if consequential {
                 return Ok(rules::RuleDecision {
                     verdict: Verdict::Deny,
                     rule_id: "missing_commitment".into(),
@@ -204,10 +214,7 @@ impl PolicyService {
                     ),
                 });
             }
-            return Ok(match self.cedar() {
-                Some(cedar) => rules::apply_mode(self.config.mode, cedar.decide(&r.tenant, &r.tool, &c.args)),
-                None => rules::decide(&self.config, &r.tenant, &r.tool),
-            });
+            return Ok(ruled);
         }
         let deny =
             |rule: &str, reason: String| rules::RuleDecision { verdict: Verdict::Deny, rule_id: rule.into(), reason };
