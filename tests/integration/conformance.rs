@@ -19,22 +19,6 @@ fn limited_tenant() -> MeshOptions {
     o
 }
 
-/// A run created straight in the ledger, for tests that talk to policy and tools directly.
-async fn bare_run(mesh: &warden_testkit::Mesh, tenant: &str) -> String {
-    mesh.ledger()
-        .create_run(pb::CreateRunRequest {
-            tenant: tenant.into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("create run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id
-}
-
 fn authorize_request(run_id: &str, args: &Value) -> pb::AuthorizeRequest {
     pb::AuthorizeRequest {
         tenant: "acme".into(),

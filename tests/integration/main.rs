@@ -55,6 +55,22 @@ pub async fn services_on(backend: Backend) -> Mesh {
     mesh_with(backend, MeshOptions { executors: 0, ..MeshOptions::default() }).await
 }
 
+/// A run created straight in the ledger, for tests that talk to policy and tools directly.
+pub async fn bare_run(mesh: &warden_testkit::Mesh, tenant: &str) -> String {
+    mesh.ledger()
+        .create_run(pb::CreateRunRequest {
+            tenant: tenant.into(),
+            plan_json: r#"{"steps":[]}"#.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("create run")
+        .into_inner()
+        .run
+        .expect("run")
+        .run_id
+}
+
 pub const HELLO: &str = include_str!("../../examples/hello.plan.json");
 
 pub async fn submit(mesh: &Mesh, tenant: &str, plan: &str) -> String {

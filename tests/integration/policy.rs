@@ -224,19 +224,7 @@ domains = ["example.com"]
         ..MeshOptions::default()
     };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = mesh
-        .ledger()
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run = bare_run(&mesh, "acme").await;
     let mut policy = mesh.policy();
     let decide = |d: pb::AuthorizeResponse| {
         let x = d.decision.expect("decision");
@@ -275,19 +263,7 @@ domains = ["example.com"]
 #[tokio::test]
 async fn rotated_keys_keep_earlier_authorizations_verifiable() {
     let mut mesh = mesh_with(Backend::Sqlite, MeshOptions { executors: 0, ..MeshOptions::default() }).await;
-    let run = mesh
-        .ledger()
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run = bare_run(&mesh, "acme").await;
     let before =
         mesh.policy().authorize(authorize(&run, "s1", "echo", json!({"n": 1}))).await.expect("authorize").into_inner();
     let old_key = mesh.dir.path().join("policy.key");
@@ -373,19 +349,7 @@ async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling() {
 async fn tenant_rate_windows_deny_calls_over_the_limit() {
     let opts = MeshOptions { executors: 0, rate_rules: vec![("acme".into(), 2)], ..MeshOptions::default() };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = mesh
-        .ledger()
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run = bare_run(&mesh, "acme").await;
     // Three calls inside one window (retried if a minute boundary fell between them).
     for round in 0..3 {
         let minute = warden_grpc::now_ms() / 60_000;
