@@ -424,3 +424,25 @@ async fn semantic_keys_block_duplicates_and_unresolved_outcomes() {
     let retry = policy.authorize(authorize(&bare, "m3", "email.send", args)).await.expect("decide").into_inner();
     assert_eq!(retry.decision.expect("decision").outcome(), pb::Outcome::Allow);
 }
+
+/// Malformed arguments get INVALID_ARGUMENT naming the field, and the refusal is recorded as
+/// a deny; an identity that names no valid call is refused without a record.
+#[tokio::test]
+async fn malformed_requests_are_refused_and_recorded_as_denies() {
+    let mesh = mesh_with(Backend::Sqlite, MeshOptions { executors: 0, ..MeshOptions::default() }).await;
+    let run = bare_run(&mesh, "acme").await;
+    let mut bad = authorize(&run, "s1", "echo", json!({}));
+    bad.args_json = "{not json".into();
+    let e = mesh.policy().authorize(bad).await.expect_err("malformed");
+    assert_field_violation(&e, "args_json");
+    let mut oversize = authorize(&run, "s2", "echo", json!({}));
+    oversize.args_json = json!({"x": "y".repeat(2 << 20)}).to_string();
+    assert_field_violation(&mesh.policy().authorize(oversize).await.expect_err("oversize"), "args_json");
+    let mut no_key = authorize(&run, "s3", "echo", json!({}));
+    no_key.idempotency_key = String::new();
+    assert_field_violation(&mesh.policy().authorize(no_key).await.expect_err("K04"), "idempotency_key");
+    let evs = events(&mut mesh.ledger(), "acme", &run).await;
+    let denies: Vec<Value> = evs.iter().filter(|e| e.event_type == "policy_decision").map(payload).collect();
+    assert_eq!(denies.len(), 2, "the two malformed calls are recorded; the keyless one names no call");
+    assert!(denies.iter().all(|d| d["outcome"] == json!("deny") && d["rule_id"] == json!("malformed_request")));
+}

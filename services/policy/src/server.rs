@@ -63,6 +63,12 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     if r.attempt == 0 {
         return Err(invalid_field("attempt", "attempts count from 1"));
     }
+    check_args(r)
+}
+
+/// The arguments of a request whose identity is valid: a refusal here is also recorded
+/// as a deny (`malformed_request`), since the call it names is real.
+fn check_args(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     if r.args_json.len() > MAX_ARGS_BYTES {
         return Err(invalid_field(
             "args_json",
@@ -155,6 +161,53 @@ impl PolicyService {
                 }
                 Err(e) => tracing::warn!(error = %e, "policy reload failed"),
             }
+        }
+    }
+
+    /// Records a deny for a request that names a valid call but carries malformed arguments
+    /// (the caller still gets INVALID_ARGUMENT). Identity errors are not recordable: no run.
+    async fn record_malformed(&self, r: &pb::AuthorizeRequest, status: &Status) {
+        let ids_ok = check_id(&r.tenant).is_ok()
+            && check_id(&r.run_id).is_ok()
+            && check_step_id(&r.step_id).is_ok()
+            && check_tool_name(&r.tool).is_ok()
+            && check_id(&r.idempotency_key).is_ok()
+            && r.attempt > 0;
+        if !ids_ok {
+            return;
+        }
+        let digest = warden_core::sha256_hex(r.args_json.as_bytes());
+        let call = CallIdentity {
+            tenant: &r.tenant,
+            run_id: &r.run_id,
+            step_id: &r.step_id,
+            attempt: r.attempt,
+            tool: &r.tool,
+            args_sha256: &digest,
+            idempotency_key: &r.idempotency_key,
+        };
+        let id = warden_core::auth::decision_id(&call, "|malformed");
+        let payload = json!({
+            "decision_id": id, "attempt": r.attempt, "tool": r.tool, "args_sha256": digest,
+            "fingerprint": format!("{}@{}", r.tool, &digest[..16]), "capability_id": "",
+            "idempotency_key": r.idempotency_key, "outcome": "deny", "rule_id": "malformed_request",
+            "reason": status.message(),
+        });
+        let recorded = self
+            .ledger
+            .clone()
+            .append_event(pb::AppendEventRequest {
+                tenant: r.tenant.clone(),
+                run_id: r.run_id.clone(),
+                epoch: r.epoch,
+                idempotency_key: events::decision_key(&id),
+                event_type: events::POLICY_DECISION.into(),
+                payload_json: payload.to_string(),
+                step_id: r.step_id.clone(),
+            })
+            .await;
+        if let Err(e) = recorded {
+            tracing::warn!(run_id = %r.run_id, error = %e, "malformed request not recorded");
         }
     }
 
@@ -283,7 +336,13 @@ impl pb::policy_server::Policy for PolicyService {
     async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
-        let mut checked = validate(&r)?;
+        let mut checked = match validate(&r) {
+            Ok(c) => c,
+            Err(status) => {
+                self.record_malformed(&r, &status).await;
+                return Err(status);
+            }
+        };
         let rule = self.evaluate(&r, &mut checked).await?;
         // Artana's order: semantic idempotency → limits/rate → approval gates → invariants.
         let rule = crate::semantic::check(self, &r, &checked.args, &decision_id(&r, &checked), rule).await?;
