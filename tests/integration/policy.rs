@@ -446,3 +446,31 @@ async fn malformed_requests_are_refused_and_recorded_as_denies() {
     assert_eq!(denies.len(), 2, "the two malformed calls are recorded; the keyless one names no call");
     assert!(denies.iter().all(|d| d["outcome"] == json!("deny") && d["rule_id"] == json!("malformed_request")));
 }
+
+/// A decision stage that fails (here its table is gone) is a recorded deny with its own
+/// rule id, never an allow.
+#[tokio::test]
+async fn a_failing_policy_stage_is_a_recorded_deny() {
+    let opts = MeshOptions {
+        executors: 0,
+        approval_rules: vec![("acme".into(), vec!["email.send".into()], vec![])],
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = bare_run(&mesh, "acme").await;
+    sqlx::any::install_default_drivers();
+    let url = format!("sqlite://{}?mode=rw", mesh.dir.path().join("policy.db").display());
+    let db = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(&url).await.expect("policy db");
+    sqlx::query("DROP TABLE approvals").execute(&db).await.expect("break the approval stage");
+    let d = mesh
+        .policy()
+        .authorize(authorize(&run, "m1", "email.send", json!({"to": "a@example.com", "subject": "s", "body": "b"})))
+        .await
+        .expect("a decision, not an error")
+        .into_inner();
+    let decision = d.decision.expect("decision");
+    assert_eq!((decision.outcome(), decision.rule_id.as_str()), (pb::Outcome::Deny, "policy_error"));
+    assert!(d.authorization.is_none());
+    let evs = events(&mut mesh.ledger(), "acme", &run).await;
+    assert!(evs.iter().any(|e| e.event_type == "policy_decision" && payload(e)["rule_id"] == json!("policy_error")));
+}

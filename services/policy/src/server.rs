@@ -164,6 +164,16 @@ impl PolicyService {
         }
     }
 
+    /// The decision stages in Artana's order: the base rule (Cedar or allowlist, capabilities,
+    /// commitments), semantic idempotency, limits and rate, approval gates, invariants.
+    async fn stages(&self, r: &pb::AuthorizeRequest, checked: &mut Checked) -> Result<rules::RuleDecision, Status> {
+        let rule = self.evaluate(r, checked).await?;
+        let rule = crate::semantic::check(self, r, &checked.args, &decision_id(r, checked), rule).await?;
+        let rule = crate::budgets::limits(self, r, rule).await?;
+        let rule = crate::approvals::gate(self, r, checked, rule).await?;
+        Ok(crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule))
+    }
+
     /// Records a deny for a request that names a valid call but carries malformed arguments
     /// (the caller still gets INVALID_ARGUMENT). Identity errors are not recordable: no run.
     async fn record_malformed(&self, r: &pb::AuthorizeRequest, status: &Status) {
@@ -343,12 +353,20 @@ impl pb::policy_server::Policy for PolicyService {
                 return Err(status);
             }
         };
-        let rule = self.evaluate(&r, &mut checked).await?;
-        // Artana's order: semantic idempotency → limits/rate → approval gates → invariants.
-        let rule = crate::semantic::check(self, &r, &checked.args, &decision_id(&r, &checked), rule).await?;
-        let rule = crate::budgets::limits(self, &r, rule).await?;
-        let rule = crate::approvals::gate(self, &r, &mut checked, rule).await?;
-        let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule);
+        // A stage that fails (its store unreachable, say) is a deny with its own rule id —
+        // recorded like any other decision — never an allow.
+        let rule = match self.stages(&r, &mut checked).await {
+            Ok(rule) => rule,
+            Err(e) => {
+                tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, error = %e, "policy stage failed; denying");
+                checked.gate = "|policy_error".into();
+                rules::RuleDecision {
+                    verdict: Verdict::Deny,
+                    rule_id: "policy_error".into(),
+                    reason: format!("policy evaluation failed ({:?}): {}", e.code(), e.message()),
+                }
+            }
+        };
         let id = decision_id(&r, &checked);
         let payload = json!({
             "decision_id": id,
