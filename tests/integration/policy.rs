@@ -474,3 +474,36 @@ async fn a_failing_policy_stage_is_a_recorded_deny() {
     let evs = events(&mut mesh.ledger(), "acme", &run).await;
     assert!(evs.iter().any(|e| e.event_type == "policy_decision" && payload(e)["rule_id"] == json!("policy_error")));
 }
+
+/// The intent-plan stage: configured tools need a recorded intent plan for the run; a call
+/// carrying more than `max_cost_per_call` is denied.
+#[tokio::test]
+async fn intent_plans_and_per_call_cost_limits() {
+    let opts = MeshOptions {
+        executors: 0,
+        policy_extra: "intent_required_tools = [\"kv.put\"]".into(),
+        tenant_extra: vec![("acme".into(), "max_cost_per_call = 100.0".into())],
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = bare_run(&mesh, "acme").await;
+    let rule = |d: pb::AuthorizeResponse| d.decision.expect("decision").rule_id;
+    let mut policy = mesh.policy();
+    let put = |step: &str| authorize(&run, step, "kv.put", json!({"key": "k", "value": 1}));
+    assert_eq!(rule(policy.authorize(put("p1")).await.expect("decide").into_inner()), "missing_intent_plan");
+    mesh.ledger()
+        .put_summary(pb::PutSummaryRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            epoch: 0,
+            idempotency_key: "intent-1".into(),
+            summary_type: "policy::intent_plan".into(),
+            payload_json: r#"{"intent": "store one key"}"#.into(),
+            step_id: String::new(),
+        })
+        .await
+        .expect("record the intent plan");
+    assert_eq!(rule(policy.authorize(put("p2")).await.expect("decide").into_inner()), "tenant_allowlist");
+    let pricey = authorize(&run, "e1", "echo", json!({"amount_usd": 250}));
+    assert_eq!(rule(policy.authorize(pricey).await.expect("decide").into_inner()), "call_cost_limit");
+}

@@ -102,6 +102,8 @@ pub struct TenantPolicy {
     /// Calls per minute across the tenant's runs (0 = unlimited), counted in Redis so every
     /// policy replica shares the window.
     pub rate_limit_per_minute: u64,
+    /// Largest `amount_usd` one call may carry (0 = unlimited).
+    pub max_cost_per_call: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -137,6 +139,10 @@ pub struct PolicyConfig {
     /// `semantic_duplicate`; one whose earlier call has no known outcome is
     /// `semantic_requires_reconciliation`.
     pub semantic_keys: Vec<SemanticKeyConfig>,
+    /// Tools whose calls need a recorded intent plan (a `policy::intent_plan` run summary)
+    /// no older than `intent_max_age_secs` (0 = any age): `missing_intent_plan` otherwise.
+    pub intent_required_tools: Vec<String>,
+    pub intent_max_age_secs: u64,
     pub mode: PolicyMode,
     pub authorization_ttl_ms: u64,
     pub tenants: BTreeMap<String, TenantPolicy>,
@@ -158,6 +164,8 @@ impl Default for PolicyConfig {
             invariants: Vec::new(),
             redis_url: String::new(),
             semantic_keys: Vec::new(),
+            intent_required_tools: Vec::new(),
+            intent_max_age_secs: 0,
             mode: PolicyMode::Enforced,
             authorization_ttl_ms: 60_000,
             tenants: BTreeMap::new(),

@@ -30,6 +30,8 @@ pub struct MeshOptions {
     pub executors: usize,
     /// Extra TOML lines for the `[policy]` section (keys, then `[[policy.…]]` tables).
     pub policy_extra: String,
+    /// `(tenant, extra TOML lines for its [policy.tenants.<tenant>] section)`.
+    pub tenant_extra: Vec<(String, String)>,
     /// `(tenant, calls per minute)`.
     pub rate_rules: Vec<(String, u64)>,
     /// `(tenant, max calls per run, max cost per run)`.
@@ -64,6 +66,7 @@ impl Default for MeshOptions {
             approval_rules: Vec::new(),
             budget_rules: Vec::new(),
             rate_rules: Vec::new(),
+            tenant_extra: Vec::new(),
             policy_extra: String::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
@@ -247,6 +250,10 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         }
         if let Some((_, per_minute)) = opts.rate_rules.iter().find(|(t, _)| t == tenant) {
             s.push_str(&format!("rate_limit_per_minute = {per_minute}\n"));
+        }
+        for (_, lines) in opts.tenant_extra.iter().filter(|(t, _)| t == tenant) {
+            s.push_str(lines);
+            s.push('\n');
         }
         s.push('\n');
     }

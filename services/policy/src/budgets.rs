@@ -16,6 +16,19 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
         return Ok(rule);
     }
     let Some(t) = svc.config().tenants.get(&r.tenant).cloned() else { return Ok(rule) };
+    if t.max_cost_per_call > 0.0 {
+        let amount = serde_json::from_str::<serde_json::Value>(&r.args_json)
+            .ok()
+            .and_then(|a| a.get("amount_usd").and_then(serde_json::Value::as_f64))
+            .unwrap_or(0.0);
+        if amount > t.max_cost_per_call {
+            return Ok(RuleDecision {
+                verdict: Verdict::Deny,
+                rule_id: "call_cost_limit".into(),
+                reason: format!("amount_usd {amount} is over the {} allowed per call", t.max_cost_per_call),
+            });
+        }
+    }
     // No limits configured: nothing to read on the hot path.
     if !has_limits(&t) {
         return Ok(rule);

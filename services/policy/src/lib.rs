@@ -7,6 +7,7 @@ pub mod approvals;
 pub mod budgets;
 pub mod caps;
 pub mod cedar;
+pub mod intent;
 pub mod invariants;
 pub mod rate;
 pub mod rules;

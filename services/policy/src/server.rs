@@ -165,9 +165,11 @@ impl PolicyService {
     }
 
     /// The decision stages in Artana's order: the base rule (Cedar or allowlist, capabilities,
-    /// commitments), semantic idempotency, limits and rate, approval gates, invariants.
+    /// commitments), intent plan, semantic idempotency, limits and rate, approval gates,
+    /// invariants.
     async fn stages(&self, r: &pb::AuthorizeRequest, checked: &mut Checked) -> Result<rules::RuleDecision, Status> {
         let rule = self.evaluate(r, checked).await?;
+        let rule = crate::intent::check(self, r, rule).await?;
         let rule = crate::semantic::check(self, r, &checked.args, &decision_id(r, checked), rule).await?;
         let rule = crate::budgets::limits(self, r, rule).await?;
         let rule = crate::approvals::gate(self, r, checked, rule).await?;
