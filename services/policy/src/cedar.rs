@@ -13,7 +13,8 @@ use std::path::Path;
 use std::str::FromStr;
 
 use cedar_policy::{
-    Authorizer, Context, Decision, Entities, EntityUid, PolicyId, PolicySet, Request, Schema, ValidationMode, Validator,
+    Authorizer, Context, Decision, Entities, EntityId, EntityTypeName, EntityUid, PolicyId, PolicySet, Request, Schema,
+    ValidationMode, Validator,
 };
 use miette::Diagnostic;
 use serde_json::Value;
@@ -35,6 +36,12 @@ pub struct LoadError {
 pub struct CedarPolicies {
     set: PolicySet,
     schema: Schema,
+    /// Entity type names parsed once.
+    types: [EntityTypeName; 3],
+    /// Per action: only the policies that can apply to it (`action == …` for another action
+    /// cannot), so a decision evaluates a handful of policies, not the whole set.
+    per_action: HashMap<String, PolicySet>,
+    authorizer: Authorizer,
     /// Digest of the files it was loaded from (to notice changes).
     pub digest: String,
     pub count: usize,
@@ -128,21 +135,34 @@ pub fn load_dir(dir: &Path) -> Result<CedarPolicies, Vec<LoadError>> {
         return Err(invalid);
     }
     let count = set.policies().count();
-    Ok(CedarPolicies { set, schema, digest, count })
-}
-
-fn uid(kind: &str, id: &str) -> Result<EntityUid, String> {
-    EntityUid::from_str(&format!("{kind}::{}", Value::String(id.to_string()))).map_err(|e| e.to_string())
+    let parse = |t: &str| {
+        EntityTypeName::from_str(t).map_err(|e| vec![LoadError { file: String::new(), line: 0, reason: e.to_string() }])
+    };
+    let types = [parse("Tenant")?, parse("Action")?, parse("Tool")?];
+    let mut per_action: HashMap<String, PolicySet> = HashMap::new();
+    for action in schema.actions() {
+        let mut subset = PolicySet::new();
+        for p in set.policies() {
+            let applies = match p.action_constraint() {
+                cedar_policy::ActionConstraint::Eq(a) => &a == action,
+                // `in` may name action groups: keep the policy (correct, just not pruned).
+                cedar_policy::ActionConstraint::Any | cedar_policy::ActionConstraint::In(_) => true,
+            };
+            if applies {
+                let _ = subset.add(p.clone());
+            }
+        }
+        per_action.insert(action.id().unescaped().to_string(), subset);
+    }
+    Ok(CedarPolicies { set, schema, types, per_action, authorizer: Authorizer::new(), digest, count })
 }
 
 impl CedarPolicies {
     /// The decision for `tenant` calling `tool` with `args` (forbid wins; no permit denies).
     pub fn decide(&self, tenant: &str, tool: &str, args: &Value) -> RuleDecision {
         let deny = |rule: &str, reason: String| RuleDecision { verdict: Verdict::Deny, rule_id: rule.into(), reason };
-        let (principal, action, resource) = match (uid("Tenant", tenant), uid("Action", tool), uid("Tool", tool)) {
-            (Ok(p), Ok(a), Ok(r)) => (p, a, r),
-            _ => return deny("cedar_request", format!("tenant '{tenant}' or tool '{tool}' cannot be named in Cedar")),
-        };
+        let uid = |i: usize, id: &str| EntityUid::from_type_name_and_id(self.types[i].clone(), EntityId::new(id));
+        let (principal, action, resource) = (uid(0, tenant), uid(1, tool), uid(2, tool));
         let context = match Context::from_json_value(args.clone(), Some((&self.schema, &action))) {
             Ok(c) => c,
             Err(e) => return deny("cedar_context", format!("arguments do not fit the schema of '{tool}': {e}")),
@@ -153,7 +173,8 @@ impl CedarPolicies {
                 return deny("cedar_request", format!("'{tool}' is not an action the schema allows for tenants: {e}"));
             }
         };
-        let response = Authorizer::new().is_authorized(&request, &self.set, &Entities::empty());
+        let policies = self.per_action.get(tool).unwrap_or(&self.set);
+        let response = self.authorizer.is_authorized(&request, policies, &Entities::empty());
         let by: Vec<String> = response.diagnostics().reason().map(|id| id.to_string()).collect();
         let errors: Vec<String> = response.diagnostics().errors().map(|e| e.to_string()).collect();
         match response.decision() {
