@@ -507,3 +507,41 @@ async fn intent_plans_and_per_call_cost_limits() {
     let pricey = authorize(&run, "e1", "echo", json!({"amount_usd": 250}));
     assert_eq!(rule(policy.authorize(pricey).await.expect("decide").into_inner()), "call_cost_limit");
 }
+
+/// A capability grants what the base rules do not permit, but never what a Cedar policy
+/// forbids.
+#[tokio::test]
+async fn a_cedar_forbid_wins_over_a_capability() {
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::write(dir.path().join("schema.cedarschema"), SCHEMA).expect("schema");
+    std::fs::write(dir.path().join("main.cedar"), POLICIES).expect("policies");
+    let opts = MeshOptions { executors: 0, policy_dir: dir.path().display().to_string(), ..MeshOptions::default() };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = bare_run(&mesh, "globex").await;
+    let mut caps = warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel());
+    let cap = caps
+        .issue(pb::IssueCapabilityRequest {
+            tenant: "globex".into(),
+            tool_patterns: vec!["email.send".into()],
+            ttl_seconds: 600,
+            ..Default::default()
+        })
+        .await
+        .expect("issue")
+        .into_inner();
+    let ask = |step: &str, to: &str| {
+        let mut req = authorize(&run, step, "email.send", json!({"to": to, "subject": "s", "body": "b"}));
+        req.tenant = "globex".into();
+        req.capability_handle = cap.handle.clone();
+        req
+    };
+    let rule = |d: pb::AuthorizeResponse| d.decision.expect("decision").rule_id;
+    let mut policy = mesh.policy();
+    // globex has no Cedar permit: the capability grants the call…
+    assert_eq!(rule(policy.authorize(ask("m1", "ops@example.com")).await.expect("decide").into_inner()), "capability");
+    // …but not past an explicit forbid.
+    assert_eq!(
+        rule(policy.authorize(ask("m2", "leak@evil.test")).await.expect("decide").into_inner()),
+        "cedar:mail-stays-inside"
+    );
+}

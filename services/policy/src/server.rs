@@ -164,6 +164,13 @@ impl PolicyService {
         }
     }
 
+    /// An explicit Cedar `forbid` for this call. A capability grants what the base rules do
+    /// not permit, but never what a policy forbids (Cedar's own rule: forbid wins).
+    fn cedar_forbids(&self, r: &pb::AuthorizeRequest, args: &Value) -> Option<rules::RuleDecision> {
+        let d = self.cedar()?.decide(&r.tenant, &r.tool, args);
+        (d.verdict == Verdict::Deny && d.rule_id.starts_with("cedar:")).then_some(d)
+    }
+
     /// The decision stages in Artana's order: the base rule (Cedar or allowlist, capabilities,
     /// commitments), intent plan, semantic idempotency, limits and rate, approval gates,
     /// invariants.
@@ -261,6 +268,9 @@ impl PolicyService {
             // what the rules do not, and it is what a consequential tool needs.
             let bound = self.store.bound_to_run(&r.tenant, &r.run_id, now_ms()).await?;
             if let Some(cap) = bound.into_iter().find(|cap| crate::caps::grants(cap, &r.tool, &c.args).is_ok()) {
+                if let Some(forbidden) = self.cedar_forbids(r, &c.args) {
+                    return Ok(forbidden);
+                }
                 c.capability_id = cap.capability_id.clone();
                 return Ok(rules::RuleDecision {
                     verdict: Verdict::Allow,
@@ -313,6 +323,9 @@ impl PolicyService {
                 "capability_scope",
                 format!("capability {} does not cover this call: {why}", cap.capability_id),
             ));
+        }
+        if let Some(forbidden) = self.cedar_forbids(r, &c.args) {
+            return Ok(forbidden);
         }
         Ok(rules::RuleDecision {
             verdict: Verdict::Allow,
