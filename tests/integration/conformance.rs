@@ -360,18 +360,7 @@ async fn k14_capabilities(backend: Backend) {
     let acmes = caps.issue(issue("acme", &["payments.*"], &[], 3600)).await.expect("issue").into_inner();
 
     let mut ledger = mesh.ledger();
-    let run = ledger
-        .create_run(pb::CreateRunRequest {
-            tenant: "globex".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run = empty_run(&mut ledger, "globex").await;
     let policy = mesh.policy();
     let mut n = 0;
     let mut ask = |handle: &str, tool: &str, resource: &str| {

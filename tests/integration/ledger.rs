@@ -14,18 +14,7 @@ struct Fixture {
 async fn fixture(backend: Backend) -> Fixture {
     let mesh = services_on(backend).await;
     let mut ledger = mesh.ledger();
-    let run_id = ledger
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("create run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run_id = empty_run(&mut ledger, "acme").await;
     Fixture { mesh, ledger, run_id }
 }
 
@@ -229,31 +218,29 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     .await
     .expect("mesh");
     let mut ledger = mesh.ledger();
-    let run_id = ledger
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("create")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run_id = empty_run(&mut ledger, "acme").await;
     const WRITERS: usize = 4;
-    const EACH: usize = 120;
+    // Each writer goes on until PostgreSQL has restarted and then this many appends more, so
+    // the stream spans the restart by construction (no pacing by the clock).
+    const AFTER_RESTART: usize = 20;
     let unavailable = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let restarted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut tasks = Vec::new();
     for w in 0..WRITERS {
-        let (mut l, r, seen) = (mesh.ledger(), run_id.clone(), unavailable.clone());
+        let (mut l, r, seen, done) = (mesh.ledger(), run_id.clone(), unavailable.clone(), restarted.clone());
         tasks.push(tokio::spawn(async move {
-            for i in 0..EACH {
+            let mut after = 0;
+            let mut i = 0;
+            while after < AFTER_RESTART {
+                if done.load(std::sync::atomic::Ordering::Acquire) {
+                    after += 1;
+                }
                 let req = note(&r, &format!("w{w}-e{i}"));
                 // Retry with the same key until the ledger answers; bounded so a broken
                 // ledger fails the test instead of hanging it.
                 let mut tries = 0;
                 loop {
+                    // A client's retry backoff (not a wait for a condition).
                     match l.append_event(req.clone()).await {
                         Ok(_) => break,
                         Err(s) if s.code() == tonic::Code::Unavailable && tries < 600 => {
@@ -264,9 +251,9 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
                         Err(s) => panic!("append {w}/{i} failed: {s:?}"),
                     }
                 }
-                // Paced, so the stream spans the restart.
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                i += 1;
             }
+            i
         }));
     }
     // Restart once the stream is under way.
@@ -282,18 +269,20 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     assert!(started.is_some(), "appends under way");
     let restarter = pg.clone();
     tokio::task::spawn_blocking(move || restarter.restart()).await.expect("join").expect("restart postgres");
+    restarted.store(true, std::sync::atomic::Ordering::Release);
     let at_restart = {
         let mut p = probe.clone();
         let run =
             p.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() }).await.expect("run");
         run.into_inner().last_seq
     };
-    assert!(at_restart < (1 + WRITERS * EACH) as u64, "the restart happened mid-stream");
+    let mut written = 0;
     for t in tasks {
-        t.await.expect("writer");
+        written += t.await.expect("writer");
     }
+    assert!(at_restart < (1 + written) as u64, "the restart happened mid-stream");
     let evs = events(&mut probe, "acme", &run_id).await;
-    assert_eq!(evs.len(), 1 + WRITERS * EACH, "no event lost, none doubled");
+    assert_eq!(evs.len(), 1 + written, "no event lost, none doubled");
     for (i, e) in evs.iter().enumerate() {
         assert_eq!(e.seq, i as u64 + 1, "no gap");
     }

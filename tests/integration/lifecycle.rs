@@ -117,18 +117,7 @@ async fn transactions(backend: Backend) {
     opts.tenants[0].1.push("commit_tx".into());
     let mesh = mesh_with(backend, opts).await;
     let mut l = mesh.ledger();
-    let run = l
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run = empty_run(&mut l, "acme").await;
     // A commit needs an allow for exactly it: tool `commit_tx`, arguments {"tx_id": …}.
     let authorize_commit = |tx: &'static str| {
         let (mut p, run) = (mesh.policy(), run.clone());

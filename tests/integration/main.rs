@@ -57,18 +57,20 @@ pub async fn services_on(backend: Backend) -> Mesh {
 
 /// A run created straight in the ledger, for tests that talk to policy and tools directly.
 pub async fn bare_run(mesh: &warden_testkit::Mesh, tenant: &str) -> String {
-    mesh.ledger()
+    empty_run(&mut mesh.ledger(), tenant).await
+}
+
+/// A run with an empty plan, created through `ledger`.
+pub async fn empty_run(ledger: &mut LedgerClient<Ch>, tenant: &str) -> String {
+    let created = ledger
         .create_run(pb::CreateRunRequest {
             tenant: tenant.into(),
             plan_json: r#"{"steps":[]}"#.into(),
             ..Default::default()
         })
         .await
-        .expect("create run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id
+        .expect("create run");
+    created.into_inner().run.expect("run").run_id
 }
 
 pub const HELLO: &str = include_str!("../../examples/hello.plan.json");

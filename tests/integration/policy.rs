@@ -387,18 +387,7 @@ async fn semantic_keys_block_duplicates_and_unresolved_outcomes() {
 
     // An allowed call whose outcome is not known yet blocks the same key elsewhere.
     let mut ledger = mesh.ledger();
-    let bare = ledger
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let bare = empty_run(&mut ledger, "acme").await;
     let args = json!({"to": "cfo@example.com", "subject": "q3", "body": "b"});
     let mut policy = mesh.policy();
     let held = policy.authorize(authorize(&bare, "m1", "email.send", args.clone())).await.expect("decide").into_inner();

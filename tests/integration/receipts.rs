@@ -71,18 +71,7 @@ async fn k02_every_call_outcome_has_exactly_one_receipt_on_postgres() {
 async fn k02_a_second_outcome_for_a_call_is_refused() {
     let mesh2 = services_on(Backend::Sqlite).await;
     let mut ledger = mesh2.ledger();
-    let run = ledger
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run = empty_run(&mut ledger, "acme").await;
     let first = pb::AppendEventRequest {
         tenant: "acme".into(),
         run_id: run.clone(),
@@ -103,18 +92,7 @@ async fn k02_a_second_outcome_for_a_call_is_refused() {
 async fn k01_a_forged_decision_record_never_yields_a_signed_authorization() {
     let mesh = services_on(Backend::Sqlite).await;
     let mut ledger = mesh.ledger();
-    let run = ledger
-        .create_run(pb::CreateRunRequest {
-            tenant: "acme".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("run")
-        .into_inner()
-        .run
-        .expect("run")
-        .run_id;
+    let run = empty_run(&mut ledger, "acme").await;
     let args = json!({"cmd": "rm -rf /"});
     let key = format!("{run}:s1:1");
     let digest = args_digest(&args);
