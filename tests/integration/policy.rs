@@ -258,6 +258,49 @@ domains = ["example.com"]
     assert_eq!(decide(bad), (pb::Outcome::Deny, "email_domain_allowlist".to_string()));
 }
 
+/// Seed 002's code invariants: `ast_validation_passed` refuses source that does not parse as
+/// Python 3, `linter_passed` refuses code that breaks a selected lint rule; each deny names the
+/// line and rule and is recorded in the ledger like every other decision.
+#[tokio::test]
+async fn python_invariants_refuse_code_that_does_not_parse_or_lint() {
+    let opts = MeshOptions {
+        executors: 0,
+        policy_extra: r#"[[policy.invariants]]
+kind = "ast_validation_passed"
+tool = "echo"
+field = "code"
+[[policy.invariants]]
+kind = "linter_passed"
+tool = "echo"
+field = "code"
+select = ["E722", "S307", "T100"]
+"#
+        .into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = bare_run(&mesh, "acme").await;
+    let mut policy = mesh.policy();
+    let long = format!("x = '{}'\n", "a".repeat(200));
+    let cases = [
+        ("ok", "def area(r):\n    return 3.14159 * r ** 2\n", pb::Outcome::Allow, "tenant_allowlist", ""),
+        ("py2", "x = 1\nprint 'hello'\n", pb::Outcome::Deny, "ast_validation_passed", "line 2: E999"),
+        ("eval", "def f(s):\n    return eval(s)\n", pb::Outcome::Deny, "linter_passed", "line 2: S307"),
+        ("long", long.as_str(), pb::Outcome::Allow, "tenant_allowlist", ""),
+    ];
+    for (step, code, outcome, rule, reason) in cases {
+        let d = policy.authorize(authorize(&run, step, "echo", json!({"code": code}))).await.expect("decide");
+        let d = d.into_inner().decision.expect("decision");
+        assert_eq!((d.outcome(), d.rule_id.as_str()), (outcome, rule), "{step}: {}", d.reason);
+        assert!(d.reason.contains(reason), "{step}: {}", d.reason);
+    }
+    let evs = events(&mut mesh.ledger(), "acme", &run).await;
+    let recorded: Vec<Value> = evs.iter().filter(|e| e.event_type == "policy_decision").map(payload).collect();
+    let rules: Vec<&str> = recorded.iter().filter_map(|p| p["rule_id"].as_str()).collect();
+    assert_eq!(rules, ["tenant_allowlist", "ast_validation_passed", "linter_passed", "tenant_allowlist"]);
+    assert!(recorded[2]["reason"].as_str().is_some_and(|r| r.contains("S307")), "{}", recorded[2]);
+}
+
 /// Rotation: after the policy signs with a new key, the previous key stays published (not
 /// current), so an authorization it signed still verifies at the tool host until it expires.
 #[tokio::test]

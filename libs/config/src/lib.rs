@@ -194,6 +194,22 @@ pub enum InvariantConfig {
     RecipientMustBeVerified { tool: String, field: String, verified: Vec<String> },
     /// `args[field] <op> value`, op one of eq, ne, lt, lte, gt, gte, in.
     CustomJsonRule { tool: String, field: String, op: String, value: serde_json::Value },
+    /// `args[field]` must be Python 3 source that parses (CPython's `ast` grammar).
+    AstValidationPassed { tool: String, field: String },
+    /// `args[field]` must parse and pass the deterministic lint rules in `select` (codes such
+    /// as `E722`, `S307`; empty = every rule), lines at most `max_line_length` characters.
+    LinterPassed {
+        tool: String,
+        field: String,
+        #[serde(default)]
+        select: Vec<String>,
+        #[serde(default = "default_max_line_length")]
+        max_line_length: usize,
+    },
+}
+
+fn default_max_line_length() -> usize {
+    120
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -9,6 +9,7 @@ pub mod caps;
 pub mod cedar;
 pub mod intent;
 pub mod invariants;
+pub mod python;
 pub mod rate;
 pub mod rules;
 pub mod semantic;
@@ -28,6 +29,7 @@ pub use server::PolicyService;
 
 /// Builds the service from configuration (loading or creating the signing key).
 pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
+    invariants::validate(&config.invariants).map_err(anyhow::Error::msg)?;
     let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))?;
     let ledger = warden_grpc::channel(&config.ledger_endpoint)?;
     let previous = config

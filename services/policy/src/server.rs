@@ -180,7 +180,7 @@ impl PolicyService {
         let rule = crate::semantic::check(self, r, &checked.args, &decision_id(r, checked), rule).await?;
         let rule = crate::budgets::limits(self, r, rule).await?;
         let rule = crate::approvals::gate(self, r, checked, rule).await?;
-        Ok(crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule))
+        Ok(crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await)
     }
 
     /// Records a deny for a request that names a valid call but carries malformed arguments
@@ -493,7 +493,7 @@ impl pb::policy_server::Policy for PolicyService {
         let r = req.into_inner();
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
-        let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule);
+        let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await;
         Ok(Response::new(self.decision(&r, &checked, 0, &rule)))
     }
 }
