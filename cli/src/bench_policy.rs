@@ -101,7 +101,7 @@ async fn decisions(
     for i in 0..n {
         let tool = format!("tool{}", i % TOOLS);
         let t = Instant::now();
-        let d = invariants::check(invs, &tool, args, cedar.decide("acme", &tool, args)).await;
+        let d = invariants::check(invs, &tool, args, cedar.decide("acme", "", &tool, args)).await;
         std::hint::black_box(d);
         h.record(t.elapsed().as_nanos() as u64)?;
     }
@@ -180,6 +180,7 @@ pub async fn run() -> anyhow::Result<()> {
         capability_handle: String::new(),
         idempotency_key: format!("{run_id}:s{i}:1"),
         epoch: 0,
+        agent: String::new(),
     };
     let mut h = Histogram::<u64>::new(3)?;
     let mut p = policy.clone();

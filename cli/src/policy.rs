@@ -16,7 +16,7 @@ pub enum PolicyCommand {
     /// Validate a Cedar policy directory (schema.cedarschema + *.cedar): `valid` (exit 0) or
     /// one `file:line: reason` per problem (exit 1).
     Validate { dir: PathBuf },
-    /// Dry-run a request: JSON {"tool", "args", optional "tenant", "run_id", "step_id",
+    /// Dry-run a request: JSON {"tool", "args", optional "tenant", "agent", "run_id", "step_id",
     /// "capability_handle"}; prints outcome, rule and reason.
     Check {
         #[arg(long)]
@@ -54,6 +54,7 @@ pub async fn run(target: &Target, policy_endpoint: &str, cmd: PolicyCommand) -> 
                 capability_handle: s("capability_handle", ""),
                 idempotency_key: "dry-run:check:1".into(),
                 epoch: 0,
+                agent: s("agent", ""),
             };
             let d = PolicyClient::new(warden_grpc::channel(policy_endpoint)?)
                 .check(req)

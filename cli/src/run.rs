@@ -24,6 +24,9 @@ pub enum RunCommand {
         /// Makes the submission idempotent: resubmitting returns the first run.
         #[arg(long)]
         idempotency_key: Option<String>,
+        /// The agent (within the tenant) the run acts for: the Cedar principal.
+        #[arg(long)]
+        agent: Option<String>,
     },
     /// The run's lifecycle summary and steps.
     Status {
@@ -105,7 +108,12 @@ pub fn describe(status: &tonic::Status) -> String {
     s
 }
 
-pub async fn submit(target: &Target, plan: &Path, idempotency_key: Option<String>) -> anyhow::Result<String> {
+pub async fn submit(
+    target: &Target,
+    plan: &Path,
+    idempotency_key: Option<String>,
+    agent: Option<String>,
+) -> anyhow::Result<String> {
     let plan_json = std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
     let resp = runs_client(&target.endpoint)
         .await?
@@ -115,6 +123,7 @@ pub async fn submit(target: &Target, plan: &Path, idempotency_key: Option<String
             goal: String::new(),
             idempotency_key: idempotency_key.unwrap_or_default(),
             cancel_policy: pb::CancelPolicy::Immediate as i32,
+            agent: agent.unwrap_or_default(),
         })
         .await
         .map_err(|s| anyhow::anyhow!("submit refused: {}", describe(&s)))?;
@@ -242,8 +251,8 @@ pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Res
 
 pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
     match cmd {
-        RunCommand::Submit { plan, wait: w, idempotency_key } => {
-            let run_id = submit(target, &plan, idempotency_key).await?;
+        RunCommand::Submit { plan, wait: w, idempotency_key, agent } => {
+            let run_id = submit(target, &plan, idempotency_key, agent).await?;
             println!("{run_id}");
             if w {
                 let run = wait(target, &run_id).await?;
@@ -286,7 +295,7 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
 
 /// What `make run` shows: submit, wait, events, status, verification.
 pub async fn demo(target: &Target, plan: &Path) -> anyhow::Result<()> {
-    let run_id = submit(target, plan, None).await?;
+    let run_id = submit(target, plan, None, None).await?;
     println!("\nsubmitted {} as run {run_id}", plan.display());
     let run = wait(target, &run_id).await?;
     println!("\nevents (seq, timestamp, type, step):");

@@ -30,6 +30,7 @@ fn authorize_request(run_id: &str, args: &Value) -> pb::AuthorizeRequest {
         capability_handle: String::new(),
         idempotency_key: format!("{run_id}:s1:1"),
         epoch: 0,
+        agent: String::new(),
     }
 }
 
@@ -375,6 +376,7 @@ async fn k14_capabilities(backend: Backend) {
             capability_handle: handle.into(),
             idempotency_key: format!("{run}:s{n}:1"),
             epoch: 0,
+            agent: String::new(),
         };
         let mut p = policy.clone();
         async move { p.authorize(req).await.expect("a decision").into_inner() }

@@ -132,6 +132,7 @@ async fn transactions(backend: Backend) {
                 capability_handle: String::new(),
                 idempotency_key: format!("{run}:commit-{tx}:1"),
                 epoch: 0,
+                agent: String::new(),
             })
             .await
             .expect("authorize")

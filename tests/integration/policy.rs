@@ -67,6 +67,7 @@ async fn cedar_policies_decide_and_reload_without_a_restart() {
             capability_handle: String::new(),
             idempotency_key: "r:s:1".into(),
             epoch: 0,
+            agent: String::new(),
         })
         .await
         .expect("check")
@@ -204,6 +205,7 @@ fn authorize(run: &str, step: &str, tool: &str, args: serde_json::Value) -> pb::
         capability_handle: String::new(),
         idempotency_key: format!("{run}:{step}:1"),
         epoch: 0,
+        agent: String::new(),
     }
 }
 
@@ -256,6 +258,84 @@ domains = ["example.com"]
     let outside = json!({"to": "leak@evil.test", "subject": "s", "body": "b"});
     let bad = policy.authorize(authorize(&run, "m3", "email.send", outside)).await.expect("decide").into_inner();
     assert_eq!(decide(bad), (pb::Outcome::Deny, "email_domain_allowlist".to_string()));
+}
+
+/// Principals are tenants and their agents. A token bound to an agent (`acme/mailer`) fixes
+/// the agent its runs act for and cannot name another; Cedar sees `Agent::"acme/mailer"`, a
+/// member of `Tenant::"acme"`, so tenant-wide and per-agent policies both apply.
+#[tokio::test]
+async fn agents_are_cedar_principals_and_an_agent_token_cannot_pose_as_another() {
+    use tonic::Code;
+    let dir = tempfile::tempdir().expect("dir");
+    let schema = r#"
+entity Tenant;
+entity Agent in [Tenant];
+entity Tool;
+action "text.upper" appliesTo { principal: [Tenant, Agent], resource: [Tool], context: { text: String } };
+action "email.send" appliesTo {
+  principal: [Tenant, Agent], resource: [Tool],
+  context: { to: String, subject: String, body: String }
+};
+"#;
+    let policies = r#"
+@id("acme-shouts")
+permit(principal in Tenant::"acme", action == Action::"text.upper", resource);
+@id("only-the-mailer-mails")
+permit(principal == Agent::"acme/mailer", action == Action::"email.send", resource);
+"#;
+    std::fs::write(dir.path().join("schema.cedarschema"), schema).expect("schema");
+    std::fs::write(dir.path().join("main.cedar"), policies).expect("policies");
+    let (ops, mailer, intern) =
+        ("ops-token-0123456789abcdef", "mailer-token-0123456789abcdef", "intern-token-0123456789abcdef");
+    let opts = MeshOptions {
+        policy_dir: dir.path().display().to_string(),
+        auth_tokens: vec![
+            (ops.into(), "*".into()),
+            (mailer.into(), "acme/mailer".into()),
+            (intern.into(), "acme/intern".into()),
+        ],
+        service_token: ops.into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let submit_as = |token: &'static str, agent: &str| {
+        let req = pb::SubmitRunRequest {
+            tenant: "acme".into(),
+            plan_json: mail("ops@example.com"),
+            agent: agent.into(),
+            ..Default::default()
+        };
+        let mut runs = mesh.runs_as(token);
+        async move { runs.submit_run(req).await.map(|r| r.into_inner().run_id) }
+    };
+
+    let by_mailer = submit_as(mailer, "").await.expect("the mailer submits");
+    let run = settled(&mesh, "acme", &by_mailer).await;
+    assert_eq!((run.status(), run.agent.as_str()), (pb::RunStatus::Completed, "mailer"), "{}", run.reason);
+    let evs = events(&mut mesh.ledger(), "acme", &by_mailer).await;
+    let recorded: Vec<Value> = evs.iter().filter(|e| e.event_type == "policy_decision").map(payload).collect();
+    assert!(recorded.iter().all(|d| d["agent"] == json!("mailer")), "{recorded:?}");
+    assert_eq!(recorded.last().map(|d| d["rule_id"].clone()), Some(json!("cedar:only-the-mailer-mails")));
+
+    let by_intern = submit_as(intern, "").await.expect("the intern submits");
+    let run = settled(&mesh, "acme", &by_intern).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed);
+    assert!(run.reason.contains("cedar_default_deny") && run.reason.contains("acme/intern"), "{}", run.reason);
+    let shout = run.steps.iter().find(|s| s.id == "shout").expect("shout");
+    assert_eq!(shout.status(), pb::StepStatus::Completed, "the tenant-wide policy covers every agent");
+
+    let posing = submit_as(intern, "mailer").await.expect_err("an agent token naming another agent");
+    assert_eq!(posing.code(), Code::PermissionDenied, "{posing:?}");
+    let mut policy = warden_proto::v1::policy_client::PolicyClient::new(mesh.policy.channel_as(intern));
+    let mut req =
+        authorize(&by_intern, "x", "email.send", json!({"to": "ops@example.com", "subject": "s", "body": "b"}));
+    req.agent = "mailer".into();
+    let e = policy.authorize(req).await.expect_err("posing at the policy service");
+    assert_eq!(e.code(), Code::PermissionDenied);
+
+    let by_ops = submit_as(ops, "mailer").await.expect("an operator names the agent");
+    assert_eq!(settled(&mesh, "acme", &by_ops).await.status(), pb::RunStatus::Completed);
+    assert_eq!(mesh.outbox().len(), 2, "the mailer's two runs mailed; the intern's did not");
 }
 
 /// Seed 002's code invariants: `ast_validation_passed` refuses source that does not parse as

@@ -39,7 +39,8 @@ pub struct WardenConfig {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AuthConfig {
-    /// Accepted bearer tokens: token → tenant name, or `*` for operators and services.
+    /// Accepted bearer tokens: token → tenant name, `tenant/agent` (that agent only), or `*`
+    /// for operators and services.
     pub tokens: BTreeMap<String, String>,
     /// The token this process presents to other services (a `*` token in a mesh).
     pub token: String,
@@ -367,8 +368,16 @@ impl WardenConfig {
             if token.len() < 16 || !token.chars().all(|c| c.is_ascii_graphic()) {
                 return Err(invalid("auth.tokens", "tokens are at least 16 printable ASCII characters"));
             }
-            if scope != "*" && !scope.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | ':' | '.')) {
-                return Err(invalid("auth.tokens", format!("scope '{scope}' is neither '*' nor a tenant id")));
+            let id = |s: &str| {
+                !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | ':' | '.'))
+            };
+            let ok = match scope.split_once('/') {
+                _ if scope == "*" => true,
+                Some((tenant, agent)) => id(tenant) && id(agent),
+                None => id(scope),
+            };
+            if !ok {
+                return Err(invalid("auth.tokens", format!("scope '{scope}' is not '*', a tenant id or tenant/agent")));
             }
         }
         for (tenant, t) in &self.policy.tenants {

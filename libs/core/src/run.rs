@@ -36,6 +36,8 @@ pub struct StepView {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunView {
     pub plan: Option<Plan>,
+    /// The agent the run acts for (empty: the tenant itself), from `run_submitted`.
+    pub agent: String,
     pub status: RunStatus,
     pub reason: String,
     pub steps: Vec<StepView>,
@@ -44,7 +46,14 @@ pub struct RunView {
 
 impl Default for RunView {
     fn default() -> Self {
-        RunView { plan: None, status: RunStatus::Pending, reason: String::new(), steps: Vec::new(), last_seq: 0 }
+        RunView {
+            plan: None,
+            agent: String::new(),
+            status: RunStatus::Pending,
+            reason: String::new(),
+            steps: Vec::new(),
+            last_seq: 0,
+        }
     }
 }
 
@@ -61,6 +70,7 @@ impl RunView {
             self.reason = str_field(payload, "reason").unwrap_or_default().to_string();
         }
         if event_type == events::RUN_SUBMITTED {
+            self.agent = str_field(payload, "agent").unwrap_or_default().to_string();
             if let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {
                 self.steps = plan
                     .steps

@@ -1,6 +1,6 @@
 //! Caller scoping. With `[auth] tokens` configured, every call to a Warden service carries
-//! `authorization: Bearer <token>`; the token maps to one tenant, or to `*` (operators and
-//! the mesh's own services). A caller scoped to a tenant can only name that tenant; reads
+//! `authorization: Bearer <token>`; the token maps to one tenant, to one agent of a tenant
+//! (`tenant/agent`), or to `*` (operators and the mesh's own services). A caller scoped to a tenant can only name that tenant; reads
 //! across tenants need `*`. With no tokens configured (the `warden dev` default) calls are
 //! not authenticated and the tenant named in each request is trusted.
 //!
@@ -66,6 +66,11 @@ pub enum Scope {
     /// Every tenant (operators, the mesh's services).
     Any,
     Tenant(String),
+    /// One agent of a tenant: acts for the tenant, and only as that agent.
+    Agent {
+        tenant: String,
+        agent: String,
+    },
 }
 
 /// The server side: token → scope. Empty = authentication off.
@@ -73,14 +78,14 @@ pub enum Scope {
 pub struct Tokens(Arc<BTreeMap<String, Scope>>);
 
 impl Tokens {
-    /// From configuration: token → tenant name or `*`.
+    /// From configuration: token → tenant name, `tenant/agent`, or `*`.
     pub fn new(tokens: &BTreeMap<String, String>) -> Tokens {
-        Tokens(Arc::new(
-            tokens
-                .iter()
-                .map(|(t, s)| (t.clone(), if s == "*" { Scope::Any } else { Scope::Tenant(s.clone()) }))
-                .collect(),
-        ))
+        let scope = |s: &String| match s.split_once('/') {
+            _ if s == "*" => Scope::Any,
+            Some((tenant, agent)) => Scope::Agent { tenant: tenant.into(), agent: agent.into() },
+            None => Scope::Tenant(s.clone()),
+        };
+        Tokens(Arc::new(tokens.iter().map(|(t, s)| (t.clone(), scope(s))).collect()))
     }
 
     pub fn enabled(&self) -> bool {
@@ -107,12 +112,27 @@ impl Interceptor for Tokens {
 
 /// Checks that the caller may act for `tenant` (empty: across tenants, operators only).
 pub fn check<T>(request: &Request<T>, tenant: &str) -> Result<(), Status> {
+    let scoped = match request.extensions().get::<Scope>() {
+        None | Some(Scope::Any) => return Ok(()),
+        Some(Scope::Tenant(t) | Scope::Agent { tenant: t, .. }) => t,
+    };
+    if tenant.is_empty() {
+        return Err(Status::permission_denied("reading across tenants needs an operator token"));
+    }
+    if scoped != tenant {
+        return Err(Status::permission_denied(format!("this token acts for tenant '{scoped}' only")));
+    }
+    Ok(())
+}
+
+/// The agent a request acts as: the one its token is bound to, else the one it names
+/// (`claimed`, possibly empty). A bound token naming another agent is PERMISSION_DENIED.
+pub fn agent<T>(request: &Request<T>, claimed: &str) -> Result<String, Status> {
     match request.extensions().get::<Scope>() {
-        None | Some(Scope::Any) => Ok(()),
-        Some(Scope::Tenant(_)) if tenant.is_empty() => {
-            Err(Status::permission_denied("reading across tenants needs an operator token"))
+        Some(Scope::Agent { agent, .. }) if claimed.is_empty() || claimed == agent => Ok(agent.clone()),
+        Some(Scope::Agent { agent, .. }) => {
+            Err(Status::permission_denied(format!("this token acts as agent '{agent}' only, not '{claimed}'")))
         }
-        Some(Scope::Tenant(t)) if t == tenant => Ok(()),
-        Some(Scope::Tenant(t)) => Err(Status::permission_denied(format!("this token acts for tenant '{t}' only"))),
+        _ => Ok(claimed.to_string()),
     }
 }

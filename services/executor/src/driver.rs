@@ -56,6 +56,8 @@ struct RunCtx {
     ex: Executor,
     run_id: String,
     tenant: String,
+    /// The agent the run acts for (from `run_submitted`; empty: the tenant itself).
+    agent: String,
     epoch: u64,
     lost: CancellationToken,
 }
@@ -174,6 +176,7 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         ex: ex.clone(),
         run_id: run_id.to_string(),
         tenant: run.tenant.clone(),
+        agent: String::new(),
         epoch: lease.epoch,
         lost: lost.clone(),
     };
@@ -240,6 +243,7 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
     if !matches!(view.status, RunStatus::Pending | RunStatus::Active) {
         return Ok(());
     }
+    let ctx = &RunCtx { agent: view.agent.clone(), ..ctx.clone() };
     let Some(plan) = view.plan.clone() else {
         return finish(
             ctx,
@@ -456,6 +460,7 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
             capability_handle: String::new(),
             idempotency_key: idempotency_key.clone(),
             epoch: ctx.epoch,
+            agent: ctx.agent.clone(),
         })
         .await;
     let authorized = match authorized {

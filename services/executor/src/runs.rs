@@ -39,10 +39,14 @@ fn step_status(s: StepStatus) -> pb::StepStatus {
 impl Runs for RunsService {
     async fn submit_run(&self, req: Request<pb::SubmitRunRequest>) -> Result<Response<pb::SubmitRunResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
             id_field("idempotency_key", &r.idempotency_key)?;
+        }
+        if !agent.is_empty() {
+            id_field("agent", &agent)?;
         }
         pb::CancelPolicy::try_from(r.cancel_policy)
             .map_err(|_| invalid_field("cancel_policy", format!("{} is not a cancel policy", r.cancel_policy)))?;
@@ -84,6 +88,7 @@ impl Runs for RunsService {
                 goal: String::new(),
                 idempotency_key: r.idempotency_key,
                 cancel_policy: r.cancel_policy,
+                agent,
             })
             .await?
             .into_inner();
@@ -136,6 +141,7 @@ impl Runs for RunsService {
             created_at_ms: run.created_at_ms,
             updated_at_ms: run.updated_at_ms,
             last_seq: run.last_seq,
+            agent: view.agent,
         }))
     }
 
@@ -169,6 +175,8 @@ impl Runs for RunsService {
                 created_at_ms: l.created_at_ms,
                 updated_at_ms: l.updated_at_ms,
                 last_seq: l.last_seq,
+                // A summary: steps and agent come from the run's events (GetRun).
+                agent: String::new(),
             })
             .collect();
         Ok(Response::new(pb::ListRunsResponse { runs, next_page_token: page.next_page_token }))

@@ -367,10 +367,14 @@ fn receipt_to_proto(r: Receipt) -> pb::Receipt {
 impl Ledger for LedgerService {
     async fn create_run(&self, req: Request<pb::CreateRunRequest>) -> Result<Response<pb::CreateRunResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
             id_field("idempotency_key", &r.idempotency_key)?;
+        }
+        if !agent.is_empty() {
+            id_field("agent", &agent)?;
         }
         let plan = match (r.plan_json.is_empty(), r.goal.is_empty()) {
             (false, true) => Some(self.parse_payload("plan_json", &r.plan_json)?),
@@ -390,6 +394,7 @@ impl Ledger for LedgerService {
             .create_run(NewRun {
                 run_id: &run_id,
                 tenant: &r.tenant,
+                agent: &agent,
                 plan: plan.as_ref(),
                 goal: &r.goal,
                 idempotency_key: &r.idempotency_key,

@@ -106,6 +106,8 @@ impl OwnedEvent {
 pub struct NewRun<'a> {
     pub run_id: &'a str,
     pub tenant: &'a str,
+    /// Empty: the run acts for the tenant itself.
+    pub agent: &'a str,
     pub plan: Option<&'a Value>,
     pub goal: &'a str,
     pub idempotency_key: &'a str,
@@ -320,6 +322,9 @@ impl LedgerStore {
         }
         if !new.goal.is_empty() {
             payload["goal"] = Value::String(new.goal.to_string());
+        }
+        if !new.agent.is_empty() {
+            payload["agent"] = Value::String(new.agent.to_string());
         }
         let first = link(
             EventBody {

@@ -7,14 +7,21 @@
 //! `principal = Tenant::"<tenant>"`, `action = Action::"<tool>"`, `resource = Tool::"<tool>"`,
 //! `context = <arguments>` (typed by the schema's declaration of that action), so a tool the
 //! schema does not declare, or arguments that do not fit it, are denied.
+//!
+//! Agents: when the run acts for an agent and the schema declares `entity Agent in [Tenant]`,
+//! the principal is `Agent::"<tenant>/<agent>"`, a member of `Tenant::"<tenant>"`. A policy
+//! written `principal in Tenant::"acme"` then covers the tenant and all its agents, and
+//! `principal == Agent::"acme/billing-bot"` one agent; an action must list `Agent` among its
+//! principals to be callable by agents. A schema without `Agent` keeps the tenant as the
+//! principal. Action groups (`action in Action::"payments"`) resolve from the schema.
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
 
 use cedar_policy::{
-    Authorizer, Context, Decision, Entities, EntityId, EntityTypeName, EntityUid, PolicyId, PolicySet, Request, Schema,
-    ValidationMode, Validator,
+    Authorizer, Context, Decision, Entities, Entity, EntityId, EntityTypeName, EntityUid, PolicyId, PolicySet, Request,
+    Schema, ValidationMode, Validator,
 };
 use miette::Diagnostic;
 use serde_json::Value;
@@ -36,8 +43,12 @@ pub struct LoadError {
 pub struct CedarPolicies {
     set: PolicySet,
     schema: Schema,
-    /// Entity type names parsed once.
+    /// Entity type names parsed once: Tenant, Action, Tool.
     types: [EntityTypeName; 3],
+    /// `Agent`, when the schema declares it.
+    agent_type: Option<EntityTypeName>,
+    /// Per action: the action entity and the groups it is in (from the schema).
+    action_entities: HashMap<String, Entities>,
     /// Per action: only the policies that can apply to it (`action == …` for another action
     /// cannot), so a decision evaluates a handful of policies, not the whole set.
     per_action: HashMap<String, PolicySet>,
@@ -139,6 +150,12 @@ pub fn load_dir(dir: &Path) -> Result<CedarPolicies, Vec<LoadError>> {
         EntityTypeName::from_str(t).map_err(|e| vec![LoadError { file: String::new(), line: 0, reason: e.to_string() }])
     };
     let types = [parse("Tenant")?, parse("Action")?, parse("Tool")?];
+    let agent = parse("Agent")?;
+    let agent_type = schema.entity_types().any(|t| *t == agent).then_some(agent);
+    let all_actions = schema
+        .action_entities()
+        .map_err(|e| vec![LoadError { file: schema_path.display().to_string(), line: 0, reason: e.to_string() }])?;
+    let mut action_entities = HashMap::new();
     let mut per_action: HashMap<String, PolicySet> = HashMap::new();
     for action in schema.actions() {
         let mut subset = PolicySet::new();
@@ -152,17 +169,56 @@ pub fn load_dir(dir: &Path) -> Result<CedarPolicies, Vec<LoadError>> {
                 let _ = subset.add(p.clone());
             }
         }
-        per_action.insert(action.id().unescaped().to_string(), subset);
+        let name = action.id().unescaped().to_string();
+        per_action.insert(name.clone(), subset);
+        // The action and its groups (transitively), so `action in Action::"group"` holds.
+        let mut mine = Vec::new();
+        let mut todo = vec![action.clone()];
+        while let Some(uid) = todo.pop() {
+            if let Some(e) = all_actions.get(&uid).filter(|_| !mine.iter().any(|m: &Entity| m.uid() == uid)) {
+                todo.extend(all_actions.ancestors(&uid).into_iter().flatten().cloned());
+                mine.push(e.clone());
+            }
+        }
+        let entities = Entities::from_entities(mine, None)
+            .map_err(|e| vec![LoadError { file: schema_path.display().to_string(), line: 0, reason: e.to_string() }])?;
+        action_entities.insert(name, entities);
     }
-    Ok(CedarPolicies { set, schema, types, per_action, authorizer: Authorizer::new(), digest, count })
+    Ok(CedarPolicies {
+        set,
+        schema,
+        types,
+        agent_type,
+        action_entities,
+        per_action,
+        authorizer: Authorizer::new(),
+        digest,
+        count,
+    })
 }
 
 impl CedarPolicies {
-    /// The decision for `tenant` calling `tool` with `args` (forbid wins; no permit denies).
-    pub fn decide(&self, tenant: &str, tool: &str, args: &Value) -> RuleDecision {
+    /// The decision for `agent` (empty: the tenant itself) of `tenant` calling `tool` with `args`
+    /// (forbid wins; no permit denies).
+    pub fn decide(&self, tenant: &str, agent: &str, tool: &str, args: &Value) -> RuleDecision {
         let deny = |rule: &str, reason: String| RuleDecision { verdict: Verdict::Deny, rule_id: rule.into(), reason };
         let uid = |i: usize, id: &str| EntityUid::from_type_name_and_id(self.types[i].clone(), EntityId::new(id));
-        let (principal, action, resource) = (uid(0, tenant), uid(1, tool), uid(2, tool));
+        let (tenant_uid, action, resource) = (uid(0, tenant), uid(1, tool), uid(2, tool));
+        let no_entities = Entities::empty();
+        let actions = self.action_entities.get(tool).unwrap_or(&no_entities);
+        let (principal, entities) = match &self.agent_type {
+            Some(t) if !agent.is_empty() => {
+                // Agent ids are unique within a tenant only: the entity id carries both.
+                let member = EntityUid::from_type_name_and_id(t.clone(), EntityId::new(format!("{tenant}/{agent}")));
+                let agent_entity = Entity::new_no_attrs(member.clone(), [tenant_uid].into_iter().collect());
+                match actions.clone().add_entities([agent_entity], None) {
+                    Ok(e) => (member, std::borrow::Cow::Owned(e)),
+                    Err(e) => return deny("cedar_entities", format!("agent '{agent}': {e}")),
+                }
+            }
+            _ => (tenant_uid, std::borrow::Cow::Borrowed(actions)),
+        };
+        let who = principal.to_string();
         let context = match Context::from_json_value(args.clone(), Some((&self.schema, &action))) {
             Ok(c) => c,
             Err(e) => return deny("cedar_context", format!("arguments do not fit the schema of '{tool}': {e}")),
@@ -170,11 +226,11 @@ impl CedarPolicies {
         let request = match Request::new(principal, action, resource, context, Some(&self.schema)) {
             Ok(r) => r,
             Err(e) => {
-                return deny("cedar_request", format!("'{tool}' is not an action the schema allows for tenants: {e}"));
+                return deny("cedar_request", format!("the schema does not let {who} call '{tool}': {e}"));
             }
         };
         let policies = self.per_action.get(tool).unwrap_or(&self.set);
-        let response = self.authorizer.is_authorized(&request, policies, &Entities::empty());
+        let response = self.authorizer.is_authorized(&request, policies, &entities);
         let by: Vec<String> = response.diagnostics().reason().map(|id| id.to_string()).collect();
         let errors: Vec<String> = response.diagnostics().errors().map(|e| e.to_string()).collect();
         match response.decision() {
@@ -189,9 +245,7 @@ impl CedarPolicies {
             Decision::Deny if !errors.is_empty() => {
                 deny("cedar_error", format!("policy evaluation failed: {}", errors.join("; ")))
             }
-            Decision::Deny => {
-                deny("cedar_default_deny", format!("no Cedar policy permits tenant '{tenant}' to call '{tool}'"))
-            }
+            Decision::Deny => deny("cedar_default_deny", format!("no Cedar policy permits {who} to call '{tool}'")),
         }
     }
 }
@@ -234,15 +288,51 @@ forbid(principal, action == Action::"email.send", resource) unless { context.to 
         )]);
         let p = load_dir(d.path()).unwrap();
         assert_eq!(p.count, 3);
-        let ok = p.decide("acme", "echo", &json!({}));
+        let ok = p.decide("acme", "", "echo", &json!({}));
         assert_eq!((ok.verdict, ok.rule_id.as_str()), (Verdict::Allow, "cedar:acme-may-echo"));
         let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
-        assert_eq!(p.decide("acme", "email.send", &mail).verdict, Verdict::Allow);
-        let out = p.decide("acme", "email.send", &json!({"to": "x@evil.test", "subject": "s", "body": "b"}));
+        assert_eq!(p.decide("acme", "", "email.send", &mail).verdict, Verdict::Allow);
+        let out = p.decide("acme", "", "email.send", &json!({"to": "x@evil.test", "subject": "s", "body": "b"}));
         assert_eq!((out.verdict, out.rule_id.as_str()), (Verdict::Deny, "cedar:internal-mail-only"));
-        assert_eq!(p.decide("globex", "echo", &json!({})).rule_id, "cedar_default_deny");
-        assert_eq!(p.decide("acme", "shell.exec", &json!({})).verdict, Verdict::Deny);
-        assert_eq!(p.decide("acme", "email.send", &json!({"to": 5})).rule_id, "cedar_context");
+        assert_eq!(p.decide("globex", "", "echo", &json!({})).rule_id, "cedar_default_deny");
+        assert_eq!(p.decide("acme", "", "shell.exec", &json!({})).verdict, Verdict::Deny);
+        assert_eq!(p.decide("acme", "", "email.send", &json!({"to": 5})).rule_id, "cedar_context");
+    }
+
+    #[test]
+    fn agents_are_principals_inside_their_tenant_and_action_groups_resolve() {
+        let d = tempfile::tempdir().unwrap();
+        let schema = r#"
+entity Tenant;
+entity Agent in [Tenant];
+entity Tool;
+action "payments";
+action "pay" in ["payments"] appliesTo { principal: [Tenant, Agent], resource: [Tool], context: { amount: Long } };
+action "echo" appliesTo { principal: [Tenant], resource: [Tool], context: {} };
+"#;
+        std::fs::write(d.path().join(SCHEMA_FILE), schema).unwrap();
+        let policies = r#"
+@id("bot-pays") permit(principal == Agent::"acme/billing-bot", action in Action::"payments", resource) when { context.amount < 100 };
+@id("members-pay-little") permit(principal in Tenant::"acme", action == Action::"pay", resource) when { context.amount < 10 };
+@id("acme-echo") permit(principal in Tenant::"acme", action == Action::"echo", resource);
+"#;
+        std::fs::write(d.path().join("p.cedar"), policies).unwrap();
+        let p = load_dir(d.path()).unwrap();
+        let pay = |tenant: &str, agent: &str, amount: i64| p.decide(tenant, agent, "pay", &json!({"amount": amount}));
+        assert_eq!(pay("acme", "billing-bot", 50).rule_id, "cedar:bot-pays", "agent principal, action group");
+        assert_eq!(pay("acme", "intern", 50).rule_id, "cedar_default_deny");
+        let reason = pay("acme", "intern", 50).reason;
+        assert!(reason.contains(r#"Agent::"acme/intern""#), "{reason}");
+        assert_eq!(pay("acme", "intern", 5).rule_id, "cedar:members-pay-little", "an agent is in its tenant");
+        assert_eq!(pay("acme", "", 5).rule_id, "cedar:members-pay-little", "the tenant itself");
+        assert_eq!(pay("globex", "intern", 5).rule_id, "cedar_default_deny", "another tenant's agent");
+        assert_eq!(pay("globex", "billing-bot", 50).rule_id, "cedar_default_deny", "agent ids are per tenant");
+        assert_eq!(p.decide("acme", "", "echo", &json!({})).verdict, Verdict::Allow);
+        assert_eq!(
+            p.decide("acme", "billing-bot", "echo", &json!({})).rule_id,
+            "cedar_request",
+            "echo is not for agents"
+        );
     }
 
     #[test]

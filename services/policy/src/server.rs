@@ -55,6 +55,9 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     id_field("run_id", &r.run_id, check_id)?;
     id_field("step_id", &r.step_id, check_step_id)?;
     id_field("tool", &r.tool, check_tool_name)?;
+    if !r.agent.is_empty() {
+        id_field("agent", &r.agent, check_id)?;
+    }
     // K04: every mediated call carries an idempotency key.
     id_field("idempotency_key", &r.idempotency_key, check_id)?;
     if r.capability_handle.len() > 256 {
@@ -167,7 +170,7 @@ impl PolicyService {
     /// An explicit Cedar `forbid` for this call. A capability grants what the base rules do
     /// not permit, but never what a policy forbids (Cedar's own rule: forbid wins).
     fn cedar_forbids(&self, r: &pb::AuthorizeRequest, args: &Value) -> Option<rules::RuleDecision> {
-        let d = self.cedar()?.decide(&r.tenant, &r.tool, args);
+        let d = self.cedar()?.decide(&r.tenant, &r.agent, &r.tool, args);
         (d.verdict == Verdict::Deny && d.rule_id.starts_with("cedar:")).then_some(d)
     }
 
@@ -256,7 +259,7 @@ impl PolicyService {
     async fn evaluate(&self, r: &pb::AuthorizeRequest, c: &mut Checked) -> Result<rules::RuleDecision, Status> {
         if r.capability_handle.is_empty() {
             let ruled = match self.cedar() {
-                Some(cedar) => rules::apply_mode(self.config.mode, cedar.decide(&r.tenant, &r.tool, &c.args)),
+                Some(cedar) => rules::apply_mode(self.config.mode, cedar.decide(&r.tenant, &r.agent, &r.tool, &c.args)),
                 None => rules::decide(&self.config, &r.tenant, &r.tool),
             };
             let consequential = self.config.consequential_tools.iter().any(|p| crate::rules::matches(p, &r.tool));
@@ -360,7 +363,8 @@ impl PolicyService {
 impl pb::policy_server::Policy for PolicyService {
     async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let r = req.into_inner();
+        let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
+        let r = pb::AuthorizeRequest { agent, ..req.into_inner() };
         let mut checked = match validate(&r) {
             Ok(c) => c,
             Err(status) => {
@@ -383,7 +387,7 @@ impl pb::policy_server::Policy for PolicyService {
             }
         };
         let id = decision_id(&r, &checked);
-        let payload = json!({
+        let mut payload = json!({
             "decision_id": id,
             "attempt": r.attempt,
             "tool": r.tool,
@@ -395,6 +399,9 @@ impl pb::policy_server::Policy for PolicyService {
             "rule_id": rule.rule_id,
             "reason": rule.reason,
         });
+        if !r.agent.is_empty() {
+            payload["agent"] = Value::String(r.agent.clone());
+        }
         // The decision is durable before anyone can act on it (K03). If the ledger cannot
         // record it, nothing is authorized (K19).
         let appended = self
@@ -490,7 +497,8 @@ impl pb::policy_server::Policy for PolicyService {
 
     async fn check(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::Decision>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let r = req.into_inner();
+        let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
+        let r = pb::AuthorizeRequest { agent, ..req.into_inner() };
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
         let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await;
