@@ -194,6 +194,57 @@ async fn k18_approvals_bind_to_the_argument_digest_and_wait_durably() {
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
 }
 
+/// `Approvals.Watch`: the tenant's approvals as they are, then each change — a new request, a
+/// resolution, an expiry — as it happens; a watcher that joins later starts from the current
+/// state.
+#[tokio::test]
+async fn approvals_watch_streams_the_current_state_then_each_change() {
+    let opts = MeshOptions {
+        executors: 0,
+        approval_rules: vec![("acme".into(), vec!["email.send".into()], vec!["alice".into()])],
+        policy_extra: "approval_ttl_secs = 3".into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = bare_run(&mesh, "acme").await;
+    let watch = || async {
+        let req = pb::WatchApprovalsRequest { tenant: "acme".into() };
+        approvals_client(&mesh).watch(req).await.expect("watch").into_inner()
+    };
+    let next = async |s: &mut tonic::Streaming<pb::Approval>| {
+        // A guard against hanging, not a latency bound.
+        let got = tokio::time::timeout(Duration::from_secs(60), s.message()).await;
+        got.expect("a change arrives").expect("stream ok").expect("stream open")
+    };
+    let mut first = watch().await;
+    let mail = |to: &str| json!({"to": to, "subject": "s", "body": "b"});
+    let d = mesh.policy().authorize(authorize(&run, "m1", "email.send", mail("a@example.com"))).await.expect("ask");
+    assert_eq!(d.into_inner().decision.expect("decision").outcome(), pb::Outcome::ApprovalRequired);
+    let asked = next(&mut first).await;
+    assert_eq!((asked.state(), asked.step_id.as_str()), (pb::ApprovalState::Pending, "m1"));
+    // A three-second TTL: on a slow machine the approval may expire before it is approved;
+    // either way the watcher sees it settle.
+    let resolved = approvals_client(&mesh).approve(resolve(&asked.approval_id, "alice")).await;
+    let settled_state = next(&mut first).await;
+    assert_eq!(settled_state.approval_id, asked.approval_id);
+    let want = if resolved.is_ok() { pb::ApprovalState::Approved } else { pb::ApprovalState::Expired };
+    assert_eq!(settled_state.state(), want);
+
+    let mut later = watch().await;
+    let snapshot = next(&mut later).await;
+    assert_eq!((snapshot.approval_id.as_str(), snapshot.state()), (asked.approval_id.as_str(), want));
+
+    // Nobody answers the second request: both watchers see it expire.
+    mesh.policy().authorize(authorize(&run, "m2", "email.send", mail("b@example.com"))).await.expect("ask");
+    for w in [&mut first, &mut later] {
+        let mut seen = next(w).await;
+        if seen.state() == pb::ApprovalState::Pending {
+            seen = next(w).await;
+        }
+        assert_eq!((seen.step_id.as_str(), seen.state()), ("m2", pb::ApprovalState::Expired));
+    }
+}
+
 fn authorize(run: &str, step: &str, tool: &str, args: serde_json::Value) -> pb::AuthorizeRequest {
     pb::AuthorizeRequest {
         tenant: "acme".into(),

@@ -22,6 +22,13 @@ use crate::rules::{RuleDecision, Verdict};
 use crate::server::{Checked, PolicyService};
 use crate::store::ApprovalRow;
 
+/// How often a watcher looks for changes it was not woken for (another replica's, expiries).
+const RESCAN: Duration = Duration::from_secs(2);
+/// Overlap between rescans, for clocks of replicas that disagree a little.
+const CLOCK_SKEW_MS: i64 = 5_000;
+/// Rows per query of a watcher.
+const PAGE: u32 = 1_000;
+
 fn matches(pattern: &str, tool: &str) -> bool {
     match pattern.strip_suffix('*') {
         Some(prefix) => tool.starts_with(prefix),
@@ -62,6 +69,9 @@ pub(crate) async fn gate(
         expires_at_ms: now.saturating_add(svc.config().approval_ttl_secs as i64 * 1000),
     };
     let a = svc.store().ensure_approval(&wanted).await?;
+    if a.created_at_ms == now {
+        svc.approvals_changed();
+    }
     let state = if a.state == "pending" && now >= a.expires_at_ms { "expired" } else { a.state.as_str() };
     c.gate = format!("|{}:{state}", a.approval_id);
     let decided = |verdict, rule_id: &str, reason: String| RuleDecision { verdict, rule_id: rule_id.into(), reason };
@@ -151,6 +161,9 @@ impl ApprovalsService {
         }
         let changed =
             self.policy.store().resolve_approval(&a.approval_id, state, &r.approver, &r.reason, now_ms()).await?;
+        if changed {
+            self.policy.approvals_changed();
+        }
         let now = self.owned(&r.tenant, &r.approval_id).await?;
         if !changed && now.state != state {
             let shown = if now.state == "pending" { "expired" } else { now.state.as_str() };
@@ -252,34 +265,53 @@ impl pb::approvals_server::Approvals for ApprovalsService {
 
     type WatchStream = ReceiverStream<Result<pb::Approval, Status>>;
 
-    /// Every approval of the tenant as it is now, then each change as it happens.
+    /// Every approval of the tenant as it is now, then each change as it happens: woken at once
+    /// by changes made through this replica, and every [`RESCAN`] for changes made through
+    /// another replica and for expiries.
     async fn watch(&self, req: Request<pb::WatchApprovalsRequest>) -> Result<Response<Self::WatchStream>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let store = self.policy.store().clone();
+        let mut changes = self.policy.approval_changes();
         tokio::spawn(async move {
             let mut seen: HashMap<String, i32> = HashMap::new();
+            let mut since: Option<i64> = None;
             loop {
-                match store.approvals(&r.tenant, None, "", 10_000).await {
-                    Ok(rows) => {
-                        for a in rows.iter().map(to_proto) {
-                            if seen.get(&a.approval_id) != Some(&a.state) {
-                                seen.insert(a.approval_id.clone(), a.state);
-                                if tx.send(Ok(a)).await.is_err() {
-                                    return;
-                                }
+                let started = now_ms();
+                let mut after = String::new();
+                loop {
+                    let page = match since {
+                        None => store.approvals(&r.tenant, None, &after, PAGE).await,
+                        Some(t) => {
+                            store.approvals_touched_since(&r.tenant, t - CLOCK_SKEW_MS, started, &after, PAGE).await
+                        }
+                    };
+                    let rows = match page {
+                        Ok(rows) => rows,
+                        Err(e) => {
+                            let _ = tx.send(Err(e.into())).await;
+                            return;
+                        }
+                    };
+                    for a in rows.iter().map(to_proto) {
+                        if seen.get(&a.approval_id) != Some(&a.state) {
+                            seen.insert(a.approval_id.clone(), a.state);
+                            if tx.send(Ok(a)).await.is_err() {
+                                return;
                             }
                         }
                     }
-                    Err(e) => {
-                        let _ = tx.send(Err(e.into())).await;
-                        return;
+                    match rows.last() {
+                        Some(last) if rows.len() == PAGE as usize => after = last.approval_id.clone(),
+                        _ => break,
                     }
                 }
+                since = Some(started);
                 tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    woke = changes.changed() => if woke.is_err() { return },
+                    _ = tokio::time::sleep(RESCAN) => {}
                     _ = tx.closed() => return,
                 }
             }

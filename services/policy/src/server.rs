@@ -33,6 +33,8 @@ pub struct PolicyService {
     /// The live Cedar policy set (None: allowlists decide). Swapped whole on reload.
     cedar: Arc<RwLock<Option<Arc<CedarPolicies>>>>,
     rate: crate::rate::RateLimiter,
+    /// Bumped whenever this replica creates or resolves an approval (wakes `Approvals.Watch`).
+    approval_changes: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 /// A request that passed validation, with its canonical arguments.
@@ -125,6 +127,7 @@ impl PolicyService {
             store,
             cedar: Arc::default(),
             rate,
+            approval_changes: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
     }
 
@@ -235,6 +238,16 @@ impl PolicyService {
 
     pub fn store(&self) -> &PolicyStore {
         &self.store
+    }
+
+    /// Tells approval watchers that something changed.
+    pub(crate) fn approvals_changed(&self) {
+        self.approval_changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// Wakes when an approval changes on this replica.
+    pub(crate) fn approval_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.approval_changes.subscribe()
     }
 
     pub fn rate(&self) -> &crate::rate::RateLimiter {

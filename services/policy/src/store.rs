@@ -305,6 +305,32 @@ impl PolicyStore {
         };
         rows.iter().map(approval).collect()
     }
+
+    /// The tenant's approvals created, resolved or expired at or after `since_ms` (expiry up to
+    /// `now_ms`): what a watcher has to look at again.
+    pub async fn approvals_touched_since(
+        &self,
+        tenant: &str,
+        since_ms: i64,
+        now_ms: i64,
+        after: &str,
+        limit: u32,
+    ) -> Result<Vec<ApprovalRow>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {APPROVAL_COLUMNS} FROM approvals
+             WHERE tenant = $1 AND approval_id > $4
+               AND (created_at_ms >= $2 OR resolved_at_ms >= $2
+                    OR (state = 'pending' AND expires_at_ms >= $2 AND expires_at_ms <= $3))
+             ORDER BY approval_id LIMIT {limit}"
+        ))
+        .bind(tenant)
+        .bind(since_ms)
+        .bind(now_ms)
+        .bind(after)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(approval).collect()
+    }
 }
 
 /// Usage of a budget scope (`run:<id>` or `tenant:<name>`).
