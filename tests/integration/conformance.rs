@@ -329,6 +329,83 @@ async fn k19_policy_unavailable_means_nothing_executes() {
     assert_eq!(payload(failed)["kind"], json!("policy_unavailable"));
 }
 
+/// K04: every mutating call carries an idempotency key — a decision, a tool invocation, a
+/// ledger append, an artifact — and one without is refused naming the field, writing nothing.
+#[tokio::test]
+async fn k04_mutating_calls_without_an_idempotency_key_are_rejected() {
+    let mesh = services_on(Backend::Sqlite).await;
+    let run_id = bare_run(&mesh, "acme").await;
+    let args = json!({"text": "hi"});
+    let before = events(&mut mesh.ledger(), "acme", &run_id).await.len();
+
+    let mut decide = authorize_request(&run_id, &args);
+    decide.idempotency_key = String::new();
+    assert_field_violation(&mesh.policy().authorize(decide).await.expect_err("authorize"), "idempotency_key");
+    let granted = mesh.policy().authorize(authorize_request(&run_id, &args)).await.expect("authorize").into_inner();
+    let mut call = invoke(&run_id, &args, granted.authorization);
+    call.idempotency_key = String::new();
+    assert_field_violation(&mesh.tool_host().invoke(call).await.expect_err("invoke"), "idempotency_key");
+    let append = pb::AppendEventRequest {
+        tenant: "acme".into(),
+        run_id: run_id.clone(),
+        epoch: 0,
+        idempotency_key: String::new(),
+        event_type: "run_started".into(),
+        payload_json: json!({"executor": "x", "epoch": 0}).to_string(),
+        step_id: String::new(),
+    };
+    assert_field_violation(&mesh.ledger().append_event(append).await.expect_err("append"), "idempotency_key");
+    let artifact = pb::PutArtifactRequest {
+        tenant: "acme".into(),
+        run_id: run_id.clone(),
+        epoch: 0,
+        idempotency_key: String::new(),
+        key: "k".into(),
+        value_json: "1".into(),
+    };
+    assert_field_violation(&mesh.ledger().put_artifact(artifact).await.expect_err("artifact"), "idempotency_key");
+    let after = events(&mut mesh.ledger(), "acme", &run_id).await;
+    assert_eq!(after.len(), before + 1, "only the keyed decision was recorded: {after:?}");
+    assert!(mesh.outbox().is_empty());
+}
+
+/// K05: the same idempotency key returns the first outcome and never repeats the side effect
+/// — sequentially or concurrently at the tool host, and at the ledger.
+#[tokio::test]
+async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second_side_effect() {
+    let mesh = services_on(Backend::Sqlite).await;
+    let run_id = bare_run(&mesh, "acme").await;
+    let args = json!({"to": "ops@example.com", "subject": "once", "body": "b"});
+    let decide = pb::AuthorizeRequest { tool: "email.send".into(), ..authorize_request(&run_id, &args) };
+    let granted = mesh.policy().authorize(decide).await.expect("authorize").into_inner();
+    let call = pb::InvokeRequest { tool: "email.send".into(), ..invoke(&run_id, &args, granted.authorization) };
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let (mut host, call) = (mesh.tool_host(), call.clone());
+        calls.spawn(async move { host.invoke(call).await.expect("invoke").into_inner() });
+    }
+    let outcomes = calls.join_all().await;
+    let again = mesh.tool_host().invoke(call).await.expect("invoke again").into_inner();
+    assert!(outcomes.iter().all(|o| o.outcome == again.outcome), "one outcome for one key: {outcomes:?} / {again:?}");
+    let fresh = outcomes.iter().filter(|o| !o.replayed).count() + usize::from(!again.replayed);
+    assert_eq!(fresh, 1, "exactly one call ran, the rest were replays: {outcomes:?}");
+    assert_eq!(mesh.outbox().len(), 1, "the mail went out once");
+
+    let append = pb::AppendEventRequest {
+        tenant: "acme".into(),
+        run_id: run_id.clone(),
+        epoch: 0,
+        idempotency_key: "started-1".into(),
+        event_type: "run_started".into(),
+        payload_json: json!({"executor": "x", "epoch": 0}).to_string(),
+        step_id: String::new(),
+    };
+    let first = mesh.ledger().append_event(append.clone()).await.expect("append").into_inner();
+    let second = mesh.ledger().append_event(append).await.expect("append again").into_inner();
+    assert!(!first.deduplicated && second.deduplicated);
+    assert_eq!(first.event, second.event, "the first event is returned unchanged");
+}
+
 /// K14: capability handles cannot be forged; expired, revoked, another tenant's and
 /// out-of-scope ones are refused — each refusal a recorded deny — and an allow names the
 /// capability it used (never the handle).
