@@ -27,6 +27,9 @@ pub enum RunCommand {
         /// The agent (within the tenant) the run acts for: the Cedar principal.
         #[arg(long)]
         agent: Option<String>,
+        /// A capability handle the run may act under (repeatable; `warden caps issue`).
+        #[arg(long = "capability", value_name = "HANDLE")]
+        capabilities: Vec<String>,
     },
     /// The run's lifecycle summary and steps.
     Status {
@@ -113,6 +116,7 @@ pub async fn submit(
     plan: &Path,
     idempotency_key: Option<String>,
     agent: Option<String>,
+    capability_handles: Vec<String>,
 ) -> anyhow::Result<String> {
     let plan_json = std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
     let resp = runs_client(&target.endpoint)
@@ -124,6 +128,7 @@ pub async fn submit(
             idempotency_key: idempotency_key.unwrap_or_default(),
             cancel_policy: pb::CancelPolicy::Immediate as i32,
             agent: agent.unwrap_or_default(),
+            capability_handles,
         })
         .await
         .map_err(|s| anyhow::anyhow!("submit refused: {}", describe(&s)))?;
@@ -251,8 +256,8 @@ pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Res
 
 pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
     match cmd {
-        RunCommand::Submit { plan, wait: w, idempotency_key, agent } => {
-            let run_id = submit(target, &plan, idempotency_key, agent).await?;
+        RunCommand::Submit { plan, wait: w, idempotency_key, agent, capabilities } => {
+            let run_id = submit(target, &plan, idempotency_key, agent, capabilities).await?;
             println!("{run_id}");
             if w {
                 let run = wait(target, &run_id).await?;
@@ -295,7 +300,7 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
 
 /// What `make run` shows: submit, wait, events, status, verification.
 pub async fn demo(target: &Target, plan: &Path) -> anyhow::Result<()> {
-    let run_id = submit(target, plan, None, None).await?;
+    let run_id = submit(target, plan, None, None, Vec::new()).await?;
     println!("\nsubmitted {} as run {run_id}", plan.display());
     let run = wait(target, &run_id).await?;
     println!("\nevents (seq, timestamp, type, step):");

@@ -432,6 +432,88 @@ select = ["E722", "S307", "T100"]
     assert!(recorded[2]["reason"].as_str().is_some_and(|r| r.contains("S307")), "{}", recorded[2]);
 }
 
+/// The commitment through the front door: a run carries capability handles
+/// (`SubmitRun.capability_handles`), checked before anything is written and attached before
+/// it starts, so its consequential step runs under them — and the receipt names the
+/// capability. Without one the step is `missing_commitment`; a bad handle writes nothing.
+#[tokio::test]
+async fn a_run_carries_its_commitment_as_capability_handles() {
+    use tonic::Code;
+    let mut opts =
+        MeshOptions { policy_extra: r#"consequential_tools = ["email.send"]"#.into(), ..MeshOptions::default() };
+    opts.tenants.push(("globex".into(), vec!["echo".into()]));
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mut caps = warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel());
+    let issue = |tenant: &str| pb::IssueCapabilityRequest {
+        tenant: tenant.into(),
+        tool_patterns: vec!["email.send".into()],
+        ttl_seconds: 600,
+        ..Default::default()
+    };
+    let cap = caps.issue(issue("acme")).await.expect("issue").into_inner();
+    let theirs = caps.issue(issue("globex")).await.expect("issue").into_inner();
+    let submit_with = |handles: Vec<String>| {
+        let req = pb::SubmitRunRequest {
+            tenant: "acme".into(),
+            plan_json: mail("ops@example.com"),
+            capability_handles: handles,
+            ..Default::default()
+        };
+        let mut runs = mesh.runs();
+        async move { runs.submit_run(req).await.map(|r| r.into_inner().run_id) }
+    };
+
+    let bare = submit_with(vec![]).await.expect("submit");
+    let run = settled(&mesh, "acme", &bare).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed);
+    assert!(run.reason.contains("missing_commitment"), "{}", run.reason);
+    assert!(mesh.outbox().is_empty());
+
+    let committed = submit_with(vec![cap.handle.clone()]).await.expect("submit with a capability");
+    let run = settled(&mesh, "acme", &committed).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+    assert_eq!(mesh.outbox().len(), 1);
+    let receipts = mesh
+        .ledger()
+        .list_receipts(pb::ListReceiptsRequest {
+            tenant: "acme".into(),
+            run_id: committed.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("receipts")
+        .into_inner()
+        .receipts;
+    let mail_receipt = receipts.iter().find(|r| r.step_id == "mail").expect("the mail step's receipt");
+    assert_eq!(mail_receipt.capability_id, cap.capability_id);
+    let evs = events(&mut mesh.ledger(), "acme", &committed).await;
+    assert!(!evs.iter().any(|e| e.payload_json.contains(&cap.handle)), "the handle is never recorded");
+
+    let listed = |mesh: &warden_testkit::Mesh| {
+        let mut runs = mesh.runs();
+        async move {
+            let req = pb::ListRunsRequest { tenant: "acme".into(), ..Default::default() };
+            runs.list_runs(req).await.expect("list").into_inner().runs.len()
+        }
+    };
+    let before = listed(&mesh).await;
+    let forged = format!("wcap_{}", "0".repeat(64));
+    let e = submit_with(vec![cap.handle.clone(), forged]).await.expect_err("forged handle");
+    assert_field_violation(&e, "capability_handles[1]");
+    let e = submit_with(vec![theirs.handle.clone()]).await.expect_err("another tenant's handle");
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let revoke = pb::RevokeCapabilityRequest {
+        tenant: "acme".into(),
+        capability_id: cap.capability_id.clone(),
+        reason: "rotated".into(),
+    };
+    caps.revoke(revoke).await.expect("revoke");
+    let e = submit_with(vec![cap.handle.clone()]).await.expect_err("revoked handle");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(listed(&mesh).await, before, "a refused submission writes no run");
+    assert_eq!(mesh.outbox().len(), 1);
+}
+
 /// Rotation: after the policy signs with a new key, the previous key stays published (not
 /// current), so an authorization it signed still verifies at the tool host until it expires.
 #[tokio::test]

@@ -23,6 +23,7 @@ use warden_grpc::auth::{Ch, Tokens};
 use warden_grpc::catalog::ToolCatalog;
 use warden_lease::LeaseStore;
 use warden_proto::v1 as pb;
+use warden_proto::v1::capabilities_client::CapabilitiesClient;
 use warden_proto::v1::ledger_client::LedgerClient;
 use warden_proto::v1::planner_client::PlannerClient;
 use warden_proto::v1::policy_client::PolicyClient;
@@ -38,6 +39,7 @@ pub(crate) struct Inner {
     pub config: ExecutorConfig,
     pub ledger: LedgerClient<Ch>,
     pub policy: PolicyClient<Ch>,
+    pub capabilities: CapabilitiesClient<Ch>,
     pub planner: PlannerClient<Ch>,
     pub catalog: ToolCatalog,
     pub leases: LeaseStore,
@@ -64,6 +66,7 @@ impl Executor {
                 config: config.clone(),
                 ledger,
                 policy: PolicyClient::new(warden_grpc::channel(&config.policy_endpoint)?),
+                capabilities: CapabilitiesClient::new(warden_grpc::channel(&config.policy_endpoint)?),
                 planner: PlannerClient::new(warden_grpc::channel(&config.planner_endpoint)?),
                 catalog: ToolCatalog::new(&config.tool_hosts)?,
                 leases,

@@ -1,6 +1,6 @@
 //! The `Runs` gRPC service: the front door clients submit and inspect runs through.
 
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 use warden_core::ids::check_id;
 use warden_core::run::StepStatus;
 use warden_grpc::invalid_field;
@@ -32,6 +32,21 @@ fn step_status(s: StepStatus) -> pb::StepStatus {
         StepStatus::Failed => pb::StepStatus::Failed,
         StepStatus::Cancelled => pb::StepStatus::Cancelled,
         StepStatus::Denied => pb::StepStatus::Denied,
+    }
+}
+
+/// Most capability handles one submission may carry.
+const MAX_CAPABILITY_HANDLES: usize = 16;
+
+impl RunsService {
+    async fn attach(&self, tenant: &str, run_id: &str, handle: &str, validate_only: bool) -> Result<(), Status> {
+        let req = pb::AttachCapabilityRequest {
+            tenant: tenant.to_string(),
+            run_id: run_id.to_string(),
+            capability_handle: handle.to_string(),
+            validate_only,
+        };
+        self.ex.inner.capabilities.clone().attach(req).await.map(|_| ())
     }
 }
 
@@ -68,6 +83,24 @@ impl Runs for RunsService {
                 format!("{} bytes is over the maximum of {max}", r.plan_json.len()),
             ));
         }
+        if r.capability_handles.len() > MAX_CAPABILITY_HANDLES {
+            let why = format!("at most {MAX_CAPABILITY_HANDLES} handles");
+            return Err(invalid_field("capability_handles", why));
+        }
+        // Capabilities are checked before anything is written (renamed to the field here).
+        for (i, handle) in r.capability_handles.iter().enumerate() {
+            self.attach(&r.tenant, "", handle, true).await.map_err(|s| {
+                let field = format!("capability_handles[{i}]");
+                match s.code() {
+                    Code::InvalidArgument => {
+                        let why = warden_grpc::field_violations(&s).into_iter().next().map(|(_, why)| why);
+                        invalid_field(&field, why.unwrap_or_else(|| s.message().to_string()))
+                    }
+                    _ => Status::new(s.code(), format!("{field}: {}", s.message())),
+                }
+            })?;
+        }
+        let handles = r.capability_handles.clone();
         // The plan is validated before anything is written: a bad plan leaves no trace.
         let validated = self
             .ex
@@ -93,6 +126,14 @@ impl Runs for RunsService {
             .await?
             .into_inner();
         let run = created.run.ok_or_else(|| Status::internal("ledger returned no run"))?;
+        // Attached before the run is dispatched, so its first step can use them. A handle
+        // revoked in between fails to attach: the calls it would have covered are denied and
+        // recorded like any other.
+        for handle in &handles {
+            if let Err(e) = self.attach(&run.tenant, &run.run_id, handle, false).await {
+                tracing::warn!(run_id = %run.run_id, error = %e, "capability not attached");
+            }
+        }
         let status = run.status();
         if !warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal()) {
             self.ex.dispatch(run.run_id.clone());

@@ -186,4 +186,39 @@ impl pb::capabilities_server::Capabilities for CapabilitiesService {
             next_page_token,
         }))
     }
+
+    async fn attach(&self, req: Request<pb::AttachCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        if !r.validate_only {
+            check_id(&r.run_id).map_err(|e| invalid_field("run_id", e.to_string()))?;
+        }
+        let unknown = || invalid_field("capability_handle", "not a capability handle Warden issued");
+        let sha = handle_sha256(&r.capability_handle).ok_or_else(unknown)?;
+        let cap = self.store.by_handle(&sha).await?.ok_or_else(unknown)?;
+        if cap.tenant != r.tenant {
+            return Err(Status::permission_denied(format!(
+                "capability {} belongs to another tenant",
+                cap.capability_id
+            )));
+        }
+        if cap.revoked {
+            let why = format!("capability {} was revoked: {}", cap.capability_id, cap.revoke_reason);
+            return Err(Status::failed_precondition(why));
+        }
+        let now = now_ms();
+        if cap.expires_at_ms <= now {
+            return Err(Status::failed_precondition(format!("capability {} has expired", cap.capability_id)));
+        }
+        if !cap.run_id.is_empty() && (r.validate_only || cap.run_id != r.run_id) {
+            let why = format!("capability {} is bound to run {}", cap.capability_id, cap.run_id);
+            return Err(Status::failed_precondition(why));
+        }
+        if !r.validate_only {
+            self.store.attach(&r.tenant, &r.run_id, &cap.capability_id, now).await?;
+            tracing::info!(capability_id = %cap.capability_id, run_id = %r.run_id, "capability attached");
+        }
+        Ok(Response::new(to_proto(cap, String::new())))
+    }
 }

@@ -155,7 +155,11 @@ impl PolicyStore {
         now_ms: i64,
     ) -> Result<Vec<CapabilityRow>, StoreError> {
         let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM capabilities WHERE tenant = $1 AND run_id = $2 AND revoked = 0 AND expires_at_ms > $3 ORDER BY capability_id"
+            "SELECT {COLUMNS} FROM capabilities
+             WHERE tenant = $1 AND revoked = 0 AND expires_at_ms > $3
+               AND (run_id = $2
+                    OR capability_id IN (SELECT capability_id FROM run_capabilities WHERE run_id = $2 AND tenant = $1))
+             ORDER BY capability_id"
         ))
         .bind(tenant)
         .bind(run_id)
@@ -163,6 +167,21 @@ impl PolicyStore {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(row).collect()
+    }
+
+    /// Attaches a capability to a run (idempotently).
+    pub async fn attach(&self, tenant: &str, run_id: &str, capability_id: &str, now_ms: i64) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO run_capabilities (run_id, capability_id, tenant, attached_at_ms) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (run_id, capability_id) DO NOTHING",
+        )
+        .bind(run_id)
+        .bind(capability_id)
+        .bind(tenant)
+        .bind(now_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// Revokes (idempotently: the first reason stays).
