@@ -14,6 +14,12 @@
 //! `principal == Agent::"acme/billing-bot"` one agent; an action must list `Agent` among its
 //! principals to be callable by agents. A schema without `Agent` keeps the tenant as the
 //! principal. Action groups (`action in Action::"payments"`) resolve from the schema.
+//!
+//! Resources: when the schema declares `entity Resource in [Tool]` and an action lists
+//! `Resource` among its resources, a call whose arguments carry a string `resource` (the
+//! same argument capabilities scope) has the resource `Resource::"<resource>"`, a member of
+//! `Tool::"<tool>"`; `resource in Tool::"kv.put"` still holds for it. Otherwise the resource
+//! is `Tool::"<tool>"`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -47,6 +53,9 @@ pub struct CedarPolicies {
     types: [EntityTypeName; 3],
     /// `Agent`, when the schema declares it.
     agent_type: Option<EntityTypeName>,
+    /// `Resource`, when the schema declares it, and the actions that take one.
+    resource_type: Option<EntityTypeName>,
+    resource_actions: std::collections::HashSet<String>,
     /// Per action: the action entity and the groups it is in (from the schema).
     action_entities: HashMap<String, Entities>,
     /// Per action: only the policies that can apply to it (`action == …` for another action
@@ -152,6 +161,13 @@ pub fn load_dir(dir: &Path) -> Result<CedarPolicies, Vec<LoadError>> {
     let types = [parse("Tenant")?, parse("Action")?, parse("Tool")?];
     let agent = parse("Agent")?;
     let agent_type = schema.entity_types().any(|t| *t == agent).then_some(agent);
+    let resource = parse("Resource")?;
+    let resource_actions = schema
+        .actions()
+        .filter(|a| schema.resources_for_action(a).is_some_and(|mut r| r.any(|t| *t == resource)))
+        .map(|a| a.id().unescaped().to_string())
+        .collect();
+    let resource_type = schema.entity_types().any(|t| *t == resource).then_some(resource);
     let all_actions = schema
         .action_entities()
         .map_err(|e| vec![LoadError { file: schema_path.display().to_string(), line: 0, reason: e.to_string() }])?;
@@ -189,6 +205,8 @@ pub fn load_dir(dir: &Path) -> Result<CedarPolicies, Vec<LoadError>> {
         schema,
         types,
         agent_type,
+        resource_type,
+        resource_actions,
         action_entities,
         per_action,
         authorizer: Authorizer::new(),
@@ -203,20 +221,35 @@ impl CedarPolicies {
     pub fn decide(&self, tenant: &str, agent: &str, tool: &str, args: &Value) -> RuleDecision {
         let deny = |rule: &str, reason: String| RuleDecision { verdict: Verdict::Deny, rule_id: rule.into(), reason };
         let uid = |i: usize, id: &str| EntityUid::from_type_name_and_id(self.types[i].clone(), EntityId::new(id));
-        let (tenant_uid, action, resource) = (uid(0, tenant), uid(1, tool), uid(2, tool));
+        let (tenant_uid, action, tool_uid) = (uid(0, tenant), uid(1, tool), uid(2, tool));
         let no_entities = Entities::empty();
         let actions = self.action_entities.get(tool).unwrap_or(&no_entities);
-        let (principal, entities) = match &self.agent_type {
+        let mut members = Vec::new();
+        let principal = match &self.agent_type {
             Some(t) if !agent.is_empty() => {
                 // Agent ids are unique within a tenant only: the entity id carries both.
                 let member = EntityUid::from_type_name_and_id(t.clone(), EntityId::new(format!("{tenant}/{agent}")));
-                let agent_entity = Entity::new_no_attrs(member.clone(), [tenant_uid].into_iter().collect());
-                match actions.clone().add_entities([agent_entity], None) {
-                    Ok(e) => (member, std::borrow::Cow::Owned(e)),
-                    Err(e) => return deny("cedar_entities", format!("agent '{agent}': {e}")),
-                }
+                members.push(Entity::new_no_attrs(member.clone(), [tenant_uid].into_iter().collect()));
+                member
             }
-            _ => (tenant_uid, std::borrow::Cow::Borrowed(actions)),
+            _ => tenant_uid,
+        };
+        let named = args.get("resource").and_then(Value::as_str);
+        let resource = match (&self.resource_type, named) {
+            (Some(t), Some(name)) if self.resource_actions.contains(tool) => {
+                let item = EntityUid::from_type_name_and_id(t.clone(), EntityId::new(name));
+                members.push(Entity::new_no_attrs(item.clone(), [tool_uid].into_iter().collect()));
+                item
+            }
+            _ => tool_uid,
+        };
+        let entities = if members.is_empty() {
+            std::borrow::Cow::Borrowed(actions)
+        } else {
+            match actions.clone().add_entities(members, None) {
+                Ok(e) => std::borrow::Cow::Owned(e),
+                Err(e) => return deny("cedar_entities", format!("principal or resource of '{tool}': {e}")),
+            }
         };
         let who = principal.to_string();
         let context = match Context::from_json_value(args.clone(), Some((&self.schema, &action))) {
@@ -333,6 +366,31 @@ action "echo" appliesTo { principal: [Tenant], resource: [Tool], context: {} };
             "cedar_request",
             "echo is not for agents"
         );
+    }
+
+    #[test]
+    fn a_resource_named_in_the_arguments_is_the_cedar_resource() {
+        let d = tempfile::tempdir().unwrap();
+        let schema = r#"
+entity Tenant;
+entity Tool;
+entity Resource in [Tool];
+action "kv.put" appliesTo { principal: [Tenant], resource: [Tool, Resource], context: { resource?: String, value?: String } };
+action "echo" appliesTo { principal: [Tenant], resource: [Tool], context: { resource?: String } };
+"#;
+        std::fs::write(d.path().join(SCHEMA_FILE), schema).unwrap();
+        let policies = r#"
+@id("puts") permit(principal, action == Action::"kv.put", resource in Tool::"kv.put");
+@id("no-prod") forbid(principal, action == Action::"kv.put", resource == Resource::"prod/config");
+@id("echo") permit(principal, action == Action::"echo", resource == Tool::"echo");
+"#;
+        std::fs::write(d.path().join("p.cedar"), policies).unwrap();
+        let p = load_dir(d.path()).unwrap();
+        let put = |r: Value| p.decide("acme", "", "kv.put", &r).rule_id;
+        assert_eq!(put(json!({"resource": "dev/config", "value": "x"})), "cedar:puts");
+        assert_eq!(put(json!({"resource": "prod/config", "value": "x"})), "cedar:no-prod");
+        assert_eq!(put(json!({"value": "x"})), "cedar:puts", "no resource named: the tool is the resource");
+        assert_eq!(p.decide("acme", "", "echo", &json!({"resource": "prod/config"})).rule_id, "cedar:echo");
     }
 
     #[test]
