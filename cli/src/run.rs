@@ -30,6 +30,19 @@ pub enum RunCommand {
         /// A capability handle the run may act under (repeatable; `warden caps issue`).
         #[arg(long = "capability", value_name = "HANDLE")]
         capabilities: Vec<String>,
+        /// What a cancellation lets finish: `immediate` (no tool is invoked after the request)
+        /// or `after-tool-call` (steps already authorized finish).
+        #[arg(long, value_enum, default_value_t = CancelPolicyArg::Immediate)]
+        cancel_policy: CancelPolicyArg,
+    },
+    /// Ask to cancel a run; it ends `cancelled` by its cancel policy (prints the status at the
+    /// time of the request, or with --wait the final one).
+    Cancel {
+        run_id: String,
+        #[arg(long, default_value = "")]
+        reason: String,
+        #[arg(long)]
+        wait: bool,
     },
     /// The run's lifecycle summary and steps.
     Status {
@@ -111,13 +124,27 @@ pub fn describe(status: &tonic::Status) -> String {
     s
 }
 
-pub async fn submit(
-    target: &Target,
-    plan: &Path,
-    idempotency_key: Option<String>,
-    agent: Option<String>,
-    capability_handles: Vec<String>,
-) -> anyhow::Result<String> {
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum CancelPolicyArg {
+    Immediate,
+    AfterToolCall,
+}
+
+/// What a submission carries besides its plan.
+#[derive(Default)]
+pub struct SubmitOptions {
+    pub idempotency_key: Option<String>,
+    pub agent: Option<String>,
+    pub capability_handles: Vec<String>,
+    pub cancel_policy: Option<CancelPolicyArg>,
+}
+
+pub async fn submit(target: &Target, plan: &Path, o: SubmitOptions) -> anyhow::Result<String> {
+    let SubmitOptions { idempotency_key, agent, capability_handles, cancel_policy } = o;
+    let cancel_policy = match cancel_policy {
+        Some(CancelPolicyArg::AfterToolCall) => pb::CancelPolicy::AfterToolCall,
+        _ => pb::CancelPolicy::Immediate,
+    };
     let plan_json = std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
     let resp = runs_client(&target.endpoint)
         .await?
@@ -126,7 +153,7 @@ pub async fn submit(
             plan_json,
             goal: String::new(),
             idempotency_key: idempotency_key.unwrap_or_default(),
-            cancel_policy: pb::CancelPolicy::Immediate as i32,
+            cancel_policy: cancel_policy as i32,
             agent: agent.unwrap_or_default(),
             capability_handles,
         })
@@ -256,8 +283,14 @@ pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Res
 
 pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
     match cmd {
-        RunCommand::Submit { plan, wait: w, idempotency_key, agent, capabilities } => {
-            let run_id = submit(target, &plan, idempotency_key, agent, capabilities).await?;
+        RunCommand::Submit { plan, wait: w, idempotency_key, agent, capabilities, cancel_policy } => {
+            let o = SubmitOptions {
+                idempotency_key,
+                agent,
+                capability_handles: capabilities,
+                cancel_policy: Some(cancel_policy),
+            };
+            let run_id = submit(target, &plan, o).await?;
             println!("{run_id}");
             if w {
                 let run = wait(target, &run_id).await?;
@@ -267,6 +300,22 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
                 }
                 return Ok(exit_code(&run));
             }
+            Ok(0)
+        }
+        RunCommand::Cancel { run_id, reason, wait: w } => {
+            let status = runs_client(&target.endpoint)
+                .await?
+                .cancel_run(pb::CancelRunRequest { tenant: target.tenant.clone(), run_id: run_id.clone(), reason })
+                .await
+                .map_err(|s| anyhow::anyhow!("cancel refused: {}", describe(&s)))?
+                .into_inner()
+                .status;
+            if w {
+                let run = wait(target, &run_id).await?;
+                println!("{}", status_name(run.status));
+                return Ok(exit_code(&run));
+            }
+            println!("{}", status_name(status));
             Ok(0)
         }
         RunCommand::Status { run_id, json } => {
@@ -300,7 +349,7 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
 
 /// What `make run` shows: submit, wait, events, status, verification.
 pub async fn demo(target: &Target, plan: &Path) -> anyhow::Result<()> {
-    let run_id = submit(target, plan, None, None, Vec::new()).await?;
+    let run_id = submit(target, plan, SubmitOptions::default()).await?;
     println!("\nsubmitted {} as run {run_id}", plan.display());
     let run = wait(target, &run_id).await?;
     println!("\nevents (seq, timestamp, type, step):");

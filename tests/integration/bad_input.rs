@@ -76,11 +76,7 @@ async fn bad_submissions_name_the_field_and_write_nothing() {
 #[tokio::test]
 async fn unimplemented_rpcs_say_so() {
     let mesh = mesh_on(Backend::Sqlite).await;
-    let e = mesh
-        .runs()
-        .cancel_run(pb::CancelRunRequest { tenant: "acme".into(), run_id: "x".into(), reason: String::new() })
-        .await
-        .expect_err("unimplemented");
+    let e = mesh.runs().reconcile_step(pb::ReconcileStepRequest::default()).await.expect_err("unimplemented");
     assert_eq!(e.code(), tonic::Code::Unimplemented);
     assert!(!e.message().is_empty());
     let mut planner = warden_proto::v1::planner_client::PlannerClient::new(mesh.planner.channel());

@@ -406,6 +406,119 @@ async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second
     assert_eq!(first.event, second.event, "the first event is returned unchanged");
 }
 
+/// Waits until step `step` of the run is running.
+async fn step_running(mesh: &warden_testkit::Mesh, run_id: &str, step: &str) -> Option<()> {
+    warden_testkit::eventually(Duration::from_secs(60), || {
+        let mut runs = mesh.runs();
+        let req = pb::GetRunRequest { tenant: "acme".into(), run_id: run_id.to_string() };
+        async move {
+            let run = runs.get_run(req).await.ok()?.into_inner();
+            run.steps.iter().any(|s| s.id == step && s.status() == pb::StepStatus::Running).then_some(())
+        }
+    })
+    .await
+}
+
+/// K16: cancellation follows the run's declared cancel policy. A step whose tool is already
+/// working finishes and is recorded (an effect that started cannot be un-started); nothing
+/// starts after the request; a run blocked on an approval ends without its call; cancelling
+/// again changes nothing; a run that ended otherwise cannot be cancelled.
+#[tokio::test]
+async fn k16_cancellation_follows_the_declared_cancel_policy() {
+    use tonic::Code;
+    let mut opts = MeshOptions {
+        approval_rules: vec![("acme".into(), vec!["email.send".into()], vec!["alice".into()])],
+        ..MeshOptions::default()
+    };
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let submit_with = |plan_json: String, policy: pb::CancelPolicy| {
+        let req = pb::SubmitRunRequest {
+            tenant: "acme".into(),
+            plan_json,
+            cancel_policy: policy as i32,
+            ..Default::default()
+        };
+        let mut runs = mesh.runs();
+        async move { runs.submit_run(req).await.expect("submit").into_inner().run_id }
+    };
+    let cancel = |run_id: &str| {
+        let req = pb::CancelRunRequest { tenant: "acme".into(), run_id: run_id.into(), reason: "operator stop".into() };
+        let mut runs = mesh.runs();
+        async move { runs.cancel_run(req).await.map(|r| r.into_inner().status()) }
+    };
+    for (policy, name) in
+        [(pb::CancelPolicy::Immediate, "immediate"), (pb::CancelPolicy::AfterToolCall, "after_tool_call")]
+    {
+        let work = plan(&[("nap", "sleep", json!({"ms": 4000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
+        let id = submit_with(work, policy).await;
+        step_running(&mesh, &id, "nap").await.expect("the nap starts");
+        assert_eq!(cancel(&id).await.expect("cancel"), pb::RunStatus::Active);
+        let run = settled(&mesh, "acme", &id).await;
+        assert_eq!(run.status(), pb::RunStatus::Cancelled, "{name}: {}", run.reason);
+        assert!(run.reason.contains("operator stop"), "{}", run.reason);
+        let step = |sid: &str| run.steps.iter().find(|s| s.id == sid).expect("step").clone();
+        assert_eq!(step("nap").status(), pb::StepStatus::Completed, "{name}: the started call finished");
+        assert_eq!(step("after").status(), pb::StepStatus::Cancelled, "{name}: nothing new started");
+        assert!(step("after").error.contains(name), "the policy is on record: {}", step("after").error);
+        let receipts = mesh
+            .ledger()
+            .list_receipts(pb::ListReceiptsRequest { tenant: "acme".into(), run_id: id.clone(), ..Default::default() })
+            .await
+            .expect("receipts")
+            .into_inner()
+            .receipts;
+        let mut statuses: Vec<(&str, &str)> =
+            receipts.iter().map(|r| (r.step_id.as_str(), r.status.as_str())).collect();
+        statuses.sort();
+        assert_eq!(statuses, [("after", "cancelled"), ("nap", "ok")], "{name}: one receipt per call");
+        assert_eq!(cancel(&id).await.expect("again"), pb::RunStatus::Cancelled, "cancelling twice changes nothing");
+        let evs = events(&mut mesh.ledger(), "acme", &id).await;
+        assert_eq!(evs.iter().filter(|e| e.event_type == "run_cancel_requested").count(), 1);
+        assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+    }
+
+    let mail = plan(&[("mail", "email.send", json!({"to": "ops@example.com", "subject": "s", "body": "b"}), &[])]);
+    let id = submit_with(mail, pb::CancelPolicy::Immediate).await;
+    let blocked = warden_testkit::eventually(Duration::from_secs(60), || {
+        let mut runs = mesh.runs();
+        let req = pb::GetRunRequest { tenant: "acme".into(), run_id: id.clone() };
+        async move { (runs.get_run(req).await.ok()?.into_inner().status() == pb::RunStatus::Blocked).then_some(()) }
+    });
+    blocked.await.expect("the run blocks on its approval");
+    assert_eq!(cancel(&id).await.expect("cancel"), pb::RunStatus::Blocked);
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Cancelled, "{}", run.reason);
+    assert!(mesh.outbox().is_empty(), "the gated mail never went out");
+
+    let done = submit(&mesh, "acme", &plan(&[("only", "echo", json!({"n": 2}), &[])])).await;
+    assert_eq!(settled(&mesh, "acme", &done).await.status(), pb::RunStatus::Completed);
+    assert_eq!(cancel(&done).await.expect_err("ended").code(), Code::FailedPrecondition);
+    assert_eq!(cancel("no-such-run").await.expect_err("unknown").code(), Code::NotFound);
+}
+
+/// K16 across replicas: a cancellation that reaches an executor other than the one driving
+/// the run is signalled through Redis, and the driver stops the run.
+#[tokio::test]
+async fn k16_a_cancel_reaching_another_replica_stops_the_run() {
+    let mut opts = MeshOptions { executors: 2, ..MeshOptions::default() };
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let work = plan(&[("nap", "sleep", json!({"ms": 4000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
+    let id = submit(&mesh, "acme", &work).await;
+    step_running(&mesh, &id, "nap").await.expect("the nap starts");
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let owner = evs.iter().find(|e| e.event_type == "run_started").map(|e| payload(e)["executor"].clone());
+    let other = if owner == Some(json!("executor-0")) { 1 } else { 0 };
+    let mut runs = warden_proto::v1::runs_client::RunsClient::new(mesh.executors[other].channel());
+    let req = pb::CancelRunRequest { tenant: "acme".into(), run_id: id.clone(), reason: "from elsewhere".into() };
+    runs.cancel_run(req).await.expect("cancel through the other replica");
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Cancelled, "{}\n{}", run.reason, mesh.logs());
+    let after = run.steps.iter().find(|s| s.id == "after").expect("after");
+    assert_eq!(after.status(), pb::StepStatus::Cancelled);
+}
+
 /// K14: capability handles cannot be forged; expired, revoked, another tenant's and
 /// out-of-scope ones are refused — each refusal a recorded deny — and an allow names the
 /// capability it used (never the handle).

@@ -20,6 +20,9 @@ pub const RUN_REQUIRES_RECONCILIATION: &str = "run_requires_reconciliation";
 pub const RUN_SUMMARY: &str = "run_summary";
 /// A blocked run may go on (its approval was resolved): back to pending for any executor.
 pub const RUN_RESUMED: &str = "run_resumed";
+/// Someone asked to cancel the run; the executor driving it applies the run's cancel policy
+/// and ends it `run_cancelled`. Changes no status by itself.
+pub const RUN_CANCEL_REQUESTED: &str = "run_cancel_requested";
 pub const TX_PROPOSED: &str = "tx_proposed";
 pub const TX_COMMITTED: &str = "tx_committed";
 pub const TX_ROLLED_BACK: &str = "tx_rolled_back";
@@ -48,6 +51,7 @@ pub const KNOWN: &[&str] = &[
     RUN_REQUIRES_RECONCILIATION,
     RUN_SUMMARY,
     RUN_RESUMED,
+    RUN_CANCEL_REQUESTED,
     TX_PROPOSED,
     TX_COMMITTED,
     TX_ROLLED_BACK,

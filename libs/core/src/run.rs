@@ -38,6 +38,10 @@ pub struct RunView {
     pub plan: Option<Plan>,
     /// The agent the run acts for (empty: the tenant itself), from `run_submitted`.
     pub agent: String,
+    /// The run's cancel policy (the proto enum's number), from `run_submitted`.
+    pub cancel_policy: i64,
+    /// Why the run is to be cancelled, once someone asked (`run_cancel_requested`).
+    pub cancel_requested: Option<String>,
     pub status: RunStatus,
     pub reason: String,
     pub steps: Vec<StepView>,
@@ -49,6 +53,8 @@ impl Default for RunView {
         RunView {
             plan: None,
             agent: String::new(),
+            cancel_policy: 0,
+            cancel_requested: None,
             status: RunStatus::Pending,
             reason: String::new(),
             steps: Vec::new(),
@@ -69,8 +75,13 @@ impl RunView {
             self.status = st;
             self.reason = str_field(payload, "reason").unwrap_or_default().to_string();
         }
+        if event_type == events::RUN_CANCEL_REQUESTED {
+            self.cancel_requested.get_or_insert_with(|| str_field(payload, "reason").unwrap_or_default().to_string());
+            return;
+        }
         if event_type == events::RUN_SUBMITTED {
             self.agent = str_field(payload, "agent").unwrap_or_default().to_string();
+            self.cancel_policy = payload.get("cancel_policy").and_then(Value::as_i64).unwrap_or_default();
             if let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {
                 self.steps = plan
                     .steps
@@ -114,6 +125,8 @@ impl RunView {
             events::STEP_CANCELLED => {
                 step.status = StepStatus::Cancelled;
                 step.error = str_field(payload, "reason").map(str::to_string);
+                // Cancelled before its tool was invoked: nothing is left unknown.
+                step.outcome_unknown = false;
             }
             _ => {}
         }

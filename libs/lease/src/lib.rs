@@ -94,7 +94,30 @@ impl LeaseStore {
             LeaseStore::Memory(m) => Ok(m.is_held(run_id)),
         }
     }
+
+    /// Tells whichever executor drives the run that it is to be cancelled (the ledger's
+    /// `run_cancel_requested` event is the durable record; this is the fast signal).
+    pub async fn request_cancel(&self, run_id: &str) -> Result<(), LeaseError> {
+        match self {
+            LeaseStore::Redis(r) => r.request_cancel(run_id).await,
+            LeaseStore::Memory(m) => {
+                m.lock().cancels.insert(run_id.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether a cancellation of the run was signalled.
+    pub async fn cancel_requested(&self, run_id: &str) -> Result<bool, LeaseError> {
+        match self {
+            LeaseStore::Redis(r) => r.cancel_requested(run_id).await,
+            LeaseStore::Memory(m) => Ok(m.lock().cancels.contains(run_id)),
+        }
+    }
 }
+
+/// How long a cancellation signal stays in Redis (the ledger keeps the request for good).
+const CANCEL_SIGNAL_SECS: u64 = 7 * 24 * 3600;
 
 const ACQUIRE: &str = r"
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
@@ -195,12 +218,30 @@ impl RedisLeases {
         let n: i64 = redis::cmd("EXISTS").arg(self.lease_key(run_id)).query_async(&mut conn).await?;
         Ok(n == 1)
     }
+
+    fn cancel_key(&self, run_id: &str) -> String {
+        format!("{}:cancel:{run_id}", self.prefix)
+    }
+
+    async fn request_cancel(&self, run_id: &str) -> Result<(), LeaseError> {
+        let mut conn = self.conn.clone();
+        let key = self.cancel_key(run_id);
+        let _: () = redis::cmd("SET").arg(key).arg(1).arg("EX").arg(CANCEL_SIGNAL_SECS).query_async(&mut conn).await?;
+        Ok(())
+    }
+
+    async fn cancel_requested(&self, run_id: &str) -> Result<bool, LeaseError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = redis::cmd("EXISTS").arg(self.cancel_key(run_id)).query_async(&mut conn).await?;
+        Ok(n == 1)
+    }
 }
 
 #[derive(Default)]
 struct MemoryState {
     leases: HashMap<String, (String, Instant)>,
     epochs: HashMap<String, u64>,
+    cancels: std::collections::HashSet<String>,
 }
 
 /// In-process leases for a single executor (`warden dev`); same semantics as Redis.

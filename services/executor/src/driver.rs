@@ -45,6 +45,8 @@ enum StepOutcome {
         decision_id: String,
         reason: String,
     },
+    /// The run is being cancelled and the step's tool was never invoked.
+    Cancelled,
 }
 
 /// How often an idempotent tool is asked before an unknown outcome goes to an operator.
@@ -60,6 +62,10 @@ struct RunCtx {
     agent: String,
     epoch: u64,
     lost: CancellationToken,
+    /// Fires when someone asked to cancel the run (see `Runs.CancelRun`).
+    cancel: CancellationToken,
+    /// The run's cancel policy: immediate (also the default) or after the tool call.
+    cancel_policy: pb::CancelPolicy,
 }
 
 impl RunCtx {
@@ -115,8 +121,23 @@ impl RunCtx {
         Ok(StepOutcome::Failed(reason))
     }
 
+    async fn step_cancelled(&self, step_id: &str, reason: &str) -> Result<StepOutcome, DriveError> {
+        let key = self.step_key(step_id, 0, "cancelled");
+        let reason = format!("{reason} ({})", policy_name(self.cancel_policy));
+        self.append(events::STEP_CANCELLED, step_id, key, json!({"reason": reason})).await?;
+        Ok(StepOutcome::Cancelled)
+    }
+
     fn step_key(&self, step_id: &str, attempt: u32, what: &str) -> String {
         format!("{}:{step_id}:{attempt}:{what}", self.run_id)
+    }
+}
+
+/// How a cancel policy reads in a step's reason (and so in its receipt).
+fn policy_name(p: pb::CancelPolicy) -> &'static str {
+    match p {
+        pb::CancelPolicy::AfterToolCall | pb::CancelPolicy::AfterToken => "cancel policy after_tool_call",
+        _ => "cancel policy immediate",
     }
 }
 
@@ -171,7 +192,8 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         return Ok(()); // another replica drives it
     };
     let lost = CancellationToken::new();
-    let renewal = tokio::spawn(renew(ex.clone(), lease.clone(), ttl, lost.clone()));
+    let cancel = ex.cancel_token(run_id);
+    let renewal = tokio::spawn(renew(ex.clone(), lease.clone(), ttl, lost.clone(), cancel.clone()));
     let ctx = RunCtx {
         ex: ex.clone(),
         run_id: run_id.to_string(),
@@ -179,6 +201,8 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         agent: String::new(),
         epoch: lease.epoch,
         lost: lost.clone(),
+        cancel,
+        cancel_policy: pb::CancelPolicy::Immediate,
     };
     let mut result = drive_leased(&ctx).await;
     if let Err(DriveError::Ledger(s)) = &result
@@ -191,6 +215,7 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         result = finish(&ctx, events::RUN_FAILED, json!({"reason": reason})).await;
     }
     renewal.abort();
+    ex.forget_cancel_token(run_id);
     if let Err(e) = ex.inner.leases.release(&lease).await {
         tracing::warn!(run_id, error = %e, "lease release failed; it will expire");
     }
@@ -199,11 +224,15 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
 
 /// Keeps the lease alive. The holder stops (`lost`) as soon as a renewal fails, and also when
 /// no renewal has succeeded for a whole TTL (a hung lease store must not let it run on past
-/// the point where another executor may take over).
-async fn renew(ex: Executor, lease: RunLease, ttl: Duration, lost: CancellationToken) {
+/// the point where another executor may take over). Each round also looks for a cancellation
+/// signalled through the lease store by another replica.
+async fn renew(ex: Executor, lease: RunLease, ttl: Duration, lost: CancellationToken, cancel: CancellationToken) {
     let mut valid_until = tokio::time::Instant::now() + ttl;
     loop {
         tokio::time::sleep(ttl / 3).await;
+        if !cancel.is_cancelled() && ex.inner.leases.cancel_requested(&lease.run_id).await.unwrap_or(false) {
+            cancel.cancel();
+        }
         let attempt_started = tokio::time::Instant::now();
         let budget = valid_until.saturating_duration_since(attempt_started);
         let renewed = tokio::time::timeout(budget, ex.inner.leases.renew(&lease, ttl)).await;
@@ -243,7 +272,14 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
     if !matches!(view.status, RunStatus::Pending | RunStatus::Active) {
         return Ok(());
     }
-    let ctx = &RunCtx { agent: view.agent.clone(), ..ctx.clone() };
+    let cancel_policy = match pb::CancelPolicy::try_from(view.cancel_policy as i32) {
+        Ok(pb::CancelPolicy::AfterToolCall | pb::CancelPolicy::AfterToken) => pb::CancelPolicy::AfterToolCall,
+        _ => pb::CancelPolicy::Immediate,
+    };
+    let ctx = &RunCtx { agent: view.agent.clone(), cancel_policy, ..ctx.clone() };
+    if view.cancel_requested.is_some() {
+        ctx.cancel.cancel();
+    }
     let Some(plan) = view.plan.clone() else {
         return finish(
             ctx,
@@ -297,10 +333,27 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
     let mut reconcile: Option<(String, String)> = None;
     // A step waiting for an approval: nothing new starts, the run blocks once the rest settles.
     let mut blocked: Option<(String, String, String)> = None;
+    let mut cancel_seen = false;
     let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
     loop {
         if ctx.lost.is_cancelled() {
             return Err(DriveError::LeaseLost);
+        }
+        // Cancelled: nothing new starts; steps already running settle by the cancel policy.
+        if ctx.cancel.is_cancelled() {
+            for &i in &order {
+                let step = &plan.steps[i];
+                if status[&step.id] == StepStatus::Pending {
+                    ctx.append(
+                        events::STEP_CANCELLED,
+                        &step.id,
+                        ctx.step_key(&step.id, 0, "cancelled"),
+                        json!({"reason": format!("the run was cancelled ({})", policy_name(ctx.cancel_policy))}),
+                    )
+                    .await?;
+                    status.insert(step.id.clone(), StepStatus::Cancelled);
+                }
+            }
         }
         let mut launched = false;
         // Dependents of a failed, denied or cancelled step are cancelled (in dependency order,
@@ -375,6 +428,11 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         let joined = tokio::select! {
             j = running.join_next() => j,
             _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+            // Wake up to cancel the steps that have not started (once).
+            _ = ctx.cancel.cancelled(), if !cancel_seen => {
+                cancel_seen = true;
+                continue;
+            }
         };
         let Some(joined) = joined else { continue };
         let (step_id, outcome) =
@@ -396,7 +454,22 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 status.insert(step_id.clone(), StepStatus::Pending);
                 blocked.get_or_insert((step_id, decision_id, reason));
             }
+            StepOutcome::Cancelled => {
+                status.insert(step_id, StepStatus::Cancelled);
+            }
         }
+    }
+    let count = |st: StepStatus| status.values().filter(|s| **s == st).count();
+    let summary = json!({
+        "completed": count(StepStatus::Completed),
+        "failed": count(StepStatus::Failed) + count(StepStatus::Denied),
+        "cancelled": count(StepStatus::Cancelled),
+    });
+    if ctx.cancel.is_cancelled() && reconcile.is_none() {
+        let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+        let why = view.cancel_requested.unwrap_or_default();
+        let reason = if why.is_empty() { "cancelled on request".to_string() } else { format!("cancelled: {why}") };
+        return finish(ctx, events::RUN_CANCELLED, json!({"reason": reason, "summary": summary})).await;
     }
     if let Some((step_id, decision_id, reason)) = blocked {
         let payload = json!({"reason": reason, "step_id": step_id, "decision_id": decision_id});
@@ -408,12 +481,6 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         let reason = format!("step '{step_id}' has an unknown outcome: {why}");
         return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": step_id})).await;
     }
-    let count = |st: StepStatus| status.values().filter(|s| **s == st).count();
-    let summary = json!({
-        "completed": count(StepStatus::Completed),
-        "failed": count(StepStatus::Failed) + count(StepStatus::Denied),
-        "cancelled": count(StepStatus::Cancelled),
-    });
     match first_failure {
         None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await,
         Some(reason) => finish(ctx, events::RUN_FAILED, json!({"reason": reason, "summary": summary})).await,
@@ -432,6 +499,9 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
         }
         payload
     };
+    if ctx.cancel.is_cancelled() {
+        return ctx.step_cancelled(&step.id, "the run was cancelled before the step started").await;
+    }
     let tools = match ctx.ex.inner.catalog.tools().await {
         Ok(t) => t,
         Err(s) => {
@@ -486,6 +556,10 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
         );
         return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     };
+    // Immediate cancellation: an allowed call whose tool was not invoked yet never is.
+    if ctx.cancel.is_cancelled() && ctx.cancel_policy == pb::CancelPolicy::Immediate {
+        return ctx.step_cancelled(&step.id, "the run was cancelled before the tool was invoked").await;
+    }
     ctx.append(
         events::TOOL_REQUESTED,
         &step.id,

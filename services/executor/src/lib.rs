@@ -11,11 +11,12 @@
 pub mod driver;
 pub mod runs;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
 use warden_config::ExecutorConfig;
@@ -45,6 +46,8 @@ pub(crate) struct Inner {
     pub leases: LeaseStore,
     /// Runs this replica is driving right now.
     pub driving: Mutex<HashSet<String>>,
+    /// Cancellation tokens of the runs this replica holds the lease of.
+    pub cancels: Mutex<HashMap<String, CancellationToken>>,
 }
 
 impl Executor {
@@ -71,12 +74,31 @@ impl Executor {
                 catalog: ToolCatalog::new(&config.tool_hosts)?,
                 leases,
                 driving: Mutex::default(),
+                cancels: Mutex::default(),
             }),
         })
     }
 
     pub fn id(&self) -> &str {
         &self.inner.id
+    }
+
+    /// The cancellation token of a run this replica drives (created on first use).
+    pub(crate) fn cancel_token(&self, run_id: &str) -> CancellationToken {
+        let mut c = self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner());
+        c.entry(run_id.to_string()).or_default().clone()
+    }
+
+    pub(crate) fn forget_cancel_token(&self, run_id: &str) {
+        self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner()).remove(run_id);
+    }
+
+    /// Cancels the run at once if this replica drives it; other replicas notice the signal in
+    /// the lease store.
+    pub(crate) fn signal_cancel(&self, run_id: &str) {
+        if let Some(t) = self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner()).get(run_id) {
+            t.cancel();
+        }
     }
 
     /// Starts driving `run_id` in the background unless this replica already is.

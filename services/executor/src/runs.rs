@@ -1,6 +1,8 @@
 //! The `Runs` gRPC service: the front door clients submit and inspect runs through.
 
+use serde_json::json;
 use tonic::{Code, Request, Response, Status};
+use warden_core::events;
 use warden_core::ids::check_id;
 use warden_core::run::StepStatus;
 use warden_grpc::invalid_field;
@@ -223,8 +225,74 @@ impl Runs for RunsService {
         Ok(Response::new(pb::ListRunsResponse { runs, next_page_token: page.next_page_token }))
     }
 
-    async fn cancel_run(&self, _: Request<pb::CancelRunRequest>) -> Result<Response<pb::CancelRunResponse>, Status> {
-        Err(Status::unimplemented("Runs.CancelRun is not available in this Warden release"))
+    /// Records the request (`run_cancel_requested`, once), signals the executor driving the run
+    /// and answers the run's status at that moment; the run ends `cancelled` once its cancel
+    /// policy lets it (immediate: no tool is invoked after the request; after_tool_call: steps
+    /// already authorized finish). A blocked run is resumed to be cancelled. Cancelling a
+    /// cancelled run changes nothing; a run that ended otherwise, or one waiting for an unknown
+    /// outcome to be reconciled, is FAILED_PRECONDITION.
+    async fn cancel_run(&self, req: Request<pb::CancelRunRequest>) -> Result<Response<pb::CancelRunResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        if r.reason.len() > 1024 || r.reason.contains('\0') {
+            return Err(invalid_field("reason", "at most 1024 bytes of text"));
+        }
+        let mut ledger = self.ex.inner.ledger.clone();
+        for _ in 0..5 {
+            let get = pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() };
+            let run = ledger.get_run(get).await?.into_inner();
+            let status = run.status();
+            match status {
+                pb::RunStatus::Cancelled => return Ok(Response::new(pb::CancelRunResponse { status: status as i32 })),
+                pb::RunStatus::Completed | pb::RunStatus::Failed | pb::RunStatus::EmptyPlan => {
+                    let name = status.as_str_name().trim_start_matches("RUN_STATUS_").to_lowercase();
+                    return Err(Status::failed_precondition(format!("run {} already ended {name}", r.run_id)));
+                }
+                pb::RunStatus::RequiresReconciliation => {
+                    return Err(Status::failed_precondition(format!(
+                        "run {} has a step whose outcome is unknown; it must be reconciled before the run can end",
+                        r.run_id
+                    )));
+                }
+                _ => {}
+            }
+            // Appended at the run's current epoch: it does not fence out the executor driving it.
+            let append = |event_type: &str, key: &str, payload: serde_json::Value| pb::AppendEventRequest {
+                tenant: r.tenant.clone(),
+                run_id: r.run_id.clone(),
+                epoch: run.max_epoch,
+                idempotency_key: key.to_string(),
+                event_type: event_type.to_string(),
+                payload_json: payload.to_string(),
+                step_id: String::new(),
+            };
+            let requested = append(events::RUN_CANCEL_REQUESTED, "cancel_requested", json!({"reason": r.reason}));
+            match ledger.append_event(requested).await {
+                Ok(_) => {}
+                // A new epoch or a status change raced us: look again.
+                Err(s) if s.code() == Code::FailedPrecondition => continue,
+                Err(s) => return Err(s),
+            }
+            if let Err(e) = self.ex.inner.leases.request_cancel(&r.run_id).await {
+                tracing::warn!(run_id = %r.run_id, error = %e, "cancel signal not stored; the driver sees the request at its next start");
+            }
+            self.ex.signal_cancel(&r.run_id);
+            if status == pb::RunStatus::Blocked {
+                let resumed =
+                    append(events::RUN_RESUMED, "resumed:cancel", json!({"reason": "resumed to be cancelled"}));
+                if let Err(s) = ledger.append_event(resumed).await
+                    && s.code() != Code::FailedPrecondition
+                {
+                    return Err(s);
+                }
+            }
+            self.ex.dispatch(r.run_id.clone());
+            tracing::info!(run_id = %r.run_id, "cancellation requested");
+            return Ok(Response::new(pb::CancelRunResponse { status: status as i32 }));
+        }
+        Err(Status::aborted("the run kept changing; try again"))
     }
 
     async fn reconcile_step(&self, _: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {
