@@ -519,6 +519,25 @@ async fn k16_a_cancel_reaching_another_replica_stops_the_run() {
     assert_eq!(after.status(), pb::StepStatus::Cancelled);
 }
 
+/// K08: a step's timeout comes only from its tool's declaration. A plan cannot set one (an
+/// unknown step field is refused), and a tool that outlives its declared `timeout_sec` leaves
+/// its outcome unknown once the (idempotent) re-asks run out: the run waits for an operator.
+#[tokio::test]
+async fn k08_the_timeout_comes_only_from_the_tool_declaration() {
+    let mut opts = MeshOptions { tools_extra: "timeout_secs = { sleep = 1 }".into(), ..MeshOptions::default() };
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let with_timeout = json!({"steps": [{"id": "nap", "tool": "sleep", "params": {"ms": 10}, "timeout_sec": 30}]});
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: with_timeout.to_string(), ..Default::default() };
+    let e = mesh.runs().submit_run(req).await.expect_err("a plan cannot carry a timeout");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    let id = submit(&mesh, "acme", &plan(&[("nap", "sleep", json!({"ms": 8000}), &[])])).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::RequiresReconciliation, "{}", run.reason);
+    assert!(run.reason.contains("no answer within 1s"), "the declared 1 s applied: {}", run.reason);
+}
+
 /// K14: capability handles cannot be forged; expired, revoked, another tenant's and
 /// out-of-scope ones are refused — each refusal a recorded deny — and an allow names the
 /// capability it used (never the handle).

@@ -107,7 +107,7 @@ async fn a_resubmitted_idempotency_key_returns_the_first_run() {
 }
 
 #[tokio::test]
-async fn a_killed_executor_loses_no_run_and_repeats_no_completed_step() {
+async fn k12_killing_an_executor_loses_no_run_and_repeats_no_completed_step() {
     let mut opts = MeshOptions { executors: 2, ..MeshOptions::default() };
     opts.tenants[0].1.push("sleep".into());
     let mut mesh = mesh_with(Backend::Postgres, opts).await;

@@ -276,6 +276,9 @@ pub struct ToolsConfig {
     pub policy_endpoint: String,
     /// Where `email.send` appends its messages, one JSON object per line.
     pub outbox_path: String,
+    /// The `timeout_sec` the host declares for a tool, by name (default 10 for every demo tool;
+    /// 0 declares none, so executors fall back to 60 s).
+    pub timeout_secs: BTreeMap<String, u32>,
 }
 
 impl Default for ToolsConfig {
@@ -284,6 +287,7 @@ impl Default for ToolsConfig {
             listen: "127.0.0.1:7105".into(),
             policy_endpoint: "http://127.0.0.1:7102".into(),
             outbox_path: ".warden/outbox.jsonl".into(),
+            timeout_secs: BTreeMap::new(),
         }
     }
 }

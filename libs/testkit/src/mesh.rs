@@ -30,6 +30,8 @@ pub struct MeshOptions {
     pub executors: usize,
     /// Extra TOML lines for the `[policy]` section (keys, then `[[policy.…]]` tables).
     pub policy_extra: String,
+    /// Appended to the `[tools]` section (e.g. `timeout_secs = { sleep = 1 }`).
+    pub tools_extra: String,
     /// `(tenant, extra TOML lines for its [policy.tenants.<tenant>] section)`.
     pub tenant_extra: Vec<(String, String)>,
     /// `(tenant, calls per minute)`.
@@ -68,6 +70,7 @@ impl Default for MeshOptions {
             rate_rules: Vec::new(),
             tenant_extra: Vec::new(),
             policy_extra: String::new(),
+            tools_extra: String::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
         }
@@ -262,7 +265,7 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\n\n",
         opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms
     ));
-    s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n\n", dir.join("outbox.jsonl").display()));
+    s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n{}\n\n", dir.join("outbox.jsonl").display(), opts.tools_extra));
     s.push_str(&format!("[auth]\ntoken = \"{}\"\n[auth.tokens]\n", opts.service_token));
     for (token, scope) in &opts.auth_tokens {
         s.push_str(&format!("\"{token}\" = \"{scope}\"\n"));

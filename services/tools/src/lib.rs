@@ -43,6 +43,8 @@ pub struct ToolHostService {
     keys: Arc<RwLock<HashMap<String, VerifyingKey>>>,
     policy: PolicyClient<warden_grpc::auth::Ch>,
     outcomes: Arc<Mutex<Outcomes>>,
+    /// What `ListTools` declares (timeouts as configured).
+    specs: Arc<Vec<pb::ToolSpec>>,
 }
 
 impl ToolHostService {
@@ -52,6 +54,17 @@ impl ToolHostService {
             keys: Default::default(),
             policy: PolicyClient::new(warden_grpc::channel(&config.policy_endpoint)?),
             outcomes: Default::default(),
+            specs: Arc::new(
+                tools::specs()
+                    .into_iter()
+                    .map(|mut s| {
+                        if let Some(t) = config.timeout_secs.get(&s.name) {
+                            s.timeout_sec = *t;
+                        }
+                        s
+                    })
+                    .collect(),
+            ),
         })
     }
 
@@ -94,7 +107,7 @@ impl ToolHostService {
 #[tonic::async_trait]
 impl ToolHost for ToolHostService {
     async fn list_tools(&self, _: Request<pb::ListToolsRequest>) -> Result<Response<pb::ListToolsResponse>, Status> {
-        Ok(Response::new(pb::ListToolsResponse { tools: tools::specs() }))
+        Ok(Response::new(pb::ListToolsResponse { tools: self.specs.to_vec() }))
     }
 
     async fn invoke(&self, req: Request<pb::InvokeRequest>) -> Result<Response<pb::InvokeResponse>, Status> {
