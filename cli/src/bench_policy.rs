@@ -181,6 +181,7 @@ pub async fn run() -> anyhow::Result<()> {
         idempotency_key: format!("{run_id}:s{i}:1"),
         epoch: 0,
         agent: String::new(),
+        retry_of: String::new(),
     };
     let mut h = Histogram::<u64>::new(3)?;
     let mut p = policy.clone();

@@ -55,6 +55,7 @@ pub async fn run(target: &Target, policy_endpoint: &str, cmd: PolicyCommand) -> 
                 idempotency_key: "dry-run:check:1".into(),
                 epoch: 0,
                 agent: s("agent", ""),
+                retry_of: String::new(),
             };
             let d = PolicyClient::new(warden_grpc::channel(policy_endpoint)?)
                 .check(req)

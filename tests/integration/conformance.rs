@@ -31,6 +31,7 @@ fn authorize_request(run_id: &str, args: &Value) -> pb::AuthorizeRequest {
         idempotency_key: format!("{run_id}:s1:1"),
         epoch: 0,
         agent: String::new(),
+        retry_of: String::new(),
     }
 }
 
@@ -538,6 +539,153 @@ async fn k08_the_timeout_comes_only_from_the_tool_declaration() {
     assert!(run.reason.contains("no answer within 1s"), "the declared 1 s applied: {}", run.reason);
 }
 
+fn retrying_mesh_options() -> MeshOptions {
+    let mut opts = MeshOptions {
+        executor_extra: "retry_backoff_base_ms = 10".into(),
+        approval_rules: vec![("acme".into(), vec!["flaky".into()], vec!["alice".into()])],
+        ..MeshOptions::default()
+    };
+    opts.tenants[0].1.push("flaky".into());
+    opts.tenants.push(("limited".into(), vec!["echo".into()]));
+    opts
+}
+
+fn rules_of(evs: &[pb::Event], step: &str) -> Vec<String> {
+    evs.iter()
+        .filter(|e| e.event_type == "policy_decision" && e.step_id == step)
+        .map(|e| payload(e)["rule_id"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+async fn approve_pending(mesh: &warden_testkit::Mesh, run_id: &str, approve: bool) -> usize {
+    let mut approvals = warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel());
+    let found = warden_testkit::eventually(Duration::from_secs(60), || {
+        let mut a = approvals.clone();
+        let run_id = run_id.to_string();
+        async move {
+            let req = pb::ListApprovalsRequest { tenant: "acme".into(), ..Default::default() };
+            let all = a.list(req).await.ok()?.into_inner().approvals;
+            let mine: Vec<_> = all.into_iter().filter(|x| x.run_id == run_id).collect();
+            (!mine.is_empty()).then_some(mine)
+        }
+    })
+    .await
+    .expect("an approval is requested");
+    let req = pb::ResolveApprovalRequest {
+        tenant: "acme".into(),
+        approval_id: found[0].approval_id.clone(),
+        approver: "alice".into(),
+        reason: "ok".into(),
+    };
+    if approve {
+        approvals.approve(req).await.expect("approve");
+    } else {
+        approvals.deny(req).await.expect("deny");
+    }
+    found.len()
+}
+
+/// K06: the pipeline order is fixed — decision, then the request, then the outcome, for
+/// every attempt — and policy and approval skip on retry: a retried call is re-authorized
+/// under the allow its first attempt got (rule `retry`) without a new approval, while every
+/// attempt is still recorded, signed and receipted.
+#[tokio::test]
+async fn k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced() {
+    let mesh = mesh_with(Backend::Sqlite, retrying_mesh_options()).await;
+    let id = submit(&mesh, "acme", &plan(&[("f", "flaky", json!({"succeed_on_attempt": 3}), &[])])).await;
+    assert_eq!(approve_pending(&mesh, &id, true).await, 1);
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+    assert_eq!(run.steps[0].attempts, 3);
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    assert_eq!(rules_of(&evs, "f"), ["approval_required", "approval_gate", "retry", "retry"]);
+    let approvals = warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel())
+        .list(pb::ListApprovalsRequest { tenant: "acme".into(), ..Default::default() })
+        .await
+        .expect("list")
+        .into_inner()
+        .approvals;
+    assert_eq!(approvals.iter().filter(|a| a.run_id == id).count(), 1, "one approval for all attempts");
+    let first_allow = evs
+        .iter()
+        .find(|e| e.event_type == "policy_decision" && payload(e)["rule_id"] == json!("approval_gate"))
+        .map(|e| payload(e)["decision_id"].clone())
+        .expect("first allow");
+    for attempt in 1..=3u64 {
+        let at = |t: &str| {
+            evs.iter().position(|e| e.event_type == t && payload(e)["attempt"] == json!(attempt) && e.step_id == "f")
+        };
+        let decision = evs
+            .iter()
+            .rposition(|e| {
+                e.event_type == "policy_decision"
+                    && payload(e)["attempt"] == json!(attempt)
+                    && payload(e)["outcome"] == json!("allow")
+            })
+            .expect("an allow per attempt");
+        let requested = at("tool_requested").expect("requested");
+        let outcome = at(if attempt < 3 { "tool_failed" } else { "tool_completed" }).expect("outcome");
+        assert!(decision < requested && requested < outcome, "attempt {attempt}: decision, request, outcome");
+        if attempt < 3 {
+            let retry = &payload(&evs[outcome])["retry"];
+            assert_eq!(retry["next_attempt"], json!(attempt + 1));
+            assert_eq!(retry["retry_of"], first_allow, "every retry names the first allow");
+            assert_eq!(retry["backoff_ms"], json!(10 << (attempt - 1)), "backoff doubles");
+        }
+    }
+    let receipts = mesh
+        .ledger()
+        .list_receipts(pb::ListReceiptsRequest { tenant: "acme".into(), run_id: id.clone(), ..Default::default() })
+        .await
+        .expect("receipts")
+        .into_inner()
+        .receipts;
+    let got: Vec<(u32, &str)> = receipts.iter().map(|r| (r.attempt, r.status.as_str())).collect();
+    assert_eq!(got, [(1, "error"), (2, "error"), (3, "ok")], "one receipt per attempt");
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+
+    // A retry naming an allow that is not the call's is refused (and recorded).
+    let fresh = bare_run(&mesh, "acme").await;
+    let mut forged = authorize_request(&fresh, &json!({"text": "x"}));
+    forged.attempt = 2;
+    forged.retry_of = first_allow.as_str().unwrap_or_default().to_string();
+    let d = mesh.policy().authorize(forged).await.expect("decide").into_inner().decision.expect("decision");
+    assert_eq!((d.outcome(), d.rule_id.as_str()), (pb::Outcome::Deny, "retry_unauthorized"));
+}
+
+/// K07: policy and human denials are decisions, never retried — even for a tool whose
+/// declared policy retries — and retryable failures stop at the declared number of attempts.
+#[tokio::test]
+async fn k07_policy_denied_and_human_denied_are_never_retried() {
+    let mesh = mesh_with(Backend::Sqlite, retrying_mesh_options()).await;
+    let flaky = |n: u64| plan(&[("f", "flaky", json!({"succeed_on_attempt": n}), &[])]);
+
+    let denied = submit(&mesh, "limited", &flaky(1)).await;
+    let run = settled(&mesh, "limited", &denied).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed);
+    assert_eq!(run.steps[0].status(), pb::StepStatus::Denied, "{}", run.reason);
+    let evs = events(&mut mesh.ledger(), "limited", &denied).await;
+    assert_eq!(rules_of(&evs, "f").len(), 1, "one decision, no retry");
+    assert!(!evs.iter().any(|e| e.event_type == "tool_requested"));
+
+    let refused = submit(&mesh, "acme", &flaky(1)).await;
+    approve_pending(&mesh, &refused, false).await;
+    let run = settled(&mesh, "acme", &refused).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed);
+    assert!(run.reason.contains("human_denied"), "{}", run.reason);
+    let evs = events(&mut mesh.ledger(), "acme", &refused).await;
+    assert_eq!(rules_of(&evs, "f"), ["approval_required", "human_denied"], "never retried");
+    assert!(!evs.iter().any(|e| e.event_type == "tool_requested"));
+
+    let exhausted = submit(&mesh, "acme", &flaky(9)).await;
+    approve_pending(&mesh, &exhausted, true).await;
+    let run = settled(&mesh, "acme", &exhausted).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed, "STANDARD stops after 3 attempts");
+    assert_eq!(run.steps[0].attempts, 3);
+    let evs = events(&mut mesh.ledger(), "acme", &exhausted).await;
+    assert_eq!(evs.iter().filter(|e| e.event_type == "tool_failed").count(), 3);
+}
+
 /// K14: capability handles cannot be forged; expired, revoked, another tenant's and
 /// out-of-scope ones are refused — each refusal a recorded deny — and an allow names the
 /// capability it used (never the handle).
@@ -586,6 +734,7 @@ async fn k14_capabilities(backend: Backend) {
             idempotency_key: format!("{run}:s{n}:1"),
             epoch: 0,
             agent: String::new(),
+            retry_of: String::new(),
         };
         let mut p = policy.clone();
         async move { p.authorize(req).await.expect("a decision").into_inner() }

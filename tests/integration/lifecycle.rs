@@ -133,6 +133,7 @@ async fn transactions(backend: Backend) {
                 idempotency_key: format!("{run}:commit-{tx}:1"),
                 epoch: 0,
                 agent: String::new(),
+                retry_of: String::new(),
             })
             .await
             .expect("authorize")

@@ -68,6 +68,7 @@ async fn cedar_policies_decide_and_reload_without_a_restart() {
             idempotency_key: "r:s:1".into(),
             epoch: 0,
             agent: String::new(),
+            retry_of: String::new(),
         })
         .await
         .expect("check")
@@ -257,6 +258,7 @@ fn authorize(run: &str, step: &str, tool: &str, args: serde_json::Value) -> pb::
         idempotency_key: format!("{run}:{step}:1"),
         epoch: 0,
         agent: String::new(),
+        retry_of: String::new(),
     }
 }
 

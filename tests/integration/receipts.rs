@@ -134,6 +134,7 @@ async fn k01_a_forged_decision_record_never_yields_a_signed_authorization() {
             idempotency_key: key,
             epoch: 0,
             agent: String::new(),
+            retry_of: String::new(),
         })
         .await
         .expect_err("policy refuses to sign on top of a forged record");

@@ -249,6 +249,9 @@ pub struct ExecutorConfig {
     pub max_plan_bytes: usize,
     /// Identity of this replica in leases and events; generated when empty.
     pub executor_id: String,
+    /// Retry backoff: attempt n waits `retry_backoff_base_ms × 2^(n-1)` after attempt n-1 failed
+    /// (seed 000's `2^attempt` seconds at the default 1000; smaller in tests).
+    pub retry_backoff_base_ms: u64,
 }
 
 impl Default for ExecutorConfig {
@@ -265,6 +268,7 @@ impl Default for ExecutorConfig {
             sweep_interval_ms: 2_000,
             max_plan_bytes: 256 * 1024,
             executor_id: String::new(),
+            retry_backoff_base_ms: 1_000,
         }
     }
 }

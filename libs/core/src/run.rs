@@ -31,6 +31,22 @@ pub struct StepView {
     pub outcome_unknown: bool,
     /// Idempotency key of the latest tool request.
     pub idempotency_key: Option<String>,
+    /// Once an attempt failed and another follows: the allow decision of the first attempt,
+    /// which every retry names (policy and approval skip on retry).
+    pub retry_of: Option<String>,
+}
+
+impl StepView {
+    /// The attempt a driver starts this pending step with, and the allow it retries: the
+    /// same attempt when its outcome is unknown (asked again with the same key), the next one
+    /// after a failure that is retried, else the first.
+    pub fn next_attempt(&self) -> (u32, Option<String>) {
+        match (&self.retry_of, self.outcome_unknown) {
+            (_, true) => (self.attempts.max(1), self.retry_of.clone().filter(|_| self.attempts > 1)),
+            (Some(first), false) => (self.attempts + 1, Some(first.clone())),
+            (None, false) => (1, None),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -95,6 +111,7 @@ impl RunView {
                         attempts: 0,
                         outcome_unknown: false,
                         idempotency_key: None,
+                        retry_of: None,
                     })
                     .collect();
                 self.plan = Some(plan);
@@ -121,6 +138,11 @@ impl RunView {
                 step.status = if denied { StepStatus::Denied } else { StepStatus::Failed };
                 step.error = str_field(payload, "reason").map(str::to_string);
                 step.outcome_unknown = false;
+                // A failed attempt that another follows leaves the step pending.
+                if let Some(first) = payload.get("retry").and_then(|r| r.get("retry_of")).and_then(Value::as_str) {
+                    step.status = StepStatus::Pending;
+                    step.retry_of = Some(first.to_string());
+                }
             }
             events::STEP_CANCELLED => {
                 step.status = StepStatus::Cancelled;
@@ -150,6 +172,23 @@ impl RunView {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_driver_resumes_a_step_at_the_right_attempt() {
+        let mut v = RunView::default();
+        v.apply(1, events::RUN_SUBMITTED, "", &json!({"plan": {"steps": [{"id": "a", "tool": "flaky"}]}}));
+        assert_eq!(v.steps[0].next_attempt(), (1, None));
+        v.apply(2, events::TOOL_REQUESTED, "a", &json!({"attempt": 1, "idempotency_key": "r:a:1"}));
+        assert_eq!(v.steps[0].next_attempt(), (1, None), "unknown outcome: ask attempt 1 again");
+        let retry = json!({"attempt": 1, "reason": "x", "retry": {"next_attempt": 2, "retry_of": "d1"}});
+        v.apply(3, events::TOOL_FAILED, "a", &retry);
+        assert_eq!(v.steps[0].status, StepStatus::Pending, "a retry follows");
+        assert_eq!(v.steps[0].next_attempt(), (2, Some("d1".into())));
+        v.apply(4, events::TOOL_REQUESTED, "a", &json!({"attempt": 2, "idempotency_key": "r:a:2"}));
+        assert_eq!(v.steps[0].next_attempt(), (2, Some("d1".into())), "attempt 2 asked again, still a retry");
+        v.apply(5, events::TOOL_FAILED, "a", &json!({"attempt": 2, "reason": "final"}));
+        assert_eq!(v.steps[0].status, StepStatus::Failed);
+    }
 
     #[test]
     fn fold_tracks_steps_and_unknown_outcomes() {

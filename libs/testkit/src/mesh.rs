@@ -32,6 +32,8 @@ pub struct MeshOptions {
     pub policy_extra: String,
     /// Appended to the `[tools]` section (e.g. `timeout_secs = { sleep = 1 }`).
     pub tools_extra: String,
+    /// Appended to the `[executor]` section (e.g. `retry_backoff_base_ms = 10`).
+    pub executor_extra: String,
     /// `(tenant, extra TOML lines for its [policy.tenants.<tenant>] section)`.
     pub tenant_extra: Vec<(String, String)>,
     /// `(tenant, calls per minute)`.
@@ -71,6 +73,7 @@ impl Default for MeshOptions {
             tenant_extra: Vec::new(),
             policy_extra: String::new(),
             tools_extra: String::new(),
+            executor_extra: String::new(),
             auth_tokens: Vec::new(),
             service_token: String::new(),
         }
@@ -262,8 +265,8 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
     }
     s.push_str(&format!("[planner]\nmax_steps = {}\n\n", opts.max_steps));
     s.push_str(&format!(
-        "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\n\n",
-        opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms
+        "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\n{}\n\n",
+        opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms, opts.executor_extra
     ));
     s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n{}\n\n", dir.join("outbox.jsonl").display(), opts.tools_extra));
     s.push_str(&format!("[auth]\ntoken = \"{}\"\n[auth.tokens]\n", opts.service_token));

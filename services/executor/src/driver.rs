@@ -47,6 +47,21 @@ enum StepOutcome {
     },
     /// The run is being cancelled and the step's tool was never invoked.
     Cancelled,
+    /// The attempt failed, is recorded, and the tool's retry policy allows another after
+    /// `backoff` (internal to a step: the scheduler never sees it).
+    Retry {
+        retry_of: String,
+        backoff: Duration,
+    },
+}
+
+/// Attempts a tool's declared retry policy allows (seed 000: NONE 1, STANDARD 3, AGGRESSIVE 5).
+fn max_attempts(policy: i32) -> u32 {
+    match pb::RetryPolicy::try_from(policy) {
+        Ok(pb::RetryPolicy::Standard) => 3,
+        Ok(pb::RetryPolicy::Aggressive) => 5,
+        _ => 1,
+    }
 }
 
 /// How often an idempotent tool is asked before an unknown outcome goes to an operator.
@@ -324,6 +339,9 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         .map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status }))
         .collect();
     let mut outputs = view.outputs();
+    // Where each pending step resumes: its next attempt and the allow a retry names.
+    let resume: HashMap<String, (u32, Option<String>)> =
+        view.steps.iter().map(|s| (s.id.clone(), s.next_attempt())).collect();
     let mut first_failure: Option<String> = view
         .steps
         .iter()
@@ -394,9 +412,10 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             match template::resolve(&step.params, &outputs) {
                 Ok(args) => {
                     let (c, s) = (ctx.clone(), step.clone());
+                    let (attempt, retry_of) = resume.get(&step.id).cloned().unwrap_or((1, None));
                     running.spawn(async move {
                         let id = s.id.clone();
-                        (id, execute_step(&c, &s, args).await)
+                        (id, execute_step(&c, &s, args, attempt, retry_of).await)
                     });
                 }
                 Err(e) => {
@@ -457,6 +476,11 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             StepOutcome::Cancelled => {
                 status.insert(step_id, StepStatus::Cancelled);
             }
+            // `execute_step` runs a step's retries itself.
+            StepOutcome::Retry { .. } => {
+                first_failure.get_or_insert(format!("step '{step_id}' stopped between attempts"));
+                status.insert(step_id, StepStatus::Failed);
+            }
         }
     }
     let count = |st: StepStatus| status.values().filter(|s| **s == st).count();
@@ -487,9 +511,42 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
     }
 }
 
-/// One step, one attempt: authorize, record the request, invoke, record the outcome.
-async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<StepOutcome, DriveError> {
-    let attempt = 1u32;
+/// One step: its attempts, from `attempt` (a retry names the allow it retries), with the
+/// backoff between them. A failure is retried only when the tool reported it retryable and
+/// its declared policy allows another attempt; denials are decisions, never retried (K07).
+async fn execute_step(
+    ctx: &RunCtx,
+    step: &PlanStep,
+    args: Value,
+    mut attempt: u32,
+    mut retry_of: Option<String>,
+) -> Result<StepOutcome, DriveError> {
+    loop {
+        match execute_attempt(ctx, step, args.clone(), attempt, retry_of.as_deref()).await? {
+            StepOutcome::Retry { retry_of: first, backoff } => {
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+                    // The next attempt sees the cancellation before it starts.
+                    _ = ctx.cancel.cancelled() => {}
+                }
+                retry_of = Some(first);
+                attempt += 1;
+            }
+            other => return Ok(other),
+        }
+    }
+}
+
+/// One attempt: authorize (a retry is re-authorized, not decided again), record the request,
+/// invoke, record the outcome.
+async fn execute_attempt(
+    ctx: &RunCtx,
+    step: &PlanStep,
+    args: Value,
+    attempt: u32,
+    retry_of: Option<&str>,
+) -> Result<StepOutcome, DriveError> {
     let started = std::time::Instant::now();
     let idempotency_key = format!("{}:{}:{attempt}", ctx.run_id, step.id);
     let fail = |kind: &str, reason: String, extra: Value| {
@@ -531,6 +588,7 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
             idempotency_key: idempotency_key.clone(),
             epoch: ctx.epoch,
             agent: ctx.agent.clone(),
+            retry_of: retry_of.unwrap_or_default().to_string(),
         })
         .await;
     let authorized = match authorized {
@@ -682,6 +740,19 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value) -> Result<Step
                 Err(e) => Err(e),
             }
         }
-        Err(payload) => ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await,
+        Err(mut payload) => {
+            let retryable = payload.get("retryable") == Some(&Value::Bool(true));
+            if !retryable || attempt >= max_attempts(entry.spec.retry_policy) {
+                return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await;
+            }
+            let first = retry_of.map(str::to_string).unwrap_or_else(|| decision.decision_id.clone());
+            let base = ctx.ex.inner.config.retry_backoff_base_ms;
+            let backoff = Duration::from_millis(base.saturating_mul(1 << (attempt - 1).min(16)));
+            payload["retry"] =
+                json!({"next_attempt": attempt + 1, "backoff_ms": backoff.as_millis() as u64, "retry_of": first});
+            let key = ctx.step_key(&step.id, attempt, "failed");
+            ctx.append(events::TOOL_FAILED, &step.id, key, payload).await?;
+            Ok(StepOutcome::Retry { retry_of: first, backoff })
+        }
     }
 }

@@ -68,6 +68,12 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     if r.attempt == 0 {
         return Err(invalid_field("attempt", "attempts count from 1"));
     }
+    if !r.retry_of.is_empty() {
+        id_field("retry_of", &r.retry_of, check_id)?;
+        if r.attempt < 2 {
+            return Err(invalid_field("retry_of", "only a retry (attempt 2 or later) names the allow it retries"));
+        }
+    }
     check_args(r)
 }
 
@@ -181,12 +187,66 @@ impl PolicyService {
     /// commitments), intent plan, semantic idempotency, limits and rate, approval gates,
     /// invariants.
     async fn stages(&self, r: &pb::AuthorizeRequest, checked: &mut Checked) -> Result<rules::RuleDecision, Status> {
+        if !r.retry_of.is_empty() {
+            return self.retry(r, checked).await;
+        }
         let rule = self.evaluate(r, checked).await?;
         let rule = crate::intent::check(self, r, rule).await?;
         let rule = crate::semantic::check(self, r, &checked.args, &decision_id(r, checked), rule).await?;
         let rule = crate::budgets::limits(self, r, rule).await?;
         let rule = crate::approvals::gate(self, r, checked, rule).await?;
         Ok(crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await)
+    }
+
+    /// Seed 000: policy and approval skip on retry. A retry is not decided again; it is allowed
+    /// when the allow its earlier attempt got is recorded for the same step, tool and
+    /// arguments. The new decision is still recorded and signed for this attempt, so each
+    /// attempt cites an allow for its own exact call (K01, K03).
+    async fn retry(&self, r: &pb::AuthorizeRequest, c: &mut Checked) -> Result<rules::RuleDecision, Status> {
+        c.gate = format!("|retry:{}", r.retry_of);
+        let deny = |reason: String| rules::RuleDecision {
+            verdict: Verdict::Deny,
+            rule_id: "retry_unauthorized".into(),
+            reason,
+        };
+        let req =
+            pb::StreamEventsRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), since_seq: 0, follow: false };
+        let mut stream = self.ledger.clone().stream_events(req).await?.into_inner();
+        while let Some(e) = stream.message().await? {
+            if e.event_type != events::POLICY_DECISION || e.step_id != r.step_id {
+                continue;
+            }
+            let p: Value = serde_json::from_str(&e.payload_json).unwrap_or_default();
+            if p["decision_id"].as_str() != Some(r.retry_of.as_str()) {
+                continue;
+            }
+            let text = |k: &str| p[k].as_str().unwrap_or_default().to_string();
+            let earlier = p["attempt"].as_u64().unwrap_or(u64::MAX);
+            let why = if text("outcome") != "allow" {
+                Some("was not an allow")
+            } else if text("tool") != r.tool {
+                Some("allowed another tool")
+            } else if text("args_sha256") != c.args_sha256 {
+                Some("allowed other arguments")
+            } else if earlier >= u64::from(r.attempt) {
+                Some("is not for an earlier attempt")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Ok(deny(format!("decision {} {why}", r.retry_of)));
+            }
+            c.capability_id = text("capability_id");
+            return Ok(rules::RuleDecision {
+                verdict: Verdict::Allow,
+                rule_id: "retry".into(),
+                reason: format!(
+                    "attempt {} retries the call decision {} allowed (policy and approval skip on retry)",
+                    r.attempt, r.retry_of
+                ),
+            });
+        }
+        Ok(deny(format!("decision {} is not recorded for step '{}'", r.retry_of, r.step_id)))
     }
 
     /// Records a deny for a request that names a valid call but carries malformed arguments

@@ -153,8 +153,12 @@ impl ToolHost for ToolHostService {
         let first = slot
             .get_or_init(|| async {
                 ran = true;
-                let ctx =
-                    tools::CallContext { run_id: &r.run_id, step_id: &r.step_id, idempotency_key: &r.idempotency_key };
+                let ctx = tools::CallContext {
+                    run_id: &r.run_id,
+                    step_id: &r.step_id,
+                    attempt: r.attempt,
+                    idempotency_key: &r.idempotency_key,
+                };
                 let outcome = match tool.run(&self.state, &args, &ctx).await {
                     Ok(out) => pb::invoke_response::Outcome::OutputJson(out.to_string()),
                     Err(e) => pb::invoke_response::Outcome::Error(e),

@@ -22,6 +22,7 @@ impl ToolState {
 pub struct CallContext<'a> {
     pub run_id: &'a str,
     pub step_id: &'a str,
+    pub attempt: u32,
     pub idempotency_key: &'a str,
 }
 
@@ -34,9 +35,11 @@ pub enum Tool {
     EmailSend,
     Fail,
     Sleep,
+    Flaky,
 }
 
-const ALL: [Tool; 7] = [Tool::Echo, Tool::Upper, Tool::KvPut, Tool::KvGet, Tool::EmailSend, Tool::Fail, Tool::Sleep];
+const ALL: [Tool; 8] =
+    [Tool::Echo, Tool::Upper, Tool::KvPut, Tool::KvGet, Tool::EmailSend, Tool::Fail, Tool::Sleep, Tool::Flaky];
 
 /// Longest `sleep` the demo host accepts.
 const MAX_SLEEP_MS: u64 = 60_000;
@@ -61,6 +64,7 @@ impl Tool {
             Tool::EmailSend => "email.send",
             Tool::Fail => "fail",
             Tool::Sleep => "sleep",
+            Tool::Flaky => "flaky",
         }
     }
 
@@ -93,6 +97,13 @@ impl Tool {
                 true,
             ),
             Tool::Fail => ("always fails with `message`", json!({"type": "object"}), true, false),
+            Tool::Flaky => (
+                "fails with a retryable error until attempt `succeed_on_attempt` (declares STANDARD retries)",
+                json!({"type": "object", "required": ["succeed_on_attempt"], "properties": {
+                    "succeed_on_attempt": {"type": "integer", "minimum": 1}}}),
+                true,
+                false,
+            ),
             Tool::Sleep => (
                 "waits `ms` milliseconds (at most 60000), then returns them",
                 json!({"type": "object", "required": ["ms"], "properties": {"ms": {"type": "integer", "minimum": 0, "maximum": MAX_SLEEP_MS}}}),
@@ -110,7 +121,10 @@ impl Tool {
             consequential,
             read_only,
             version: "1".into(),
-            retry_policy: pb::RetryPolicy::None as i32,
+            retry_policy: match self {
+                Tool::Flaky => pb::RetryPolicy::Standard,
+                _ => pb::RetryPolicy::None,
+            } as i32,
         }
     }
 
@@ -150,6 +164,16 @@ impl Tool {
                 })?;
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
                 Ok(json!({"slept_ms": ms}))
+            }
+            Tool::Flaky => {
+                let on = args.get("succeed_on_attempt").and_then(Value::as_u64).ok_or_else(|| {
+                    tool_error("invalid_arguments", "'succeed_on_attempt' must be a positive integer", false)
+                })?;
+                if u64::from(ctx.attempt) < on {
+                    let why = format!("attempt {} failed; attempt {on} will succeed", ctx.attempt);
+                    return Err(tool_error("transient", why, true));
+                }
+                Ok(json!({"succeeded_on_attempt": ctx.attempt}))
             }
             Tool::Fail => Err(tool_error(
                 "requested_failure",
