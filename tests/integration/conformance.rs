@@ -462,13 +462,7 @@ async fn k16_cancellation_follows_the_declared_cancel_policy() {
         assert_eq!(step("nap").status(), pb::StepStatus::Completed, "{name}: the started call finished");
         assert_eq!(step("after").status(), pb::StepStatus::Cancelled, "{name}: nothing new started");
         assert!(step("after").error.contains(name), "the policy is on record: {}", step("after").error);
-        let receipts = mesh
-            .ledger()
-            .list_receipts(pb::ListReceiptsRequest { tenant: "acme".into(), run_id: id.clone(), ..Default::default() })
-            .await
-            .expect("receipts")
-            .into_inner()
-            .receipts;
+        let receipts = receipts_of(&mesh, "acme", &id, "").await;
         let mut statuses: Vec<(&str, &str)> =
             receipts.iter().map(|r| (r.step_id.as_str(), r.status.as_str())).collect();
         statuses.sort();
@@ -633,13 +627,7 @@ async fn k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced() {
             assert_eq!(retry["backoff_ms"], json!(10 << (attempt - 1)), "backoff doubles");
         }
     }
-    let receipts = mesh
-        .ledger()
-        .list_receipts(pb::ListReceiptsRequest { tenant: "acme".into(), run_id: id.clone(), ..Default::default() })
-        .await
-        .expect("receipts")
-        .into_inner()
-        .receipts;
+    let receipts = receipts_of(&mesh, "acme", &id, "").await;
     let got: Vec<(u32, &str)> = receipts.iter().map(|r| (r.attempt, r.status.as_str())).collect();
     assert_eq!(got, [(1, "error"), (2, "error"), (3, "ok")], "one receipt per attempt");
     assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);

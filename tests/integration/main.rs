@@ -156,3 +156,18 @@ pub fn assert_field_violation(status: &tonic::Status, field: &str) {
         status.message()
     );
 }
+
+/// The run's receipts (of one step, or all with `step` empty).
+pub async fn receipts_of(mesh: &warden_testkit::Mesh, tenant: &str, run_id: &str, step: &str) -> Vec<pb::Receipt> {
+    mesh.ledger()
+        .list_receipts(pb::ListReceiptsRequest {
+            tenant: tenant.into(),
+            run_id: run_id.into(),
+            step_id: step.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("receipts")
+        .into_inner()
+        .receipts
+}

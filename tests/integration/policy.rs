@@ -475,17 +475,7 @@ async fn a_run_carries_its_commitment_as_capability_handles() {
     let run = settled(&mesh, "acme", &committed).await;
     assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
     assert_eq!(mesh.outbox().len(), 1);
-    let receipts = mesh
-        .ledger()
-        .list_receipts(pb::ListReceiptsRequest {
-            tenant: "acme".into(),
-            run_id: committed.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("receipts")
-        .into_inner()
-        .receipts;
+    let receipts = receipts_of(&mesh, "acme", &committed, "").await;
     let mail_receipt = receipts.iter().find(|r| r.step_id == "mail").expect("the mail step's receipt");
     assert_eq!(mail_receipt.capability_id, cap.capability_id);
     let evs = events(&mut mesh.ledger(), "acme", &committed).await;

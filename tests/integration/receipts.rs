@@ -9,20 +9,6 @@ use warden_proto::v1 as pb;
 
 use crate::*;
 
-async fn receipts_of(mesh: &warden_testkit::Mesh, tenant: &str, run_id: &str, step: &str) -> Vec<pb::Receipt> {
-    mesh.ledger()
-        .list_receipts(pb::ListReceiptsRequest {
-            tenant: tenant.into(),
-            run_id: run_id.into(),
-            step_id: step.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("receipts")
-        .into_inner()
-        .receipts
-}
-
 async fn k02_every_call_outcome_has_exactly_one_receipt(backend: Backend) {
     let mut opts = warden_testkit::MeshOptions::default();
     opts.tenants.push(("limited".into(), vec!["echo".into(), "fail".into()]));
