@@ -44,6 +44,21 @@ pub enum RunCommand {
         #[arg(long)]
         wait: bool,
     },
+    /// Record the outcome an operator established for a step whose call has none (a run in
+    /// `requires_reconciliation`); the run goes on.
+    Reconcile {
+        run_id: String,
+        step_id: String,
+        /// `completed` (with --output) or `failed`.
+        #[arg(long)]
+        outcome: String,
+        /// The call's output as JSON, for `completed`.
+        #[arg(long, default_value = "")]
+        output: String,
+        /// Who established the outcome (recorded).
+        #[arg(long)]
+        operator: String,
+    },
     /// The run's lifecycle summary and steps.
     Status {
         run_id: String,
@@ -316,6 +331,24 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
                 return Ok(exit_code(&run));
             }
             println!("{}", status_name(status));
+            Ok(0)
+        }
+        RunCommand::Reconcile { run_id, step_id, outcome, output, operator } => {
+            let req = pb::ReconcileStepRequest {
+                tenant: target.tenant.clone(),
+                run_id,
+                step_id,
+                outcome,
+                output_json: output,
+                operator,
+            };
+            let run = runs_client(&target.endpoint)
+                .await?
+                .reconcile_step(req)
+                .await
+                .map_err(|s| anyhow::anyhow!("reconcile refused: {}", describe(&s)))?
+                .into_inner();
+            println!("{}", status_name(run.status));
             Ok(0)
         }
         RunCommand::Status { run_id, json } => {

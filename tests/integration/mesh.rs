@@ -186,3 +186,50 @@ async fn every_server_serves_health_and_reflection() {
         assert!(names.iter().any(|n| n == service), "{} lists {names:?}", process.name);
     }
 }
+
+/// An unknown outcome waits for an operator: `ReconcileStep` records the outcome they
+/// established (citing the call's allow and naming them), and the run goes on from there.
+#[tokio::test]
+async fn an_operator_reconciles_an_unknown_outcome_and_the_run_goes_on() {
+    use tonic::Code;
+    let mut opts = MeshOptions { tools_extra: "timeout_secs = { sleep = 1 }".into(), ..MeshOptions::default() };
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let work = plan(&[
+        ("nap", "sleep", json!({"ms": 8000}), &[]),
+        ("after", "echo", json!({"slept": "{{nap.output.slept_ms}}"}), &["nap"]),
+    ]);
+    let id = submit(&mesh, "acme", &work).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::RequiresReconciliation, "{}", run.reason);
+    let cancel = pb::CancelRunRequest { tenant: "acme".into(), run_id: id.clone(), reason: String::new() };
+    let e = mesh.runs().cancel_run(cancel).await.expect_err("reconcile first");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+
+    let reconcile = |step: &str, outcome: &str, output: &str| pb::ReconcileStepRequest {
+        tenant: "acme".into(),
+        run_id: id.clone(),
+        step_id: step.into(),
+        outcome: outcome.into(),
+        output_json: output.into(),
+        operator: "oncall".into(),
+    };
+    let e = mesh.runs().reconcile_step(reconcile("nap", "maybe", "")).await.expect_err("bad outcome");
+    assert_field_violation(&e, "outcome");
+    let e = mesh.runs().reconcile_step(reconcile("nap", "completed", "{")).await.expect_err("bad output");
+    assert_field_violation(&e, "output_json");
+    let e = mesh.runs().reconcile_step(reconcile("after", "completed", "")).await.expect_err("not unknown");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+
+    mesh.runs().reconcile_step(reconcile("nap", "completed", r#"{"slept_ms": 8000}"#)).await.expect("reconcile");
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+    let after = run.steps.iter().find(|s| s.id == "after").expect("after");
+    assert_eq!(after.output_json, json!({"slept": 8000}).to_string(), "the reconciled output flows on");
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let done = evs.iter().find(|e| e.event_type == "tool_completed" && e.step_id == "nap").expect("outcome");
+    assert_eq!(payload(done)["reconciled_by"], json!("oncall"));
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+    let e = mesh.runs().reconcile_step(reconcile("nap", "completed", "")).await.expect_err("already done");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+}

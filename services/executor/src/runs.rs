@@ -295,7 +295,79 @@ impl Runs for RunsService {
         Err(Status::aborted("the run kept changing; try again"))
     }
 
-    async fn reconcile_step(&self, _: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {
-        Err(Status::unimplemented("Runs.ReconcileStep is not available in this Warden release"))
+    async fn reconcile_step(&self, req: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        warden_core::ids::check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
+        if r.operator.is_empty() || r.operator.len() > 256 || r.operator.chars().any(char::is_control) {
+            return Err(invalid_field("operator", "name who established the outcome (1-256 characters)"));
+        }
+        let output = match r.outcome.as_str() {
+            "completed" if r.output_json.is_empty() => serde_json::Value::Null,
+            "completed" => serde_json::from_str(&r.output_json)
+                .map_err(|e| invalid_field("output_json", format!("not valid JSON: {e}")))?,
+            "failed" => serde_json::Value::Null,
+            other => return Err(invalid_field("outcome", format!("'{other}' is neither 'completed' nor 'failed'"))),
+        };
+        let mut ledger = self.ex.inner.ledger.clone();
+        let get = pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() };
+        let run = ledger.get_run(get).await?.into_inner();
+        if run.status() != pb::RunStatus::RequiresReconciliation {
+            let name = run.status().as_str_name().trim_start_matches("RUN_STATUS_").to_lowercase();
+            return Err(Status::failed_precondition(format!(
+                "run {} is {name}, not waiting for reconciliation",
+                r.run_id
+            )));
+        }
+        let (view, evs) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
+        if !view.steps.iter().any(|s| s.id == r.step_id && s.outcome_unknown) {
+            return Err(Status::failed_precondition(format!(
+                "step '{}' has no call with an unknown outcome",
+                r.step_id
+            )));
+        }
+        let requested = evs
+            .iter()
+            .rev()
+            .find(|e| e.event_type == events::TOOL_REQUESTED && e.step_id == r.step_id)
+            .ok_or_else(|| Status::internal("the step's tool request is missing"))?;
+        let req_payload: serde_json::Value = serde_json::from_str(&requested.payload_json).unwrap_or_default();
+        let attempt = req_payload["attempt"].as_u64().unwrap_or(1);
+        let mut payload = json!({
+            "decision_id": req_payload["decision_id"],
+            "attempt": attempt,
+            "tool": req_payload["tool"],
+            "idempotency_key": req_payload["idempotency_key"],
+            "reconciled_by": r.operator,
+        });
+        let event_type = if r.outcome == "completed" {
+            payload["output"] = output;
+            events::TOOL_COMPLETED
+        } else {
+            payload["kind"] = json!("reconciled_failed");
+            payload["reason"] = json!(format!("{} established that the call failed", r.operator));
+            events::TOOL_FAILED
+        };
+        let append =
+            |event_type: &str, step_id: &str, key: String, payload: serde_json::Value| pb::AppendEventRequest {
+                tenant: r.tenant.clone(),
+                run_id: r.run_id.clone(),
+                epoch: run.max_epoch,
+                idempotency_key: key,
+                event_type: event_type.to_string(),
+                payload_json: payload.to_string(),
+                step_id: step_id.to_string(),
+            };
+        let outcome_key = format!("{}:{}:{attempt}:reconciled", r.run_id, r.step_id);
+        ledger.append_event(append(event_type, &r.step_id, outcome_key, payload)).await?;
+        let resumed = json!({"reason": format!("step '{}' reconciled by {}", r.step_id, r.operator)});
+        let key = format!("resumed:reconciled:{}:{attempt}", r.step_id);
+        ledger.append_event(append(events::RUN_RESUMED, "", key, resumed)).await?;
+        tracing::info!(run_id = %r.run_id, step_id = %r.step_id, operator = %r.operator, "step reconciled");
+        self.ex.dispatch(r.run_id.clone());
+        let get = pb::GetRunRequest { tenant: r.tenant, run_id: r.run_id };
+        self.get_run(Request::new(get)).await
     }
 }

@@ -84,9 +84,12 @@ pub fn check_writable(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerEr
             new.run_id, head.status
         )));
     }
-    if new.event_type == events::RUN_RESUMED && current != Some(RunStatus::Blocked) {
+    // Resumed after an approval was resolved, or after an operator reconciled a step.
+    if new.event_type == events::RUN_RESUMED
+        && !matches!(current, Some(RunStatus::Blocked | RunStatus::RequiresReconciliation))
+    {
         return Err(LedgerError::Precondition(format!(
-            "run '{}' is {}, not blocked; nothing to resume",
+            "run '{}' is {}, neither blocked nor waiting for reconciliation; nothing to resume",
             new.run_id, head.status
         )));
     }
