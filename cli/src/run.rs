@@ -59,6 +59,13 @@ pub enum RunCommand {
         #[arg(long)]
         operator: String,
     },
+    /// The run's execution trace: JSON (steps, attempts, decisions, edges), or with --dot a
+    /// Graphviz graph of the steps (`warden run trace RUN --dot | dot -Tsvg > trace.svg`).
+    Trace {
+        run_id: String,
+        #[arg(long)]
+        dot: bool,
+    },
     /// The run's lifecycle summary and steps.
     Status {
         run_id: String,
@@ -351,6 +358,21 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
             println!("{}", status_name(run.status));
             Ok(0)
         }
+        RunCommand::Trace { run_id, dot } => {
+            let trace = runs_client(&target.endpoint)
+                .await?
+                .get_trace(pb::GetRunRequest { tenant: target.tenant.clone(), run_id })
+                .await
+                .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+                .into_inner();
+            let t: serde_json::Value = serde_json::from_str(&trace.trace_json)?;
+            if dot {
+                print!("{}", trace_dot(&t));
+            } else {
+                println!("{}", serde_json::to_string_pretty(&t)?);
+            }
+            Ok(0)
+        }
         RunCommand::Status { run_id, json } => {
             let run = runs_client(&target.endpoint)
                 .await?
@@ -619,4 +641,29 @@ async fn artifacts(
         }
     }
     Ok(0)
+}
+
+/// The trace as a Graphviz digraph: a node per step (tool, status, attempts with their
+/// outcomes), an edge per dependency.
+fn trace_dot(t: &serde_json::Value) -> String {
+    let quote = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
+    let field = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or_default().to_string();
+    let mut out = format!("digraph \"{}\" {{\n  rankdir=LR;\n  node [shape=box];\n", quote(&field(t, "run_id")));
+    for s in t.get("steps").and_then(|x| x.as_array()).into_iter().flatten() {
+        let attempts: Vec<String> = s
+            .get("attempts")
+            .and_then(|x| x.as_array())
+            .into_iter()
+            .flatten()
+            .map(|a| format!("#{} {}", a.get("attempt").and_then(|n| n.as_u64()).unwrap_or(0), field(a, "outcome")))
+            .collect();
+        let parts = [field(s, "step_id"), field(s, "tool"), field(s, "status"), attempts.join(", ")];
+        let label: Vec<String> = parts.iter().map(|p| quote(p)).collect();
+        out.push_str(&format!("  \"{}\" [label=\"{}\"];\n", quote(&field(s, "step_id")), label.join("\\n")));
+    }
+    for e in t.get("edges").and_then(|x| x.as_array()).into_iter().flatten() {
+        out.push_str(&format!("  \"{}\" -> \"{}\";\n", quote(&field(e, "from")), quote(&field(e, "to"))));
+    }
+    out.push_str("}\n");
+    out
 }

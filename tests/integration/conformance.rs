@@ -674,6 +674,47 @@ async fn k07_policy_denied_and_human_denied_are_never_retried() {
     assert_eq!(evs.iter().filter(|e| e.event_type == "tool_failed").count(), 3);
 }
 
+/// K09: every attempt is traced and a step is never overwritten: the run's trace has one node
+/// per step id, each attempt in order with the decision it ran under and its outcome, the
+/// step's policy and approval events, and the plan's edges.
+#[tokio::test]
+async fn k09_every_attempt_is_traced_and_a_step_is_never_overwritten() {
+    let mesh = mesh_with(Backend::Sqlite, retrying_mesh_options()).await;
+    let work = plan(&[
+        ("f", "flaky", json!({"succeed_on_attempt": 2}), &[]),
+        ("g", "echo", json!({"got": "{{f.output}}"}), &["f"]),
+    ]);
+    let id = submit(&mesh, "acme", &work).await;
+    approve_pending(&mesh, &id, true).await;
+    assert_eq!(settled(&mesh, "acme", &id).await.status(), pb::RunStatus::Completed);
+    let req = pb::GetRunRequest { tenant: "acme".into(), run_id: id.clone() };
+    let trace = mesh.runs().get_trace(req).await.expect("trace").into_inner();
+    let t: Value = serde_json::from_str(&trace.trace_json).expect("json");
+    assert_eq!(t["status"], json!("completed"));
+    let steps = t["steps"].as_array().expect("steps");
+    let ids: Vec<&str> = steps.iter().filter_map(|s| s["step_id"].as_str()).collect();
+    assert_eq!(ids, ["f", "g"], "one node per step");
+    let f = &steps[0];
+    let attempts: Vec<(u64, &str, &str)> = f["attempts"]
+        .as_array()
+        .expect("attempts")
+        .iter()
+        .map(|a| {
+            let n = a["attempt"].as_u64().unwrap_or(0);
+            (n, a["outcome"].as_str().unwrap_or(""), a["decision"]["rule_id"].as_str().unwrap_or(""))
+        })
+        .collect();
+    assert_eq!(attempts, [(1, "error", "approval_gate"), (2, "ok", "retry")]);
+    let rules: Vec<&str> =
+        f["policy_events"].as_array().expect("events").iter().filter_map(|d| d["rule_id"].as_str()).collect();
+    assert_eq!(rules, ["approval_required", "approval_gate", "retry"]);
+    let approvals: Vec<&str> =
+        f["approval_events"].as_array().expect("approvals").iter().filter_map(|a| a["kind"].as_str()).collect();
+    assert_eq!(approvals, ["requested", "resolved"]);
+    assert_eq!(steps[1]["attempts"][0]["outcome"], json!("ok"));
+    assert_eq!(t["edges"], json!([{"from": "f", "to": "g", "kind": "depends_on"}]));
+}
+
 /// K14: capability handles cannot be forged; expired, revoked, another tenant's and
 /// out-of-scope ones are refused — each refusal a recorded deny — and an allow names the
 /// capability it used (never the handle).

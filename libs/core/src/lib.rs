@@ -15,5 +15,6 @@ pub mod plan;
 pub mod receipt;
 pub mod run;
 pub mod template;
+pub mod trace;
 
 pub use canonical::{canonical_json, sha256_hex};

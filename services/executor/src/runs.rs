@@ -295,6 +295,30 @@ impl Runs for RunsService {
         Err(Status::aborted("the run kept changing; try again"))
     }
 
+    async fn get_trace(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::RunTrace>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        let (_, evs) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
+        let payloads: Vec<serde_json::Value> =
+            evs.iter().map(|e| serde_json::from_str(&e.payload_json).unwrap_or_default()).collect();
+        let trace_events: Vec<warden_core::trace::TraceEvent<'_>> = evs
+            .iter()
+            .zip(&payloads)
+            .map(|(e, payload)| warden_core::trace::TraceEvent {
+                seq: e.seq,
+                event_type: &e.event_type,
+                step_id: &e.step_id,
+                payload,
+                timestamp_ms: e.timestamp_ms,
+            })
+            .collect();
+        let trace = warden_core::trace::build(&r.run_id, &trace_events);
+        let trace_json = serde_json::to_string(&trace).map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(pb::RunTrace { trace_json }))
+    }
+
     async fn reconcile_step(&self, req: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();

@@ -1,0 +1,278 @@
+//! The execution trace of a run (seed 000's trace contract, DESIGN's trace DAG), derived from
+//! its ledger events: one node per step — appended once per `step_id`, never overwritten —
+//! with every attempt in the order it happened (its decision, request and outcome), the
+//! step's policy and approval events, and the plan's dependency edges.
+//!
+//! Frames and branches belong to decomposing executors; plans here are flat, so the trace has
+//! one implicit root frame.
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::events;
+use crate::plan::Plan;
+
+/// One ledger event, as the trace needs it.
+pub struct TraceEvent<'a> {
+    pub seq: u64,
+    pub event_type: &'a str,
+    pub step_id: &'a str,
+    pub payload: &'a Value,
+    pub timestamp_ms: i64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Decision {
+    pub seq: u64,
+    pub decision_id: String,
+    pub outcome: String,
+    pub rule_id: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Attempt {
+    pub attempt: u32,
+    /// The allow this attempt ran under (its last decision).
+    pub decision: Option<Decision>,
+    pub requested_at_ms: Option<i64>,
+    pub ended_at_ms: Option<i64>,
+    /// ok, error, denied, cancelled, blocked, or unknown (requested, no outcome yet).
+    pub outcome: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output: Option<Value>,
+    /// Present when another attempt follows (`next_attempt`, `backoff_ms`, `retry_of`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reconciled_by: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StepNode {
+    pub step_id: String,
+    pub tool: String,
+    pub input_params: Value,
+    /// pending, running, completed, failed, denied, cancelled (the last attempt's verdict).
+    pub status: String,
+    pub attempts: Vec<Attempt>,
+    /// Every decision on this step, in order (including approval waits and retries).
+    pub policy_events: Vec<Decision>,
+    /// Approval waits and their resolutions.
+    pub approval_events: Vec<Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Edge {
+    pub from: String,
+    pub to: String,
+    pub kind: &'static str,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RunTrace {
+    pub run_id: String,
+    pub status: String,
+    pub reason: String,
+    pub started_at_ms: Option<i64>,
+    pub ended_at_ms: Option<i64>,
+    pub steps: Vec<StepNode>,
+    pub edges: Vec<Edge>,
+    /// Run-level events in order: `seq`, `event_type`, `timestamp_ms`.
+    pub run_events: Vec<Value>,
+}
+
+fn text(p: &Value, k: &str) -> String {
+    p.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
+}
+
+fn attempt_of(p: &Value) -> u32 {
+    p.get("attempt").and_then(Value::as_u64).map_or(1, |a| a.clamp(1, u32::MAX as u64) as u32)
+}
+
+impl StepNode {
+    /// The node's attempt `n`, appended in order on first mention.
+    fn attempt(&mut self, n: u32) -> &mut Attempt {
+        let i = match self.attempts.iter().position(|a| a.attempt == n) {
+            Some(i) => i,
+            None => {
+                self.attempts.push(Attempt { attempt: n, outcome: "pending".into(), ..Attempt::default() });
+                self.attempts.len() - 1
+            }
+        };
+        &mut self.attempts[i]
+    }
+}
+
+/// Builds the trace of `run_id` from its events, in seq order.
+pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
+    let mut t = RunTrace { run_id: run_id.to_string(), status: "pending".into(), ..RunTrace::default() };
+    for e in events_in_order {
+        let p = e.payload;
+        if let Some(st) = events::status_after(e.event_type) {
+            t.status = st.as_str().to_string();
+            t.reason = text(p, "reason");
+            if st.is_terminal() {
+                t.ended_at_ms = Some(e.timestamp_ms);
+            }
+        }
+        if e.event_type == events::RUN_SUBMITTED
+            && let Some(plan) = p.get("plan").and_then(|v| serde_json::from_value::<Plan>(v.clone()).ok())
+        {
+            for s in &plan.steps {
+                t.steps.push(StepNode {
+                    step_id: s.id.clone(),
+                    tool: s.tool.clone(),
+                    input_params: s.params.clone(),
+                    status: "pending".into(),
+                    ..StepNode::default()
+                });
+                t.edges.extend(s.depends_on.iter().map(|d| Edge {
+                    from: d.clone(),
+                    to: s.id.clone(),
+                    kind: "depends_on",
+                }));
+            }
+        }
+        if e.event_type == events::RUN_STARTED && t.started_at_ms.is_none() {
+            t.started_at_ms = Some(e.timestamp_ms);
+        }
+        let node = (!e.step_id.is_empty()).then(|| t.steps.iter_mut().find(|s| s.step_id == e.step_id)).flatten();
+        let Some(node) = node else {
+            t.run_events.push(serde_json::json!({
+                "seq": e.seq, "event_type": e.event_type, "timestamp_ms": e.timestamp_ms,
+            }));
+            continue;
+        };
+        let n = attempt_of(p);
+        match e.event_type {
+            events::POLICY_DECISION => {
+                let d = Decision {
+                    seq: e.seq,
+                    decision_id: text(p, "decision_id"),
+                    outcome: text(p, "outcome"),
+                    rule_id: text(p, "rule_id"),
+                    reason: text(p, "reason"),
+                };
+                if d.outcome == "approval_required" {
+                    node.approval_events.push(serde_json::json!({
+                        "seq": e.seq, "kind": "requested", "decision_id": d.decision_id, "reason": d.reason,
+                    }));
+                    node.status = "blocked".into();
+                }
+                node.policy_events.push(d.clone());
+                let a = node.attempt(n);
+                if d.outcome == "approval_required" {
+                    a.outcome = "blocked".into();
+                }
+                a.decision = Some(d);
+            }
+            events::RUN_RESUMED => {
+                node.approval_events.push(serde_json::json!({
+                    "seq": e.seq, "kind": "resolved", "approval_id": text(p, "approval_id"),
+                    "state": text(p, "state"), "approver": text(p, "approver"),
+                }));
+            }
+            events::TOOL_REQUESTED => {
+                node.status = "running".into();
+                let a = node.attempt(n);
+                a.requested_at_ms = Some(e.timestamp_ms);
+                a.outcome = "unknown".into();
+            }
+            events::TOOL_COMPLETED => {
+                node.status = "completed".into();
+                let a = node.attempt(n);
+                a.ended_at_ms = Some(e.timestamp_ms);
+                a.outcome = "ok".into();
+                a.output = p.get("output").cloned();
+                a.reconciled_by = p.get("reconciled_by").and_then(Value::as_str).map(str::to_string);
+            }
+            events::TOOL_FAILED | events::STEP_FAILED => {
+                let denied = text(p, "kind") == "policy_denied";
+                let retry = p.get("retry").cloned();
+                node.status = match (&retry, denied) {
+                    (Some(_), _) => "pending",
+                    (None, true) => "denied",
+                    (None, false) => "failed",
+                }
+                .into();
+                let a = node.attempt(n);
+                a.ended_at_ms = Some(e.timestamp_ms);
+                a.outcome = if denied { "denied" } else { "error" }.into();
+                a.error = Some(text(p, "reason"));
+                a.retry = retry;
+                a.reconciled_by = p.get("reconciled_by").and_then(Value::as_str).map(str::to_string);
+            }
+            events::STEP_CANCELLED => {
+                node.status = "cancelled".into();
+                // Cancelled before any attempt started: record it as the first attempt's end.
+                let last = node.attempts.last().map_or(1, |a| a.attempt);
+                let a = node.attempt(last);
+                a.ended_at_ms = Some(e.timestamp_ms);
+                a.outcome = "cancelled".into();
+                a.error = Some(text(p, "reason"));
+            }
+            _ => {}
+        }
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn one_node_per_step_and_every_attempt_in_order() {
+        let plan = json!({"plan": {"steps": [
+            {"id": "a", "tool": "flaky", "params": {"n": 1}},
+            {"id": "b", "tool": "echo", "depends_on": ["a"]}
+        ]}});
+        let evs = [
+            (events::RUN_SUBMITTED, "", plan),
+            (events::RUN_STARTED, "", json!({})),
+            (
+                events::POLICY_DECISION,
+                "a",
+                json!({"attempt": 1, "decision_id": "d1", "outcome": "allow", "rule_id": "r"}),
+            ),
+            (events::TOOL_REQUESTED, "a", json!({"attempt": 1})),
+            (events::TOOL_FAILED, "a", json!({"attempt": 1, "reason": "boom", "retry": {"next_attempt": 2}})),
+            (
+                events::POLICY_DECISION,
+                "a",
+                json!({"attempt": 2, "decision_id": "d2", "outcome": "allow", "rule_id": "retry"}),
+            ),
+            (events::TOOL_REQUESTED, "a", json!({"attempt": 2})),
+            (events::TOOL_COMPLETED, "a", json!({"attempt": 2, "output": {"ok": true}})),
+            (events::STEP_CANCELLED, "b", json!({"reason": "the run was cancelled"})),
+            (events::RUN_CANCELLED, "", json!({"reason": "stop"})),
+        ];
+        let owned: Vec<TraceEvent<'_>> = evs
+            .iter()
+            .enumerate()
+            .map(|(i, (t, s, p))| TraceEvent {
+                seq: i as u64 + 1,
+                event_type: t,
+                step_id: s,
+                payload: p,
+                timestamp_ms: i as i64,
+            })
+            .collect();
+        let t = build("r1", &owned);
+        assert_eq!((t.status.as_str(), t.reason.as_str()), ("cancelled", "stop"));
+        assert_eq!(t.steps.len(), 2, "one node per step");
+        let a = &t.steps[0];
+        assert_eq!(a.status, "completed");
+        let outcomes: Vec<(u32, &str)> = a.attempts.iter().map(|x| (x.attempt, x.outcome.as_str())).collect();
+        assert_eq!(outcomes, [(1, "error"), (2, "ok")]);
+        assert_eq!(a.attempts[1].decision.as_ref().map(|d| d.rule_id.as_str()), Some("retry"));
+        assert_eq!(a.policy_events.len(), 2);
+        assert_eq!(t.steps[1].status, "cancelled");
+        assert_eq!(t.edges, [Edge { from: "a".into(), to: "b".into(), kind: "depends_on" }]);
+        assert_eq!((t.started_at_ms, t.ended_at_ms), (Some(1), Some(9)));
+    }
+}
