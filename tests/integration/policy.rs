@@ -386,6 +386,56 @@ permit(principal == Agent::"acme/mailer", action == Action::"email.send", resour
     let e = policy.authorize(req).await.expect_err("posing at the policy service");
     assert_eq!(e.code(), Code::PermissionDenied);
 
+    // An agent token carries an agent's authority, not the tenant's.
+    let denied = |r: Result<(), tonic::Status>| r.expect_err("refused").code();
+    let cancel = pb::CancelRunRequest { tenant: "acme".into(), run_id: by_mailer.clone(), reason: String::new() };
+    assert_eq!(denied(mesh.runs_as(intern).cancel_run(cancel).await.map(|_| ())), Code::PermissionDenied);
+    let reconcile = pb::ReconcileStepRequest {
+        tenant: "acme".into(),
+        run_id: by_intern.clone(),
+        step_id: "mail".into(),
+        outcome: "failed".into(),
+        operator: "intern".into(),
+        ..Default::default()
+    };
+    assert_eq!(denied(mesh.runs_as(intern).reconcile_step(reconcile).await.map(|_| ())), Code::PermissionDenied);
+    let mut caps = warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel_as(intern));
+    let issue = pb::IssueCapabilityRequest {
+        tenant: "acme".into(),
+        tool_patterns: vec!["email.send".into()],
+        ttl_seconds: 60,
+        ..Default::default()
+    };
+    assert_eq!(denied(caps.issue(issue).await.map(|_| ())), Code::PermissionDenied, "no minting authority");
+    let mut approvals = warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel_as(intern));
+    let approve = pb::ResolveApprovalRequest {
+        tenant: "acme".into(),
+        approval_id: "apr-x".into(),
+        approver: "intern".into(),
+        reason: String::new(),
+    };
+    assert_eq!(denied(approvals.approve(approve).await.map(|_| ())), Code::PermissionDenied);
+    let forged = pb::AppendEventRequest {
+        tenant: "acme".into(),
+        run_id: by_intern.clone(),
+        epoch: 99,
+        idempotency_key: "decision:forged".into(),
+        event_type: "policy_decision".into(),
+        payload_json: json!({"decision_id": "forged", "outcome": "allow"}).to_string(),
+        step_id: "mail".into(),
+    };
+    assert_eq!(denied(mesh.ledger_as(intern).append_event(forged).await.map(|_| ())), Code::PermissionDenied);
+    let artifact = |run_id: &str| pb::PutArtifactRequest {
+        tenant: "acme".into(),
+        run_id: run_id.into(),
+        epoch: 0,
+        idempotency_key: "note-1".into(),
+        key: "note".into(),
+        value_json: "1".into(),
+    };
+    let theirs = mesh.ledger_as(intern).put_artifact(artifact(&by_mailer)).await.map(|_| ());
+    assert_eq!(denied(theirs), Code::PermissionDenied, "another agent's run");
+
     let by_ops = submit_as(ops, "mailer").await.expect("an operator names the agent");
     assert_eq!(settled(&mesh, "acme", &by_ops).await.status(), pb::RunStatus::Completed);
     assert_eq!(mesh.outbox().len(), 2, "the mailer's two runs mailed; the intern's did not");

@@ -207,9 +207,14 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
             }
             events::STEP_CANCELLED => {
                 node.status = "cancelled".into();
-                // Cancelled before any attempt started: record it as the first attempt's end.
-                let last = node.attempts.last().map_or(1, |a| a.attempt);
-                let a = node.attempt(last);
+                // The attempt that was cancelled: the open one, else the next (a finished
+                // attempt — a failure waiting for its retry — is never overwritten).
+                let n = match node.attempts.last() {
+                    None => 1,
+                    Some(a) if a.ended_at_ms.is_none() => a.attempt,
+                    Some(a) => a.attempt + 1,
+                };
+                let a = node.attempt(n);
                 a.ended_at_ms = Some(e.timestamp_ms);
                 a.outcome = "cancelled".into();
                 a.error = Some(text(p, "reason"));
@@ -274,5 +279,24 @@ mod tests {
         assert_eq!(t.steps[1].status, "cancelled");
         assert_eq!(t.edges, [Edge { from: "a".into(), to: "b".into(), kind: "depends_on" }]);
         assert_eq!((t.started_at_ms, t.ended_at_ms), (Some(1), Some(9)));
+
+        // Cancelled while waiting to retry: the failed attempt stays as it was.
+        let more = [
+            (events::POLICY_DECISION, "a", json!({"attempt": 1, "decision_id": "d1", "outcome": "allow"})),
+            (events::TOOL_REQUESTED, "a", json!({"attempt": 1})),
+            (events::TOOL_FAILED, "a", json!({"attempt": 1, "reason": "boom", "retry": {"next_attempt": 2}})),
+            (events::STEP_CANCELLED, "a", json!({"reason": "the run was cancelled"})),
+        ];
+        let mut all: Vec<TraceEvent<'_>> = owned.into_iter().take(2).collect();
+        all.extend(more.iter().enumerate().map(|(i, (t, s, p))| TraceEvent {
+            seq: i as u64 + 3,
+            event_type: t,
+            step_id: s,
+            payload: p,
+            timestamp_ms: 0,
+        }));
+        let t = build("r1", &all);
+        let outcomes: Vec<(u32, &str)> = t.steps[0].attempts.iter().map(|x| (x.attempt, x.outcome.as_str())).collect();
+        assert_eq!(outcomes, [(1, "error"), (2, "cancelled")]);
     }
 }

@@ -125,6 +125,34 @@ pub fn check<T>(request: &Request<T>, tenant: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// Only the mesh's own services and operators (`*` tokens; anyone when authentication is
+/// off): for writes that record what the mesh itself decided or did.
+pub fn require_mesh<T>(request: &Request<T>, what: &str) -> Result<(), Status> {
+    match request.extensions().get::<Scope>() {
+        None | Some(Scope::Any) => Ok(()),
+        Some(_) => Err(Status::permission_denied(format!("{what} needs an operator or service token"))),
+    }
+}
+
+/// Refuses agent-bound tokens: for acts that take a tenant's authority, not an agent's
+/// (resolving approvals, issuing capabilities, reconciling outcomes).
+pub fn forbid_agent<T>(request: &Request<T>, what: &str) -> Result<(), Status> {
+    match request.extensions().get::<Scope>() {
+        Some(Scope::Agent { agent, .. }) => {
+            Err(Status::permission_denied(format!("agent '{agent}' may not {what}; it needs a tenant token")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The agent a request's token is bound to, if any.
+pub fn bound_agent<T>(request: &Request<T>) -> Option<String> {
+    match request.extensions().get::<Scope>() {
+        Some(Scope::Agent { agent, .. }) => Some(agent.clone()),
+        _ => None,
+    }
+}
+
 /// The agent a request acts as: the one its token is bound to, else the one it names
 /// (`claimed`, possibly empty). A bound token naming another agent is PERMISSION_DENIED.
 pub fn agent<T>(request: &Request<T>, claimed: &str) -> Result<String, Status> {

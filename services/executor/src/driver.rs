@@ -342,6 +342,11 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
     // Where each pending step resumes: its next attempt and the allow a retry names.
     let resume: HashMap<String, (u32, Option<String>)> =
         view.steps.iter().map(|s| (s.id.clone(), s.next_attempt())).collect();
+    // Calls requested before a restart with no outcome: their effect may have started, so a
+    // cancellation never erases them — they are asked again under the same key (or go to
+    // reconciliation) and their outcome is recorded.
+    let unknown: std::collections::HashSet<String> =
+        view.steps.iter().filter(|s| s.outcome_unknown).map(|s| s.id.clone()).collect();
     let mut first_failure: Option<String> = view
         .steps
         .iter()
@@ -361,7 +366,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         if ctx.cancel.is_cancelled() {
             for &i in &order {
                 let step = &plan.steps[i];
-                if status[&step.id] == StepStatus::Pending {
+                if status[&step.id] == StepStatus::Pending && !unknown.contains(&step.id) {
                     ctx.append(
                         events::STEP_CANCELLED,
                         &step.id,
@@ -413,9 +418,10 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 Ok(args) => {
                     let (c, s) = (ctx.clone(), step.clone());
                     let (attempt, retry_of) = resume.get(&step.id).cloned().unwrap_or((1, None));
+                    let asked_before = unknown.contains(&step.id);
                     running.spawn(async move {
                         let id = s.id.clone();
-                        (id, execute_step(&c, &s, args, attempt, retry_of).await)
+                        (id, execute_step(&c, &s, args, attempt, retry_of, asked_before).await)
                     });
                 }
                 Err(e) => {
@@ -520,9 +526,12 @@ async fn execute_step(
     args: Value,
     mut attempt: u32,
     mut retry_of: Option<String>,
+    mut asked_before: bool,
 ) -> Result<StepOutcome, DriveError> {
     loop {
-        match execute_attempt(ctx, step, args.clone(), attempt, retry_of.as_deref()).await? {
+        let outcome = execute_attempt(ctx, step, args.clone(), attempt, retry_of.as_deref(), asked_before).await?;
+        asked_before = false;
+        match outcome {
             StepOutcome::Retry { retry_of: first, backoff } => {
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
@@ -546,6 +555,7 @@ async fn execute_attempt(
     args: Value,
     attempt: u32,
     retry_of: Option<&str>,
+    asked_before: bool,
 ) -> Result<StepOutcome, DriveError> {
     let started = std::time::Instant::now();
     let idempotency_key = format!("{}:{}:{attempt}", ctx.run_id, step.id);
@@ -556,7 +566,8 @@ async fn execute_attempt(
         }
         payload
     };
-    if ctx.cancel.is_cancelled() {
+    // A call asked before (its outcome unknown) is finished, not cancelled: see `run_dag`.
+    if ctx.cancel.is_cancelled() && !asked_before {
         return ctx.step_cancelled(&step.id, "the run was cancelled before the step started").await;
     }
     let tools = match ctx.ex.inner.catalog.tools().await {
@@ -615,7 +626,7 @@ async fn execute_attempt(
         return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     };
     // Immediate cancellation: an allowed call whose tool was not invoked yet never is.
-    if ctx.cancel.is_cancelled() && ctx.cancel_policy == pb::CancelPolicy::Immediate {
+    if ctx.cancel.is_cancelled() && ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before {
         return ctx.step_cancelled(&step.id, "the run was cancelled before the tool was invoked").await;
     }
     ctx.append(

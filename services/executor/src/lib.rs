@@ -50,6 +50,9 @@ pub(crate) struct Inner {
     pub cancels: Mutex<HashMap<String, CancellationToken>>,
 }
 
+/// How long the sweeper leaves a just-submitted run to the replica that took it.
+const SUBMIT_GRACE_MS: i64 = 2_000;
+
 impl Executor {
     pub async fn new(config: &ExecutorConfig) -> anyhow::Result<Executor> {
         let id = if config.executor_id.is_empty() {
@@ -146,7 +149,13 @@ impl Executor {
                 })
                 .await?
                 .into_inner();
+            let now = warden_grpc::now_ms();
             for run in page.runs {
+                // A fresh submission is dispatched by the replica that took it, once its
+                // capabilities are attached; the sweeper leaves it alone for a moment.
+                if run.status() == pb::RunStatus::Pending && now - run.created_at_ms < SUBMIT_GRACE_MS {
+                    continue;
+                }
                 let mine = self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).contains(&run.run_id);
                 if !mine && !self.inner.leases.is_held(&run.run_id).await? {
                     tracing::info!(run_id = %run.run_id, "sweeper picked up run without a live lease");

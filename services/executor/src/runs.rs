@@ -233,9 +233,17 @@ impl Runs for RunsService {
     /// outcome to be reconciled, is FAILED_PRECONDITION.
     async fn cancel_run(&self, req: Request<pb::CancelRunRequest>) -> Result<Response<pb::CancelRunResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let bound = warden_grpc::auth::bound_agent(&req);
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
+        // An agent's token cancels only that agent's runs.
+        if let Some(agent) = bound {
+            let (view, _) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
+            if view.agent != agent {
+                return Err(Status::permission_denied(format!("agent '{agent}' may cancel only its own runs")));
+            }
+        }
         if r.reason.len() > 1024 || r.reason.contains('\0') {
             return Err(invalid_field("reason", "at most 1024 bytes of text"));
         }
@@ -275,10 +283,15 @@ impl Runs for RunsService {
                 Err(s) if s.code() == Code::FailedPrecondition => continue,
                 Err(s) => return Err(s),
             }
-            if let Err(e) = self.ex.inner.leases.request_cancel(&r.run_id).await {
-                tracing::warn!(run_id = %r.run_id, error = %e, "cancel signal not stored; the driver sees the request at its next start");
-            }
             self.ex.signal_cancel(&r.run_id);
+            if let Err(e) = self.ex.inner.leases.request_cancel(&r.run_id).await {
+                // Recorded, but a driver on another replica would not hear of it until it
+                // restarts: say so, and a retry (idempotent) signals again.
+                tracing::warn!(run_id = %r.run_id, error = %e, "cancel signal not stored");
+                return Err(Status::unavailable(format!(
+                    "the cancellation is recorded but could not be signalled to the executor ({e}); try again"
+                )));
+            }
             if status == pb::RunStatus::Blocked {
                 let resumed =
                     append(events::RUN_RESUMED, "resumed:cancel", json!({"reason": "resumed to be cancelled"}));
@@ -321,6 +334,7 @@ impl Runs for RunsService {
 
     async fn reconcile_step(&self, req: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        warden_grpc::auth::forbid_agent(&req, "reconcile outcomes")?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
@@ -346,7 +360,12 @@ impl Runs for RunsService {
             )));
         }
         let (view, evs) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
-        if !view.steps.iter().any(|s| s.id == r.step_id && s.outcome_unknown) {
+        // A reconciliation whose resume did not go through is completed by asking again.
+        let latest_outcome = evs.iter().rev().find(|e| {
+            e.step_id == r.step_id && (e.event_type == events::TOOL_COMPLETED || e.event_type == events::TOOL_FAILED)
+        });
+        let half_done = latest_outcome.is_some_and(|e| e.payload_json.contains("\"reconciled_by\""));
+        if !half_done && !view.steps.iter().any(|s| s.id == r.step_id && s.outcome_unknown) {
             return Err(Status::failed_precondition(format!(
                 "step '{}' has no call with an unknown outcome",
                 r.step_id

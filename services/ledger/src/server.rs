@@ -105,6 +105,19 @@ impl LedgerService {
         }
     }
 
+    /// An agent's token writes only to its own agent's runs (the agent is fixed at submission).
+    async fn agent_owns(&self, agent: Option<String>, tenant: &str, run_id: &str) -> Result<(), Status> {
+        let Some(agent) = agent else { return Ok(()) };
+        id_field("run_id", run_id)?;
+        let run = self.visible_run(tenant, run_id).await?;
+        let first = self.store.events(&run.run_id, 0, 1).await?;
+        let owner = first.first().and_then(|e| e.body.payload.get("agent")).and_then(Value::as_str).unwrap_or("");
+        if owner != agent {
+            return Err(Status::permission_denied(format!("agent '{agent}' may write only to its own runs")));
+        }
+        Ok(())
+    }
+
     fn parse_payload(&self, field: &str, json: &str) -> Result<Value, Status> {
         if json.len() > self.max_payload_bytes {
             return Err(invalid_field(
@@ -410,6 +423,9 @@ impl Ledger for LedgerService {
         req: Request<pb::AppendEventRequest>,
     ) -> Result<Response<pb::AppendEventResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        // Decisions, tool outcomes and run transitions record what the mesh decided and did:
+        // only its services (and operators) write them, never a tenant's or an agent's token.
+        warden_grpc::auth::require_mesh(&req, "AppendEvent")?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
@@ -650,7 +666,9 @@ impl Ledger for LedgerService {
 
     async fn put_summary(&self, req: Request<pb::PutSummaryRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let agent = warden_grpc::auth::bound_agent(&req);
         let r = req.into_inner();
+        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
         let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
         Ok(Response::new(self.summary(base, &r.summary_type, payload, &r.step_id).await?))
@@ -658,7 +676,9 @@ impl Ledger for LedgerService {
 
     async fn put_checkpoint(&self, req: Request<pb::PutCheckpointRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let agent = warden_grpc::auth::bound_agent(&req);
         let r = req.into_inner();
+        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
         id_field("name", &r.name)?;
         let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
@@ -668,7 +688,9 @@ impl Ledger for LedgerService {
 
     async fn put_artifact(&self, req: Request<pb::PutArtifactRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let agent = warden_grpc::auth::bound_agent(&req);
         let r = req.into_inner();
+        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
         id_field("key", &r.key)?;
         let value = self.parse_value("value_json", &r.value_json, MAX_ARTIFACT_BYTES.min(self.max_payload_bytes))?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
@@ -743,7 +765,9 @@ impl Ledger for LedgerService {
         req: Request<pb::ProposeStateDeltaRequest>,
     ) -> Result<Response<pb::ProposeStateDeltaResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let agent = warden_grpc::auth::bound_agent(&req);
         let r = req.into_inner();
+        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;
@@ -764,7 +788,9 @@ impl Ledger for LedgerService {
 
     async fn commit_tx(&self, req: Request<pb::CommitTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let agent = warden_grpc::auth::bound_agent(&req);
         let r = req.into_inner();
+        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;
@@ -777,7 +803,9 @@ impl Ledger for LedgerService {
 
     async fn rollback_tx(&self, req: Request<pb::RollbackTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let agent = warden_grpc::auth::bound_agent(&req);
         let r = req.into_inner();
+        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;

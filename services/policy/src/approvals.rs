@@ -144,6 +144,8 @@ impl ApprovalsService {
         state: &str,
     ) -> Result<Response<pb::Approval>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        // An agent never resolves approvals, least of all of its own calls.
+        warden_grpc::auth::forbid_agent(&req, "resolve approvals")?;
         let r = req.into_inner();
         let a = self.owned(&r.tenant, &r.approval_id).await?;
         if r.approver.is_empty() || r.approver.len() > 256 || r.approver.contains('\0') {

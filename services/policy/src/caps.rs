@@ -109,6 +109,7 @@ impl CapabilitiesService {
 impl pb::capabilities_server::Capabilities for CapabilitiesService {
     async fn issue(&self, req: Request<pb::IssueCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        warden_grpc::auth::forbid_agent(&req, "issue capabilities")?;
         let r = req.into_inner();
         check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
         check_patterns("tool_patterns", &r.tool_patterns, true)?;
@@ -144,6 +145,7 @@ impl pb::capabilities_server::Capabilities for CapabilitiesService {
 
     async fn revoke(&self, req: Request<pb::RevokeCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        warden_grpc::auth::forbid_agent(&req, "revoke capabilities")?;
         let r = req.into_inner();
         self.owned(&r.tenant, &r.capability_id).await?;
         if r.reason.is_empty() || r.reason.len() > 1024 || r.reason.contains('\0') {

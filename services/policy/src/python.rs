@@ -10,7 +10,7 @@
 //! on a thread of its own, at most one per core at a time. No input can overflow a stack or
 //! hold an async worker for long.
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use rustpython_parser::lexer::{LexResult, lex};
 use rustpython_parser::{Mode, Parse, Tok, ast};
@@ -194,8 +194,8 @@ pub fn lint(src: &str, rules: &Lint) -> Vec<Finding> {
 const INLINE_MAX: usize = 16 << 10;
 
 /// Large parses run one per core at a time; the rest wait.
-static PARSES: LazyLock<Semaphore> =
-    LazyLock::new(|| Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())));
+static PARSES: LazyLock<Arc<Semaphore>> =
+    LazyLock::new(|| Arc::new(Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get()))));
 
 /// Stack a check of `len` bytes may need. Measured: ~100 bytes per nesting level in release
 /// builds, several times that in debug builds; a source nests at most one level per byte.
@@ -218,7 +218,8 @@ pub async fn analyze(src: String, rules: Option<Lint>, parses: bool) -> Result<V
         // On this stack when enough of it is left, else on a fresh segment (`stacker`).
         return Ok(stacker::maybe_grow(stack, stack, || run(&src, rules.as_ref(), parses)));
     }
-    let _permit = PARSES.acquire().await.map_err(|e| e.to_string())?;
+    // The permit lives with the thread: a caller that gives up does not free its slot early.
+    let permit = PARSES.clone().acquire_owned().await.map_err(|e| e.to_string())?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     // The stack is reserved, and only touched as deep as the source nests.
     std::thread::Builder::new()
@@ -226,6 +227,7 @@ pub async fn analyze(src: String, rules: Option<Lint>, parses: bool) -> Result<V
         .stack_size(stack + (8 << 20))
         .spawn(move || {
             let _ = tx.send(run(&src, rules.as_ref(), parses));
+            drop(permit);
         })
         .map_err(|e| format!("cannot start the Python check: {e}"))?;
     rx.await.map_err(|_| "the Python check failed".to_string())

@@ -211,42 +211,56 @@ impl PolicyService {
         };
         let req =
             pb::StreamEventsRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), since_seq: 0, follow: false };
+        // The first allow, and the executor's record that the attempt before this one failed
+        // retryably and is retried as this one (only the mesh's own services write those).
+        let mut first: Option<Value> = None;
+        let mut retried = false;
         let mut stream = self.ledger.clone().stream_events(req).await?.into_inner();
         while let Some(e) = stream.message().await? {
-            if e.event_type != events::POLICY_DECISION || e.step_id != r.step_id {
+            if e.step_id != r.step_id {
                 continue;
             }
             let p: Value = serde_json::from_str(&e.payload_json).unwrap_or_default();
-            if p["decision_id"].as_str() != Some(r.retry_of.as_str()) {
-                continue;
+            if e.event_type == events::POLICY_DECISION && p["decision_id"].as_str() == Some(r.retry_of.as_str()) {
+                first = Some(p);
+            } else if e.event_type == events::TOOL_FAILED
+                && p["attempt"].as_u64() == Some(u64::from(r.attempt) - 1)
+                && p["retry"]["next_attempt"].as_u64() == Some(u64::from(r.attempt))
+                && p["retry"]["retry_of"].as_str() == Some(r.retry_of.as_str())
+            {
+                retried = true;
             }
-            let text = |k: &str| p[k].as_str().unwrap_or_default().to_string();
-            let earlier = p["attempt"].as_u64().unwrap_or(u64::MAX);
-            let why = if text("outcome") != "allow" {
-                Some("was not an allow")
-            } else if text("tool") != r.tool {
-                Some("allowed another tool")
-            } else if text("args_sha256") != c.args_sha256 {
-                Some("allowed other arguments")
-            } else if earlier >= u64::from(r.attempt) {
-                Some("is not for an earlier attempt")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Ok(deny(format!("decision {} {why}", r.retry_of)));
-            }
-            c.capability_id = text("capability_id");
-            return Ok(rules::RuleDecision {
-                verdict: Verdict::Allow,
-                rule_id: "retry".into(),
-                reason: format!(
-                    "attempt {} retries the call decision {} allowed (policy and approval skip on retry)",
-                    r.attempt, r.retry_of
-                ),
-            });
         }
-        Ok(deny(format!("decision {} is not recorded for step '{}'", r.retry_of, r.step_id)))
+        let Some(p) = first else {
+            return Ok(deny(format!("decision {} is not recorded for step '{}'", r.retry_of, r.step_id)));
+        };
+        let text = |k: &str| p[k].as_str().unwrap_or_default().to_string();
+        let why = if text("outcome") != "allow" {
+            Some("was not an allow")
+        } else if text("tool") != r.tool {
+            Some("allowed another tool")
+        } else if text("args_sha256") != c.args_sha256 {
+            Some("allowed other arguments")
+        } else if p["attempt"].as_u64().unwrap_or(u64::MAX) >= u64::from(r.attempt) {
+            Some("is not for an earlier attempt")
+        } else if !retried {
+            Some("was not followed by a retryable failure of attempt {} that the executor retries")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            let why = why.replace("{}", &(r.attempt - 1).to_string());
+            return Ok(deny(format!("decision {} {why}", r.retry_of)));
+        }
+        c.capability_id = text("capability_id");
+        Ok(rules::RuleDecision {
+            verdict: Verdict::Allow,
+            rule_id: "retry".into(),
+            reason: format!(
+                "attempt {} retries the call decision {} allowed (policy and approval skip on retry)",
+                r.attempt, r.retry_of
+            ),
+        })
     }
 
     /// Records a deny for a request that names a valid call but carries malformed arguments
@@ -506,7 +520,8 @@ impl pb::policy_server::Policy for PolicyService {
             })?
             .into_inner();
         let event = appended.event.ok_or_else(|| Status::internal("ledger returned no event"))?;
-        if rule.verdict == Verdict::Allow && !appended.deduplicated {
+        // A retry is the same call: it is not counted again (policy skips on retry).
+        if rule.verdict == Verdict::Allow && !appended.deduplicated && rule.rule_id != "retry" {
             crate::budgets::count(self, &r).await?;
         }
         // The ledger returned an event with exactly this content (a retry gets the first
