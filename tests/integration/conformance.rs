@@ -715,6 +715,38 @@ async fn k09_every_attempt_is_traced_and_a_step_is_never_overwritten() {
     assert_eq!(t["edges"], json!([{"from": "f", "to": "g", "kind": "depends_on"}]));
 }
 
+/// K16 with K12: a cancellation that meets a call whose executor died mid-call does not erase
+/// the call — its effect may have started — the successor asks the tool host again under the
+/// same key, records the outcome, and cancels only what had not started.
+#[tokio::test]
+async fn k16_a_cancel_after_an_executor_died_mid_call_records_the_call() {
+    let mut opts = MeshOptions { executors: 2, ..MeshOptions::default() };
+    opts.tenants[0].1.push("sleep".into());
+    let mut mesh = mesh_with(Backend::Sqlite, opts).await;
+    let work = plan(&[("nap", "sleep", json!({"ms": 3000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
+    let id = submit(&mesh, "acme", &work).await;
+    step_running(&mesh, &id, "nap").await.expect("the nap starts");
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let owner = evs.iter().find(|e| e.event_type == "run_started").map(|e| payload(e)["executor"].clone());
+    let (dead, alive) = if owner == Some(json!("executor-0")) { (0, 1) } else { (1, 0) };
+    mesh.executors[dead].kill();
+    let mut runs = warden_proto::v1::runs_client::RunsClient::new(mesh.executors[alive].channel());
+    let req = pb::CancelRunRequest { tenant: "acme".into(), run_id: id.clone(), reason: "stop".into() };
+    runs.cancel_run(req).await.expect("cancel");
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Cancelled, "{}\n{}", run.reason, mesh.logs());
+    let step = |sid: &str| run.steps.iter().find(|s| s.id == sid).expect("step").status();
+    assert_eq!(step("nap"), pb::StepStatus::Completed, "the call in flight is recorded, not erased");
+    assert_eq!(step("after"), pb::StepStatus::Cancelled);
+    let mut statuses: Vec<(String, String)> =
+        receipts_of(&mesh, "acme", &id, "").await.into_iter().map(|r| (r.step_id, r.status)).collect();
+    statuses.sort();
+    assert_eq!(statuses, [("after".to_string(), "cancelled".to_string()), ("nap".into(), "ok".into())]);
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let requested = evs.iter().filter(|e| e.event_type == "tool_requested" && e.step_id == "nap").count();
+    assert_eq!(requested, 1, "asked again under the same key, not requested anew");
+}
+
 /// K14: capability handles cannot be forged; expired, revoked, another tenant's and
 /// out-of-scope ones are refused — each refusal a recorded deny — and an allow names the
 /// capability it used (never the handle).

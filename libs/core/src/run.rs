@@ -34,6 +34,8 @@ pub struct StepView {
     /// Once an attempt failed and another follows: the allow decision of the first attempt,
     /// which every retry names (policy and approval skip on retry).
     pub retry_of: Option<String>,
+    /// When the pending retry may start (Unix ms), so a successor keeps the backoff.
+    pub retry_not_before_ms: Option<i64>,
 }
 
 impl StepView {
@@ -112,6 +114,7 @@ impl RunView {
                         outcome_unknown: false,
                         idempotency_key: None,
                         retry_of: None,
+                        retry_not_before_ms: None,
                     })
                     .collect();
                 self.plan = Some(plan);
@@ -142,6 +145,7 @@ impl RunView {
                 if let Some(first) = payload.get("retry").and_then(|r| r.get("retry_of")).and_then(Value::as_str) {
                     step.status = StepStatus::Pending;
                     step.retry_of = Some(first.to_string());
+                    step.retry_not_before_ms = payload["retry"].get("not_before_ms").and_then(Value::as_i64);
                 }
             }
             events::STEP_CANCELLED => {
@@ -180,9 +184,11 @@ mod tests {
         assert_eq!(v.steps[0].next_attempt(), (1, None));
         v.apply(2, events::TOOL_REQUESTED, "a", &json!({"attempt": 1, "idempotency_key": "r:a:1"}));
         assert_eq!(v.steps[0].next_attempt(), (1, None), "unknown outcome: ask attempt 1 again");
-        let retry = json!({"attempt": 1, "reason": "x", "retry": {"next_attempt": 2, "retry_of": "d1"}});
+        let retry =
+            json!({"attempt": 1, "reason": "x", "retry": {"next_attempt": 2, "retry_of": "d1", "not_before_ms": 77}});
         v.apply(3, events::TOOL_FAILED, "a", &retry);
         assert_eq!(v.steps[0].status, StepStatus::Pending, "a retry follows");
+        assert_eq!(v.steps[0].retry_not_before_ms, Some(77), "a successor keeps the backoff");
         assert_eq!(v.steps[0].next_attempt(), (2, Some("d1".into())));
         v.apply(4, events::TOOL_REQUESTED, "a", &json!({"attempt": 2, "idempotency_key": "r:a:2"}));
         assert_eq!(v.steps[0].next_attempt(), (2, Some("d1".into())), "attempt 2 asked again, still a retry");

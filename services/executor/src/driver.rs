@@ -345,6 +345,8 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
     // Calls requested before a restart with no outcome: their effect may have started, so a
     // cancellation never erases them — they are asked again under the same key (or go to
     // reconciliation) and their outcome is recorded.
+    let not_before: HashMap<String, Option<i64>> =
+        view.steps.iter().map(|s| (s.id.clone(), s.retry_not_before_ms)).collect();
     let unknown: std::collections::HashSet<String> =
         view.steps.iter().filter(|s| s.outcome_unknown).map(|s| s.id.clone()).collect();
     let mut first_failure: Option<String> = view
@@ -419,8 +421,17 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                     let (c, s) = (ctx.clone(), step.clone());
                     let (attempt, retry_of) = resume.get(&step.id).cloned().unwrap_or((1, None));
                     let asked_before = unknown.contains(&step.id);
+                    let not_before = not_before.get(&step.id).copied().flatten();
                     running.spawn(async move {
                         let id = s.id.clone();
+                        // A retry that a previous executor scheduled keeps its backoff.
+                        if let Some(wait) = not_before.map(|t| t - warden_grpc::now_ms()).filter(|w| *w > 0) {
+                            tokio::select! {
+                                _ = tokio::time::sleep(Duration::from_millis(wait as u64)) => {}
+                                _ = c.lost.cancelled() => return (id, Err(DriveError::LeaseLost)),
+                                _ = c.cancel.cancelled() => {}
+                            }
+                        }
                         (id, execute_step(&c, &s, args, attempt, retry_of, asked_before).await)
                     });
                 }
@@ -759,8 +770,9 @@ async fn execute_attempt(
             let first = retry_of.map(str::to_string).unwrap_or_else(|| decision.decision_id.clone());
             let base = ctx.ex.inner.config.retry_backoff_base_ms;
             let backoff = Duration::from_millis(base.saturating_mul(1 << (attempt - 1).min(16)));
-            payload["retry"] =
-                json!({"next_attempt": attempt + 1, "backoff_ms": backoff.as_millis() as u64, "retry_of": first});
+            let not_before_ms = warden_grpc::now_ms().saturating_add(backoff.as_millis() as i64);
+            payload["retry"] = json!({"next_attempt": attempt + 1, "backoff_ms": backoff.as_millis() as u64,
+                                      "not_before_ms": not_before_ms, "retry_of": first});
             let key = ctx.step_key(&step.id, attempt, "failed");
             ctx.append(events::TOOL_FAILED, &step.id, key, payload).await?;
             Ok(StepOutcome::Retry { retry_of: first, backoff })
