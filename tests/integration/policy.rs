@@ -101,7 +101,7 @@ async fn cedar_policies_decide_and_reload_without_a_restart() {
 fn approvals_client(
     mesh: &warden_testkit::Mesh,
 ) -> warden_proto::v1::approvals_client::ApprovalsClient<warden_grpc::auth::Ch> {
-    warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel())
+    warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel_as(&mesh.token))
 }
 
 async fn wait_status(mesh: &warden_testkit::Mesh, run_id: &str, want: pb::RunStatus) -> pb::Run {
@@ -244,6 +244,54 @@ async fn approvals_watch_streams_the_current_state_then_each_change() {
         }
         assert_eq!((seen.step_id.as_str(), seen.state()), ("m2", pb::ApprovalState::Expired));
     }
+}
+
+/// With tokens, an approver is who their token says (`tenant@person`), not a name the caller
+/// types: a plain tenant token cannot resolve a tenant's approvals that name approvers, a
+/// person cannot approve under another name, and one not on the list may not approve.
+#[tokio::test]
+async fn approvers_are_who_their_tokens_say() {
+    use tonic::Code;
+    let (ops, tenant, alice, bob) = (
+        "ops-token-0123456789abcdef",
+        "acme-token-0123456789abcdef",
+        "alice-token-0123456789abcdef",
+        "bob-token-0123456789abcdef",
+    );
+    let opts = MeshOptions {
+        executors: 0,
+        approval_rules: vec![("acme".into(), vec!["email.send".into()], vec!["alice".into()])],
+        auth_tokens: vec![
+            (ops.into(), "*".into()),
+            (tenant.into(), "acme".into()),
+            (alice.into(), "acme@alice".into()),
+            (bob.into(), "acme@bob".into()),
+        ],
+        service_token: ops.into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = bare_run(&mesh, "acme").await;
+    let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+    let d = mesh.policy().authorize(authorize(&run, "m1", "email.send", mail)).await.expect("ask").into_inner();
+    assert_eq!(d.decision.expect("decision").outcome(), pb::Outcome::ApprovalRequired);
+    let id = pending(&mesh).await[0].approval_id.clone();
+    let as_token = |token: &str, name: &str| {
+        let mut c = warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel_as(token));
+        let req = pb::ResolveApprovalRequest {
+            tenant: "acme".into(),
+            approval_id: id.clone(),
+            approver: name.into(),
+            reason: "checked".into(),
+        };
+        async move { c.approve(req).await.map(|r| r.into_inner()) }
+    };
+    let code = |r: Result<pb::Approval, tonic::Status>| r.expect_err("refused").code();
+    assert_eq!(code(as_token(tenant, "alice").await), Code::PermissionDenied, "a tenant token is nobody");
+    assert_eq!(code(as_token(alice, "carol").await), Code::PermissionDenied, "alice approves as alice");
+    assert_eq!(code(as_token(bob, "").await), Code::PermissionDenied, "bob is not an approver");
+    let ok = as_token(alice, "").await.expect("alice approves");
+    assert_eq!((ok.state(), ok.approver.as_str()), (pb::ApprovalState::Approved, "alice"));
 }
 
 fn authorize(run: &str, step: &str, tool: &str, args: serde_json::Value) -> pb::AuthorizeRequest {

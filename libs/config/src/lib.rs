@@ -39,8 +39,8 @@ pub struct WardenConfig {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AuthConfig {
-    /// Accepted bearer tokens: token → tenant name, `tenant/agent` (that agent only), or `*`
-    /// for operators and services.
+    /// Accepted bearer tokens: token → tenant name, `tenant/agent` (that agent only),
+    /// `tenant@person` (a person, who approves as themself), or `*` for operators and services.
     pub tokens: BTreeMap<String, String>,
     /// The token this process presents to other services (a `*` token in a mesh).
     pub token: String,
@@ -379,13 +379,18 @@ impl WardenConfig {
             let id = |s: &str| {
                 !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | ':' | '.'))
             };
-            let ok = match scope.split_once('/') {
+            let ok = match (scope.split_once('/'), scope.split_once('@')) {
                 _ if scope == "*" => true,
-                Some((tenant, agent)) => id(tenant) && id(agent),
-                None => id(scope),
+                (Some((tenant, agent)), None) => id(tenant) && id(agent),
+                (None, Some((tenant, person))) => id(tenant) && id(person),
+                (None, None) => id(scope),
+                _ => false,
             };
             if !ok {
-                return Err(invalid("auth.tokens", format!("scope '{scope}' is not '*', a tenant id or tenant/agent")));
+                return Err(invalid(
+                    "auth.tokens",
+                    format!("scope '{scope}' is not '*', a tenant id, tenant/agent or tenant@person"),
+                ));
             }
         }
         for (tenant, t) in &self.policy.tenants {

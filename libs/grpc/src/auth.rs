@@ -71,6 +71,12 @@ pub enum Scope {
         tenant: String,
         agent: String,
     },
+    /// One person of a tenant (`tenant@person`): acts for the tenant, and approves as that
+    /// person.
+    Person {
+        tenant: String,
+        person: String,
+    },
 }
 
 /// The server side: token → scope. Empty = authentication off.
@@ -83,7 +89,10 @@ impl Tokens {
         let scope = |s: &String| match s.split_once('/') {
             _ if s == "*" => Scope::Any,
             Some((tenant, agent)) => Scope::Agent { tenant: tenant.into(), agent: agent.into() },
-            None => Scope::Tenant(s.clone()),
+            None => match s.split_once('@') {
+                Some((tenant, person)) => Scope::Person { tenant: tenant.into(), person: person.into() },
+                None => Scope::Tenant(s.clone()),
+            },
         };
         Tokens(Arc::new(tokens.iter().map(|(t, s)| (t.clone(), scope(s))).collect()))
     }
@@ -114,7 +123,7 @@ impl Interceptor for Tokens {
 pub fn check<T>(request: &Request<T>, tenant: &str) -> Result<(), Status> {
     let scoped = match request.extensions().get::<Scope>() {
         None | Some(Scope::Any) => return Ok(()),
-        Some(Scope::Tenant(t) | Scope::Agent { tenant: t, .. }) => t,
+        Some(Scope::Tenant(t) | Scope::Agent { tenant: t, .. } | Scope::Person { tenant: t, .. }) => t,
     };
     if tenant.is_empty() {
         return Err(Status::permission_denied("reading across tenants needs an operator token"));
@@ -142,6 +151,22 @@ pub fn forbid_agent<T>(request: &Request<T>, what: &str) -> Result<(), Status> {
             Err(Status::permission_denied(format!("agent '{agent}' may not {what}; it needs a tenant token")))
         }
         _ => Ok(()),
+    }
+}
+
+/// Who approves: a person's token approves as that person (`named` empty or the same); an
+/// operator (`*`) or an unauthenticated mesh names the approver; a plain tenant token names
+/// one only when the tenant keeps no approver list (`restricted` false).
+pub fn approver<T>(request: &Request<T>, named: &str, restricted: bool) -> Result<String, Status> {
+    match request.extensions().get::<Scope>() {
+        Some(Scope::Person { person, .. }) if named.is_empty() || named == person => Ok(person.clone()),
+        Some(Scope::Person { person, .. }) => {
+            Err(Status::permission_denied(format!("this token approves as '{person}' only, not '{named}'")))
+        }
+        Some(Scope::Tenant(_)) if restricted => Err(Status::permission_denied(
+            "this tenant's approvals are resolved with an approver's own token (tenant@person)",
+        )),
+        _ => Ok(named.to_string()),
     }
 }
 

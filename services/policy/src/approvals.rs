@@ -146,7 +146,12 @@ impl ApprovalsService {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         // An agent never resolves approvals, least of all of its own calls.
         warden_grpc::auth::forbid_agent(&req, "resolve approvals")?;
-        let r = req.into_inner();
+        let allowed = self.policy.config().tenants.get(&req.get_ref().tenant).map(|t| t.approvers.clone());
+        let allowed = allowed.unwrap_or_default();
+        // With tokens, the approver is who the token says, not a name the caller types.
+        let approver = warden_grpc::auth::approver(&req, &req.get_ref().approver, !allowed.is_empty())?;
+        let mut r = req.into_inner();
+        r.approver = approver;
         let a = self.owned(&r.tenant, &r.approval_id).await?;
         if r.approver.is_empty() || r.approver.len() > 256 || r.approver.contains('\0') {
             return Err(invalid_field("approver", "name who decides (1-256 characters)"));
@@ -154,7 +159,6 @@ impl ApprovalsService {
         if r.reason.len() > 4096 || r.reason.contains('\0') {
             return Err(invalid_field("reason", "at most 4096 bytes"));
         }
-        let allowed = &self.policy.config().tenants.get(&r.tenant).map(|t| t.approvers.clone()).unwrap_or_default();
         if !allowed.is_empty() && !allowed.contains(&r.approver) {
             return Err(Status::permission_denied(format!(
                 "'{}' may not approve tenant '{}' calls",
