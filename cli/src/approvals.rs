@@ -20,7 +20,8 @@ pub enum ApprovalsCommand {
     /// Approve the exact call an approval is for.
     Approve {
         approval_id: String,
-        #[arg(long, env = "WARDEN_APPROVER")]
+        /// Who decides; optional with a person's token (`tenant@person`), which names them.
+        #[arg(long, env = "WARDEN_APPROVER", default_value = "")]
         approver: String,
         #[arg(long, default_value = "")]
         reason: String,
@@ -28,7 +29,8 @@ pub enum ApprovalsCommand {
     /// Deny it (the step fails and is never retried).
     Deny {
         approval_id: String,
-        #[arg(long, env = "WARDEN_APPROVER")]
+        /// Who decides; optional with a person's token (`tenant@person`), which names them.
+        #[arg(long, env = "WARDEN_APPROVER", default_value = "")]
         approver: String,
         #[arg(long, default_value = "")]
         reason: String,
