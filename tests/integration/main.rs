@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod conformance;
+mod deploy;
 mod ledger;
 mod lifecycle;
 mod mesh;
