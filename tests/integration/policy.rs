@@ -483,6 +483,20 @@ permit(principal == Agent::"acme/mailer", action == Action::"email.send", resour
     };
     let theirs = mesh.ledger_as(intern).put_artifact(artifact(&by_mailer)).await.map(|_| ());
     assert_eq!(denied(theirs), Code::PermissionDenied, "another agent's run");
+    let fencing = pb::PutArtifactRequest { epoch: u64::MAX, ..artifact(&by_intern) };
+    let raised = mesh.ledger_as(intern).put_artifact(fencing).await.map(|_| ());
+    assert_eq!(denied(raised), Code::PermissionDenied, "only lease holders raise a run's epoch");
+    let mut policy_as_intern = warden_proto::v1::policy_client::PolicyClient::new(mesh.policy.channel_as(intern));
+    let mut on_theirs = authorize(&by_mailer, "y", "text.upper", json!({"text": "x"}));
+    on_theirs.agent = "intern".into();
+    let e = policy_as_intern.authorize(on_theirs.clone()).await.expect_err("another agent's run");
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let mut fenced = authorize(&by_intern, "y", "text.upper", json!({"text": "x"}));
+    fenced.epoch = 7;
+    assert_eq!(policy_as_intern.authorize(fenced).await.expect_err("epoch").code(), Code::PermissionDenied);
+    let mut retry = authorize(&by_intern, "y", "text.upper", json!({"text": "x"}));
+    (retry.attempt, retry.retry_of) = (2, "d1".into());
+    assert_eq!(policy_as_intern.authorize(retry).await.expect_err("retry").code(), Code::PermissionDenied);
 
     let by_ops = submit_as(ops, "mailer").await.expect("an operator names the agent");
     assert_eq!(settled(&mesh, "acme", &by_ops).await.status(), pb::RunStatus::Completed);

@@ -134,6 +134,11 @@ pub fn check<T>(request: &Request<T>, tenant: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// Whether the caller is the mesh itself or an operator (`*`), or authentication is off.
+pub fn is_mesh<T>(request: &Request<T>) -> bool {
+    matches!(request.extensions().get::<Scope>(), None | Some(Scope::Any))
+}
+
 /// Only the mesh's own services and operators (`*` tokens; anyone when authentication is
 /// off): for writes that record what the mesh itself decided or did.
 pub fn require_mesh<T>(request: &Request<T>, what: &str) -> Result<(), Status> {
@@ -159,6 +164,9 @@ pub fn forbid_agent<T>(request: &Request<T>, what: &str) -> Result<(), Status> {
 /// one only when the tenant keeps no approver list (`restricted` false).
 pub fn approver<T>(request: &Request<T>, named: &str, restricted: bool) -> Result<String, Status> {
     match request.extensions().get::<Scope>() {
+        Some(Scope::Agent { agent, .. }) => {
+            Err(Status::permission_denied(format!("agent '{agent}' may not resolve approvals")))
+        }
         Some(Scope::Person { person, .. }) if named.is_empty() || named == person => Ok(person.clone()),
         Some(Scope::Person { person, .. }) => {
             Err(Status::permission_denied(format!("this token approves as '{person}' only, not '{named}'")))
@@ -167,6 +175,14 @@ pub fn approver<T>(request: &Request<T>, named: &str, restricted: bool) -> Resul
             "this tenant's approvals are resolved with an approver's own token (tenant@person)",
         )),
         _ => Ok(named.to_string()),
+    }
+}
+
+/// The person a request's token is bound to, if any.
+pub fn bound_person<T>(request: &Request<T>) -> Option<String> {
+    match request.extensions().get::<Scope>() {
+        Some(Scope::Person { person, .. }) => Some(person.clone()),
+        _ => None,
     }
 }
 

@@ -262,7 +262,7 @@ impl MemoryLeases {
             return None;
         }
         let e = s.epochs.entry(run_id.to_string()).or_default();
-        *e = (*e + 1).max(min_epoch + 1);
+        *e = e.saturating_add(1).max(min_epoch.saturating_add(1));
         let lease = RunLease::new(run_id, owner, *e);
         s.leases.insert(run_id.to_string(), (lease.token.clone(), now + ttl));
         Some(lease)

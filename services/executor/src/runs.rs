@@ -335,7 +335,12 @@ impl Runs for RunsService {
     async fn reconcile_step(&self, req: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         warden_grpc::auth::forbid_agent(&req, "reconcile outcomes")?;
-        let r = req.into_inner();
+        // A person's token reconciles as that person, whatever name it gives.
+        let person = warden_grpc::auth::bound_person(&req);
+        let mut r = req.into_inner();
+        if let Some(person) = person {
+            r.operator = person;
+        }
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         warden_core::ids::check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;

@@ -105,11 +105,29 @@ impl LedgerService {
         }
     }
 
-    /// An agent's token writes only to its own agent's runs (the agent is fixed at submission).
-    async fn agent_owns(&self, agent: Option<String>, tenant: &str, run_id: &str) -> Result<(), Status> {
-        let Some(agent) = agent else { return Ok(()) };
+    /// What a caller that is not the mesh may write: never above the run's current epoch (only
+    /// lease holders raise it, or a tenant could fence out the executor driving the run), and
+    /// for an agent's token only to its own agent's runs (the agent is fixed at submission).
+    async fn caller_may_write(
+        &self,
+        mesh: bool,
+        agent: Option<String>,
+        tenant: &str,
+        run_id: &str,
+        epoch: u64,
+    ) -> Result<(), Status> {
+        if mesh {
+            return Ok(());
+        }
         id_field("run_id", run_id)?;
         let run = self.visible_run(tenant, run_id).await?;
+        if epoch > run.max_epoch {
+            return Err(Status::permission_denied(format!(
+                "epoch {epoch} is above the run's {}; only the mesh's lease holders raise it",
+                run.max_epoch
+            )));
+        }
+        let Some(agent) = agent else { return Ok(()) };
         let first = self.store.events(&run.run_id, 0, 1).await?;
         let owner = first.first().and_then(|e| e.body.payload.get("agent")).and_then(Value::as_str).unwrap_or("");
         if owner != agent {
@@ -666,9 +684,9 @@ impl Ledger for LedgerService {
 
     async fn put_summary(&self, req: Request<pb::PutSummaryRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let agent = warden_grpc::auth::bound_agent(&req);
+        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
         let r = req.into_inner();
-        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
+        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
         Ok(Response::new(self.summary(base, &r.summary_type, payload, &r.step_id).await?))
@@ -676,9 +694,9 @@ impl Ledger for LedgerService {
 
     async fn put_checkpoint(&self, req: Request<pb::PutCheckpointRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let agent = warden_grpc::auth::bound_agent(&req);
+        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
         let r = req.into_inner();
-        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
+        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("name", &r.name)?;
         let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
@@ -688,9 +706,9 @@ impl Ledger for LedgerService {
 
     async fn put_artifact(&self, req: Request<pb::PutArtifactRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let agent = warden_grpc::auth::bound_agent(&req);
+        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
         let r = req.into_inner();
-        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
+        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("key", &r.key)?;
         let value = self.parse_value("value_json", &r.value_json, MAX_ARTIFACT_BYTES.min(self.max_payload_bytes))?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
@@ -765,9 +783,9 @@ impl Ledger for LedgerService {
         req: Request<pb::ProposeStateDeltaRequest>,
     ) -> Result<Response<pb::ProposeStateDeltaResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let agent = warden_grpc::auth::bound_agent(&req);
+        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
         let r = req.into_inner();
-        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
+        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;
@@ -788,9 +806,9 @@ impl Ledger for LedgerService {
 
     async fn commit_tx(&self, req: Request<pb::CommitTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let agent = warden_grpc::auth::bound_agent(&req);
+        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
         let r = req.into_inner();
-        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
+        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;
@@ -803,9 +821,9 @@ impl Ledger for LedgerService {
 
     async fn rollback_tx(&self, req: Request<pb::RollbackTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let agent = warden_grpc::auth::bound_agent(&req);
+        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
         let r = req.into_inner();
-        self.agent_owns(agent, &r.tenant, &r.run_id).await?;
+        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;

@@ -36,8 +36,11 @@ fn matches(pattern: &str, tool: &str) -> bool {
     }
 }
 
+/// One approval per call: the idempotency key is part of it, so an approval never covers a
+/// second call of the same arguments under a new key.
 fn approval_id(r: &pb::AuthorizeRequest, args_sha256: &str) -> String {
-    let key = warden_core::canonical_json(&json!([r.tenant, r.run_id, r.step_id, r.tool, args_sha256]));
+    let key =
+        warden_core::canonical_json(&json!([r.tenant, r.run_id, r.step_id, r.tool, args_sha256, r.idempotency_key]));
     format!("apr-{}", &warden_core::sha256_hex(key)[..24])
 }
 

@@ -198,6 +198,33 @@ impl PolicyService {
         Ok(crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await)
     }
 
+    /// Limits for callers that are not the mesh (a tenant's own orchestrator, an agent): they
+    /// hold no lease, so they name no epoch (they could fence out the executor driving the
+    /// run); retries are the executor's; and an agent decides only on its own agent's runs.
+    async fn outside_caller(&self, r: &pb::AuthorizeRequest, agent_bound: bool) -> Result<(), Status> {
+        if r.epoch != 0 {
+            return Err(Status::permission_denied("only the mesh's lease holders name an epoch"));
+        }
+        if !r.retry_of.is_empty() {
+            return Err(Status::permission_denied("retries are authorized for the executor only"));
+        }
+        if agent_bound {
+            let req = pb::StreamEventsRequest {
+                tenant: r.tenant.clone(),
+                run_id: r.run_id.clone(),
+                since_seq: 0,
+                follow: false,
+            };
+            let first = self.ledger.clone().stream_events(req).await?.into_inner().message().await?;
+            let owner: Value =
+                first.map(|e| serde_json::from_str(&e.payload_json).unwrap_or_default()).unwrap_or_default();
+            if owner["agent"].as_str().unwrap_or_default() != r.agent {
+                return Err(Status::permission_denied(format!("agent '{}' decides only on its own runs", r.agent)));
+            }
+        }
+        Ok(())
+    }
+
     /// Seed 000: policy and approval skip on retry. A retry is not decided again; it is allowed
     /// when the allow its earlier attempt got is recorded for the same step, tool and
     /// arguments. The new decision is still recorded and signed for this attempt, so each
@@ -243,6 +270,8 @@ impl PolicyService {
             Some("allowed other arguments")
         } else if p["attempt"].as_u64().unwrap_or(u64::MAX) >= u64::from(r.attempt) {
             Some("is not for an earlier attempt")
+        } else if p["agent"].as_str().unwrap_or_default() != r.agent {
+            Some("was for another agent")
         } else if !retried {
             Some("was not followed by a retryable failure of attempt {} that the executor retries")
         } else {
@@ -451,7 +480,11 @@ impl pb::policy_server::Policy for PolicyService {
     async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
+        let (mesh, bound) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
         let r = pb::AuthorizeRequest { agent, ..req.into_inner() };
+        if !mesh {
+            self.outside_caller(&r, bound.is_some()).await?;
+        }
         let mut checked = match validate(&r) {
             Ok(c) => c,
             Err(status) => {
