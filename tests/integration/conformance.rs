@@ -407,17 +407,9 @@ async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second
     assert_eq!(first.event, second.event, "the first event is returned unchanged");
 }
 
-/// Waits until step `step` of the run is running.
-async fn step_running(mesh: &warden_testkit::Mesh, run_id: &str, step: &str) -> Option<()> {
-    warden_testkit::eventually(Duration::from_secs(60), || {
-        let mut runs = mesh.runs();
-        let req = pb::GetRunRequest { tenant: "acme".into(), run_id: run_id.to_string() };
-        async move {
-            let run = runs.get_run(req).await.ok()?.into_inner();
-            run.steps.iter().any(|s| s.id == step && s.status() == pb::StepStatus::Running).then_some(())
-        }
-    })
-    .await
+/// Waits until step `step` of the run is running (its tool call is requested).
+async fn step_running(mesh: &warden_testkit::Mesh, run_id: &str, step: &str) {
+    first_event(mesh, "acme", run_id, |e| e.event_type == "tool_requested" && e.step_id == step).await;
 }
 
 /// K16: cancellation follows the run's declared cancel policy. A step whose tool is already
@@ -453,7 +445,7 @@ async fn k16_cancellation_follows_the_declared_cancel_policy() {
     {
         let work = plan(&[("nap", "sleep", json!({"ms": 4000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
         let id = submit_with(work, policy).await;
-        step_running(&mesh, &id, "nap").await.expect("the nap starts");
+        step_running(&mesh, &id, "nap").await;
         assert_eq!(cancel(&id).await.expect("cancel"), pb::RunStatus::Active);
         let run = settled(&mesh, "acme", &id).await;
         assert_eq!(run.status(), pb::RunStatus::Cancelled, "{name}: {}", run.reason);
@@ -475,12 +467,7 @@ async fn k16_cancellation_follows_the_declared_cancel_policy() {
 
     let mail = plan(&[("mail", "email.send", json!({"to": "ops@example.com", "subject": "s", "body": "b"}), &[])]);
     let id = submit_with(mail, pb::CancelPolicy::Immediate).await;
-    let blocked = warden_testkit::eventually(Duration::from_secs(60), || {
-        let mut runs = mesh.runs();
-        let req = pb::GetRunRequest { tenant: "acme".into(), run_id: id.clone() };
-        async move { (runs.get_run(req).await.ok()?.into_inner().status() == pb::RunStatus::Blocked).then_some(()) }
-    });
-    blocked.await.expect("the run blocks on its approval");
+    first_event(&mesh, "acme", &id, |e| e.event_type == "run_blocked").await;
     assert_eq!(cancel(&id).await.expect("cancel"), pb::RunStatus::Blocked);
     let run = settled(&mesh, "acme", &id).await;
     assert_eq!(run.status(), pb::RunStatus::Cancelled, "{}", run.reason);
@@ -501,7 +488,7 @@ async fn k16_a_cancel_reaching_another_replica_stops_the_run() {
     let mesh = mesh_with(Backend::Sqlite, opts).await;
     let work = plan(&[("nap", "sleep", json!({"ms": 4000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
     let id = submit(&mesh, "acme", &work).await;
-    step_running(&mesh, &id, "nap").await.expect("the nap starts");
+    step_running(&mesh, &id, "nap").await;
     let evs = events(&mut mesh.ledger(), "acme", &id).await;
     let owner = evs.iter().find(|e| e.event_type == "run_started").map(|e| payload(e)["executor"].clone());
     let other = if owner == Some(json!("executor-0")) { 1 } else { 0 };
@@ -553,18 +540,12 @@ fn rules_of(evs: &[pb::Event], step: &str) -> Vec<String> {
 
 async fn approve_pending(mesh: &warden_testkit::Mesh, run_id: &str, approve: bool) -> usize {
     let mut approvals = warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel());
-    let found = warden_testkit::eventually(Duration::from_secs(60), || {
-        let mut a = approvals.clone();
-        let run_id = run_id.to_string();
-        async move {
-            let req = pb::ListApprovalsRequest { tenant: "acme".into(), ..Default::default() };
-            let all = a.list(req).await.ok()?.into_inner().approvals;
-            let mine: Vec<_> = all.into_iter().filter(|x| x.run_id == run_id).collect();
-            (!mine.is_empty()).then_some(mine)
-        }
-    })
-    .await
-    .expect("an approval is requested");
+    // The run blocks once its approval is recorded; then the approval is listed.
+    first_event(mesh, "acme", run_id, |e| e.event_type == "run_blocked").await;
+    let req = pb::ListApprovalsRequest { tenant: "acme".into(), ..Default::default() };
+    let all = approvals.list(req).await.expect("list").into_inner().approvals;
+    let found: Vec<_> = all.into_iter().filter(|x| x.run_id == run_id).collect();
+    assert!(!found.is_empty(), "an approval is requested");
     let req = pb::ResolveApprovalRequest {
         tenant: "acme".into(),
         approval_id: found[0].approval_id.clone(),
@@ -725,7 +706,7 @@ async fn k16_a_cancel_after_an_executor_died_mid_call_records_the_call() {
     let mut mesh = mesh_with(Backend::Sqlite, opts).await;
     let work = plan(&[("nap", "sleep", json!({"ms": 3000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
     let id = submit(&mesh, "acme", &work).await;
-    step_running(&mesh, &id, "nap").await.expect("the nap starts");
+    step_running(&mesh, &id, "nap").await;
     let evs = events(&mut mesh.ledger(), "acme", &id).await;
     let owner = evs.iter().find(|e| e.event_type == "run_started").map(|e| payload(e)["executor"].clone());
     let (dead, alive) = if owner == Some(json!("executor-0")) { (0, 1) } else { (1, 0) };

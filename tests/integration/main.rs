@@ -125,6 +125,22 @@ pub async fn events(ledger: &mut LedgerClient<Ch>, tenant: &str, run_id: &str) -
     out
 }
 
+/// The first event of the run (already recorded or still to come) that `wanted` accepts,
+/// read from the ledger's following stream. The timeout only guards against a hang.
+pub async fn first_event(mesh: &Mesh, tenant: &str, run_id: &str, wanted: impl Fn(&pb::Event) -> bool) -> pb::Event {
+    let req = pb::StreamEventsRequest { tenant: tenant.into(), run_id: run_id.into(), since_seq: 0, follow: true };
+    let mut stream = mesh.ledger().stream_events(req).await.expect("stream events").into_inner();
+    let found = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(e) = stream.message().await.expect("event") {
+            if wanted(&e) {
+                return Some(e);
+            }
+        }
+        None
+    });
+    found.await.ok().flatten().unwrap_or_else(|| panic!("run {run_id} never recorded the event\n{}", mesh.logs()))
+}
+
 pub fn payload(e: &pb::Event) -> Value {
     serde_json::from_str(&e.payload_json).expect("payload is JSON")
 }

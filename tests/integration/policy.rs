@@ -810,12 +810,9 @@ async fn a_failing_policy_stage_is_a_recorded_deny() {
     sqlx::any::install_default_drivers();
     let url = format!("sqlite://{}?mode=rw", mesh.dir.path().join("policy.db").display());
     let db = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(&url).await.expect("policy db");
-    // SQLite may be busy with the policy service's own work for a moment: try until it is not.
-    let dropped = warden_testkit::eventually(Duration::from_secs(30), || {
-        let db = db.clone();
-        async move { sqlx::query("DROP TABLE approvals").execute(&db).await.ok() }
-    });
-    dropped.await.expect("break the approval stage");
+    // SQLite may be busy with the policy service's own work for a moment: wait for the lock.
+    sqlx::query("PRAGMA busy_timeout = 30000").execute(&db).await.expect("busy timeout");
+    sqlx::query("DROP TABLE approvals").execute(&db).await.expect("break the approval stage");
     let d = mesh
         .policy()
         .authorize(authorize(&run, "m1", "email.send", json!({"to": "a@example.com", "subject": "s", "body": "b"})))
