@@ -142,10 +142,10 @@ pub fn is_mesh<T>(request: &Request<T>) -> bool {
 /// Only the mesh's own services and operators (`*` tokens; anyone when authentication is
 /// off): for writes that record what the mesh itself decided or did.
 pub fn require_mesh<T>(request: &Request<T>, what: &str) -> Result<(), Status> {
-    match request.extensions().get::<Scope>() {
-        None | Some(Scope::Any) => Ok(()),
-        Some(_) => Err(Status::permission_denied(format!("{what} needs an operator or service token"))),
+    if is_mesh(request) {
+        return Ok(());
     }
+    Err(Status::permission_denied(format!("{what} needs an operator or service token")))
 }
 
 /// Refuses agent-bound tokens: for acts that take a tenant's authority, not an agent's

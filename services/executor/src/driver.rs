@@ -339,16 +339,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         .map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status }))
         .collect();
     let mut outputs = view.outputs();
-    // Where each pending step resumes: its next attempt and the allow a retry names.
-    let resume: HashMap<String, (u32, Option<String>)> =
-        view.steps.iter().map(|s| (s.id.clone(), s.next_attempt())).collect();
-    // Calls requested before a restart with no outcome: their effect may have started, so a
-    // cancellation never erases them — they are asked again under the same key (or go to
-    // reconciliation) and their outcome is recorded.
-    let not_before: HashMap<String, Option<i64>> =
-        view.steps.iter().map(|s| (s.id.clone(), s.retry_not_before_ms)).collect();
-    let unknown: std::collections::HashSet<String> =
-        view.steps.iter().filter(|s| s.outcome_unknown).map(|s| s.id.clone()).collect();
+    let resume: HashMap<String, Resume> = view.steps.iter().map(|s| (s.id.clone(), Resume::of(s))).collect();
     let mut first_failure: Option<String> = view
         .steps
         .iter()
@@ -368,7 +359,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         if ctx.cancel.is_cancelled() {
             for &i in &order {
                 let step = &plan.steps[i];
-                if status[&step.id] == StepStatus::Pending && !unknown.contains(&step.id) {
+                if status[&step.id] == StepStatus::Pending && !resume[&step.id].asked_before {
                     ctx.append(
                         events::STEP_CANCELLED,
                         &step.id,
@@ -419,20 +410,10 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             match template::resolve(&step.params, &outputs) {
                 Ok(args) => {
                     let (c, s) = (ctx.clone(), step.clone());
-                    let (attempt, retry_of) = resume.get(&step.id).cloned().unwrap_or((1, None));
-                    let asked_before = unknown.contains(&step.id);
-                    let not_before = not_before.get(&step.id).copied().flatten();
+                    let from = resume.get(&step.id).cloned().unwrap_or_default();
                     running.spawn(async move {
                         let id = s.id.clone();
-                        // A retry that a previous executor scheduled keeps its backoff.
-                        if let Some(wait) = not_before.map(|t| t - warden_grpc::now_ms()).filter(|w| *w > 0) {
-                            tokio::select! {
-                                _ = tokio::time::sleep(Duration::from_millis(wait as u64)) => {}
-                                _ = c.lost.cancelled() => return (id, Err(DriveError::LeaseLost)),
-                                _ = c.cancel.cancelled() => {}
-                            }
-                        }
-                        (id, execute_step(&c, &s, args, attempt, retry_of, asked_before).await)
+                        (id, execute_step(&c, &s, args, from).await)
                     });
                 }
                 Err(e) => {
@@ -531,30 +512,58 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
 /// One step: its attempts, from `attempt` (a retry names the allow it retries), with the
 /// backoff between them. A failure is retried only when the tool reported it retryable and
 /// its declared policy allows another attempt; denials are decisions, never retried (K07).
-async fn execute_step(
-    ctx: &RunCtx,
-    step: &PlanStep,
-    args: Value,
-    mut attempt: u32,
-    mut retry_of: Option<String>,
-    mut asked_before: bool,
-) -> Result<StepOutcome, DriveError> {
+async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value, from: Resume) -> Result<StepOutcome, DriveError> {
+    let Resume { mut attempt, mut retry_of, asked_before, not_before_ms } = from;
+    // A retry that a previous executor scheduled keeps its backoff.
+    let mut wait = not_before_ms
+        .map_or(Duration::ZERO, |t| Duration::from_millis(t.saturating_sub(warden_grpc::now_ms()).max(0) as u64));
+    let mut asked_before = asked_before;
     loop {
+        if !wait.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+                // The next attempt sees the cancellation before it starts.
+                _ = ctx.cancel.cancelled() => {}
+            }
+        }
         let outcome = execute_attempt(ctx, step, args.clone(), attempt, retry_of.as_deref(), asked_before).await?;
         asked_before = false;
         match outcome {
             StepOutcome::Retry { retry_of: first, backoff } => {
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
-                    // The next attempt sees the cancellation before it starts.
-                    _ = ctx.cancel.cancelled() => {}
-                }
+                wait = backoff;
                 retry_of = Some(first);
                 attempt += 1;
             }
             other => return Ok(other),
         }
+    }
+}
+
+/// Where a driver picks a pending step up.
+#[derive(Clone)]
+struct Resume {
+    /// The attempt it starts with, and the allow a retry names.
+    attempt: u32,
+    retry_of: Option<String>,
+    /// Its call was requested before a restart and has no outcome: its effect may have
+    /// started, so a cancellation never erases it — it is asked again under the same key (or
+    /// goes to reconciliation) and its outcome is recorded.
+    asked_before: bool,
+    /// When a retry a previous executor scheduled may start.
+    not_before_ms: Option<i64>,
+}
+
+impl Default for Resume {
+    fn default() -> Self {
+        Resume { attempt: 1, retry_of: None, asked_before: false, not_before_ms: None }
+    }
+}
+
+impl Resume {
+    fn of(s: &warden_core::run::StepView) -> Resume {
+        let (attempt, retry_of) = s.next_attempt();
+        Resume { attempt, retry_of, asked_before: s.outcome_unknown, not_before_ms: s.retry_not_before_ms }
     }
 }
 

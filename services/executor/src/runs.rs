@@ -255,7 +255,7 @@ impl Runs for RunsService {
             match status {
                 pb::RunStatus::Cancelled => return Ok(Response::new(pb::CancelRunResponse { status: status as i32 })),
                 pb::RunStatus::Completed | pb::RunStatus::Failed | pb::RunStatus::EmptyPlan => {
-                    let name = status.as_str_name().trim_start_matches("RUN_STATUS_").to_lowercase();
+                    let name = warden_grpc::convert::status_name(status as i32);
                     return Err(Status::failed_precondition(format!("run {} already ended {name}", r.run_id)));
                 }
                 pb::RunStatus::RequiresReconciliation => {
@@ -358,7 +358,7 @@ impl Runs for RunsService {
         let get = pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() };
         let run = ledger.get_run(get).await?.into_inner();
         if run.status() != pb::RunStatus::RequiresReconciliation {
-            let name = run.status().as_str_name().trim_start_matches("RUN_STATUS_").to_lowercase();
+            let name = warden_grpc::convert::status_name(run.status);
             return Err(Status::failed_precondition(format!(
                 "run {} is {name}, not waiting for reconciliation",
                 r.run_id
@@ -369,7 +369,10 @@ impl Runs for RunsService {
         let latest_outcome = evs.iter().rev().find(|e| {
             e.step_id == r.step_id && (e.event_type == events::TOOL_COMPLETED || e.event_type == events::TOOL_FAILED)
         });
-        let half_done = latest_outcome.is_some_and(|e| e.payload_json.contains("\"reconciled_by\""));
+        let half_done = latest_outcome.is_some_and(|e| {
+            let p: serde_json::Value = serde_json::from_str(&e.payload_json).unwrap_or_default();
+            p.get("reconciled_by").is_some()
+        });
         if !half_done && !view.steps.iter().any(|s| s.id == r.step_id && s.outcome_unknown) {
             return Err(Status::failed_precondition(format!(
                 "step '{}' has no call with an unknown outcome",

@@ -108,15 +108,14 @@ impl LedgerService {
     /// What a caller that is not the mesh may write: never above the run's current epoch (only
     /// lease holders raise it, or a tenant could fence out the executor driving the run), and
     /// for an agent's token only to its own agent's runs (the agent is fixed at submission).
-    async fn caller_may_write(
+    async fn caller_may_write<T>(
         &self,
-        mesh: bool,
-        agent: Option<String>,
+        req: &Request<T>,
         tenant: &str,
         run_id: &str,
         epoch: u64,
     ) -> Result<(), Status> {
-        if mesh {
+        if warden_grpc::auth::is_mesh(req) {
             return Ok(());
         }
         id_field("run_id", run_id)?;
@@ -127,7 +126,7 @@ impl LedgerService {
                 run.max_epoch
             )));
         }
-        let Some(agent) = agent else { return Ok(()) };
+        let Some(agent) = warden_grpc::auth::bound_agent(req) else { return Ok(()) };
         let first = self.store.events(&run.run_id, 0, 1).await?;
         let owner = first.first().and_then(|e| e.body.payload.get("agent")).and_then(Value::as_str).unwrap_or("");
         if owner != agent {
@@ -684,9 +683,9 @@ impl Ledger for LedgerService {
 
     async fn put_summary(&self, req: Request<pb::PutSummaryRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
+        let w = req.get_ref();
+        self.caller_may_write(&req, &w.tenant, &w.run_id, w.epoch).await?;
         let r = req.into_inner();
-        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
         Ok(Response::new(self.summary(base, &r.summary_type, payload, &r.step_id).await?))
@@ -694,9 +693,9 @@ impl Ledger for LedgerService {
 
     async fn put_checkpoint(&self, req: Request<pb::PutCheckpointRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
+        let w = req.get_ref();
+        self.caller_may_write(&req, &w.tenant, &w.run_id, w.epoch).await?;
         let r = req.into_inner();
-        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("name", &r.name)?;
         let payload = self.parse_value("payload_json", &r.payload_json, self.max_payload_bytes)?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
@@ -706,9 +705,9 @@ impl Ledger for LedgerService {
 
     async fn put_artifact(&self, req: Request<pb::PutArtifactRequest>) -> Result<Response<pb::Summary>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
+        let w = req.get_ref();
+        self.caller_may_write(&req, &w.tenant, &w.run_id, w.epoch).await?;
         let r = req.into_inner();
-        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("key", &r.key)?;
         let value = self.parse_value("value_json", &r.value_json, MAX_ARTIFACT_BYTES.min(self.max_payload_bytes))?;
         let base = (r.tenant.as_str(), r.run_id.as_str(), r.epoch, r.idempotency_key.as_str());
@@ -783,9 +782,9 @@ impl Ledger for LedgerService {
         req: Request<pb::ProposeStateDeltaRequest>,
     ) -> Result<Response<pb::ProposeStateDeltaResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
+        let w = req.get_ref();
+        self.caller_may_write(&req, &w.tenant, &w.run_id, w.epoch).await?;
         let r = req.into_inner();
-        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;
@@ -806,9 +805,9 @@ impl Ledger for LedgerService {
 
     async fn commit_tx(&self, req: Request<pb::CommitTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
+        let w = req.get_ref();
+        self.caller_may_write(&req, &w.tenant, &w.run_id, w.epoch).await?;
         let r = req.into_inner();
-        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;
@@ -821,9 +820,9 @@ impl Ledger for LedgerService {
 
     async fn rollback_tx(&self, req: Request<pb::RollbackTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
-        let (mesh, agent) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
+        let w = req.get_ref();
+        self.caller_may_write(&req, &w.tenant, &w.run_id, w.epoch).await?;
         let r = req.into_inner();
-        self.caller_may_write(mesh, agent, &r.tenant, &r.run_id, r.epoch).await?;
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         id_field("tx_id", &r.tx_id)?;

@@ -198,6 +198,13 @@ impl PolicyService {
         Ok(crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await)
     }
 
+    /// The recorded events of the request's run, first to last.
+    async fn run_events(&self, r: &pb::AuthorizeRequest) -> Result<tonic::Streaming<pb::Event>, Status> {
+        let req =
+            pb::StreamEventsRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), since_seq: 0, follow: false };
+        Ok(self.ledger.clone().stream_events(req).await?.into_inner())
+    }
+
     /// Limits for callers that are not the mesh (a tenant's own orchestrator, an agent): they
     /// hold no lease, so they name no epoch (they could fence out the executor driving the
     /// run); retries are the executor's; and an agent decides only on its own agent's runs.
@@ -209,13 +216,7 @@ impl PolicyService {
             return Err(Status::permission_denied("retries are authorized for the executor only"));
         }
         if agent_bound {
-            let req = pb::StreamEventsRequest {
-                tenant: r.tenant.clone(),
-                run_id: r.run_id.clone(),
-                since_seq: 0,
-                follow: false,
-            };
-            let first = self.ledger.clone().stream_events(req).await?.into_inner().message().await?;
+            let first = self.run_events(r).await?.message().await?;
             let owner: Value =
                 first.map(|e| serde_json::from_str(&e.payload_json).unwrap_or_default()).unwrap_or_default();
             if owner["agent"].as_str().unwrap_or_default() != r.agent {
@@ -236,13 +237,11 @@ impl PolicyService {
             rule_id: "retry_unauthorized".into(),
             reason,
         };
-        let req =
-            pb::StreamEventsRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), since_seq: 0, follow: false };
         // The first allow, and the executor's record that the attempt before this one failed
         // retryably and is retried as this one (only the mesh's own services write those).
         let mut first: Option<Value> = None;
         let mut retried = false;
-        let mut stream = self.ledger.clone().stream_events(req).await?.into_inner();
+        let mut stream = self.run_events(r).await?;
         while let Some(e) = stream.message().await? {
             if e.step_id != r.step_id {
                 continue;
