@@ -42,6 +42,7 @@ fn invariants_all() -> Vec<InvariantConfig> {
             tool: "tool*".into(),
             field: "to".into(),
             domains: vec!["example.com".into()],
+            allow_multiple: false,
         },
         InvariantConfig::RecipientMustBeVerified {
             tool: "tool*".into(),
@@ -165,10 +166,13 @@ pub async fn run() -> anyhow::Result<()> {
         let _ = stopped.await;
     }));
     let mut ledger = crate::run::ledger_client(&endpoint).await?;
+    // Policy signs only calls of a run's recorded plan: one step per request below.
+    let steps: Vec<serde_json::Value> =
+        (0..1000).chain(10_000..13_200).map(|i| json!({"id": format!("s{i}"), "tool": "echo"})).collect();
     let run_id = ledger
         .create_run(pb::CreateRunRequest {
             tenant: "default".into(),
-            plan_json: r#"{"steps":[]}"#.into(),
+            plan_json: json!({ "steps": steps }).to_string(),
             ..Default::default()
         })
         .await?
@@ -189,6 +193,7 @@ pub async fn run() -> anyhow::Result<()> {
         epoch: 0,
         agent: String::new(),
         retry_of: String::new(),
+        caller_records: false,
     };
     let mut h = Histogram::<u64>::new(3)?;
     let mut p = policy.clone();

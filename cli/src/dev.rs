@@ -43,6 +43,7 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     c.policy.key_file = path("policy.key");
     c.policy.database_url = format!("sqlite://{}", path("policy.db"));
     c.policy.ledger_endpoint = endpoint.into();
+    c.ledger.policy_endpoint = endpoint.into();
     if c.policy.tenants.is_empty() {
         c.policy.tenants.insert(
             "default".into(),
@@ -56,7 +57,20 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     c.executor.tool_hosts = vec![endpoint.into()];
     c.executor.redis_url = String::new();
     c.tools.policy_endpoint = endpoint.into();
+    c.tools.ledger_endpoint = endpoint.into();
     c.tools.outbox_path = path("outbox.jsonl");
+    // With authentication on, the services in this process still call each other as the mesh:
+    // without a configured service token, one is made for this process only.
+    if !c.auth.tokens.is_empty() && c.auth.token.is_empty() {
+        let mut secret = [0u8; 24];
+        if getrandom::getrandom(&mut secret).is_ok() {
+            c.auth.token = hex::encode(secret);
+        }
+    }
+    // The services here are one process: the token they present is the mesh's.
+    if !c.auth.tokens.is_empty() && !c.auth.token.is_empty() {
+        c.auth.tokens.insert(c.auth.token.clone(), "*".into());
+    }
     c
 }
 
@@ -68,12 +82,14 @@ pub struct DevMesh {
 
 /// Starts every service on `listen` in this process.
 pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> anyhow::Result<DevMesh> {
+    // Before any client is built: each channel captures the token it presents when created,
+    // so with `[auth] tokens` set the services reach each other as the mesh.
+    warden_grpc::auth::set_client_token(&config.auth.token);
     let ledger = warden_ledger::open(&config.ledger).await.context("opening the ledger")?;
     let policy = warden_policy::build(&config.policy).await?;
     let planner = warden_planner::PlannerService::new(&config.planner)?;
     let tools = warden_tools::ToolHostService::new(&config.tools)?;
     let executor = warden_executor::Executor::new(&config.executor).await?;
-    warden_grpc::auth::set_client_token(&config.auth.token);
     let tokens = warden_grpc::auth::Tokens::new(&config.auth.tokens);
     let mut routes = Routes::builder();
     warden_ledger::add_routes(&mut routes, ledger, &tokens);

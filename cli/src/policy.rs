@@ -56,6 +56,7 @@ pub async fn run(target: &Target, policy_endpoint: &str, cmd: PolicyCommand) -> 
                 epoch: 0,
                 agent: s("agent", ""),
                 retry_of: String::new(),
+                caller_records: false,
             };
             let d = PolicyClient::new(warden_grpc::channel(policy_endpoint)?)
                 .check(req)

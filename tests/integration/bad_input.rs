@@ -80,3 +80,106 @@ async fn unimplemented_rpcs_say_so() {
     let e = planner.create_plan(pb::CreatePlanRequest::default()).await.expect_err("unimplemented");
     assert_eq!(e.code(), tonic::Code::Unimplemented);
 }
+
+/// A NUL byte in any string of any request is refused at the server's decoder — before a
+/// handler, a database or a policy sees it — as INVALID_ARGUMENT naming the field. PostgreSQL
+/// TEXT cannot store NUL: before, such a string failed in the database as a retryable-looking
+/// UNAVAILABLE. Unary and server-streaming RPCs of every service, top-level, repeated and
+/// nested fields.
+#[tokio::test]
+async fn nul_bytes_in_any_request_string_are_invalid_argument_naming_the_field() {
+    use warden_proto::v1::approvals_client::ApprovalsClient;
+    use warden_proto::v1::capabilities_client::CapabilitiesClient;
+    use warden_proto::v1::planner_client::PlannerClient;
+
+    let mesh = mesh_on(Backend::Postgres).await;
+    let tenant = "acme";
+    let run_id = bare_run(&mesh, tenant).await;
+    let (mut ledger, mut runs, mut policy, mut tools) = (mesh.ledger(), mesh.runs(), mesh.policy(), mesh.tool_host());
+    let mut approvals = ApprovalsClient::new(mesh.policy.channel_as(&mesh.token));
+    let mut caps = CapabilitiesClient::new(mesh.policy.channel_as(&mesh.token));
+    let mut planner = PlannerClient::new(mesh.planner.channel_as(&mesh.token));
+    let t = || tenant.to_string();
+
+    // Ledger.
+    let summaries = pb::ListSummariesRequest {
+        tenant: t(),
+        run_id: run_id.clone(),
+        summary_type: "tool\0".into(),
+        ..Default::default()
+    };
+    assert_field_violation(&ledger.list_summaries(summaries).await.expect_err("refused"), "summary_type");
+    let state = pb::GetStateRequest { tenant: t(), key: "k\0".into() };
+    assert_field_violation(&ledger.get_state(state).await.expect_err("refused"), "key");
+    let append = pb::AppendEventRequest {
+        tenant: t(),
+        run_id: run_id.clone(),
+        event_type: "note".into(),
+        payload_json: "{\"text\":\"a\0b\"}".into(),
+        ..Default::default()
+    };
+    assert_field_violation(&ledger.append_event(append).await.expect_err("refused"), "payload_json");
+    let stream = pb::StreamEventsRequest { tenant: t(), run_id: format!("{run_id}\0"), since_seq: 0, follow: true };
+    assert_field_violation(&ledger.stream_events(stream).await.expect_err("refused (streaming)"), "run_id");
+
+    // Runs: a repeated field names its element.
+    let submit = |f: fn(&mut pb::SubmitRunRequest)| {
+        let mut req = pb::SubmitRunRequest { tenant: t(), plan_json: HELLO.into(), ..Default::default() };
+        f(&mut req);
+        req
+    };
+    let handles = submit(|r| r.capability_handles = vec!["cap_ok".into(), "cap\0".into()]);
+    assert_field_violation(&runs.submit_run(handles).await.expect_err("refused"), "capability_handles[1]");
+    let goal = submit(|r| r.goal = "\0".into());
+    assert_field_violation(&runs.submit_run(goal).await.expect_err("refused"), "goal");
+    let get = pb::GetRunRequest { tenant: t(), run_id: format!("{run_id}\0") };
+    assert_field_violation(&runs.get_run(get).await.expect_err("refused"), "run_id");
+
+    // Policy.
+    let authorize = pb::AuthorizeRequest {
+        tenant: t(),
+        run_id: run_id.clone(),
+        step_id: "a".into(),
+        attempt: 1,
+        tool: "echo".into(),
+        args_json: "{\"message\":\"\0\"}".into(),
+        idempotency_key: "k1".into(),
+        ..Default::default()
+    };
+    assert_field_violation(&policy.authorize(authorize.clone()).await.expect_err("refused"), "args_json");
+    let check = pb::AuthorizeRequest { args_json: "{}".into(), tool: "echo\0".into(), ..authorize };
+    assert_field_violation(&policy.check(check).await.expect_err("refused"), "tool");
+
+    // Approvals (unary and streaming) and capabilities.
+    let resolve = pb::ResolveApprovalRequest {
+        tenant: t(),
+        approval_id: "00000000-0000-0000-0000-000000000000".into(),
+        approver: "ops\0".into(),
+        reason: "ok".into(),
+    };
+    assert_field_violation(&approvals.approve(resolve).await.expect_err("refused"), "approver");
+    let watch = pb::WatchApprovalsRequest { tenant: "acme\0".into() };
+    assert_field_violation(&approvals.watch(watch).await.expect_err("refused (streaming)"), "tenant");
+    let issue = pb::IssueCapabilityRequest {
+        tenant: t(),
+        tool_patterns: vec!["echo".into(), "kv.\0".into()],
+        ttl_seconds: 60,
+        ..Default::default()
+    };
+    assert_field_violation(&caps.issue(issue).await.expect_err("refused"), "tool_patterns[1]");
+    let revoke = pb::RevokeCapabilityRequest { tenant: t(), capability_id: "c".into(), reason: "\0".into() };
+    assert_field_violation(&caps.revoke(revoke).await.expect_err("refused"), "reason");
+
+    // Planner and tool host; a nested message field is named by its path.
+    let validate = pb::ValidatePlanRequest { tenant: t(), plan_json: format!("{HELLO}\0") };
+    assert_field_violation(&planner.validate_plan(validate).await.expect_err("refused"), "plan_json");
+    let auth = pb::SignedAuthorization { key_id: "key\0".into(), ..Default::default() };
+    let invoke = pb::InvokeRequest { tenant: t(), authorization: Some(auth), ..Default::default() };
+    assert_field_violation(&tools.invoke(invoke).await.expect_err("refused"), "authorization.key_id");
+
+    // Nothing was written, and the backends still answer.
+    let listed = ledger.list_runs(pb::ListLedgerRunsRequest::default()).await.expect("list").into_inner();
+    assert_eq!(listed.runs.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(), vec![run_id.as_str()]);
+    let summaries = pb::ListSummariesRequest { tenant: t(), run_id, summary_type: "tool".into(), ..Default::default() };
+    ledger.list_summaries(summaries).await.expect("a clean request still succeeds");
+}

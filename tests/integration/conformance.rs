@@ -32,6 +32,7 @@ fn authorize_request(run_id: &str, args: &Value) -> pb::AuthorizeRequest {
         epoch: 0,
         agent: String::new(),
         retry_of: String::new(),
+        caller_records: false,
     }
 }
 
@@ -45,6 +46,7 @@ fn invoke(run_id: &str, args: &Value, auth: Option<pb::SignedAuthorization>) -> 
         args_json: canonical_json(args),
         idempotency_key: format!("{run_id}:s1:1"),
         authorization: auth,
+        request_ack: None,
     }
 }
 
@@ -73,7 +75,7 @@ async fn k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments() {
 #[tokio::test]
 async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls() {
     let mesh = services_on(Backend::Sqlite).await;
-    let run_id = bare_run(&mesh, "acme").await;
+    let run_id = planned_run(&mesh, "acme", &[("s1", "echo")]).await;
     let args = json!({"text": "pay 10"});
     let granted = mesh.policy().authorize(authorize_request(&run_id, &args)).await.expect("authorize").into_inner();
     assert_eq!(granted.decision.as_ref().expect("decision").outcome(), pb::Outcome::Allow);
@@ -134,8 +136,13 @@ async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls(
     let e = refused(host.invoke(invoke(&run_id, &args, Some(to_wire(expired)))).await);
     assert!(e.message().contains("expired"), "expired: {e:?}");
 
-    let ok =
-        host.invoke(invoke(&run_id, &args, Some(auth))).await.expect("the exact authorized call runs").into_inner();
+    // Authorized but not on the record: nothing runs until the ledger acknowledges the request.
+    let e = refused(host.invoke(invoke(&run_id, &args, Some(auth.clone()))).await);
+    assert!(e.message().contains("acknowledgement"), "unrecorded: {e:?}");
+    let decision_id = granted.decision.as_ref().expect("decision").decision_id.clone();
+    let ack = acknowledged(&mesh, "acme", &run_id, "s1", 1, "echo", &args, &decision_id).await;
+    let recorded = pb::InvokeRequest { request_ack: Some(ack), ..invoke(&run_id, &args, Some(auth)) };
+    let ok = host.invoke(recorded).await.expect("the exact authorized, recorded call runs").into_inner();
     assert_eq!(ok.outcome, Some(pb::invoke_response::Outcome::OutputJson(canonical_json(&args))));
 }
 
@@ -335,7 +342,7 @@ async fn k19_policy_unavailable_means_nothing_executes() {
 #[tokio::test]
 async fn k04_mutating_calls_without_an_idempotency_key_are_rejected() {
     let mesh = services_on(Backend::Sqlite).await;
-    let run_id = bare_run(&mesh, "acme").await;
+    let run_id = planned_run(&mesh, "acme", &[("s1", "echo")]).await;
     let args = json!({"text": "hi"});
     let before = events(&mut mesh.ledger(), "acme", &run_id).await.len();
 
@@ -375,11 +382,17 @@ async fn k04_mutating_calls_without_an_idempotency_key_are_rejected() {
 #[tokio::test]
 async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second_side_effect() {
     let mesh = services_on(Backend::Sqlite).await;
-    let run_id = bare_run(&mesh, "acme").await;
+    let run_id = planned_run(&mesh, "acme", &[("s1", "email.send")]).await;
     let args = json!({"to": "ops@example.com", "subject": "once", "body": "b"});
     let decide = pb::AuthorizeRequest { tool: "email.send".into(), ..authorize_request(&run_id, &args) };
     let granted = mesh.policy().authorize(decide).await.expect("authorize").into_inner();
-    let call = pb::InvokeRequest { tool: "email.send".into(), ..invoke(&run_id, &args, granted.authorization) };
+    let decision_id = granted.decision.clone().expect("decision").decision_id;
+    let ack = acknowledged(&mesh, "acme", &run_id, "s1", 1, "email.send", &args, &decision_id).await;
+    let call = pb::InvokeRequest {
+        tool: "email.send".into(),
+        request_ack: Some(ack),
+        ..invoke(&run_id, &args, granted.authorization)
+    };
     let mut calls = tokio::task::JoinSet::new();
     for _ in 0..4 {
         let (mut host, call) = (mesh.tool_host(), call.clone());
@@ -614,7 +627,7 @@ async fn k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced() {
     assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
 
     // A retry naming an allow that is not the call's is refused (and recorded).
-    let fresh = bare_run(&mesh, "acme").await;
+    let fresh = planned_run(&mesh, "acme", &[("s1", "echo")]).await;
     let mut forged = authorize_request(&fresh, &json!({"text": "x"}));
     forged.attempt = 2;
     forged.retry_of = first_allow.as_str().unwrap_or_default().to_string();
@@ -760,7 +773,22 @@ async fn k14_capabilities(backend: Backend) {
     let acmes = caps.issue(issue("acme", &["payments.*"], &[], 3600)).await.expect("issue").into_inner();
 
     let mut ledger = mesh.ledger();
-    let run = empty_run(&mut ledger, "globex").await;
+    let run = planned_run(
+        &mesh,
+        "globex",
+        &[
+            ("s1", "payments.transfer"),
+            ("s2", "payments.transfer"),
+            ("s3", "payments.transfer"),
+            ("s4", "payments.transfer"),
+            ("s5", "payments.transfer"),
+            ("s6", "payments.transfer"),
+            ("s7", "email.send"),
+            ("s8", "payments.transfer"),
+            ("s9", "payments.transfer"),
+        ],
+    )
+    .await;
     let policy = mesh.policy();
     let mut n = 0;
     let mut ask = |handle: &str, tool: &str, resource: &str| {
@@ -777,6 +805,7 @@ async fn k14_capabilities(backend: Backend) {
             epoch: 0,
             agent: String::new(),
             retry_of: String::new(),
+            caller_records: false,
         };
         let mut p = policy.clone();
         async move { p.authorize(req).await.expect("a decision").into_inner() }

@@ -118,8 +118,9 @@ async fn transactions(backend: Backend) {
     let mesh = mesh_with(backend, opts).await;
     let mut l = mesh.ledger();
     let run = empty_run(&mut l, "acme").await;
-    // A commit needs an allow for exactly it: tool `commit_tx`, arguments {"tx_id": …}.
-    let authorize_commit = |tx: &'static str| {
+    // A commit needs an allow for exactly it: tool `commit_tx`, arguments {"tx_id": …,
+    // "deltas_sha256": …} naming the deltas staged in it.
+    let authorize_commit = |tx: &'static str, staged: String| {
         let (mut p, run) = (mesh.policy(), run.clone());
         async move {
             p.authorize(pb::AuthorizeRequest {
@@ -128,12 +129,13 @@ async fn transactions(backend: Backend) {
                 step_id: format!("commit-{tx}"),
                 attempt: 1,
                 tool: "commit_tx".into(),
-                args_json: json!({ "tx_id": tx }).to_string(),
+                args_json: json!({ "tx_id": tx, "deltas_sha256": staged }).to_string(),
                 capability_handle: String::new(),
                 idempotency_key: format!("{run}:commit-{tx}:1"),
                 epoch: 0,
                 agent: String::new(),
                 retry_of: String::new(),
+                caller_records: false,
             })
             .await
             .expect("authorize")
@@ -142,8 +144,6 @@ async fn transactions(backend: Backend) {
             .expect("decision")
         }
     };
-    let allow = authorize_commit("tx1").await;
-    assert_eq!(allow.outcome(), pb::Outcome::Allow);
     let state = |mut l: LedgerClient<Ch>| async move {
         l.get_state(pb::GetStateRequest { tenant: "acme".into(), key: "balance".into() })
             .await
@@ -165,9 +165,14 @@ async fn transactions(backend: Backend) {
         decision_id: decision.into(),
         epoch: 0,
     };
-    l.propose_state_delta(propose("tx1", json!({"set": {"balance": 10}, "expect": {"balance": 0}})))
+    let staged = l
+        .propose_state_delta(propose("tx1", json!({"set": {"balance": 10}, "expect": {"balance": 0}})))
         .await
-        .expect("stage");
+        .expect("stage")
+        .into_inner()
+        .staged_sha256;
+    let allow = authorize_commit("tx1", staged).await;
+    assert_eq!(allow.outcome(), pb::Outcome::Allow);
     assert!(!state(l.clone()).await.found, "staged effects are not committed state");
 
     let before = l
@@ -212,12 +217,15 @@ async fn transactions(backend: Backend) {
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
 
     // A stale expectation: tx2 thought the key did not exist yet.
-    l.propose_state_delta(propose("tx2", json!({"set": {"balance": 20}, "expect": {"balance": 0}})))
+    let staged2 = l
+        .propose_state_delta(propose("tx2", json!({"set": {"balance": 20}, "expect": {"balance": 0}})))
         .await
-        .expect("stage");
+        .expect("stage")
+        .into_inner()
+        .staged_sha256;
     let e = l.commit_tx(commit("tx2", &allow.decision_id)).await.expect_err("tx1's allow does not commit tx2");
     assert!(e.message().contains("not a recorded allow"), "{e:?}");
-    let allow2 = authorize_commit("tx2").await;
+    let allow2 = authorize_commit("tx2", staged2).await;
     let e = l.commit_tx(commit("tx2", &allow2.decision_id)).await.expect_err("precondition no longer holds");
     assert!(e.message().contains("version"), "{e:?}");
     let rolled = l
@@ -235,17 +243,23 @@ async fn transactions(backend: Backend) {
     assert_eq!(state(l.clone()).await.version, 1, "the rolled-back delta never applied");
 
     // Delete, then write again: versions keep counting, so tx1's old expectation (0) is stale.
-    l.propose_state_delta(propose("tx4", json!({"delete": ["balance"], "expect": {"balance": 1}})))
+    let staged4 = l
+        .propose_state_delta(propose("tx4", json!({"delete": ["balance"], "expect": {"balance": 1}})))
         .await
-        .expect("stage");
-    let allow4 = authorize_commit("tx4").await;
+        .expect("stage")
+        .into_inner()
+        .staged_sha256;
+    let allow4 = authorize_commit("tx4", staged4).await;
     l.commit_tx(commit("tx4", &allow4.decision_id)).await.expect("delete");
     let gone = state(l.clone()).await;
     assert!(!gone.found);
-    l.propose_state_delta(propose("tx5", json!({"set": {"balance": 1}, "expect": {"balance": 0}})))
+    let staged5 = l
+        .propose_state_delta(propose("tx5", json!({"set": {"balance": 1}, "expect": {"balance": 0}})))
         .await
-        .expect("stage");
-    let allow5 = authorize_commit("tx5").await;
+        .expect("stage")
+        .into_inner()
+        .staged_sha256;
+    let allow5 = authorize_commit("tx5", staged5).await;
     let e =
         l.commit_tx(commit("tx5", &allow5.decision_id)).await.expect_err("a deleted key is not a never-written key");
     assert!(e.message().contains("version 2"), "{e:?}");

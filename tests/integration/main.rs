@@ -9,6 +9,7 @@ mod lifecycle;
 mod mesh;
 mod policy;
 mod receipts;
+mod security;
 
 use std::time::Duration;
 
@@ -59,6 +60,57 @@ pub async fn services_on(backend: Backend) -> Mesh {
 /// A run created straight in the ledger, for tests that talk to policy and tools directly.
 pub async fn bare_run(mesh: &warden_testkit::Mesh, tenant: &str) -> String {
     empty_run(&mut mesh.ledger(), tenant).await
+}
+
+/// A run created straight in the ledger (as the mesh) whose plan has these `(step, tool)`
+/// steps, for tests that ask policy for decisions themselves: policy signs only calls of a
+/// run's recorded plan.
+pub async fn planned_run(mesh: &warden_testkit::Mesh, tenant: &str, steps: &[(&str, &str)]) -> String {
+    let steps: Vec<Value> = steps.iter().map(|(id, tool)| serde_json::json!({"id": id, "tool": tool})).collect();
+    let created = mesh
+        .ledger()
+        .create_run(pb::CreateRunRequest {
+            tenant: tenant.into(),
+            plan_json: serde_json::json!({ "steps": steps }).to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("create run");
+    created.into_inner().run.expect("run").run_id
+}
+
+/// Records a call's `tool_requested` (as the mesh, citing `decision_id`) and returns the
+/// ledger's acknowledgement, which a tool host needs besides the authorization.
+#[allow(clippy::too_many_arguments)]
+pub async fn acknowledged(
+    mesh: &warden_testkit::Mesh,
+    tenant: &str,
+    run_id: &str,
+    step_id: &str,
+    attempt: u32,
+    tool: &str,
+    args: &Value,
+    decision_id: &str,
+) -> pb::SignedAuthorization {
+    let key = format!("{run_id}:{step_id}:{attempt}");
+    let appended = mesh
+        .ledger()
+        .append_event(pb::AppendEventRequest {
+            tenant: tenant.into(),
+            run_id: run_id.into(),
+            epoch: 0,
+            idempotency_key: format!("{key}:requested"),
+            event_type: "tool_requested".into(),
+            payload_json: serde_json::json!({
+                "decision_id": decision_id, "attempt": attempt, "tool": tool, "args": args,
+                "args_sha256": warden_core::canonical::args_digest(args), "idempotency_key": key,
+            })
+            .to_string(),
+            step_id: step_id.into(),
+        })
+        .await
+        .expect("record the request");
+    appended.into_inner().request_ack.expect("the ledger acknowledges a recorded request")
 }
 
 /// A run with an empty plan, created through `ledger`.

@@ -69,6 +69,7 @@ async fn cedar_policies_decide_and_reload_without_a_restart() {
             epoch: 0,
             agent: String::new(),
             retry_of: String::new(),
+            caller_records: false,
         })
         .await
         .expect("check")
@@ -207,7 +208,7 @@ async fn approvals_watch_streams_the_current_state_then_each_change() {
         ..MeshOptions::default()
     };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run = planned_run(&mesh, "acme", &[("m1", "email.send"), ("m2", "email.send")]).await;
     let watch = || async {
         let req = pb::WatchApprovalsRequest { tenant: "acme".into() };
         approvals_client(&mesh).watch(req).await.expect("watch").into_inner()
@@ -271,7 +272,7 @@ async fn approvers_are_who_their_tokens_say() {
         ..MeshOptions::default()
     };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run = planned_run(&mesh, "acme", &[("m1", "email.send")]).await;
     let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
     let d = mesh.policy().authorize(authorize(&run, "m1", "email.send", mail)).await.expect("ask").into_inner();
     assert_eq!(d.decision.expect("decision").outcome(), pb::Outcome::ApprovalRequired);
@@ -307,6 +308,7 @@ fn authorize(run: &str, step: &str, tool: &str, args: serde_json::Value) -> pb::
         epoch: 0,
         agent: String::new(),
         retry_of: String::new(),
+        caller_records: false,
     }
 }
 
@@ -327,7 +329,9 @@ domains = ["example.com"]
         ..MeshOptions::default()
     };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run =
+        planned_run(&mesh, "acme", &[("m1", "email.send"), ("m2", "email.send"), ("m3", "email.send"), ("e1", "echo")])
+            .await;
     let mut policy = mesh.policy();
     let decide = |d: pb::AuthorizeResponse| {
         let x = d.decision.expect("decision");
@@ -524,7 +528,7 @@ select = ["E722", "S307", "T100"]
         ..MeshOptions::default()
     };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run = planned_run(&mesh, "acme", &[("ok", "echo"), ("py2", "echo"), ("eval", "echo"), ("long", "echo")]).await;
     let mut policy = mesh.policy();
     let long = format!("x = '{}'\n", "a".repeat(200));
     let cases = [
@@ -623,7 +627,7 @@ async fn a_run_carries_its_commitment_as_capability_handles() {
 #[tokio::test]
 async fn rotated_keys_keep_earlier_authorizations_verifiable() {
     let mut mesh = mesh_with(Backend::Sqlite, MeshOptions { executors: 0, ..MeshOptions::default() }).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run = planned_run(&mesh, "acme", &[("s1", "echo"), ("s2", "echo")]).await;
     let before =
         mesh.policy().authorize(authorize(&run, "s1", "echo", json!({"n": 1}))).await.expect("authorize").into_inner();
     let old_key = mesh.dir.path().join("policy.key");
@@ -639,7 +643,9 @@ async fn rotated_keys_keep_earlier_authorizations_verifiable() {
         mesh.policy().authorize(authorize(&run, "s2", "echo", json!({"n": 2}))).await.expect("authorize").into_inner();
     let (a, b) = (before.authorization.expect("old"), after.authorization.expect("new"));
     assert_ne!(a.key_id, b.key_id, "new authorizations use the new key");
-    for (step, auth, n) in [("s1", a, 1), ("s2", b, 2)] {
+    let ids = [before.decision.expect("old").decision_id, after.decision.expect("new").decision_id];
+    for ((step, auth, n), decision_id) in [("s1", a, 1), ("s2", b, 2)].into_iter().zip(ids) {
+        let ack = acknowledged(&mesh, "acme", &run, step, 1, "echo", &json!({"n": n}), &decision_id).await;
         let call = pb::InvokeRequest {
             tenant: "acme".into(),
             run_id: run.clone(),
@@ -649,6 +655,7 @@ async fn rotated_keys_keep_earlier_authorizations_verifiable() {
             args_json: json!({"n": n}).to_string(),
             idempotency_key: format!("{run}:{step}:1"),
             authorization: Some(auth),
+            request_ack: Some(ack),
         };
         mesh.tool_host().invoke(call).await.unwrap_or_else(|e| panic!("{step} verifies: {e:?}"));
     }
@@ -686,6 +693,7 @@ async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling() {
             run_id: id.clone(),
             step_id: "a".into(),
             cost: -5.0,
+            attempt: 1,
         })
         .await
         .expect_err("no refunds");
@@ -704,12 +712,25 @@ async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling() {
     assert_eq!(run.steps.iter().filter(|s| s.status() == pb::StepStatus::Completed).count(), 3);
 }
 
+/// The steps the rate test asks for: three rounds of three.
+const RATE_STEPS: [(&str, &str); 9] = [
+    ("r0s0", "echo"),
+    ("r0s1", "echo"),
+    ("r0s2", "echo"),
+    ("r1s0", "echo"),
+    ("r1s1", "echo"),
+    ("r1s2", "echo"),
+    ("r2s0", "echo"),
+    ("r2s1", "echo"),
+    ("r2s2", "echo"),
+];
+
 /// Per-tenant rate windows live in Redis: over the limit within a minute, calls are denied.
 #[tokio::test]
 async fn tenant_rate_windows_deny_calls_over_the_limit() {
     let opts = MeshOptions { executors: 0, rate_rules: vec![("acme".into(), 2)], ..MeshOptions::default() };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run = planned_run(&mesh, "acme", &RATE_STEPS).await;
     // Three calls inside one window (retried if a minute boundary fell between them).
     for round in 0..3 {
         let minute = warden_grpc::now_ms() / 60_000;
@@ -747,7 +768,7 @@ async fn semantic_keys_block_duplicates_and_unresolved_outcomes() {
 
     // An allowed call whose outcome is not known yet blocks the same key elsewhere.
     let mut ledger = mesh.ledger();
-    let bare = empty_run(&mut ledger, "acme").await;
+    let bare = planned_run(&mesh, "acme", &[("m1", "email.send"), ("m2", "email.send"), ("m3", "email.send")]).await;
     let args = json!({"to": "cfo@example.com", "subject": "q3", "body": "b"});
     let mut policy = mesh.policy();
     let held = policy.authorize(authorize(&bare, "m1", "email.send", args.clone())).await.expect("decide").into_inner();
@@ -779,7 +800,7 @@ async fn semantic_keys_block_duplicates_and_unresolved_outcomes() {
 #[tokio::test]
 async fn malformed_requests_are_refused_and_recorded_as_denies() {
     let mesh = mesh_with(Backend::Sqlite, MeshOptions { executors: 0, ..MeshOptions::default() }).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run = planned_run(&mesh, "acme", &[("s1", "echo"), ("s2", "echo"), ("s3", "echo")]).await;
     let mut bad = authorize(&run, "s1", "echo", json!({}));
     bad.args_json = "{not json".into();
     let e = mesh.policy().authorize(bad).await.expect_err("malformed");
@@ -806,7 +827,7 @@ async fn a_failing_policy_stage_is_a_recorded_deny() {
         ..MeshOptions::default()
     };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run = planned_run(&mesh, "acme", &[("m1", "email.send")]).await;
     sqlx::any::install_default_drivers();
     let url = format!("sqlite://{}?mode=rw", mesh.dir.path().join("policy.db").display());
     let db = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(&url).await.expect("policy db");
@@ -837,7 +858,7 @@ async fn intent_plans_and_per_call_cost_limits() {
         ..MeshOptions::default()
     };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = bare_run(&mesh, "acme").await;
+    let run = planned_run(&mesh, "acme", &[("p1", "kv.put"), ("p2", "kv.put"), ("e1", "echo")]).await;
     let rule = |d: pb::AuthorizeResponse| d.decision.expect("decision").rule_id;
     let mut policy = mesh.policy();
     let put = |step: &str| authorize(&run, step, "kv.put", json!({"key": "k", "value": 1}));
@@ -868,7 +889,7 @@ async fn a_cedar_forbid_wins_over_a_capability() {
     std::fs::write(dir.path().join("main.cedar"), POLICIES).expect("policies");
     let opts = MeshOptions { executors: 0, policy_dir: dir.path().display().to_string(), ..MeshOptions::default() };
     let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let run = bare_run(&mesh, "globex").await;
+    let run = planned_run(&mesh, "globex", &[("m1", "email.send"), ("m2", "email.send")]).await;
     let mut caps = warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel());
     let cap = caps
         .issue(pb::IssueCapabilityRequest {

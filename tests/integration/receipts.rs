@@ -75,7 +75,7 @@ async fn k02_a_second_outcome_for_a_call_is_refused() {
 }
 
 #[tokio::test]
-async fn k01_a_forged_decision_record_never_yields_a_signed_authorization() {
+async fn k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_authorization() {
     let mesh = services_on(Backend::Sqlite).await;
     let mut ledger = mesh.ledger();
     let run = empty_run(&mut ledger, "acme").await;
@@ -95,7 +95,7 @@ async fn k01_a_forged_decision_record_never_yields_a_signed_authorization() {
     // An attacker who can write to the ledger pre-records an "allow" under the id policy will use.
     let forged = json!({"decision_id": id, "attempt": 1, "tool": "shell.exec", "args_sha256": digest, "capability_id": "",
                         "idempotency_key": key, "outcome": "allow", "rule_id": "forged", "reason": "forged", "fingerprint": "x"});
-    ledger
+    let e = ledger
         .append_event(pb::AppendEventRequest {
             tenant: "acme".into(),
             run_id: run.clone(),
@@ -106,8 +106,41 @@ async fn k01_a_forged_decision_record_never_yields_a_signed_authorization() {
             step_id: "s1".into(),
         })
         .await
-        .expect("the forged record is written");
-    let e = mesh
+        .expect_err("the ledger records only decisions the policy signed");
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    // Even a copy of a genuine signature does not cover an altered record.
+    let genuine = mesh
+        .policy()
+        .authorize(pb::AuthorizeRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            step_id: "s1".into(),
+            attempt: 1,
+            tool: "shell.exec".into(),
+            args_json: args.to_string(),
+            idempotency_key: key.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("a decision")
+        .into_inner();
+    assert!(genuine.authorization.is_none(), "shell.exec is not allowed");
+    let mut altered: serde_json::Value = serde_json::from_str(&genuine.decision_event_json).expect("record");
+    altered["outcome"] = json!("allow");
+    let e = ledger
+        .append_event(pb::AppendEventRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            epoch: 0,
+            idempotency_key: "decision:altered".into(),
+            event_type: "policy_decision".into(),
+            payload_json: altered.to_string(),
+            step_id: "s1".into(),
+        })
+        .await
+        .expect_err("an altered record");
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    let denied = mesh
         .policy()
         .authorize(pb::AuthorizeRequest {
             tenant: "acme".into(),
@@ -121,10 +154,12 @@ async fn k01_a_forged_decision_record_never_yields_a_signed_authorization() {
             epoch: 0,
             agent: String::new(),
             retry_of: String::new(),
+            caller_records: false,
         })
         .await
-        .expect_err("policy refuses to sign on top of a forged record");
-    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        .expect("the policy decides afresh")
+        .into_inner();
+    assert!(denied.authorization.is_none(), "no forged allow ever yields an authorization");
 }
 
 fn warden(args: &[&str], ledger_endpoint: &str) -> std::process::Output {

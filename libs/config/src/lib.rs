@@ -61,6 +61,9 @@ pub struct LedgerConfig {
     pub write_lanes: usize,
     /// Most events committed together by one writer.
     pub max_batch: usize,
+    /// The policy service, whose published keys verify every `policy_decision` before it is
+    /// recorded (decisions travel with the executor's appends; none can be forged).
+    pub policy_endpoint: String,
 }
 
 impl Default for LedgerConfig {
@@ -73,6 +76,7 @@ impl Default for LedgerConfig {
             key_file: ".warden/ledger.key".into(),
             write_lanes: 4,
             max_batch: 128,
+            policy_endpoint: "http://127.0.0.1:7102".into(),
         }
     }
 }
@@ -105,6 +109,11 @@ pub struct TenantPolicy {
     pub rate_limit_per_minute: u64,
     /// Largest `amount_usd` one call may carry (0 = unlimited).
     pub max_cost_per_call: f64,
+    /// Tools this tenant may itself delegate: its own token may issue capabilities only for
+    /// tool patterns within these (same pattern syntax). Empty (the default): only operators
+    /// (`*` tokens) issue this tenant's capabilities — a capability never carries more
+    /// authority than its issuer holds.
+    pub delegable_tools: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -189,8 +198,17 @@ pub struct SemanticKeyConfig {
 pub enum InvariantConfig {
     /// `args[field]` must be `true`.
     RequiredArgTrue { tool: String, field: String },
-    /// `args[field]` must be an email address at one of `domains`.
-    EmailDomainAllowlist { tool: String, field: String, domains: Vec<String> },
+    /// `args[field]` must be an RFC 5322 address whose domain is exactly one of `domains`
+    /// (ASCII case-insensitive; subdomains do not count). One address only unless
+    /// `allow_multiple`, and then every address of the list (groups included) is checked.
+    EmailDomainAllowlist {
+        tool: String,
+        field: String,
+        domains: Vec<String>,
+        /// Accept an address list (several addresses, or a group) instead of refusing it.
+        #[serde(default)]
+        allow_multiple: bool,
+    },
     /// `args[field]` must be one of the `verified` recipients.
     RecipientMustBeVerified { tool: String, field: String, verified: Vec<String> },
     /// `args[field] <op> value`, op one of eq, ne, lt, lte, gt, gte, in.
@@ -278,8 +296,16 @@ impl Default for ExecutorConfig {
 pub struct ToolsConfig {
     pub listen: String,
     pub policy_endpoint: String,
+    /// The ledger, whose published key verifies the acknowledgement every call must carry
+    /// that its request is durably recorded.
+    pub ledger_endpoint: String,
     /// Where `email.send` appends its messages, one JSON object per line.
     pub outbox_path: String,
+    /// SQLite file holding the host's durable state: the first outcome of every
+    /// (tenant, idempotency key), replayed after a restart instead of acting twice, and the
+    /// `kv` store. Empty (the default): `tools.db` in the directory of `outbox_path`, so the
+    /// outcomes live beside the side effects they describe.
+    pub state_path: String,
     /// The `timeout_sec` the host declares for a tool, by name (default 10 for every demo tool;
     /// 0 declares none, so executors fall back to 60 s).
     pub timeout_secs: BTreeMap<String, u32>,
@@ -290,9 +316,21 @@ impl Default for ToolsConfig {
         ToolsConfig {
             listen: "127.0.0.1:7105".into(),
             policy_endpoint: "http://127.0.0.1:7102".into(),
+            ledger_endpoint: "http://127.0.0.1:7101".into(),
             outbox_path: ".warden/outbox.jsonl".into(),
+            state_path: String::new(),
             timeout_secs: BTreeMap::new(),
         }
+    }
+}
+
+impl ToolsConfig {
+    /// The state file in use: `state_path`, or `tools.db` beside the outbox when it is empty.
+    pub fn state_file(&self) -> std::path::PathBuf {
+        if !self.state_path.is_empty() {
+            return self.state_path.clone().into();
+        }
+        Path::new(&self.outbox_path).parent().unwrap_or(Path::new("")).join("tools.db")
     }
 }
 
@@ -336,6 +374,8 @@ impl WardenConfig {
             ("executor.policy_endpoint", &self.executor.policy_endpoint),
             ("executor.planner_endpoint", &self.executor.planner_endpoint),
             ("tools.policy_endpoint", &self.tools.policy_endpoint),
+            ("tools.ledger_endpoint", &self.tools.ledger_endpoint),
+            ("ledger.policy_endpoint", &self.ledger.policy_endpoint),
         ];
         endpoints.extend(self.planner.tool_hosts.iter().map(|e| ("planner.tool_hosts", e)));
         endpoints.extend(self.executor.tool_hosts.iter().map(|e| ("executor.tool_hosts", e)));
@@ -394,11 +434,13 @@ impl WardenConfig {
             }
         }
         for (tenant, t) in &self.policy.tenants {
-            if t.allow_tools.iter().any(|p| p.is_empty() || p[..p.len() - 1].contains('*')) {
-                return Err(invalid(
-                    &format!("policy.tenants.{tenant}.allow_tools"),
-                    "patterns are tool names with at most one trailing '*'",
-                ));
+            for (key, patterns) in [("allow_tools", &t.allow_tools), ("delegable_tools", &t.delegable_tools)] {
+                if patterns.iter().any(|p| p.is_empty() || p[..p.len() - 1].contains('*')) {
+                    return Err(invalid(
+                        &format!("policy.tenants.{tenant}.{key}"),
+                        "patterns are tool names with at most one trailing '*'",
+                    ));
+                }
             }
         }
         Ok(())

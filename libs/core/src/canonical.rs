@@ -20,6 +20,13 @@ pub fn args_digest(value: &serde_json::Value) -> String {
     sha256_hex(canonical_json(value))
 }
 
+/// SHA-256 of the deltas staged in a transaction, in staging order (RFC 8785 JSON array).
+/// A commit is authorized for `{"tx_id": …, "deltas_sha256": …}`, so an approval of a commit
+/// covers exactly these deltas: staging another changes the digest and needs a new decision.
+pub fn staged_deltas_sha256(deltas: &[serde_json::Value]) -> String {
+    sha256_hex(canonical_json(&deltas))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,9 +4,11 @@
 //!
 //! Everything here is deterministic and cheap to test; the services map it onto the wire.
 
+pub mod ack;
 pub mod auth;
 pub mod canonical;
 pub mod chain;
+pub mod decision;
 pub mod events;
 pub mod export;
 pub mod head;

@@ -63,3 +63,27 @@ pub struct PublishedKey {
     pub key: VerifyingKey,
     pub current: bool,
 }
+
+/// Verifying keys another service publishes (the policy's, the ledger's), by key id. Looked
+/// up on every verification; refreshed from the publisher when an unknown id shows up, so a
+/// rotated key is learned without a restart.
+#[derive(Clone, Default)]
+pub struct KeyRing(std::sync::Arc<std::sync::RwLock<std::collections::HashMap<String, VerifyingKey>>>);
+
+impl KeyRing {
+    pub fn get(&self, key_id: &str) -> Option<VerifyingKey> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).get(key_id).copied()
+    }
+
+    /// Adds `(key id, raw 32-byte public key)` pairs; malformed keys are skipped.
+    pub fn install(&self, keys: impl IntoIterator<Item = (String, Vec<u8>)>) {
+        let mut map = self.0.write().unwrap_or_else(|p| p.into_inner());
+        for (id, bytes) in keys {
+            if let Ok(bytes) = <[u8; 32]>::try_from(bytes.as_slice())
+                && let Ok(vk) = VerifyingKey::from_bytes(&bytes)
+            {
+                map.insert(id, vk);
+            }
+        }
+    }
+}

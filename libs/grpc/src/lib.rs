@@ -93,6 +93,18 @@ pub fn invalid_field(field: impl Into<String>, description: impl Into<String>) -
     )
 }
 
+/// The same status with every field violation's field prefixed (`events[2].` + `step_id`), for
+/// checks of one element of a repeated field; any other status passes unchanged.
+pub fn prefix_field(status: Status, prefix: &str) -> Status {
+    let violations = field_violations(&status);
+    match violations.first() {
+        Some((field, description)) if status.code() == Code::InvalidArgument => {
+            invalid_field(format!("{prefix}{field}"), description.clone())
+        }
+        _ => status,
+    }
+}
+
 /// The field violations carried by a status, as `(field, description)` pairs.
 pub fn field_violations(status: &Status) -> Vec<(String, String)> {
     status

@@ -10,7 +10,7 @@
 #![allow(unsafe_code)] // pre_exec/prctl and getuid, below, are the only unsafe code.
 
 pub mod mesh;
-mod procs;
+pub mod procs;
 pub mod servers;
 
 pub use mesh::{Mesh, MeshOptions, ServiceProcess};

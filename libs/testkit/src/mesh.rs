@@ -296,22 +296,32 @@ impl Mesh {
             env
         };
         let log = |n: &str| dir.path().join(format!("{n}.log"));
+        // The ledger verifies decisions with the policy's keys and the policy records into the
+        // ledger: the policy's address is chosen first so each can name the other.
+        let policy_addr = format!("127.0.0.1:{}", crate::procs::free_port()?);
         let ledger = ServiceProcess::start(
             "ledger",
             binary("warden-ledger")?,
-            base(&[("WARDEN_LEDGER__LISTEN", "127.0.0.1:0")]),
+            base(&[
+                ("WARDEN_LEDGER__LISTEN", "127.0.0.1:0"),
+                ("WARDEN_LEDGER__POLICY_ENDPOINT", &format!("http://{policy_addr}")),
+            ]),
             log("ledger"),
         )?;
         let policy = ServiceProcess::start(
             "policy",
             binary("warden-policy")?,
-            base(&[("WARDEN_POLICY__LISTEN", "127.0.0.1:0"), ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint)]),
+            base(&[("WARDEN_POLICY__LISTEN", &policy_addr), ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint)]),
             log("policy"),
         )?;
         let tools = ServiceProcess::start(
             "tools",
             binary("warden-tools")?,
-            base(&[("WARDEN_TOOLS__LISTEN", "127.0.0.1:0"), ("WARDEN_TOOLS__POLICY_ENDPOINT", &policy.endpoint)]),
+            base(&[
+                ("WARDEN_TOOLS__LISTEN", "127.0.0.1:0"),
+                ("WARDEN_TOOLS__POLICY_ENDPOINT", &policy.endpoint),
+                ("WARDEN_TOOLS__LEDGER_ENDPOINT", &ledger.endpoint),
+            ]),
             log("tools"),
         )?;
         let hosts = format!("[\"{}\"]", tools.endpoint);

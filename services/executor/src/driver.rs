@@ -81,11 +81,38 @@ struct RunCtx {
     cancel: CancellationToken,
     /// The run's cancel policy: immediate (also the default) or after the tool call.
     cancel_policy: pb::CancelPolicy,
+    /// Outcomes waiting to be appended with the run's next append (see [`RunCtx::defer`]).
+    deferred: std::sync::Arc<std::sync::Mutex<Vec<pb::EventInput>>>,
+    /// One append of the run at a time, so what waits is recorded before what follows it.
+    appending: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
+/// One event to append, as the ledger takes it.
+fn event(event_type: &str, step_id: &str, key: String, payload: Value) -> pb::EventInput {
+    pb::EventInput {
+        idempotency_key: key,
+        event_type: event_type.to_string(),
+        payload_json: payload.to_string(),
+        step_id: step_id.to_string(),
+    }
+}
+
+/// The policy's signed record of a decision, to append with what the executor does about it.
+fn decision_event(step_id: &str, decision_id: &str, record_json: &str) -> Option<pb::EventInput> {
+    (!record_json.is_empty()).then(|| pb::EventInput {
+        idempotency_key: events::decision_key(decision_id),
+        event_type: events::POLICY_DECISION.to_string(),
+        payload_json: record_json.to_string(),
+        step_id: step_id.to_string(),
+    })
+}
+
+/// Largest tool output whose `tool_completed` may wait for the run's next append (bigger ones
+/// are appended at once, so a refusal stays the step's own).
+const DEFERRABLE_OUTPUT_BYTES: usize = 64 * 1024;
+
 impl RunCtx {
-    /// Appends an event, retrying transient ledger failures with the same idempotency key
-    /// (so a retry never doubles the event).
+    /// Appends an event (with any deferred outcomes before it, in the same transaction).
     async fn append(
         &self,
         event_type: &str,
@@ -93,24 +120,74 @@ impl RunCtx {
         key: String,
         payload: Value,
     ) -> Result<pb::Event, DriveError> {
-        let req = pb::AppendEventRequest {
+        let mut appended = self.append_all(vec![event(event_type, step_id, key, payload)]).await?;
+        appended
+            .pop()
+            .and_then(|a| a.event)
+            .ok_or_else(|| DriveError::Ledger(Status::internal("ledger returned no event")))
+    }
+
+    /// Keeps an outcome to be appended with the run's next append: in a chain, one step's
+    /// outcome, the next step's decision and its request become one ledger transaction. Only
+    /// outcomes of idempotent tools wait (if the executor dies first, the call is asked again
+    /// under the same key and the host replays its outcome); others are appended at once.
+    fn defer(&self, e: pb::EventInput) {
+        self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+    }
+
+    /// Appends what waits, if anything.
+    async fn flush(&self) -> Result<(), DriveError> {
+        if self.deferred.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            return Ok(());
+        }
+        self.append_all(Vec::new()).await.map(|_| ())
+    }
+
+    /// Appends `events` of this run in one ledger transaction — all or nothing — after the
+    /// deferred outcomes, retrying transient failures with the same idempotency keys (so a
+    /// retry never doubles an event). Answers for `events` only.
+    async fn append_all(&self, events: Vec<pb::EventInput>) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
+        let _turn = self.appending.lock().await;
+        let deferred: Vec<pb::EventInput> =
+            std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
+        if deferred.is_empty() {
+            return self.append_group(events).await;
+        }
+        let n = deferred.len();
+        let mut all = deferred.clone();
+        all.extend(events.iter().cloned());
+        match self.append_group(all).await {
+            Ok(mut appended) => Ok(appended.split_off(n.min(appended.len()))),
+            // Refused as a whole: keep the outcomes apart from whatever was refused.
+            Err(DriveError::Ledger(s)) if !retryable(&s) => {
+                self.append_group(deferred).await?;
+                if events.is_empty() { Ok(Vec::new()) } else { self.append_group(events).await }
+            }
+            Err(e) => {
+                // Not written (or not known to be): they wait for the next try.
+                let mut waiting = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+                let later = std::mem::take(&mut *waiting);
+                *waiting = deferred;
+                waiting.extend(later);
+                Err(e)
+            }
+        }
+    }
+
+    async fn append_group(&self, events: Vec<pb::EventInput>) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let req = pb::AppendEventsRequest {
             tenant: self.tenant.clone(),
             run_id: self.run_id.clone(),
             epoch: self.epoch,
-            idempotency_key: key,
-            event_type: event_type.to_string(),
-            payload_json: payload.to_string(),
-            step_id: step_id.to_string(),
+            events,
         };
         let mut backoff = Duration::from_millis(50);
         for attempt in 0.. {
-            match self.ex.inner.ledger.clone().append_event(req.clone()).await {
-                Ok(r) => {
-                    return r
-                        .into_inner()
-                        .event
-                        .ok_or_else(|| DriveError::Ledger(Status::internal("ledger returned no event")));
-                }
+            match self.ex.inner.ledger.clone().append_events(req.clone()).await {
+                Ok(r) => return Ok(r.into_inner().appended),
                 Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
                 Err(s) if retryable(&s) && attempt < 8 && !self.lost.is_cancelled() => {
                     tracing::debug!(run_id = %self.run_id, error = %s, "ledger append retried");
@@ -123,7 +200,8 @@ impl RunCtx {
         unreachable!("the retry loop returns")
     }
 
-    /// Records a step's failure and returns it as the step's outcome.
+    /// Records a step's failure (after the decision it follows, when there is one to record)
+    /// and returns it as the step's outcome.
     async fn step_failed(
         &self,
         event_type: &str,
@@ -131,8 +209,21 @@ impl RunCtx {
         attempt: u32,
         payload: Value,
     ) -> Result<StepOutcome, DriveError> {
+        self.step_failed_after(None, event_type, step_id, attempt, payload).await
+    }
+
+    async fn step_failed_after(
+        &self,
+        decision: Option<pb::EventInput>,
+        event_type: &str,
+        step_id: &str,
+        attempt: u32,
+        payload: Value,
+    ) -> Result<StepOutcome, DriveError> {
         let reason = payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
-        self.append(event_type, step_id, self.step_key(step_id, attempt, "failed"), payload).await?;
+        let mut events: Vec<pb::EventInput> = decision.into_iter().collect();
+        events.push(event(event_type, step_id, self.step_key(step_id, attempt, "failed"), payload));
+        self.append_all(events).await?;
         Ok(StepOutcome::Failed(reason))
     }
 
@@ -218,6 +309,8 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         lost: lost.clone(),
         cancel,
         cancel_policy: pb::CancelPolicy::Immediate,
+        deferred: Default::default(),
+        appending: Default::default(),
     };
     let mut result = drive_leased(&ctx).await;
     if let Err(DriveError::Ledger(s)) = &result
@@ -308,6 +401,14 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
     }
     if plan.steps.is_empty() {
         return finish(ctx, events::RUN_EMPTY_PLAN, json!({"reason": "the plan has no steps"})).await;
+    }
+    // Plans reach the ledger only through the planner's validation, but the executor bounds
+    // what it reads all the same: a plan over the submission limit is not driven.
+    let max = ctx.ex.inner.config.max_plan_bytes;
+    let size = canonical_json(&plan).len();
+    if size > max {
+        let reason = format!("the recorded plan is {size} bytes, over executor.max_plan_bytes ({max})");
+        return finish(ctx, events::RUN_FAILED, json!({"reason": reason})).await;
     }
     let tools = ctx.ex.inner.catalog.tools().await.map_err(DriveError::Ledger)?;
     // Unknown outcomes (tool_requested with no result) from an earlier holder.
@@ -430,6 +531,11 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 }
             }
         }
+        // Outcomes wait for the next append of the run: a step launched now carries them;
+        // if none was, append them before waiting on the steps still running.
+        if !launched && !running.is_empty() {
+            ctx.flush().await?;
+        }
         if running.is_empty() {
             let settled = status.values().all(|s| *s != StepStatus::Pending && *s != StepStatus::Running);
             if settled || reconcile.is_some() || blocked.is_some() {
@@ -495,7 +601,11 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
     }
     if let Some((step_id, decision_id, reason)) = blocked {
         let payload = json!({"reason": reason, "step_id": step_id, "decision_id": decision_id});
-        ctx.append(events::RUN_BLOCKED, "", format!("run_blocked:{decision_id}"), payload).await?;
+        // One block per drive: blocking again on the same decision after a resume is a new
+        // block (keyed by this drive's epoch), never deduplicated into an `active` run that
+        // the sweeper would restart forever.
+        let key = format!("run_blocked:{decision_id}:{}", ctx.epoch);
+        ctx.append(events::RUN_BLOCKED, "", key, payload).await?;
         tracing::info!(run_id = %ctx.run_id, step_id = %step_id, "run blocked on an approval");
         return Ok(());
     }
@@ -538,6 +648,38 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value, from: Resume) 
             other => return Ok(other),
         }
     }
+}
+
+/// Most a single cost record may carry (the policy refuses more): a tool reporting more
+/// spends this much, which exhausts any sane budget, rather than nothing.
+const MAX_COST_PER_RECORD: f64 = 1e9;
+
+/// Spends a step attempt's reported cost against the run's and tenant's budgets (recorded once
+/// per attempt, so retrying is safe). A negative or non-finite report counts as nothing.
+async fn record_cost(ctx: &RunCtx, step_id: &str, attempt: u32, cost: f64) {
+    let cost = if cost.is_finite() { cost.clamp(0.0, MAX_COST_PER_RECORD) } else { 0.0 };
+    let req = pb::RecordCostRequest {
+        tenant: ctx.tenant.clone(),
+        run_id: ctx.run_id.clone(),
+        step_id: step_id.to_string(),
+        cost,
+        attempt,
+    };
+    let mut backoff = Duration::from_millis(50);
+    for _ in 0..8 {
+        match ctx.ex.inner.policy.clone().record_cost(req.clone()).await {
+            Ok(_) => return,
+            Err(s) if retryable(&s) && !ctx.lost.is_cancelled() => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            Err(s) => {
+                tracing::warn!(run_id = %ctx.run_id, step_id, error = %s, "cost not recorded");
+                return;
+            }
+        }
+    }
+    tracing::warn!(run_id = %ctx.run_id, step_id, "cost not recorded: policy unavailable");
 }
 
 /// Where a driver picks a pending step up.
@@ -620,6 +762,8 @@ async fn execute_attempt(
             epoch: ctx.epoch,
             agent: ctx.agent.clone(),
             retry_of: retry_of.unwrap_or_default().to_string(),
+            // The decision goes into this step's own append (with the request or the failure).
+            caller_records: true,
         })
         .await;
     let authorized = match authorized {
@@ -633,6 +777,7 @@ async fn execute_attempt(
         }
     };
     let decision = authorized.decision.unwrap_or_default();
+    let record = decision_event(&step.id, &decision.decision_id, &authorized.decision_event_json);
     if decision.outcome() == pb::Outcome::ApprovalRequired {
         // Nothing runs and nothing fails: the run will wait, holding no executor.
         return Ok(StepOutcome::Blocked { decision_id: decision.decision_id, reason: decision.reason });
@@ -643,20 +788,23 @@ async fn execute_attempt(
             format!("denied by policy rule '{}': {}", decision.rule_id, decision.reason),
             json!({"decision_id": decision.decision_id, "rule_id": decision.rule_id}),
         );
-        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        return ctx.step_failed_after(record, events::STEP_FAILED, &step.id, attempt, p).await;
     };
     // Immediate cancellation: an allowed call whose tool was not invoked yet never is.
     if ctx.cancel.is_cancelled() && ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before {
         return ctx.step_cancelled(&step.id, "the run was cancelled before the tool was invoked").await;
     }
-    ctx.append(
+    // One transaction: the outcomes waiting, the policy's signed decision and the request.
+    // The ledger acknowledges the durable request; the tool host acts only with that proof.
+    let mut batch: Vec<pb::EventInput> = record.into_iter().collect();
+    batch.push(event(
         events::TOOL_REQUESTED,
         &step.id,
         ctx.step_key(&step.id, attempt, "requested"),
         json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "args": args,
                "args_sha256": args_digest(&args), "idempotency_key": idempotency_key}),
-    )
-    .await?;
+    ));
+    let request_ack = ctx.append_all(batch).await?.pop().and_then(|a| a.request_ack);
     // K08: the timeout comes only from the tool's declaration.
     let timeout = match entry.spec.timeout_sec {
         0 => FALLBACK_TIMEOUT,
@@ -671,6 +819,7 @@ async fn execute_attempt(
         args_json,
         idempotency_key: idempotency_key.clone(),
         authorization: Some(auth),
+        request_ack,
     };
     let cite = json!({"decision_id": decision.decision_id});
     let failed = |kind: &str, reason: String, extra: Value| {
@@ -725,35 +874,26 @@ async fn execute_attempt(
     };
     match outcome {
         Ok((output, replayed)) => {
-            let recorded = ctx.append(
+            let completed = event(
                 events::TOOL_COMPLETED,
                 &step.id,
                 ctx.step_key(&step.id, attempt, "completed"),
                 json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed,
                        "idempotency_key": idempotency_key,
                        "elapsed_us": started.elapsed().as_micros() as u64}),
-            )
-            .await;
+            );
+            let recorded = if entry.spec.idempotent && completed.payload_json.len() <= DEFERRABLE_OUTPUT_BYTES {
+                ctx.defer(completed);
+                Ok(())
+            } else {
+                ctx.append_all(vec![completed]).await.map(|_| ())
+            };
             match recorded {
                 Ok(_) => {
                     // A tool that reports what it cost (`"cost": n` in its output) spends the
                     // run's and tenant's budgets; later calls are judged against them.
                     if let Some(cost) = output.get("cost").and_then(Value::as_f64) {
-                        let spent = ctx
-                            .ex
-                            .inner
-                            .policy
-                            .clone()
-                            .record_cost(pb::RecordCostRequest {
-                                tenant: ctx.tenant.clone(),
-                                run_id: ctx.run_id.clone(),
-                                step_id: step.id.clone(),
-                                cost,
-                            })
-                            .await;
-                        if let Err(e) = spent {
-                            tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, error = %e, "cost not recorded");
-                        }
+                        record_cost(ctx, &step.id, attempt, cost).await;
                     }
                     Ok(StepOutcome::Completed(output))
                 }

@@ -112,6 +112,14 @@ impl Runs for RunsService {
             .validate_plan(pb::ValidatePlanRequest { tenant: r.tenant.clone(), plan_json: r.plan_json })
             .await?
             .into_inner();
+        // The executor bounds the plan as it will read it (canonical, defaults filled in).
+        let max = self.ex.inner.config.max_plan_bytes;
+        if validated.plan_json.len() > max {
+            return Err(invalid_field(
+                "plan_json",
+                format!("{} bytes once normalized, over the maximum of {max}", validated.plan_json.len()),
+            ));
+        }
         let created = self
             .ex
             .inner

@@ -9,11 +9,15 @@ use warden_core::chain::ChainedEvent;
 use crate::error::LedgerError;
 use crate::store::{LedgerStore, OwnedEvent};
 
-type Reply = oneshot::Sender<Result<(ChainedEvent, bool), LedgerError>>;
+/// The answer for a group: every event of it appended (or found already appended), or the
+/// refusal that kept the whole group out.
+pub type GroupResult = Result<Vec<(ChainedEvent, bool)>, LedgerError>;
+
+type Reply = oneshot::Sender<GroupResult>;
 
 #[derive(Clone)]
 pub struct GroupCommit {
-    lanes: Vec<mpsc::Sender<(OwnedEvent, Reply)>>,
+    lanes: Vec<mpsc::Sender<(Vec<OwnedEvent>, Reply)>>,
 }
 
 impl GroupCommit {
@@ -22,19 +26,23 @@ impl GroupCommit {
     pub fn start(store: LedgerStore, lanes: usize, max_batch: usize) -> GroupCommit {
         let lanes = (0..lanes.max(1))
             .map(|_| {
-                let (tx, mut rx) = mpsc::channel::<(OwnedEvent, Reply)>(max_batch * 8);
+                let (tx, mut rx) = mpsc::channel::<(Vec<OwnedEvent>, Reply)>(max_batch * 8);
                 let store = store.clone();
                 tokio::spawn(async move {
                     while let Some(first) = rx.recv().await {
+                        let mut events = first.0.len();
                         let mut jobs = vec![first];
-                        while jobs.len() < max_batch {
+                        while events < max_batch {
                             match rx.try_recv() {
-                                Ok(j) => jobs.push(j),
+                                Ok(j) => {
+                                    events += j.0.len();
+                                    jobs.push(j);
+                                }
                                 Err(_) => break,
                             }
                         }
-                        let (events, replies): (Vec<OwnedEvent>, Vec<Reply>) = jobs.into_iter().unzip();
-                        let results = store.append_batch(events).await;
+                        let (groups, replies): (Vec<Vec<OwnedEvent>>, Vec<Reply>) = jobs.into_iter().unzip();
+                        let results = store.append_groups(groups).await;
                         for (reply, result) in replies.into_iter().zip(results) {
                             // A caller that went away still had its event written (or not):
                             // its retry, with the same key, finds out which.
@@ -49,10 +57,18 @@ impl GroupCommit {
     }
 
     pub async fn append(&self, event: OwnedEvent) -> Result<(ChainedEvent, bool), LedgerError> {
-        let h = event.run_id.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+        let mut appended = self.append_group(vec![event]).await?;
+        appended.pop().ok_or_else(|| LedgerError::Internal("the writer answered no event".into()))
+    }
+
+    /// Appends events of one run all or nothing (in one database transaction with whatever
+    /// else the lane commits).
+    pub async fn append_group(&self, events: Vec<OwnedEvent>) -> GroupResult {
+        let Some(first) = events.first() else { return Ok(Vec::new()) };
+        let h = first.run_id.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
         let lane = &self.lanes[(h % self.lanes.len() as u64) as usize];
         let (tx, rx) = oneshot::channel();
-        lane.send((event, tx)).await.map_err(|_| LedgerError::Unavailable("ledger writer stopped".into()))?;
+        lane.send((events, tx)).await.map_err(|_| LedgerError::Unavailable("ledger writer stopped".into()))?;
         rx.await.map_err(|_| LedgerError::Unavailable("ledger writer stopped".into()))?
     }
 }

@@ -24,7 +24,8 @@ pub async fn open(config: &LedgerConfig) -> Result<LedgerService, LedgerError> {
     let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))
         .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
     let store = LedgerStore::connect(&config.database_url, config.max_connections, key).await?;
-    Ok(LedgerService::new(store, config.max_payload_bytes, config.write_lanes, config.max_batch))
+    LedgerService::new(store, config.max_payload_bytes, config.write_lanes, config.max_batch, &config.policy_endpoint)
+        .map_err(|e| LedgerError::Unavailable(e.message().to_string()))
 }
 
 /// Adds the ledger's gRPC service to `routes`.

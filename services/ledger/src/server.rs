@@ -15,7 +15,7 @@ use warden_core::ids::{check_id, check_step_id};
 use warden_core::receipt::{Receipt, expected_capability, receipt_for};
 use warden_core::run::{RunView, StepStatus};
 use warden_grpc::convert::{event_to_proto, status_to_proto, statuses};
-use warden_grpc::{invalid_field, now_ms};
+use warden_grpc::{invalid_field, now_ms, prefix_field};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_server::Ledger;
 
@@ -31,8 +31,14 @@ const STREAM_BUFFER: usize = 256;
 /// ledger replica).
 const FOLLOW_POLL: Duration = Duration::from_millis(500);
 
+/// Most events one `AppendEvents` call may carry.
+pub const MAX_EVENTS_PER_APPEND: usize = 64;
+
 #[derive(Clone)]
 pub struct LedgerService {
+    /// The policy's published keys: every `policy_decision` must be signed by one.
+    policy_keys: warden_grpc::keyfile::KeyRing,
+    policy: Option<warden_proto::v1::policy_client::PolicyClient<warden_grpc::auth::Ch>>,
     store: LedgerStore,
     max_payload_bytes: usize,
     followers: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
@@ -70,15 +76,98 @@ fn run_to_proto(r: RunRow) -> pb::LedgerRun {
 }
 
 impl LedgerService {
-    pub fn new(store: LedgerStore, max_payload_bytes: usize, write_lanes: usize, max_batch: usize) -> LedgerService {
+    pub fn new(
+        store: LedgerStore,
+        max_payload_bytes: usize,
+        write_lanes: usize,
+        max_batch: usize,
+        policy_endpoint: &str,
+    ) -> Result<LedgerService, Status> {
         // SQLite has one writer: more lanes would only queue on its lock.
         let lanes = if store.backend() == crate::store::Backend::Sqlite { 1 } else { write_lanes };
-        LedgerService {
+        let policy = (!policy_endpoint.is_empty())
+            .then(|| warden_grpc::channel(policy_endpoint).map(warden_proto::v1::policy_client::PolicyClient::new))
+            .transpose()?;
+        Ok(LedgerService {
+            policy_keys: Default::default(),
+            policy,
             writer: GroupCommit::start(store.clone(), lanes, max_batch),
             store,
             max_payload_bytes,
             followers: Default::default(),
+        })
+    }
+
+    /// A decision is recorded only as the policy signed it (see `warden_core::decision`): the
+    /// executor carries decisions into its appends, and nobody between may forge or alter one.
+    async fn check_decision(&self, payload: &Value) -> Result<(), Status> {
+        let kid = payload.get("key_id").and_then(Value::as_str).unwrap_or_default().to_string();
+        if !kid.is_empty() && self.policy_keys.get(&kid).is_none() {
+            let Some(policy) = &self.policy else {
+                return Err(Status::failed_precondition("no policy endpoint configured: decisions cannot be verified"));
+            };
+            // A key not seen yet (first decision, or a rotation): ask the policy.
+            let keys = policy
+                .clone()
+                .get_verification_keys(pb::GetVerificationKeysRequest {})
+                .await
+                .map_err(|e| {
+                    Status::unavailable(format!("policy keys unavailable; decision not verified: {}", e.message()))
+                })?
+                .into_inner()
+                .keys;
+            self.policy_keys.install(keys.into_iter().map(|k| (k.key_id, k.public_key)));
         }
+        warden_core::decision::verify_decision(payload, |id| self.policy_keys.get(id)).map_err(|e| {
+            Status::permission_denied(format!("policy_decision refused: not as the policy signed it: {e}"))
+        })
+    }
+
+    /// Validates one event of an append request; returns its parsed payload.
+    async fn check_event(
+        &self,
+        key: &str,
+        event_type: &str,
+        payload_json: &str,
+        step_id: &str,
+    ) -> Result<Value, Status> {
+        id_field("idempotency_key", key)?;
+        // Run creation, summaries and transactions have their own RPCs, which validate them.
+        let own_rpc = [
+            events::RUN_SUBMITTED,
+            events::RUN_SUMMARY,
+            events::TX_PROPOSED,
+            events::TX_COMMITTED,
+            events::TX_ROLLED_BACK,
+        ];
+        if !events::KNOWN.contains(&event_type) || own_rpc.contains(&event_type) {
+            return Err(invalid_field(
+                "event_type",
+                format!("'{event_type}' is not an event type that can be appended"),
+            ));
+        }
+        if !step_id.is_empty() {
+            check_step_id(step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
+        }
+        let payload = self.parse_payload("payload_json", payload_json)?;
+        if event_type == events::POLICY_DECISION {
+            self.check_decision(&payload).await?;
+        }
+        Ok(payload)
+    }
+
+    /// The answer for one appended event (with the request acknowledgement of a
+    /// `tool_requested`: the tool host's proof that the call is on the record before it acts).
+    fn appended(&self, tenant: &str, event: &ChainedEvent, deduplicated: bool) -> pb::AppendEventResponse {
+        let request_ack = (event.body.event_type == events::TOOL_REQUESTED).then(|| {
+            let signed = self.store.acknowledge(tenant, event);
+            pb::SignedAuthorization {
+                claims_json: signed.claims_json,
+                signature: signed.signature,
+                key_id: signed.key_id,
+            }
+        });
+        pb::AppendEventResponse { event: Some(event_to_proto(event)), deduplicated, request_ack }
     }
 
     pub fn store(&self) -> &LedgerStore {
@@ -161,6 +250,11 @@ impl LedgerService {
         payload: Value,
         step_id: &str,
     ) -> Result<(ChainedEvent, bool), LedgerError> {
+        // Epochs are stored as BIGINT: one above i64::MAX would wrap negative and leave the
+        // run undrivable for good.
+        if i64::try_from(epoch).is_err() {
+            return Err(LedgerError::invalid("epoch", format!("{epoch} is over the maximum of {}", i64::MAX)));
+        }
         let appended = self
             .writer
             .append(OwnedEvent {
@@ -397,6 +491,10 @@ fn receipt_to_proto(r: Receipt) -> pb::Receipt {
 impl Ledger for LedgerService {
     async fn create_run(&self, req: Request<pb::CreateRunRequest>) -> Result<Response<pb::CreateRunResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        // Runs enter the ledger only through `Runs.SubmitRun`, whose executor has the planner
+        // validate the plan (steps, size, tools) first: a tenant writing here directly could
+        // record a plan the planner would refuse and have the executor run it.
+        warden_grpc::auth::require_mesh(&req, "CreateRun (submit runs through Runs.SubmitRun)")?;
         let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
@@ -407,7 +505,12 @@ impl Ledger for LedgerService {
             id_field("agent", &agent)?;
         }
         let plan = match (r.plan_json.is_empty(), r.goal.is_empty()) {
-            (false, true) => Some(self.parse_payload("plan_json", &r.plan_json)?),
+            (false, true) => {
+                let plan = self.parse_payload("plan_json", &r.plan_json)?;
+                // Even the mesh records only something that is a plan.
+                warden_core::plan::Plan::parse(&r.plan_json).map_err(|e| invalid_field(e.field(), e.to_string()))?;
+                Some(plan)
+            }
             (true, false) => None,
             _ => {
                 return Err(invalid_field("plan_json", "exactly one of plan_json and goal must be set"));
@@ -446,28 +549,52 @@ impl Ledger for LedgerService {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
-        id_field("idempotency_key", &r.idempotency_key)?;
-        // Run creation, summaries and transactions have their own RPCs, which validate them.
-        let own_rpc = [
-            events::RUN_SUBMITTED,
-            events::RUN_SUMMARY,
-            events::TX_PROPOSED,
-            events::TX_COMMITTED,
-            events::TX_ROLLED_BACK,
-        ];
-        if !events::KNOWN.contains(&r.event_type.as_str()) || own_rpc.contains(&r.event_type.as_str()) {
-            return Err(invalid_field(
-                "event_type",
-                format!("'{}' is not an event type that can be appended", r.event_type),
-            ));
-        }
-        if !r.step_id.is_empty() {
-            check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
-        }
-        let payload = self.parse_payload("payload_json", &r.payload_json)?;
+        let payload = self.check_event(&r.idempotency_key, &r.event_type, &r.payload_json, &r.step_id).await?;
         let (event, deduplicated) =
             self.append(&r.tenant, &r.run_id, r.epoch, &r.idempotency_key, &r.event_type, payload, &r.step_id).await?;
-        Ok(Response::new(pb::AppendEventResponse { event: Some(event_to_proto(&event)), deduplicated }))
+        Ok(Response::new(self.appended(&r.tenant, &event, deduplicated)))
+    }
+
+    async fn append_events(
+        &self,
+        req: Request<pb::AppendEventsRequest>,
+    ) -> Result<Response<pb::AppendEventsResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        warden_grpc::auth::require_mesh(&req, "AppendEvents")?;
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        if r.events.is_empty() || r.events.len() > MAX_EVENTS_PER_APPEND {
+            return Err(invalid_field("events", format!("1 to {MAX_EVENTS_PER_APPEND} events")));
+        }
+        if i64::try_from(r.epoch).is_err() {
+            return Err(invalid_field("epoch", format!("{} is over the maximum of {}", r.epoch, i64::MAX)));
+        }
+        let now = now_ms();
+        let mut group = Vec::with_capacity(r.events.len());
+        for (i, e) in r.events.into_iter().enumerate() {
+            let payload = self
+                .check_event(&e.idempotency_key, &e.event_type, &e.payload_json, &e.step_id)
+                .await
+                .map_err(|s| prefix_field(s, &format!("events[{i}].")))?;
+            group.push(OwnedEvent {
+                tenant: r.tenant.clone(),
+                run_id: r.run_id.clone(),
+                epoch: r.epoch,
+                idempotency_key: e.idempotency_key,
+                event_type: e.event_type,
+                payload,
+                step_id: e.step_id,
+                now_ms: now,
+            });
+        }
+        let appended = self.writer.append_group(group).await?;
+        if appended.iter().any(|(_, dup)| !dup) {
+            self.notify(&r.run_id);
+        }
+        Ok(Response::new(pb::AppendEventsResponse {
+            appended: appended.iter().map(|(e, dup)| self.appended(&r.tenant, e, *dup)).collect(),
+        }))
     }
 
     async fn get_run(&self, req: Request<pb::GetLedgerRunRequest>) -> Result<Response<pb::LedgerRun>, Status> {
@@ -800,7 +927,11 @@ impl Ledger for LedgerService {
         let key =
             format!("tx:{}:proposed:{}", r.tx_id, &warden_core::sha256_hex(warden_core::canonical_json(&body))[..16]);
         let (e, _) = self.append(&r.tenant, &r.run_id, r.epoch, &key, events::TX_PROPOSED, body, "").await?;
-        Ok(Response::new(pb::ProposeStateDeltaResponse { proposal_id: format!("{}#{}", r.tx_id, e.body.seq) }))
+        let staged = self.store.staged_deltas(&r.run_id, &r.tx_id).await?;
+        Ok(Response::new(pb::ProposeStateDeltaResponse {
+            proposal_id: format!("{}#{}", r.tx_id, e.body.seq),
+            staged_sha256: warden_core::canonical::staged_deltas_sha256(&staged),
+        }))
     }
 
     async fn commit_tx(&self, req: Request<pb::CommitTxRequest>) -> Result<Response<pb::TxOutcome>, Status> {
@@ -833,6 +964,16 @@ impl Ledger for LedgerService {
         let key = format!("tx:{}:rollback", r.tx_id);
         let (e, _) = self.append(&r.tenant, &r.run_id, r.epoch, &key, events::TX_ROLLED_BACK, body, "").await?;
         Ok(Response::new(self.tx_outcome(&e, "rolled_back").await?))
+    }
+
+    async fn get_ledger_keys(
+        &self,
+        _: Request<pb::GetLedgerKeysRequest>,
+    ) -> Result<Response<pb::GetLedgerKeysResponse>, Status> {
+        let key = self.store.verifying_key();
+        Ok(Response::new(pb::GetLedgerKeysResponse {
+            keys: vec![pb::LedgerKey { key_id: warden_core::auth::key_id(&key), public_key: key.as_bytes().to_vec() }],
+        }))
     }
 
     async fn get_state(&self, req: Request<pb::GetStateRequest>) -> Result<Response<pb::StateEntry>, Status> {
@@ -871,6 +1012,8 @@ fn check_delta(d: &Value) -> Result<(), Status> {
     }
     let keys =
         obj.get("set").and_then(Value::as_object).map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+    let expected =
+        obj.get("expect").and_then(Value::as_object).map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
     let deletes = obj
         .get("delete")
         .and_then(Value::as_array)
@@ -879,7 +1022,12 @@ fn check_delta(d: &Value) -> Result<(), Status> {
     if keys.is_empty() && deletes.is_empty() {
         return Err(invalid_field("delta_json", "changes nothing (no set, no delete)"));
     }
-    if let Some(k) = keys.iter().chain(deletes.iter()).find(|k| k.is_empty() || k.len() > 512 || k.contains('\0')) {
+    if let Some(k) = keys
+        .iter()
+        .chain(deletes.iter())
+        .chain(expected.iter())
+        .find(|k| k.is_empty() || k.len() > 512 || k.contains('\0'))
+    {
         return Err(invalid_field(
             "delta_json",
             format!("state key '{}' must be 1-512 bytes without NUL", k.escape_debug()),

@@ -249,6 +249,27 @@ impl LedgerStore {
         (hex::encode(sig), key_id)
     }
 
+    /// The signed acknowledgement that `event` — a `tool_requested` — is recorded (see
+    /// `warden_core::ack`). Only called for events that are committed.
+    pub fn acknowledge(&self, tenant: &str, event: &ChainedEvent) -> warden_core::auth::SignedClaims {
+        let p = &event.body.payload;
+        let text = |k: &str| p.get(k).and_then(serde_json::Value::as_str).unwrap_or_default().to_string();
+        let claims = warden_core::ack::RequestAckClaims {
+            v: 1,
+            kind: String::new(),
+            key_id: String::new(),
+            tenant: tenant.to_string(),
+            run_id: event.body.run_id.clone(),
+            step_id: event.body.step_id.clone(),
+            attempt: p.get("attempt").and_then(serde_json::Value::as_u64).unwrap_or(0).min(u32::MAX as u64) as u32,
+            decision_id: text("decision_id"),
+            idempotency_key: text("idempotency_key"),
+            seq: event.body.seq,
+            event_hash: event.hash.clone(),
+        };
+        warden_core::ack::sign_ack(claims, &self.key)
+    }
+
     pub fn backend(&self) -> Backend {
         self.backend
     }
@@ -446,45 +467,55 @@ impl LedgerStore {
         Ok(appended)
     }
 
-    /// Appends many events in one database transaction (group commit), one commit for all.
-    /// A refused event wrote nothing (every check precedes the writes), so the others go on.
-    /// If the batch itself fails (storage trouble, or one event the database will not take),
-    /// every event is appended again on its own, so each gets its own answer — refusals
-    /// included, since they may have depended on events of the failed batch.
-    pub async fn append_batch(&self, batch: Vec<OwnedEvent>) -> Vec<Result<(ChainedEvent, bool), LedgerError>> {
-        match self.try_batch(&batch).await {
+    /// Appends groups of events in one database transaction (group commit), one commit for
+    /// all; each group is all or nothing (a refused event wrote nothing: every check precedes
+    /// the writes), and the other groups go on. If the transaction itself fails (storage
+    /// trouble, or an event the database will not take), every group is appended again on its
+    /// own, so each gets its own answer — refusals included, since they may have depended on
+    /// events of the failed transaction.
+    pub async fn append_groups(&self, groups: Vec<Vec<OwnedEvent>>) -> Vec<crate::group::GroupResult> {
+        match self.try_groups(&groups).await {
             Ok(results) => results,
-            Err(e) if batch.len() == 1 => vec![Err(e)],
+            Err(e) if groups.len() == 1 => vec![Err(e)],
             Err(e) => {
-                tracing::warn!(events = batch.len(), error = %e, "batch failed; appending its events one by one");
-                let mut results = Vec::with_capacity(batch.len());
-                for new in &batch {
-                    results.push(self.append(new.borrowed()).await);
+                tracing::warn!(groups = groups.len(), error = %e, "batch failed; appending its groups one by one");
+                let mut results = Vec::with_capacity(groups.len());
+                for g in &groups {
+                    let one = match self.try_groups(std::slice::from_ref(g)).await {
+                        Ok(mut r) => r.pop().unwrap_or_else(|| Err(LedgerError::Internal("no answer".into()))),
+                        Err(e) => Err(e),
+                    };
+                    results.push(one);
                 }
                 results
             }
         }
     }
 
-    async fn try_batch(
-        &self,
-        batch: &[OwnedEvent],
-    ) -> Result<Vec<Result<(ChainedEvent, bool), LedgerError>>, LedgerError> {
+    async fn try_groups(&self, groups: &[Vec<OwnedEvent>]) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
+        let derived_alone = |g: &Vec<OwnedEvent>| g.len() == 1 && derived::has_effects(&g[0].event_type);
         let mut tx = self.begin_write().await?;
-        // Events with derived effects (summaries, transactions) read state that earlier
-        // events of the batch may change: they take the one-by-one path.
-        let results = if batch.iter().any(|e| derived::has_effects(&e.event_type)) {
-            let mut results = Vec::with_capacity(batch.len());
-            for new in batch {
-                match self.append_in(&mut tx, new.borrowed()).await {
+        let mut results = Vec::with_capacity(groups.len());
+        let mut i = 0;
+        while i < groups.len() {
+            if derived_alone(&groups[i]) {
+                // Summaries and transactions read state that earlier events may change: each
+                // is appended on its own, reading as it goes.
+                match self.append_in(&mut tx, groups[i][0].borrowed()).await {
                     Err(e) if !e.is_refusal() => return Err(e),
-                    r => results.push(r),
+                    r => results.push(r.map(|a| vec![a])),
                 }
+                i += 1;
+                continue;
             }
-            results
-        } else {
-            batch::append_plain(self, &mut tx, batch).await?
-        };
+            let end = (i..groups.len()).find(|&k| derived_alone(&groups[k])).unwrap_or(groups.len());
+            if groups[i..end].iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
+                // The RPCs never form these; refuse rather than skip their effects.
+                return Err(LedgerError::invalid("events", "summaries and transactions are appended on their own"));
+            }
+            results.extend(batch::append_plain(self, &mut tx, &groups[i..end]).await?);
+            i = end;
+        }
         tx.commit().await?;
         Ok(results)
     }
@@ -585,6 +616,21 @@ impl LedgerStore {
                     step_id: r.try_get(3)?,
                     timestamp_ms: r.try_get(4)?,
                 })
+            })
+            .collect()
+    }
+
+    /// The deltas staged in a transaction so far, in staging order.
+    pub async fn staged_deltas(&self, run_id: &str, tx_id: &str) -> Result<Vec<serde_json::Value>, LedgerError> {
+        let rows = sqlx::query("SELECT delta_json FROM tx_staged WHERE run_id = $1 AND tx_id = $2 ORDER BY seq")
+            .bind(run_id)
+            .bind(tx_id)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let text: String = r.try_get(0)?;
+                serde_json::from_str(&text).map_err(|e| LedgerError::Internal(format!("staged delta: {e}")))
             })
             .collect()
     }

@@ -71,10 +71,16 @@ pub(crate) async fn gate(
         created_at_ms: now,
         expires_at_ms: now.saturating_add(svc.config().approval_ttl_secs as i64 * 1000),
     };
-    let a = svc.store().ensure_approval(&wanted).await?;
-    if a.created_at_ms == now {
-        svc.approvals_changed();
-    }
+    // Read only: the approval is created after the decision asking for it is recorded (see
+    // `Checked::new_approval`), so a request the ledger refuses — a stale epoch, say — leaves
+    // nothing pending behind.
+    let a = match svc.store().approval(&wanted.approval_id).await? {
+        Some(a) => a,
+        None => {
+            c.new_approval = Some(wanted.clone());
+            wanted
+        }
+    };
     let state = if a.state == "pending" && now >= a.expires_at_ms { "expired" } else { a.state.as_str() };
     c.gate = format!("|{}:{state}", a.approval_id);
     let decided = |verdict, rule_id: &str, reason: String| RuleDecision { verdict, rule_id: rule_id.into(), reason };
@@ -104,6 +110,7 @@ fn to_proto(a: &ApprovalRow) -> pb::Approval {
     let state = match a.state.as_str() {
         "approved" => pb::ApprovalState::Approved,
         "denied" => pb::ApprovalState::Denied,
+        "expired" => pb::ApprovalState::Expired,
         _ if now_ms() >= a.expires_at_ms => pb::ApprovalState::Expired,
         _ => pb::ApprovalState::Pending,
     };
@@ -185,36 +192,83 @@ impl ApprovalsService {
     }
 }
 
-/// Appends `run_resumed` once the run is blocked (the executor may still be blocking it),
-/// retrying for a while; the event is idempotent per approval.
-async fn resume(policy: PolicyService, a: ApprovalRow) {
-    for _ in 0..240 {
-        let mut ledger = policy.ledger();
-        let run = ledger.get_run(pb::GetLedgerRunRequest { tenant: a.tenant.clone(), run_id: a.run_id.clone() }).await;
-        let Ok(run) = run.map(|r| r.into_inner()) else {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-            continue;
+/// Moves runs whose approval expired unanswered: each such run is resumed, so its executor
+/// asks again, gets the recorded deny `approval_expired`, and the run continues or fails by its
+/// plan instead of staying blocked. The approval is marked `expired` only once its run was
+/// resumed (or needs no resuming), so a resume that fails — the ledger down, this replica
+/// restarting — is tried again on the next pass, by any replica.
+pub async fn expire_approvals(policy: PolicyService, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let now = now_ms();
+        let due = match policy.store().expired_pending(now, PAGE).await {
+            Ok(due) => due,
+            Err(e) => {
+                tracing::warn!(error = %e, "expired approvals not read; will retry");
+                continue;
+            }
         };
-        match run.status() {
-            pb::RunStatus::Blocked => {
-                let appended = ledger
-                    .append_event(pb::AppendEventRequest {
-                        tenant: a.tenant.clone(),
-                        run_id: a.run_id.clone(),
-                        epoch: run.max_epoch,
-                        idempotency_key: format!("resumed:{}", a.approval_id),
-                        event_type: events::RUN_RESUMED.into(),
-                        payload_json: json!({"approval_id": a.approval_id, "state": a.state, "approver": a.approver})
-                            .to_string(),
-                        step_id: a.step_id.clone(),
-                    })
-                    .await;
-                if appended.is_ok() {
-                    return;
+        for a in due {
+            let expired = ApprovalRow { state: "expired".into(), ..a };
+            match resume_once(&policy, &expired).await {
+                Ok(true) => {}
+                // Not blocked yet (its executor is still settling other steps): next pass.
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(approval_id = %expired.approval_id, error = %e, "run of an expired approval not resumed; will retry");
+                    continue;
                 }
             }
-            pb::RunStatus::Pending | pb::RunStatus::Active => {}
-            _ => return,
+            match policy.store().mark_expired(&expired.approval_id, now).await {
+                Ok(true) => {
+                    tracing::info!(approval_id = %expired.approval_id, run_id = %expired.run_id, "approval expired; its run resumed");
+                    policy.approvals_changed();
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!(approval_id = %expired.approval_id, error = %e, "approval not marked expired"),
+            }
+        }
+    }
+}
+
+/// One try at resuming the run of approval `a`: `run_resumed` appended (idempotent per
+/// approval) if the run is blocked; true when nothing more is needed, false when the run is
+/// not blocked yet.
+async fn resume_once(policy: &PolicyService, a: &ApprovalRow) -> Result<bool, Status> {
+    let mut ledger = policy.ledger();
+    let run = ledger
+        .get_run(pb::GetLedgerRunRequest { tenant: a.tenant.clone(), run_id: a.run_id.clone() })
+        .await?
+        .into_inner();
+    match run.status() {
+        pb::RunStatus::Blocked => {
+            ledger
+                .append_event(pb::AppendEventRequest {
+                    tenant: a.tenant.clone(),
+                    run_id: a.run_id.clone(),
+                    epoch: run.max_epoch,
+                    idempotency_key: format!("resumed:{}", a.approval_id),
+                    event_type: events::RUN_RESUMED.into(),
+                    payload_json: json!({"approval_id": a.approval_id, "state": a.state, "approver": a.approver})
+                        .to_string(),
+                    step_id: a.step_id.clone(),
+                })
+                .await?;
+            Ok(true)
+        }
+        pb::RunStatus::Pending | pb::RunStatus::Active | pb::RunStatus::Paused => Ok(false),
+        // Ended, or waiting for an operator: its next decision sees the expiry by itself.
+        _ => Ok(true),
+    }
+}
+
+/// Appends `run_resumed` once the run is blocked (the executor may still be blocking it),
+/// retrying for a while; the event is idempotent per approval. Expired approvals are resumed
+/// by [`expire_approvals`], which retries for as long as it takes.
+async fn resume(policy: PolicyService, a: ApprovalRow) {
+    for _ in 0..240 {
+        if let Ok(true) = resume_once(&policy, &a).await {
+            return;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }

@@ -72,24 +72,36 @@ fn has_limits(t: &warden_config::TenantPolicy) -> bool {
     t.max_calls_per_run > 0 || t.max_cost_per_run > 0.0 || t.max_cost_per_tenant > 0.0 || t.rate_limit_per_minute > 0
 }
 
-/// Counts an allowed call once (a retried Authorize of the same decision is not counted),
-/// for tenants with limits.
-pub async fn count(svc: &PolicyService, r: &pb::AuthorizeRequest) -> Result<(), Status> {
+/// Counts an allowed call once per decision (a retried Authorize of the same call is not
+/// counted again), for tenants with limits.
+pub async fn count(svc: &PolicyService, r: &pb::AuthorizeRequest, decision_id: &str) -> Result<(), Status> {
     if !svc.config().tenants.get(&r.tenant).is_some_and(has_limits) {
         return Ok(());
     }
-    svc.store().count_call(&r.tenant, &r.run_id).await?;
+    svc.store().count_call(&r.tenant, &r.run_id, decision_id).await?;
     Ok(())
 }
 
-/// `RecordCost`: adds a step's cost once per (run, step); costs are never negative.
+/// Largest cost one record may carry: far above any real call, far below what would make the
+/// sums lose precision.
+const MAX_COST_PER_RECORD: f64 = 1e9;
+
+/// `RecordCost`: adds a step attempt's cost once per (run, step, attempt); costs are never
+/// negative. Only the mesh records cost (the server checks the caller).
 pub async fn record_cost(svc: &PolicyService, r: pb::RecordCostRequest) -> Result<(), Status> {
     check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
     check_id(&r.run_id).map_err(|e| invalid_field("run_id", e.to_string()))?;
     check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
-    if !r.cost.is_finite() || r.cost < 0.0 {
-        return Err(invalid_field("cost", "must be a finite, non-negative number (budgets only grow)"));
+    if r.attempt == 0 {
+        return Err(invalid_field("attempt", "attempts count from 1"));
     }
-    svc.store().record_cost(&r.tenant, &r.run_id, &format!("{}:{}", r.run_id, r.step_id), r.cost).await?;
+    if !r.cost.is_finite() || !(0.0..=MAX_COST_PER_RECORD).contains(&r.cost) {
+        return Err(invalid_field(
+            "cost",
+            format!("must be a finite number from 0 to {MAX_COST_PER_RECORD} (budgets only grow)"),
+        ));
+    }
+    let key = format!("{}:{}:{}", r.run_id, r.step_id, r.attempt);
+    svc.store().record_cost(&r.tenant, &r.run_id, &key, r.cost).await?;
     Ok(())
 }

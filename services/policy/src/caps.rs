@@ -15,7 +15,17 @@ use warden_core::ids::check_id;
 use warden_grpc::{invalid_field, now_ms};
 use warden_proto::v1 as pb;
 
+use crate::server::PolicyService;
 use crate::store::{CapabilityRow, PolicyStore};
+
+/// The caller's scope on an empty request, so it can be checked after the request body was
+/// taken apart.
+fn carry_scope<T>(from: &Request<T>, mut to: Request<()>) -> Request<()> {
+    if let Some(scope) = from.extensions().get::<warden_grpc::auth::Scope>() {
+        to.extensions_mut().insert(scope.clone());
+    }
+    to
+}
 
 const PREFIX: &str = "wcap_";
 
@@ -32,6 +42,36 @@ fn matches(pattern: &str, value: &str) -> bool {
     }
 }
 
+/// Whether every value `inner` matches is also matched by `outer` (both exact or with one
+/// trailing `*`): a delegated pattern must stay within the delegator's.
+pub fn within(inner: &str, outer: &str) -> bool {
+    match (inner.strip_suffix('*'), outer.strip_suffix('*')) {
+        (_, None) => inner == outer,
+        (Some(prefix), Some(outer_prefix)) => prefix.starts_with(outer_prefix),
+        (None, Some(outer_prefix)) => inner.starts_with(outer_prefix),
+    }
+}
+
+/// A resource is matched by prefix, so it must be a normalized path first: `docs/*` must not
+/// match `docs/../secrets/key`. Dot segments (also percent-encoded) and backslashes, which a
+/// tool host may resolve into another path, are refused rather than normalized — a caller that
+/// means `secrets/key` can say so. An encoded `%` is refused too (double encoding). Every
+/// `Authorize` applies this to a `resource` argument, so Cedar policies see normalized paths.
+pub(crate) fn normalized_resource(v: &str) -> Result<(), String> {
+    let lowered = v.to_ascii_lowercase();
+    let encoded = ["%2e", "%2f", "%5c", "%25"];
+    if v.contains('\\') || encoded.iter().any(|e| lowered.contains(e)) {
+        return Err(format!(
+            "resource '{}' is not a normalized path (no backslashes or encoded dots and slashes)",
+            v.escape_debug()
+        ));
+    }
+    if v.split('/').any(|seg| seg == "." || seg == "..") {
+        return Err(format!("resource '{}' is not a normalized path (no '.' or '..' segments)", v.escape_debug()));
+    }
+    Ok(())
+}
+
 /// Whether `cap` covers calling `tool` with `args`; the reason when it does not.
 pub fn grants(cap: &CapabilityRow, tool: &str, args: &Value) -> Result<(), String> {
     if !cap.tool_patterns.iter().any(|p| matches(p, tool)) {
@@ -41,10 +81,14 @@ pub fn grants(cap: &CapabilityRow, tool: &str, args: &Value) -> Result<(), Strin
         if patterns.is_empty() {
             continue;
         }
-        match args.get(field).and_then(Value::as_str) {
-            Some(v) if patterns.iter().any(|p| matches(p, v)) => {}
-            Some(v) => return Err(format!("{field} '{v}' is outside {patterns:?}")),
-            None => return Err(format!("the call names no {field}")),
+        let Some(v) = args.get(field).and_then(Value::as_str) else {
+            return Err(format!("the call names no {field}"));
+        };
+        if field == "resource" {
+            normalized_resource(v)?;
+        }
+        if !patterns.iter().any(|p| matches(p, v)) {
+            return Err(format!("{field} '{v}' is outside {patterns:?}"));
         }
     }
     Ok(())
@@ -85,13 +129,44 @@ fn to_proto(c: CapabilityRow, handle: String) -> pb::Capability {
 
 #[derive(Clone)]
 pub struct CapabilitiesService {
+    policy: PolicyService,
     store: PolicyStore,
     max_ttl_secs: u64,
 }
 
 impl CapabilitiesService {
-    pub fn new(store: PolicyStore, max_ttl_secs: u64) -> CapabilitiesService {
-        CapabilitiesService { store, max_ttl_secs }
+    pub fn new(policy: PolicyService) -> CapabilitiesService {
+        CapabilitiesService { store: policy.store().clone(), max_ttl_secs: policy.max_capability_ttl_secs(), policy }
+    }
+
+    /// A capability never carries more authority than its issuer holds. Operators and the
+    /// mesh (`*` tokens, or no authentication at all) issue any scope; a tenant's own token
+    /// (a person's included) only tool patterns within what its policy lets it delegate
+    /// (`policy.tenants.<t>.delegable_tools`, empty by default: nothing).
+    fn may_issue<T>(&self, req: &Request<T>, tenant: &str, tool_patterns: &[String]) -> Result<(), Status> {
+        if warden_grpc::auth::is_mesh(req) {
+            return Ok(());
+        }
+        let delegable = self.policy.config().tenants.get(tenant).map(|t| t.delegable_tools.clone()).unwrap_or_default();
+        if let Some(p) = tool_patterns.iter().find(|p| !delegable.iter().any(|d| within(p, d))) {
+            return Err(Status::permission_denied(format!(
+                "tenant '{tenant}' may not delegate '{p}': its token issues capabilities only within \
+                 policy.tenants.{tenant}.delegable_tools {delegable:?}; operators issue the rest"
+            )));
+        }
+        Ok(())
+    }
+
+    /// An agent's token attaches capabilities only to its own agent's runs.
+    async fn may_attach<T>(&self, req: &Request<T>, tenant: &str, run_id: &str) -> Result<(), Status> {
+        let Some(agent) = warden_grpc::auth::bound_agent(req) else { return Ok(()) };
+        let owner = self.policy.run_agent(tenant, run_id).await?;
+        if owner != agent {
+            return Err(Status::permission_denied(format!(
+                "agent '{agent}' attaches capabilities only to its own runs"
+            )));
+        }
+        Ok(())
     }
 
     /// The tenant's capability, or NOT_FOUND (another tenant's does not exist for the caller).
@@ -110,6 +185,8 @@ impl pb::capabilities_server::Capabilities for CapabilitiesService {
     async fn issue(&self, req: Request<pb::IssueCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         warden_grpc::auth::forbid_agent(&req, "issue capabilities")?;
+        let req_scope = Request::new(());
+        let req_scope = carry_scope(&req, req_scope);
         let r = req.into_inner();
         check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
         check_patterns("tool_patterns", &r.tool_patterns, true)?;
@@ -121,6 +198,7 @@ impl pb::capabilities_server::Capabilities for CapabilitiesService {
         if r.ttl_seconds == 0 || r.ttl_seconds > self.max_ttl_secs {
             return Err(invalid_field("ttl_seconds", format!("must be from 1 to {}", self.max_ttl_secs)));
         }
+        self.may_issue(&req_scope, &r.tenant, &r.tool_patterns)?;
         let mut secret = [0u8; 32];
         getrandom::getrandom(&mut secret).map_err(|e| Status::internal(format!("no randomness: {e}")))?;
         let handle = format!("{PREFIX}{}", hex::encode(secret));
@@ -191,12 +269,16 @@ impl pb::capabilities_server::Capabilities for CapabilitiesService {
 
     async fn attach(&self, req: Request<pb::AttachCapabilityRequest>) -> Result<Response<pb::Capability>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let req_scope = carry_scope(&req, Request::new(()));
         let r = req.into_inner();
         check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
         if !r.validate_only {
             check_id(&r.run_id).map_err(|e| invalid_field("run_id", e.to_string()))?;
         }
         let unknown = || invalid_field("capability_handle", "not a capability handle Warden issued");
+        if !r.validate_only {
+            self.may_attach(&req_scope, &r.tenant, &r.run_id).await?;
+        }
         let sha = handle_sha256(&r.capability_handle).ok_or_else(unknown)?;
         let cap = self.store.by_handle(&sha).await?.ok_or_else(unknown)?;
         if cap.tenant != r.tenant {

@@ -51,10 +51,18 @@ async fn violated(inv: &InvariantConfig, args: &Value, parsed: &mut Vec<String>)
         }
         InvariantConfig::RequiredArgTrue { field, .. } => (args.get(field) != Some(&Value::Bool(true)))
             .then(|| ("required_arg_true", format!("'{field}' must be true"))),
-        InvariantConfig::EmailDomainAllowlist { field, domains, .. } => {
-            let domain = text(field).and_then(|to| to.rsplit_once('@').map(|(_, d)| d.to_ascii_lowercase()));
-            let ok = domain.as_ref().is_some_and(|d| domains.iter().any(|x| x.eq_ignore_ascii_case(d)));
-            (!ok).then(|| ("email_domain_allowlist", format!("'{field}' must be an address at {}", domains.join(", "))))
+        InvariantConfig::EmailDomainAllowlist { field, domains, allow_multiple, .. } => {
+            let refused = match args.get(field).and_then(Value::as_str) {
+                None => Some("must be a string".to_string()),
+                Some(to) => match recipients(to, *allow_multiple) {
+                    Err(e) => Some(e.to_string()),
+                    Ok(list) => list
+                        .iter()
+                        .find(|a| !domains.iter().any(|d| d.eq_ignore_ascii_case(&a.domain)))
+                        .map(|a| format!("address '{a}' is not at {}", domains.join(", "))),
+                },
+            };
+            refused.map(|why| ("email_domain_allowlist", format!("'{field}' {why}")))
         }
         InvariantConfig::RecipientMustBeVerified { field, verified, .. } => {
             let ok = text(field).is_some_and(|to| verified.iter().any(|v| v.eq_ignore_ascii_case(&to)));
@@ -78,6 +86,111 @@ async fn violated(inv: &InvariantConfig, args: &Value, parsed: &mut Vec<String>)
     }
 }
 
+/// One addr-spec of a recipient field, as a mail transfer agent would route it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Address {
+    local: String,
+    domain: String,
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}", self.local, self.domain)
+    }
+}
+
+/// Why a recipient field is refused. Raw input is never echoed where it may hold control
+/// characters, so a reason cannot carry an injection into logs or the ledger.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum AddressError {
+    #[error("contains a control character (U+{0:04X}); header injection is refused")]
+    ControlCharacter(u32),
+    #[error("is not an RFC 5322 address: {0}")]
+    Unparsable(String),
+    #[error("names no address")]
+    Empty,
+    #[error("is an address list ({0}); one address is allowed")]
+    Multiple(String),
+    #[error("address '{0}' is not a plain local@domain address")]
+    NotPlain(String),
+}
+
+/// RFC 5322 `atext`, less `%` and `!`: those route mail onwards from the named domain (the
+/// percent hack, bang paths), so an address using them could leave an allowed domain.
+fn local_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "#$&'*+-/=?^_`{|}~".contains(c)
+}
+
+/// A dot-atom local part `@` a domain of letters, digits, `-` and `.`: the only shape whose
+/// destination is plainly its domain. Quoted local parts, domain literals (`[1.2.3.4]`),
+/// source routes (`@relay:user@host`) and internationalized addresses are refused rather
+/// than interpreted.
+fn plain(addr: &str) -> Result<Address, AddressError> {
+    let not_plain = || AddressError::NotPlain(addr.to_string());
+    let (local, domain) = addr.split_once('@').ok_or_else(not_plain)?;
+    let atoms_ok =
+        |s: &str, ok: fn(char) -> bool| !s.is_empty() && s.split('.').all(|a| !a.is_empty() && a.chars().all(ok));
+    if !atoms_ok(local, local_char) || !atoms_ok(domain, |c| c.is_ascii_alphanumeric() || c == '-') {
+        return Err(not_plain());
+    }
+    Ok(Address { local: local.to_string(), domain: domain.to_string() })
+}
+
+/// The addresses a recipient field sends to, parsed as an RFC 5322 `address-list` by
+/// `mailparse::addrparse` — a long-lived, widely used parser with few dependencies
+/// (`lettre` parses strictly too but brings a whole mail stack; `email_address` and
+/// `email-address-parser` parse single addresses only, so they cannot see a list). It
+/// knows display names (`"Ok" <ok@example.com>` is one address), comments, quoting and
+/// groups, and splits lists on `,` (and leniently on `;`).
+///
+/// Because that parser is lenient, its result is checked, never trusted: control characters
+/// (CR/LF header injection included) are refused before parsing, a list or a group is
+/// refused unless `allow_multiple`, and every address must be [`plain`] — leftovers of a
+/// lenient parse such as `a@x.com b@y.com` or `a@b@c` are not.
+fn recipients(text: &str, allow_multiple: bool) -> Result<Vec<Address>, AddressError> {
+    // Unicode line and paragraph separators too: some mail software breaks lines on them.
+    if let Some(c) = text.chars().find(|c| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')) {
+        return Err(AddressError::ControlCharacter(c.into()));
+    }
+    let parsed = mailparse::addrparse(text).map_err(|e| AddressError::Unparsable(e.to_string()))?;
+    let mut addrs = Vec::new();
+    let mut groups = 0;
+    for item in parsed.iter() {
+        match item {
+            mailparse::MailAddr::Single(one) => addrs.push(one.addr.as_str()),
+            mailparse::MailAddr::Group(group) => {
+                groups += 1;
+                addrs.extend(group.addrs.iter().map(|one| one.addr.as_str()));
+            }
+        }
+    }
+    if !allow_multiple && (addrs.len() > 1 || groups > 0) {
+        let what = if groups > 0 { "a group".to_string() } else { format!("{} addresses", addrs.len()) };
+        return Err(AddressError::Multiple(what));
+    }
+    if addrs.is_empty() {
+        return Err(AddressError::Empty);
+    }
+    addrs.into_iter().map(plain).collect()
+}
+
+/// Refuses an allowlist entry that no address could match as intended: domains are compared
+/// exactly (ASCII case-insensitive), so they must be written as plain host names.
+fn check_domains(domains: &[String]) -> Result<(), String> {
+    if domains.is_empty() {
+        return Err("policy.invariants email_domain_allowlist: domains must not be empty".into());
+    }
+    for d in domains {
+        if plain(&format!("x@{d}")).is_err() {
+            return Err(format!(
+                "policy.invariants email_domain_allowlist: '{d}' is not a plain domain name \
+                 (letters, digits, '-' and '.'; IDNs in punycode; no '@')"
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn tool_of(inv: &InvariantConfig) -> &str {
     match inv {
         InvariantConfig::RequiredArgTrue { tool, .. }
@@ -92,6 +205,9 @@ fn tool_of(inv: &InvariantConfig) -> &str {
 /// Refuses a configuration the invariants cannot apply (an unknown lint rule).
 pub fn validate(invariants: &[InvariantConfig]) -> Result<(), String> {
     for inv in invariants {
+        if let InvariantConfig::EmailDomainAllowlist { domains, .. } = inv {
+            check_domains(domains)?;
+        }
         if let InvariantConfig::LinterPassed { select, max_line_length, .. } = inv {
             crate::python::check_select(select).map_err(|e| format!("policy.invariants linter_passed: {e}"))?;
             if *max_line_length == 0 {
@@ -133,6 +249,7 @@ mod tests {
                 tool: "email.*".into(),
                 field: "to".into(),
                 domains: vec!["example.com".into()],
+                allow_multiple: false,
             },
             InvariantConfig::RecipientMustBeVerified {
                 tool: "email.send".into(),
@@ -178,6 +295,135 @@ mod tests {
         let many = "x = 1 \n".repeat(8);
         let d = decide("py.run", json!({"code": many})).await;
         assert!(d.reason.ends_with("and 3 more"), "{}", d.reason);
+    }
+
+    fn allowlist(allow_multiple: bool) -> Vec<InvariantConfig> {
+        vec![InvariantConfig::EmailDomainAllowlist {
+            tool: "email.send".into(),
+            field: "to".into(),
+            domains: vec!["example.com".into(), "Example.ORG".into()],
+            allow_multiple,
+        }]
+    }
+
+    async fn mail_decision(invs: &[InvariantConfig], to: Value) -> RuleDecision {
+        check(invs, "email.send", &json!({"to": to, "subject": "s", "body": "b"}), allow()).await
+    }
+
+    #[track_caller]
+    fn assert_denied(d: &RuleDecision, mentions: &str) {
+        assert_eq!(d.rule_id, "email_domain_allowlist", "{d:?}");
+        assert_eq!(d.verdict, Verdict::Deny);
+        assert!(d.reason.contains(mentions), "reason should mention {mentions:?}: {}", d.reason);
+    }
+
+    #[tokio::test]
+    async fn email_domain_allowlist_refuses_a_comma_list_hiding_a_foreign_address() {
+        let single = allowlist(false);
+        let d = mail_decision(&single, json!("evil@evil.com,ok@example.com")).await;
+        assert_denied(&d, "address list (2 addresses)");
+        // Allowed lists are still checked address by address, whichever comes last.
+        let d = mail_decision(&allowlist(true), json!("evil@evil.com,ok@example.com")).await;
+        assert_denied(&d, "'evil@evil.com' is not at example.com");
+    }
+
+    #[tokio::test]
+    async fn email_domain_allowlist_refuses_a_semicolon_list_hiding_a_foreign_address() {
+        assert_denied(&mail_decision(&allowlist(false), json!("evil@evil.com;ok@example.com")).await, "address list");
+        let d = mail_decision(&allowlist(true), json!("ok@example.com; evil@evil.com")).await;
+        assert_denied(&d, "'evil@evil.com'");
+    }
+
+    #[tokio::test]
+    async fn email_domain_allowlist_refuses_crlf_header_injection() {
+        // Each ends at an allowed domain, as a bypass of a last-'@' check would.
+        for to in [
+            "evil@evil.com\r\nBcc: ok@example.com",
+            "ok@example.com\r\nBcc: evil@evil.com\r\nX-Note: ok@example.com",
+            "evil@evil.com\nBcc: ok@example.com",
+            "evil@evil.com\rBcc: ok@example.com",
+            "evil@evil.com\u{0}ok@example.com",
+            "evil@evil.com\tok@example.com",
+            "evil@evil.com\u{2028}Bcc: ok@example.com",
+        ] {
+            for multiple in [false, true] {
+                assert_denied(&mail_decision(&allowlist(multiple), json!(to)).await, "control character");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn email_domain_allowlist_refuses_groups_unless_lists_are_allowed() {
+        let group = json!("team: a@example.com, b@example.org;");
+        assert_denied(&mail_decision(&allowlist(false), group.clone()).await, "a group");
+        assert_eq!(mail_decision(&allowlist(true), group).await.rule_id, "r");
+        let d = mail_decision(&allowlist(true), json!("team: a@example.com, x@evil.com;")).await;
+        assert_denied(&d, "'x@evil.com'");
+        assert_denied(&mail_decision(&allowlist(true), json!("undisclosed:;")).await, "names no address");
+    }
+
+    #[tokio::test]
+    async fn email_domain_allowlist_matches_domains_exactly_and_refuses_odd_addresses() {
+        let single = allowlist(false);
+        for (to, mentions) in [
+            ("ok@sub.example.com", "'ok@sub.example.com' is not at"),
+            ("ok@example.com.evil.com", "is not at"),
+            ("ok@example.com.", "not a plain"),
+            ("ok@evil-example.com", "is not at"),
+            ("ok@example.com evil@evil.com", "not a plain"),
+            ("a@evil.com@example.com", "not a plain"),
+            ("<@evil.com:ok@example.com>", "not a plain"),
+            ("evil%evil.com@example.com", "not a plain"),
+            ("ok@[192.0.2.1]", "not a plain"),
+            ("ok@example.com>", "not a plain"),
+            ("\"evil@evil.com\"@example.com", "not an RFC 5322 address"),
+            ("ok@example.com <evil@evil.com>", "'evil@evil.com' is not at"),
+            ("", "names no address"),
+            ("example.com", "not an RFC 5322 address"),
+        ] {
+            assert_denied(&mail_decision(&single, json!(to)).await, mentions);
+        }
+        assert_denied(&mail_decision(&single, json!(["ok@example.com"])).await, "must be a string");
+        assert_denied(&mail_decision(&single, json!(null)).await, "must be a string");
+    }
+
+    #[tokio::test]
+    async fn email_domain_allowlist_allows_a_valid_single_address() {
+        let single = allowlist(false);
+        for to in [
+            "ok@example.com",
+            "OK@EXAMPLE.COM",
+            "first.last+tag@example.org",
+            "\"Ok\" <ok@example.com>",
+            "Ok Person <ok@example.com>",
+            "\"evil@evil.com\" <ok@example.com>",
+            "ok@example.com (the on-call)",
+        ] {
+            assert_eq!(mail_decision(&single, json!(to)).await.rule_id, "r", "{to}");
+        }
+    }
+
+    #[tokio::test]
+    async fn email_domain_allowlist_allows_valid_multiple_addresses_when_configured() {
+        let to = json!("\"Ops\" <ops@example.com>, dev@EXAMPLE.org, team: a@example.com;");
+        assert_eq!(mail_decision(&allowlist(true), to.clone()).await.rule_id, "r");
+        assert_denied(&mail_decision(&allowlist(false), to).await, "address list");
+    }
+
+    #[test]
+    fn email_domain_allowlist_domains_must_be_plain_host_names() {
+        let inv = |domains: &[&str]| {
+            validate(&[InvariantConfig::EmailDomainAllowlist {
+                tool: "email.send".into(),
+                field: "to".into(),
+                domains: domains.iter().map(|s| s.to_string()).collect(),
+                allow_multiple: false,
+            }])
+        };
+        assert!(inv(&["example.com", "xn--bcher-kva.de"]).is_ok());
+        for bad in [&[][..], &["@example.com"], &["example.com."], &[""], &["ex ample.com"]] {
+            assert!(inv(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

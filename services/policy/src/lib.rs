@@ -11,6 +11,7 @@ pub mod intent;
 pub mod invariants;
 pub mod python;
 pub mod rate;
+pub mod recorder;
 pub mod rules;
 pub mod semantic;
 pub mod server;
@@ -40,6 +41,7 @@ pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
     let store = store::PolicyStore::connect(&config.database_url).await?;
     let rate = rate::RateLimiter::connect(&config.redis_url).await?;
     let service = PolicyService::new(config.clone(), key, previous, ledger, store, rate);
+    tokio::spawn(approvals::expire_approvals(service.clone(), std::time::Duration::from_secs(1)));
     if !config.policy_dir.is_empty() {
         let dir = std::path::PathBuf::from(&config.policy_dir);
         // At start there is no previous set to fall back on: a bad set stops the service.
@@ -57,7 +59,7 @@ pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
 
 /// Adds `Policy`, `Capabilities` and `Approvals` to `routes`.
 pub fn add_routes(routes: &mut RoutesBuilder, service: PolicyService, tokens: &Tokens) {
-    let capabilities = caps::CapabilitiesService::new(service.store().clone(), service.max_capability_ttl_secs());
+    let capabilities = caps::CapabilitiesService::new(service.clone());
     let approvals = approvals::ApprovalsService::new(service.clone());
     routes
         .add_service(InterceptedService::new(PolicyServer::new(service), tokens.clone()))

@@ -38,7 +38,11 @@ enum Outcome {
     Unknown,
 }
 
-/// What the ledger says became of the call a decision allowed.
+/// What the ledger says became of the call holding a key — the claiming step, over all its
+/// attempts: completed in any attempt is a success; a final failure (no retry follows), a
+/// denial or a cancellation frees the key; a request without an outcome is unknown. A call
+/// never requested within an authorization's lifetime can no longer act (the host refuses an
+/// expired authorization, and nothing acts unrecorded): it frees the key too.
 async fn outcome(svc: &PolicyService, tenant: &str, claim: &SemanticClaim) -> Result<Outcome, Status> {
     let mut stream = svc
         .ledger()
@@ -50,69 +54,80 @@ async fn outcome(svc: &PolicyService, tenant: &str, claim: &SemanticClaim) -> Re
         })
         .await?
         .into_inner();
-    let mut result = Outcome::Unknown;
+    let (mut requested, mut failed) = (false, false);
     while let Some(e) = stream.message().await? {
         if e.step_id != claim.step_id {
             continue;
         }
-        let cites = serde_json::from_str::<Value>(&e.payload_json)
-            .ok()
-            .is_some_and(|p| p.get("decision_id").and_then(Value::as_str) == Some(claim.decision_id.as_str()));
-        if !cites {
-            continue;
-        }
         match e.event_type.as_str() {
-            events::TOOL_COMPLETED => result = Outcome::Succeeded,
-            events::TOOL_FAILED | events::STEP_FAILED => result = Outcome::Failed,
+            events::TOOL_COMPLETED => return Ok(Outcome::Succeeded),
+            events::TOOL_REQUESTED => requested = true,
+            events::TOOL_FAILED => {
+                let retried =
+                    serde_json::from_str::<Value>(&e.payload_json).ok().is_some_and(|p| p.get("retry").is_some());
+                failed = !retried;
+            }
+            events::STEP_FAILED | events::STEP_CANCELLED => failed = true,
             _ => {}
         }
     }
-    Ok(result)
+    let lapsed = warden_grpc::now_ms() > claim.claimed_at_ms.saturating_add(svc.config().authorization_ttl_ms as i64);
+    Ok(match (failed, requested) {
+        (true, _) => Outcome::Failed,
+        (false, false) if lapsed => Outcome::Failed,
+        _ => Outcome::Unknown,
+    })
 }
 
-/// Applies semantic idempotency to an allow; claims the key for this call when it stays one.
+/// Applies semantic idempotency to an allow. When the call may go ahead, returns the claim to
+/// make for it: the caller claims the key only once the whole decision is an allow and is
+/// recorded (or handed to the executor), so a refused or denied request holds no key.
 pub async fn check(
     svc: &PolicyService,
     r: &pb::AuthorizeRequest,
     args: &Value,
     decision_id: &str,
     rule: RuleDecision,
-) -> Result<RuleDecision, Status> {
+) -> Result<(RuleDecision, Option<(String, SemanticClaim)>), Status> {
     if rule.verdict != Verdict::Allow {
-        return Ok(rule);
+        return Ok((rule, None));
     }
     let Some(key) =
         svc.config().semantic_keys.iter().filter(|k| matches(&k.tool, &r.tool)).find_map(|k| render(&k.template, args))
     else {
-        return Ok(rule);
+        return Ok((rule, None));
     };
-    let mine =
-        SemanticClaim { run_id: r.run_id.clone(), step_id: r.step_id.clone(), decision_id: decision_id.to_string() };
+    let deny = |rule_id: &str, reason: String| RuleDecision { verdict: Verdict::Deny, rule_id: rule_id.into(), reason };
+    if key.contains('\0') || key.len() > 1024 {
+        return Ok((
+            deny("semantic_key_invalid", "the semantic key must be at most 1024 bytes, without NUL".into()),
+            None,
+        ));
+    }
+    let mine = SemanticClaim {
+        run_id: r.run_id.clone(),
+        step_id: r.step_id.clone(),
+        decision_id: decision_id.to_string(),
+        claimed_at_ms: warden_grpc::now_ms(),
+    };
     if let Some(held) = svc.store().semantic_claim(&r.tenant, &key).await?
-        && held != mine
+        && (held.run_id != mine.run_id || held.step_id != mine.step_id)
     {
-        let deny =
-            |rule_id: &str, reason: String| RuleDecision { verdict: Verdict::Deny, rule_id: rule_id.into(), reason };
         match outcome(svc, &r.tenant, &held).await? {
             Outcome::Succeeded => {
-                return Ok(deny(
-                    "semantic_duplicate",
-                    format!("'{key}' already succeeded (run {}, step {})", held.run_id, held.step_id),
-                ));
+                let why = format!("'{key}' already succeeded (run {}, step {})", held.run_id, held.step_id);
+                return Ok((deny("semantic_duplicate", why), None));
             }
             Outcome::Unknown => {
-                return Ok(deny(
-                    "semantic_requires_reconciliation",
-                    format!("'{key}' has an unresolved earlier call (run {}, step {})", held.run_id, held.step_id),
-                ));
+                let why =
+                    format!("'{key}' has an unresolved earlier call (run {}, step {})", held.run_id, held.step_id);
+                return Ok((deny("semantic_requires_reconciliation", why), None));
             }
             Outcome::Failed => {}
         }
     }
-    svc.store().claim_semantic(&r.tenant, &key, &mine).await?;
-    Ok(rule)
+    Ok((rule, Some((key, mine))))
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,7 @@
 //! The `Policy` gRPC service: decide, record the decision in the ledger, sign allows.
 //! `Capabilities` and `Approvals` are part of the contract but not served by this release.
 
+use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use ed25519_dalek::SigningKey;
@@ -35,7 +36,23 @@ pub struct PolicyService {
     rate: crate::rate::RateLimiter,
     /// Bumped whenever this replica creates or resolves an approval (wakes `Approvals.Watch`).
     approval_changes: Arc<tokio::sync::watch::Sender<u64>>,
+    /// Records decisions in the ledger off the hot path.
+    recorder: crate::recorder::DecisionRecorder,
+    /// Recorded plans, step id → tool, of runs decided on recently (plans do not change once
+    /// recorded; a step missing here is looked up again before it is refused).
+    plans: Arc<std::sync::Mutex<HashMap<String, PlannedSteps>>>,
 }
+
+/// A recorded plan's steps: step id → the tool it calls.
+type PlannedSteps = Arc<HashMap<String, String>>;
+
+/// Steps (over all plans) kept in [`PolicyService::plans`] before it is emptied.
+const CACHED_PLAN_STEPS: usize = 100_000;
+
+/// Tools whose effect the ledger itself applies, in the same transaction that records it
+/// (`CommitTx` checks the cited allow), so they are not steps of a plan: a commit cannot
+/// happen outside the record.
+const LEDGER_MEDIATED_TOOLS: &[&str] = &["commit_tx"];
 
 /// A request that passed validation, with its canonical arguments.
 pub(crate) struct Checked {
@@ -46,6 +63,11 @@ pub(crate) struct Checked {
     /// The approval gate's state for this call (part of the decision's identity, so the
     /// decision after an approval is a new decision, not a rewrite of the first).
     pub(crate) gate: String,
+    /// An approval this decision asks for that does not exist yet: created only once the
+    /// decision is recorded, so a refused request leaves nothing behind.
+    pub(crate) new_approval: Option<crate::store::ApprovalRow>,
+    /// The semantic key this call claims if its decision ends an allow (claimed only then).
+    pub(crate) semantic_claim: Option<(String, crate::store::SemanticClaim)>,
 }
 
 fn id_field(field: &str, v: &str, check: fn(&str) -> Result<(), warden_core::ids::IdError>) -> Result<(), Status> {
@@ -67,6 +89,9 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     }
     if r.attempt == 0 {
         return Err(invalid_field("attempt", "attempts count from 1"));
+    }
+    if i64::try_from(r.epoch).is_err() {
+        return Err(invalid_field("epoch", format!("{} is over the maximum of {}", r.epoch, i64::MAX)));
     }
     if !r.retry_of.is_empty() {
         id_field("retry_of", &r.retry_of, check_id)?;
@@ -91,7 +116,18 @@ fn check_args(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     if !args.is_object() {
         return Err(invalid_field("args_json", "must be a JSON object"));
     }
-    Ok(Checked { args_sha256: args_digest(&args), args, capability_id: String::new(), gate: String::new() })
+    // Resources are matched by prefix (capabilities, Cedar `like`): only normalized paths.
+    if let Some(resource) = args.get("resource").and_then(Value::as_str) {
+        crate::caps::normalized_resource(resource).map_err(|why| invalid_field("args_json.resource", why))?;
+    }
+    Ok(Checked {
+        args_sha256: args_digest(&args),
+        args,
+        capability_id: String::new(),
+        gate: String::new(),
+        new_approval: None,
+        semantic_claim: None,
+    })
 }
 
 /// Same request, same decision id: a retried `Authorize` records nothing twice.
@@ -129,11 +165,13 @@ impl PolicyService {
             config: Arc::new(config),
             key: Arc::new(key),
             published: Arc::new(published),
+            recorder: crate::recorder::DecisionRecorder::start(LedgerClient::new(ledger.clone())),
             ledger: LedgerClient::new(ledger),
             store,
             cedar: Arc::default(),
             rate,
             approval_changes: Arc::new(tokio::sync::watch::Sender::new(0)),
+            plans: Arc::default(),
         }
     }
 
@@ -187,15 +225,63 @@ impl PolicyService {
     /// commitments), intent plan, semantic idempotency, limits and rate, approval gates,
     /// invariants.
     async fn stages(&self, r: &pb::AuthorizeRequest, checked: &mut Checked) -> Result<rules::RuleDecision, Status> {
+        if let Some(refused) = self.outside_plan(r).await? {
+            return Ok(refused);
+        }
         if !r.retry_of.is_empty() {
             return self.retry(r, checked).await;
         }
         let rule = self.evaluate(r, checked).await?;
         let rule = crate::intent::check(self, r, rule).await?;
-        let rule = crate::semantic::check(self, r, &checked.args, &decision_id(r, checked), rule).await?;
+        let (rule, claim) = crate::semantic::check(self, r, &checked.args, &decision_id(r, checked), rule).await?;
+        checked.semantic_claim = claim;
         let rule = crate::budgets::limits(self, r, rule).await?;
         let rule = crate::approvals::gate(self, r, checked, rule).await?;
         Ok(crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await)
+    }
+
+    /// An authorization is issued only for a step of the run's recorded plan, calling the
+    /// tool that step names: a caller cannot have policy sign a call the run never planned.
+    async fn outside_plan(&self, r: &pb::AuthorizeRequest) -> Result<Option<rules::RuleDecision>, Status> {
+        if LEDGER_MEDIATED_TOOLS.contains(&r.tool.as_str()) {
+            return Ok(None);
+        }
+        let cached = self.plans.lock().unwrap_or_else(|p| p.into_inner()).get(&r.run_id).cloned();
+        let steps = match cached {
+            Some(steps) if steps.contains_key(&r.step_id) => steps,
+            _ => {
+                let run = self
+                    .ledger
+                    .clone()
+                    .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
+                    .await?
+                    .into_inner();
+                // A plan answered directly runs no step, whatever else it lists.
+                let planned = warden_core::plan::Plan::parse(&run.plan_json)
+                    .ok()
+                    .filter(|p| p.direct_response.is_none())
+                    .map(|p| p.steps)
+                    .unwrap_or_default();
+                let steps: PlannedSteps = Arc::new(planned.into_iter().map(|s| (s.id, s.tool)).collect());
+                let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+                // Bounded by steps, not runs: plans differ in size.
+                if plans.values().map(|p| p.len() + 1).sum::<usize>() + steps.len() > CACHED_PLAN_STEPS {
+                    plans.clear();
+                }
+                plans.insert(r.run_id.clone(), steps.clone());
+                steps
+            }
+        };
+        let refuse = |reason: String| {
+            Some(rules::RuleDecision { verdict: Verdict::Deny, rule_id: "step_not_in_plan".into(), reason })
+        };
+        Ok(match steps.get(&r.step_id) {
+            None => refuse(format!("step '{}' is not a step of the run's recorded plan", r.step_id)),
+            Some(tool) if *tool != r.tool => {
+                refuse(format!("step '{}' of the recorded plan calls '{tool}', not '{}'", r.step_id, r.tool))
+            }
+            Some(_) => None,
+        })
     }
 
     /// The recorded events of the request's run, first to last.
@@ -215,15 +301,24 @@ impl PolicyService {
         if !r.retry_of.is_empty() {
             return Err(Status::permission_denied("retries are authorized for the executor only"));
         }
-        if agent_bound {
-            let first = self.run_events(r).await?.message().await?;
-            let owner: Value =
-                first.map(|e| serde_json::from_str(&e.payload_json).unwrap_or_default()).unwrap_or_default();
-            if owner["agent"].as_str().unwrap_or_default() != r.agent {
-                return Err(Status::permission_denied(format!("agent '{}' decides only on its own runs", r.agent)));
-            }
+        if agent_bound && self.run_agent(&r.tenant, &r.run_id).await? != r.agent {
+            return Err(Status::permission_denied(format!("agent '{}' decides only on its own runs", r.agent)));
         }
         Ok(())
+    }
+
+    /// The agent a run acts for (fixed at submission in `run_submitted`; empty: the tenant).
+    pub(crate) async fn run_agent(&self, tenant: &str, run_id: &str) -> Result<String, Status> {
+        check_id(run_id).map_err(|e| invalid_field("run_id", e.to_string()))?;
+        let req = pb::StreamEventsRequest {
+            tenant: tenant.to_string(),
+            run_id: run_id.to_string(),
+            since_seq: 0,
+            follow: false,
+        };
+        let first = self.ledger.clone().stream_events(req).await?.into_inner().message().await?;
+        let owner: Value = first.map(|e| serde_json::from_str(&e.payload_json).unwrap_or_default()).unwrap_or_default();
+        Ok(owner["agent"].as_str().unwrap_or_default().to_string())
     }
 
     /// Seed 000: policy and approval skip on retry. A retry is not decided again; it is allowed
@@ -329,7 +424,7 @@ impl PolicyService {
                 epoch: r.epoch,
                 idempotency_key: events::decision_key(&id),
                 event_type: events::POLICY_DECISION.into(),
-                payload_json: payload.to_string(),
+                payload_json: warden_core::decision::sign_decision(payload, &self.key).to_string(),
                 step_id: r.step_id.clone(),
             })
             .await;
@@ -436,6 +531,13 @@ impl PolicyService {
                 format!("capability {} expired at {}", cap.capability_id, cap.expires_at_ms),
             ));
         }
+        // A capability bound to a run is that run's commitment, nobody else's.
+        if !cap.run_id.is_empty() && cap.run_id != r.run_id {
+            return Ok(deny(
+                "capability_run",
+                format!("capability {} is bound to run {}, not this one", cap.capability_id, cap.run_id),
+            ));
+        }
         if let Err(why) = crate::caps::grants(&cap, &r.tool, &c.args) {
             return Ok(deny(
                 "capability_scope",
@@ -521,22 +623,33 @@ impl pb::policy_server::Policy for PolicyService {
         if !r.agent.is_empty() {
             payload["agent"] = Value::String(r.agent.clone());
         }
-        // The decision is durable before anyone can act on it (K03). If the ledger cannot
-        // record it, nothing is authorized (K19).
-        let appended = self
-            .ledger
-            .clone()
-            .append_event(pb::AppendEventRequest {
-                tenant: r.tenant.clone(),
-                run_id: r.run_id.clone(),
-                epoch: r.epoch,
-                idempotency_key: events::decision_key(&id),
-                event_type: events::POLICY_DECISION.into(),
-                payload_json: payload.to_string(),
-                step_id: r.step_id.clone(),
-            })
-            .await
-            .map_err(|s| match s.code() {
+        // Signed, so the record can travel with the executor's append and the ledger can tell
+        // it is the policy's own (see `warden_core::decision`).
+        let payload = warden_core::decision::sign_decision(payload, &self.key);
+        let decision_event_json = payload.to_string();
+        let record = pb::AppendEventRequest {
+            tenant: r.tenant.clone(),
+            run_id: r.run_id.clone(),
+            epoch: r.epoch,
+            idempotency_key: events::decision_key(&id),
+            event_type: events::POLICY_DECISION.into(),
+            payload_json: decision_event_json.clone(),
+            step_id: r.step_id.clone(),
+        };
+        let mut ledger_seq = 0;
+        // Recorded before the answer unless the mesh's executor carries it into its own append
+        // (and never for approvals: one comes into being only once the decision asking for it
+        // is recorded; nor for ledger-mediated tools, whose effect the ledger applies on sight
+        // of a recorded allow).
+        let caller_records = r.caller_records && mesh && !LEDGER_MEDIATED_TOOLS.contains(&r.tool.as_str());
+        // Decisions are whole: an allow is counted against the budgets (once per decision: a
+        // retried Authorize of the same call counts nothing) before it is recorded or answered.
+        // A retry of an earlier attempt is the same call: never counted again.
+        if rule.verdict == Verdict::Allow && rule.rule_id != "retry" {
+            crate::budgets::count(self, &r, &id).await?;
+        }
+        if rule.verdict == Verdict::ApprovalRequired || !caller_records {
+            let appended = self.ledger.clone().append_event(record).await.map_err(|s| match s.code() {
                 // Fencing and tenancy refusals pass through unchanged (with their details).
                 Code::NotFound | Code::FailedPrecondition => s,
                 // The decision id is taken by different content: rules changed since, or a
@@ -549,17 +662,28 @@ impl pb::policy_server::Policy for PolicyService {
                     "decision could not be recorded in the ledger (failing closed): {}",
                     s.message()
                 )),
-            })?
-            .into_inner();
-        let event = appended.event.ok_or_else(|| Status::internal("ledger returned no event"))?;
-        // A retry is the same call: it is not counted again (policy skips on retry).
-        if rule.verdict == Verdict::Allow && !appended.deduplicated && rule.rule_id != "retry" {
-            crate::budgets::count(self, &r).await?;
+            })?;
+            ledger_seq = appended.into_inner().event.map(|e| e.seq).unwrap_or_default();
+            if let Some(wanted) = checked.new_approval.take() {
+                let a = self.store.ensure_approval(&wanted).await?;
+                if a.created_at_ms == wanted.created_at_ms {
+                    self.approvals_changed();
+                }
+            }
+        } else {
+            // The executor records the decision with the call's request (nothing can act
+            // on an allow before that); the policy records it too, off the hot path.
+            self.recorder.record_later(record).await.map_err(|s| {
+                Status::unavailable(format!(
+                    "decision could not be queued or recorded (failing closed): {}",
+                    s.message()
+                ))
+            })?;
         }
-        // The ledger returned an event with exactly this content (a retry gets the first
-        // one back; different content under this id is refused by the ledger), so the fresh
-        // evaluation above is what is recorded and what gets signed.
-        let decision = self.decision(&r, &checked, event.seq, &rule);
+        if let (Verdict::Allow, Some((key, claim))) = (rule.verdict, checked.semantic_claim.take()) {
+            self.store.claim_semantic(&r.tenant, &key, &claim).await?;
+        }
+        let decision = self.decision(&r, &checked, ledger_seq, &rule);
         tracing::info!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, outcome = rule.verdict.as_str(), rule_id = %rule.rule_id, "policy decision");
         let authorization = (rule.verdict == Verdict::Allow).then(|| {
             let now = now_ms();
@@ -587,7 +711,7 @@ impl pb::policy_server::Policy for PolicyService {
                 key_id: signed.key_id,
             }
         });
-        Ok(Response::new(pb::AuthorizeResponse { decision: Some(decision), authorization }))
+        Ok(Response::new(pb::AuthorizeResponse { decision: Some(decision), authorization, decision_event_json }))
     }
 
     async fn get_verification_keys(
@@ -611,6 +735,9 @@ impl pb::policy_server::Policy for PolicyService {
         req: Request<pb::RecordCostRequest>,
     ) -> Result<Response<pb::RecordCostResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        // Cost is the mesh's own record of what its calls spent: a tenant recording it could
+        // exhaust another run's budget or pre-record 0 for its own steps to evade its budget.
+        warden_grpc::auth::require_mesh(&req, "RecordCost")?;
         crate::budgets::record_cost(self, req.into_inner()).await?;
         Ok(Response::new(pb::RecordCostResponse {}))
     }

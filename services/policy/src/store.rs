@@ -294,6 +294,32 @@ impl PolicyStore {
         Ok(done.rows_affected() == 1)
     }
 
+    /// Pending approvals whose time ran out, oldest expiry first.
+    pub async fn expired_pending(&self, now_ms: i64, limit: u32) -> Result<Vec<ApprovalRow>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {APPROVAL_COLUMNS} FROM approvals WHERE state = 'pending' AND expires_at_ms <= $1
+             ORDER BY expires_at_ms LIMIT {limit}"
+        ))
+        .bind(now_ms)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(approval).collect()
+    }
+
+    /// Marks a pending approval whose time ran out `expired`; whether this call did (replicas
+    /// race for it, one wins).
+    pub async fn mark_expired(&self, approval_id: &str, now_ms: i64) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE approvals SET state = 'expired', reason = 'expired unanswered', resolved_at_ms = $2
+             WHERE approval_id = $1 AND state = 'pending' AND expires_at_ms <= $2",
+        )
+        .bind(approval_id)
+        .bind(now_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     pub async fn approvals(
         &self,
         tenant: &str,
@@ -391,10 +417,22 @@ impl PolicyStore {
     }
 
     /// Counts one allowed call against the run and the tenant.
-    pub async fn count_call(&self, tenant: &str, run_id: &str) -> Result<(), StoreError> {
+    /// Counts an allowed call once per decision: a retried `Authorize` of the same call (same
+    /// decision id) finds it counted and changes nothing.
+    pub async fn count_call(&self, tenant: &str, run_id: &str, decision_id: &str) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
-        self.add(&mut tx, &format!("run:{run_id}"), 1, 0.0).await?;
-        self.add(&mut tx, &format!("tenant:{tenant}"), 1, 0.0).await?;
+        let first = sqlx::query(
+            "INSERT INTO cost_records (record_key, cost) VALUES ($1, 0) ON CONFLICT (record_key) DO NOTHING",
+        )
+        .bind(format!("call:{decision_id}"))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            == 1;
+        if first {
+            self.add(&mut tx, &format!("run:{run_id}"), 1, 0.0).await?;
+            self.add(&mut tx, &format!("tenant:{tenant}"), 1, 0.0).await?;
+        }
         tx.commit().await?;
         Ok(())
     }
@@ -426,39 +464,49 @@ impl PolicyStore {
     }
 }
 
-/// The call holding a semantic key.
+/// The call holding a semantic key: a step of a run (every attempt of it is the same call).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SemanticClaim {
     pub run_id: String,
     pub step_id: String,
     pub decision_id: String,
+    pub claimed_at_ms: i64,
 }
 
 impl PolicyStore {
     pub async fn semantic_claim(&self, tenant: &str, key: &str) -> Result<Option<SemanticClaim>, StoreError> {
         let r = sqlx::query(
-            "SELECT run_id, step_id, decision_id FROM semantic_keys WHERE tenant = $1 AND semantic_key = $2",
+            "SELECT run_id, step_id, decision_id, claimed_at_ms FROM semantic_keys WHERE tenant = $1 AND semantic_key = $2",
         )
         .bind(tenant)
         .bind(key)
         .fetch_optional(&self.pool)
         .await?;
-        r.map(|r| Ok(SemanticClaim { run_id: r.try_get(0)?, step_id: r.try_get(1)?, decision_id: r.try_get(2)? }))
-            .transpose()
+        r.map(|r| {
+            Ok(SemanticClaim {
+                run_id: r.try_get(0)?,
+                step_id: r.try_get(1)?,
+                decision_id: r.try_get(2)?,
+                claimed_at_ms: r.try_get(3)?,
+            })
+        })
+        .transpose()
     }
 
     /// Points the key at this call (first claim, or after the previous holder failed).
     pub async fn claim_semantic(&self, tenant: &str, key: &str, c: &SemanticClaim) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO semantic_keys (tenant, semantic_key, run_id, step_id, decision_id) VALUES ($1, $2, $3, $4, $5)
+            "INSERT INTO semantic_keys (tenant, semantic_key, run_id, step_id, decision_id, claimed_at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6)
              ON CONFLICT (tenant, semantic_key) DO UPDATE SET run_id = excluded.run_id, step_id = excluded.step_id,
-                 decision_id = excluded.decision_id",
+                 decision_id = excluded.decision_id, claimed_at_ms = excluded.claimed_at_ms",
         )
         .bind(tenant)
         .bind(key)
         .bind(&c.run_id)
         .bind(&c.step_id)
         .bind(&c.decision_id)
+        .bind(c.claimed_at_ms)
         .execute(&self.pool)
         .await?;
         Ok(())

@@ -1,12 +1,26 @@
 //! The demo tool host: `echo`, `text.upper`, `kv.put`, `kv.get`, `email.send` (appends to
-//! an outbox file) and `fail`. It shows what every Warden tool host must do: verify the
-//! policy's signed authorization — signature, expiry, and that it names this tool, these
-//! exact canonical arguments and this idempotency key — before doing anything, and return
-//! the first outcome for a repeated idempotency key instead of acting twice.
+//! an outbox file), `fail`, `sleep` and `flaky`. It shows what every Warden tool host must
+//! do: verify the policy's signed authorization — signature, expiry, and that it names this
+//! tenant, this tool, these exact canonical arguments and this idempotency key — before doing
+//! anything, and return the first outcome for a repeated idempotency key instead of acting
+//! twice, across restarts too.
+//!
+//! Idempotent replay: the first outcome of each (tenant, idempotency key) is written to a
+//! SQLite file ([`ToolsConfig::state_file`]) *before* the call is answered, and every later
+//! call with the key — concurrent, after a retry, or after the host restarted — gets that
+//! outcome back with `replayed = true`. Concurrent calls with one key are serialized by an
+//! in-memory in-flight guard that exists only while a call with the key is running, so memory
+//! stays bounded by the calls in progress; the durable table answers everything else.
+//!
+//! What no host can promise: a call in flight when the host dies has acted (or not) but has
+//! no recorded outcome. The caller sees a broken call — an unknown outcome — and a call with
+//! the key after the restart runs the tool again. The executor therefore re-invokes only
+//! tools that declare `idempotent` (running again changes nothing); for the others
+//! (`email.send`) it stops the run as `requires_reconciliation` for an operator to decide.
 
 pub mod tools;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 use ed25519_dalek::VerifyingKey;
@@ -15,45 +29,144 @@ use tokio::net::TcpListener;
 use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
 use warden_config::ToolsConfig;
+use warden_core::ack::{AckedCall, verify_ack};
 use warden_core::auth::{self, CallIdentity, SignedClaims};
 use warden_core::canonical::args_digest;
 use warden_core::ids::{check_id, check_step_id};
 use warden_grpc::{invalid_field, now_ms};
 use warden_proto::v1 as pb;
+use warden_proto::v1::ledger_client::LedgerClient;
 use warden_proto::v1::policy_client::PolicyClient;
 use warden_proto::v1::tool_host_server::{ToolHost, ToolHostServer};
 
-/// Outcomes remembered for idempotent replay.
-const REMEMBERED_OUTCOMES: usize = 100_000;
+use crate::tools::{Recorded, StateError, Tool};
 
-type Slot = Arc<tokio::sync::OnceCell<pb::InvokeResponse>>;
+/// (tenant, idempotency key).
+type Key = (String, String);
 
-/// One slot per (tenant, idempotency key): the first call runs the tool inside the slot and
-/// every concurrent or later call with the key waits for, then returns, that outcome.
-/// Kept in memory (bounded): a real tool host with external side effects persists them.
+/// Calls in flight by key: one async mutex per key, shared by every call holding a
+/// [`Ticket`] for it. An entry is removed when its last ticket is dropped, so the map holds
+/// only keys with a call in progress.
 #[derive(Default)]
-struct Outcomes {
-    by_key: HashMap<String, Slot>,
-    order: VecDeque<String>,
+struct InFlight {
+    by_key: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl InFlight {
+    fn ticket(self: &Arc<Self>, key: Key) -> Ticket {
+        let mut map = self.by_key.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = map.entry(key.clone()).or_default().clone();
+        Ticket { in_flight: self.clone(), key, slot }
+    }
+}
+
+/// A call's place in the queue of its key; dropping it (however the call ended) removes the
+/// key's entry when no other call holds one.
+struct Ticket {
+    in_flight: Arc<InFlight>,
+    key: Key,
+    slot: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Ticket {
+    /// Waits until no other call with the key runs; the turn lasts while the guard lives.
+    async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.slot.lock().await
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut map = self.in_flight.by_key.lock().unwrap_or_else(|p| p.into_inner());
+        // Held by the map and this ticket only: no other call waits. Clones are made only
+        // under the map lock, so the count cannot grow meanwhile.
+        if Arc::strong_count(&self.slot) == 2 {
+            map.remove(&self.key);
+        }
+    }
+}
+
+/// One verified call, owned so that it can run on its own task.
+struct Call {
+    request: pb::InvokeRequest,
+    tool: Tool,
+    args: Value,
+    args_sha256: String,
+}
+
+impl Call {
+    /// `first` answered as this call's outcome: only if it is the outcome of this very call.
+    /// The authorization binds the key to one tool and argument digest, so a key met again
+    /// with others means a caller reused it; replaying another call's outcome would tell it
+    /// something false.
+    fn replay(&self, first: Recorded) -> Result<Response<pb::InvokeResponse>, Status> {
+        if first.tool != self.request.tool || first.args_sha256 != self.args_sha256 {
+            return Err(Status::failed_precondition(format!(
+                "idempotency key '{}' was first used for another call ({} with arguments {}); \
+                 its outcome is not this call's",
+                self.request.idempotency_key, first.tool, first.args_sha256
+            )));
+        }
+        Ok(Response::new(pb::InvokeResponse { outcome: Some(first.outcome), replayed: true }))
+    }
+}
+
+fn state_unavailable(e: StateError, what: &str) -> Status {
+    tracing::warn!(error = %e, "{what}");
+    Status::unavailable(format!("{what}: {e}"))
+}
+
+/// Verifying keys by key id, refreshed from their publisher when an unknown id shows up.
+type KeyRing = Arc<RwLock<HashMap<String, VerifyingKey>>>;
+
+fn lookup(ring: &KeyRing, id: &str) -> Option<VerifyingKey> {
+    ring.read().unwrap_or_else(|p| p.into_inner()).get(id).copied()
+}
+
+fn install(ring: &KeyRing, keys: impl IntoIterator<Item = (String, Vec<u8>)>) {
+    let mut map = ring.write().unwrap_or_else(|p| p.into_inner());
+    for (id, bytes) in keys {
+        if let Ok(bytes) = <[u8; 32]>::try_from(bytes.as_slice())
+            && let Ok(vk) = VerifyingKey::from_bytes(&bytes)
+        {
+            map.insert(id, vk);
+        }
+    }
+}
+
+fn from_wire(a: Option<&pb::SignedAuthorization>) -> SignedClaims {
+    a.map(|a| SignedClaims {
+        claims_json: a.claims_json.clone(),
+        signature: a.signature.clone(),
+        key_id: a.key_id.clone(),
+    })
+    .unwrap_or(SignedClaims { claims_json: vec![], signature: vec![], key_id: String::new() })
 }
 
 #[derive(Clone)]
 pub struct ToolHostService {
     state: Arc<tools::ToolState>,
-    keys: Arc<RwLock<HashMap<String, VerifyingKey>>>,
+    keys: KeyRing,
     policy: PolicyClient<warden_grpc::auth::Ch>,
-    outcomes: Arc<Mutex<Outcomes>>,
+    /// The ledger's keys: they verify the acknowledgement that a call's request is recorded.
+    ledger_keys: KeyRing,
+    ledger: LedgerClient<warden_grpc::auth::Ch>,
+    in_flight: Arc<InFlight>,
     /// What `ListTools` declares (timeouts as configured).
     specs: Arc<Vec<pb::ToolSpec>>,
 }
 
 impl ToolHostService {
+    /// Builds the service; the state file is opened on first use (see [`Self::ready`]).
+    /// Must be called within a Tokio runtime.
     pub fn new(config: &ToolsConfig) -> anyhow::Result<ToolHostService> {
         Ok(ToolHostService {
-            state: Arc::new(tools::ToolState::new(&config.outbox_path)),
+            state: Arc::new(tools::ToolState::new(&config.outbox_path, &config.state_file())?),
             keys: Default::default(),
             policy: PolicyClient::new(warden_grpc::channel(&config.policy_endpoint)?),
-            outcomes: Default::default(),
+            ledger_keys: Default::default(),
+            ledger: LedgerClient::new(warden_grpc::channel(&config.ledger_endpoint)?),
+            in_flight: Default::default(),
             specs: Arc::new(
                 tools::specs()
                     .into_iter()
@@ -68,39 +181,101 @@ impl ToolHostService {
         })
     }
 
-    fn key(&self, id: &str) -> Option<VerifyingKey> {
-        self.keys.read().unwrap_or_else(|p| p.into_inner()).get(id).copied()
+    /// Opens the state file and creates its tables now, so a bad `state_path` stops a server
+    /// at start instead of failing its first call.
+    pub async fn ready(&self) -> Result<(), StateError> {
+        self.state.ready().await
     }
 
     /// Fetches the policy's verification keys (on start and when an unknown key id shows up).
     pub async fn refresh_keys(&self) -> Result<(), Status> {
         let keys =
             self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner().keys;
-        let mut map = self.keys.write().unwrap_or_else(|p| p.into_inner());
-        for k in keys {
-            if let Ok(bytes) = <[u8; 32]>::try_from(k.public_key.as_slice())
-                && let Ok(vk) = VerifyingKey::from_bytes(&bytes)
-            {
-                map.insert(k.key_id, vk);
-            }
-        }
+        install(&self.keys, keys.into_iter().map(|k| (k.key_id, k.public_key)));
         Ok(())
     }
 
-    fn slot(&self, key: String) -> Slot {
-        let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = o.by_key.get(&key) {
-            return slot.clone();
+    /// Fetches the ledger's keys (on start and when an unknown key id shows up).
+    pub async fn refresh_ledger_keys(&self) -> Result<(), Status> {
+        let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner().keys;
+        install(&self.ledger_keys, keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        Ok(())
+    }
+
+    /// Both proofs every call needs before anything happens: policy allowed exactly this call
+    /// (the authorization), and the ledger durably recorded its request citing that allow
+    /// (the acknowledgement) — so no effect happens outside the record.
+    async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<(), Status> {
+        let signed = from_wire(r.authorization.as_ref());
+        if !signed.key_id.is_empty() && lookup(&self.keys, &signed.key_id).is_none() {
+            // Possibly a rotated key: ask the policy once. Failure leaves the key unknown.
+            let _ = self.refresh_keys().await;
         }
-        let slot = Slot::default();
-        o.by_key.insert(key.clone(), slot.clone());
-        o.order.push_back(key);
-        while o.order.len() > REMEMBERED_OUTCOMES {
-            if let Some(old) = o.order.pop_front() {
-                o.by_key.remove(&old);
-            }
+        let call = CallIdentity {
+            tenant: &r.tenant,
+            run_id: &r.run_id,
+            step_id: &r.step_id,
+            attempt: r.attempt,
+            tool: &r.tool,
+            args_sha256,
+            idempotency_key: &r.idempotency_key,
+        };
+        let refused = |e: auth::AuthError, what: &str| {
+            tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, error = %e, "refused unauthorized call");
+            Status::permission_denied(format!("refused: {what}{e}"))
+        };
+        let claims = auth::verify(&signed, |id| lookup(&self.keys, id), &call, now_ms()).map_err(|e| refused(e, ""))?;
+        let ack = from_wire(r.request_ack.as_ref());
+        if !ack.key_id.is_empty() && lookup(&self.ledger_keys, &ack.key_id).is_none() {
+            let _ = self.refresh_ledger_keys().await;
         }
-        slot
+        let acked = AckedCall {
+            tenant: &r.tenant,
+            run_id: &r.run_id,
+            step_id: &r.step_id,
+            attempt: r.attempt,
+            decision_id: &claims.decision_id,
+            idempotency_key: &r.idempotency_key,
+        };
+        verify_ack(&ack, |id| lookup(&self.ledger_keys, id), &acked)
+            .map_err(|e| refused(e, "no ledger acknowledgement that the request is recorded: "))?;
+        Ok(())
+    }
+
+    /// Runs `call` unless its key already has an outcome, and records the outcome before
+    /// answering. Calls with one key take turns, so the tool runs at most once per key here.
+    async fn run_once(&self, call: Call) -> Result<Response<pb::InvokeResponse>, Status> {
+        let r = &call.request;
+        let ticket = self.in_flight.ticket((r.tenant.clone(), r.idempotency_key.clone()));
+        let _turn = ticket.turn().await;
+        // A call that held the turn before this one has recorded its outcome by now.
+        let recorded = self.state.outcome(&r.tenant, &r.idempotency_key).await;
+        if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
+            return call.replay(first);
+        }
+        let ctx = tools::CallContext {
+            tenant: &r.tenant,
+            run_id: &r.run_id,
+            step_id: &r.step_id,
+            attempt: r.attempt,
+            idempotency_key: &r.idempotency_key,
+        };
+        let outcome = match call.tool.run(&self.state, &call.args, &ctx).await {
+            Ok(out) => pb::invoke_response::Outcome::OutputJson(out.to_string()),
+            Err(e) => pb::invoke_response::Outcome::Error(e),
+        };
+        let ours = Recorded { tool: r.tool.clone(), args_sha256: call.args_sha256.clone(), outcome };
+        // Unrecorded, the outcome would not be replayed: the caller must treat it as unknown
+        // (UNAVAILABLE is what the executor reads so) rather than rely on it.
+        let (first, is_ours) = self
+            .state
+            .record_outcome(&r.tenant, &r.idempotency_key, &ours, now_ms())
+            .await
+            .map_err(|e| state_unavailable(e, "the call ran but its outcome could not be recorded"))?;
+        if !is_ours {
+            return call.replay(first);
+        }
+        Ok(Response::new(pb::InvokeResponse { outcome: Some(first.outcome), replayed: false }))
     }
 }
 
@@ -122,53 +297,18 @@ impl ToolHost for ToolHostService {
         let args: Value = serde_json::from_str(&r.args_json)
             .map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
         let digest = args_digest(&args);
-        let signed = r
-            .authorization
-            .as_ref()
-            .map(|a| SignedClaims {
-                claims_json: a.claims_json.clone(),
-                signature: a.signature.clone(),
-                key_id: a.key_id.clone(),
-            })
-            .unwrap_or(SignedClaims { claims_json: vec![], signature: vec![], key_id: String::new() });
-        if !signed.key_id.is_empty() && self.key(&signed.key_id).is_none() {
-            // Possibly a rotated key: ask the policy once. Failure leaves the key unknown.
-            let _ = self.refresh_keys().await;
+        self.verify(&r, &digest).await?;
+        let call = Call { request: r, tool, args, args_sha256: digest };
+        let recorded = self.state.outcome(&call.request.tenant, &call.request.idempotency_key).await;
+        if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
+            return call.replay(first);
         }
-        let call = CallIdentity {
-            tenant: &r.tenant,
-            run_id: &r.run_id,
-            step_id: &r.step_id,
-            attempt: r.attempt,
-            tool: &r.tool,
-            args_sha256: &digest,
-            idempotency_key: &r.idempotency_key,
-        };
-        if let Err(e) = auth::verify(&signed, |id| self.key(id), &call, now_ms()) {
-            tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, error = %e, "refused unauthorized call");
-            return Err(Status::permission_denied(format!("refused: {e}")));
-        }
-        let slot = self.slot(format!("{}\u{0}{}", r.tenant, r.idempotency_key));
-        let mut ran = false;
-        let first = slot
-            .get_or_init(|| async {
-                ran = true;
-                let ctx = tools::CallContext {
-                    run_id: &r.run_id,
-                    step_id: &r.step_id,
-                    attempt: r.attempt,
-                    idempotency_key: &r.idempotency_key,
-                };
-                let outcome = match tool.run(&self.state, &args, &ctx).await {
-                    Ok(out) => pb::invoke_response::Outcome::OutputJson(out.to_string()),
-                    Err(e) => pb::invoke_response::Outcome::Error(e),
-                };
-                pb::InvokeResponse { outcome: Some(outcome), replayed: false }
-            })
-            .await;
-        let mut resp = first.clone();
-        resp.replayed = !ran;
-        Ok(Response::new(resp))
+        // On its own task: a caller that hangs up (a timeout) must not stop the tool between
+        // its effect and the recording of its outcome.
+        let service = self.clone();
+        tokio::spawn(async move { service.run_once(call).await })
+            .await
+            .map_err(|e| Status::unknown(format!("the tool call broke off; its outcome is unknown: {e}")))?
     }
 }
 
@@ -186,11 +326,283 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let service = ToolHostService::new(config)?;
+    service.ready().await?;
     if let Err(e) = service.refresh_keys().await {
         tracing::warn!(error = %e, "policy keys not fetched yet; will fetch on first call");
+    }
+    if let Err(e) = service.refresh_ledger_keys().await {
+        tracing::warn!(error = %e, "ledger keys not fetched yet; will fetch on first call");
     }
     let mut routes = Routes::builder();
     add_routes(&mut routes, service);
     warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use ed25519_dalek::SigningKey;
+    use serde_json::json;
+    use warden_core::auth::{AuthorizationClaims, key_id, sign};
+    use warden_core::canonical::canonical_json;
+
+    use super::*;
+
+    /// The "policy" key the tests sign with; the host trusts it as if fetched from policy.
+    fn policy_key() -> SigningKey {
+        SigningKey::from_bytes(&[7; 32])
+    }
+
+    /// The "ledger" key the tests acknowledge requests with.
+    fn ledger_key() -> SigningKey {
+        SigningKey::from_bytes(&[8; 32])
+    }
+
+    /// A host over `dir` (outbox and default state file there) trusting [`policy_key`].
+    fn host(dir: &std::path::Path) -> ToolHostService {
+        let config = ToolsConfig {
+            outbox_path: dir.join("outbox.jsonl").display().to_string(),
+            // Never contacted: the signing key is known already.
+            policy_endpoint: "http://127.0.0.1:9".into(),
+            ..ToolsConfig::default()
+        };
+        let service = ToolHostService::new(&config).expect("service");
+        let vk = policy_key().verifying_key();
+        service.keys.write().expect("keys").insert(key_id(&vk), vk);
+        let lk = ledger_key().verifying_key();
+        service.ledger_keys.write().expect("keys").insert(key_id(&lk), lk);
+        service
+    }
+
+    /// A request for one call, authorized like the policy would.
+    fn call(tenant: &str, key: &str, tool: &str, args: Value) -> pb::InvokeRequest {
+        let claims = AuthorizationClaims {
+            v: 1,
+            key_id: String::new(),
+            decision_id: "d".into(),
+            tenant: tenant.into(),
+            run_id: "run1".into(),
+            step_id: "s1".into(),
+            attempt: 1,
+            tool: tool.into(),
+            args_sha256: args_digest(&args),
+            idempotency_key: key.into(),
+            capability_id: String::new(),
+            issued_at_ms: now_ms(),
+            expires_at_ms: now_ms() + 60_000,
+        };
+        let signed = sign(claims, &policy_key());
+        let ack = warden_core::ack::sign_ack(
+            warden_core::ack::RequestAckClaims {
+                v: 1,
+                kind: String::new(),
+                key_id: String::new(),
+                tenant: tenant.into(),
+                run_id: "run1".into(),
+                step_id: "s1".into(),
+                attempt: 1,
+                decision_id: "d".into(),
+                idempotency_key: key.into(),
+                seq: 3,
+                event_hash: "h".into(),
+            },
+            &ledger_key(),
+        );
+        pb::InvokeRequest {
+            request_ack: Some(pb::SignedAuthorization {
+                claims_json: ack.claims_json,
+                signature: ack.signature,
+                key_id: ack.key_id,
+            }),
+            tenant: tenant.into(),
+            run_id: "run1".into(),
+            step_id: "s1".into(),
+            attempt: 1,
+            tool: tool.into(),
+            args_json: canonical_json(&args),
+            idempotency_key: key.into(),
+            authorization: Some(pb::SignedAuthorization {
+                claims_json: signed.claims_json,
+                signature: signed.signature,
+                key_id: signed.key_id,
+            }),
+        }
+    }
+
+    async fn invoke(host: &ToolHostService, req: pb::InvokeRequest) -> pb::InvokeResponse {
+        host.invoke(Request::new(req)).await.expect("invoke").into_inner()
+    }
+
+    fn output(resp: &pb::InvokeResponse) -> Value {
+        match &resp.outcome {
+            Some(pb::invoke_response::Outcome::OutputJson(text)) => serde_json::from_str(text).expect("json output"),
+            other => panic!("expected an output, got {other:?}"),
+        }
+    }
+
+    fn outbox(dir: &std::path::Path) -> Vec<String> {
+        std::fs::read_to_string(dir.join("outbox.jsonl")).unwrap_or_default().lines().map(str::to_string).collect()
+    }
+
+    #[tokio::test]
+    async fn email_send_with_the_same_key_after_a_restart_is_replayed_and_sent_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mail = json!({"to": "ops@example.com", "subject": "once", "body": "b"});
+        let first = invoke(&host(dir.path()), call("acme", "run1:s1:1", "email.send", mail.clone())).await;
+        assert!(!first.replayed);
+        assert_eq!(outbox(dir.path()).len(), 1);
+
+        // A new host process over the same files: nothing in memory survives.
+        let restarted = host(dir.path());
+        let again = invoke(&restarted, call("acme", "run1:s1:1", "email.send", mail)).await;
+        assert!(again.replayed, "the second answer is the recorded first one");
+        assert_eq!(again.outcome, first.outcome);
+        assert_eq!(outbox(dir.path()).len(), 1, "the email went out once");
+        assert!(dir.path().join("tools.db").is_file(), "state kept beside the outbox by default");
+    }
+
+    #[tokio::test]
+    async fn a_signed_allow_without_the_ledgers_acknowledgement_does_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = host(dir.path());
+        let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+        let mut unrecorded = call("acme", "run1:s1:1", "email.send", mail.clone());
+        unrecorded.request_ack = None;
+        let e = host.invoke(Request::new(unrecorded)).await.expect_err("no acknowledgement");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        // An acknowledgement of another attempt, or signed by someone other than the ledger.
+        let mut other = call("acme", "run1:s1:1", "email.send", mail.clone());
+        let ack_of_two = {
+            let mut c = call("acme", "run1:s1:1", "email.send", mail.clone());
+            c.attempt = 2;
+            c.request_ack
+        };
+        other.request_ack = ack_of_two.map(|mut a| {
+            a.claims_json =
+                String::from_utf8(a.claims_json).expect("utf8").replace("\"attempt\":1", "\"attempt\":2").into_bytes();
+            a
+        });
+        assert_eq!(host.invoke(Request::new(other)).await.expect_err("tampered").code(), tonic::Code::PermissionDenied);
+        let mut forged = call("acme", "run1:s1:1", "email.send", mail.clone());
+        let by_policy = sign(
+            AuthorizationClaims {
+                v: 1,
+                key_id: String::new(),
+                decision_id: "d".into(),
+                tenant: "acme".into(),
+                run_id: "run1".into(),
+                step_id: "s1".into(),
+                attempt: 1,
+                tool: "email.send".into(),
+                args_sha256: args_digest(&mail),
+                idempotency_key: "run1:s1:1".into(),
+                capability_id: String::new(),
+                issued_at_ms: 0,
+                expires_at_ms: i64::MAX,
+            },
+            &policy_key(),
+        );
+        forged.request_ack = Some(pb::SignedAuthorization {
+            claims_json: by_policy.claims_json,
+            signature: by_policy.signature,
+            key_id: by_policy.key_id,
+        });
+        assert_eq!(
+            host.invoke(Request::new(forged)).await.expect_err("policy's key").code(),
+            tonic::Code::PermissionDenied
+        );
+        assert!(outbox(dir.path()).is_empty(), "nothing was sent");
+        invoke(&host, call("acme", "run1:s1:1", "email.send", mail)).await;
+        assert_eq!(outbox(dir.path()).len(), 1, "the acknowledged call runs");
+    }
+
+    #[tokio::test]
+    async fn tenant_b_cannot_read_or_overwrite_tenant_a_kv_value() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = host(dir.path());
+        let put = json!({"key": "secret", "value": "a-only"});
+        invoke(&host, call("tenant-a", "a:put:1", "kv.put", put)).await;
+
+        let read = invoke(&host, call("tenant-b", "b:get:1", "kv.get", json!({"key": "secret"}))).await;
+        assert_eq!(output(&read), json!({"key": "secret", "found": false, "value": null}));
+        let put_b = invoke(&host, call("tenant-b", "b:put:1", "kv.put", json!({"key": "secret", "value": "b"}))).await;
+        assert_eq!(output(&put_b)["previous"], Value::Null, "B sees no previous value of A's");
+
+        let read_a = invoke(&host, call("tenant-a", "a:get:1", "kv.get", json!({"key": "secret"}))).await;
+        assert_eq!(output(&read_a)["value"], json!("a-only"), "A's value is untouched");
+        // The store is durable as well.
+        let restarted = super::tests::host(dir.path());
+        let read_a = invoke(&restarted, call("tenant-a", "a:get:2", "kv.get", json!({"key": "secret"}))).await;
+        assert_eq!(output(&read_a)["value"], json!("a-only"));
+    }
+
+    #[tokio::test]
+    async fn one_key_in_two_tenants_is_two_calls() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = host(dir.path());
+        let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+        let a = invoke(&host, call("tenant-a", "same-key", "email.send", mail.clone())).await;
+        let b = invoke(&host, call("tenant-b", "same-key", "email.send", mail)).await;
+        assert!(!a.replayed && !b.replayed, "B is not handed A's outcome");
+        assert_ne!(output(&a)["message_id"], output(&b)["message_id"]);
+        assert_eq!(outbox(dir.path()).len(), 2);
+    }
+
+    #[test]
+    fn only_tools_without_a_repeatable_effect_declare_themselves_idempotent() {
+        let specs = tools::specs();
+        let idempotent = |name: &str| specs.iter().find(|s| s.name == name).expect("declared").idempotent;
+        assert!(!idempotent("email.send"), "sending twice sends two emails");
+        for name in ["echo", "text.upper", "kv.get", "kv.put", "sleep", "fail", "flaky"] {
+            assert!(idempotent(name), "{name}");
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_calls_with_one_key_run_the_tool_once_and_leave_no_guard_behind() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = host(dir.path());
+        let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let (host, req) = (host.clone(), call("acme", "k1", "email.send", mail.clone()));
+            calls.spawn(async move { invoke(&host, req).await });
+        }
+        let answers = calls.join_all().await;
+        assert_eq!(answers.iter().filter(|a| !a.replayed).count(), 1, "{answers:?}");
+        assert!(answers.iter().all(|a| a.outcome == answers[0].outcome));
+        assert_eq!(outbox(dir.path()).len(), 1);
+        assert!(host.in_flight.by_key.lock().expect("map").is_empty(), "memory is held only while calls run");
+    }
+
+    #[tokio::test]
+    async fn a_key_reused_for_another_call_is_refused_not_answered_with_the_first_outcome() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = host(dir.path());
+        invoke(&host, call("acme", "k1", "echo", json!({"n": 1}))).await;
+        let e = host.invoke(Request::new(call("acme", "k1", "echo", json!({"n": 2})))).await.expect_err("refused");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        let e = host.invoke(Request::new(call("acme", "k1", "text.upper", json!({"text": "x"})))).await;
+        assert_eq!(e.expect_err("refused").code(), tonic::Code::FailedPrecondition);
+    }
+
+    #[tokio::test]
+    async fn a_tool_error_is_an_outcome_replayed_like_any_other() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let failed = invoke(&host(dir.path()), call("acme", "k1", "fail", json!({"message": "no"}))).await;
+        let again = invoke(&host(dir.path()), call("acme", "k1", "fail", json!({"message": "no"}))).await;
+        assert!(matches!(&failed.outcome, Some(pb::invoke_response::Outcome::Error(e)) if e.message == "no"));
+        assert!(again.replayed);
+        assert_eq!(again.outcome, failed.outcome);
+    }
+
+    #[test]
+    fn the_state_file_defaults_to_tools_db_beside_the_outbox() {
+        let mut c = ToolsConfig { outbox_path: "/var/lib/warden/outbox.jsonl".into(), ..ToolsConfig::default() };
+        assert_eq!(c.state_file(), std::path::PathBuf::from("/var/lib/warden/tools.db"));
+        c.outbox_path = "outbox.jsonl".into();
+        assert_eq!(c.state_file(), std::path::PathBuf::from("tools.db"));
+        c.state_path = "/data/state.db".into();
+        assert_eq!(c.state_file(), std::path::PathBuf::from("/data/state.db"));
+    }
 }

@@ -1,25 +1,244 @@
-//! The demo tools and their declarations.
+//! The demo tools, their declarations and the host's durable state.
 
-use std::collections::HashMap;
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use warden_proto::v1 as pb;
 
+/// Why the host's durable state could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("tool host state '{path}' cannot be used: {reason}")]
+    Open { path: String, reason: String },
+    #[error("tool host state is unavailable: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("a stored outcome is unreadable: {0}")]
+    Corrupt(String),
+}
+
+/// The tables, created when missing. Every row is keyed by tenant first: nothing a call
+/// reads or writes can belong to another tenant.
+const SCHEMA: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS outcomes (
+        tenant TEXT NOT NULL,
+        idempotency_key TEXT NOT NULL,
+        tool TEXT NOT NULL,
+        args_sha256 TEXT NOT NULL,
+        outcome_json TEXT NOT NULL,
+        recorded_at_ms INTEGER NOT NULL,
+        PRIMARY KEY (tenant, idempotency_key)
+    ) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS kv (
+        tenant TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value_json TEXT NOT NULL,
+        PRIMARY KEY (tenant, key)
+    ) WITHOUT ROWID",
+];
+
+/// The first outcome of one (tenant, idempotency key), as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recorded {
+    /// The call that produced it (a later call with the key must be the same call).
+    pub tool: String,
+    pub args_sha256: String,
+    pub outcome: pb::invoke_response::Outcome,
+}
+
+/// The stored form of an outcome (the protobuf types have no serde).
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+enum StoredOutcome {
+    Output(String),
+    Error { code: String, message: String, retryable: bool },
+}
+
+impl From<&pb::invoke_response::Outcome> for StoredOutcome {
+    fn from(o: &pb::invoke_response::Outcome) -> Self {
+        match o {
+            pb::invoke_response::Outcome::OutputJson(out) => StoredOutcome::Output(out.clone()),
+            pb::invoke_response::Outcome::Error(e) => {
+                StoredOutcome::Error { code: e.code.clone(), message: e.message.clone(), retryable: e.retryable }
+            }
+        }
+    }
+}
+
+impl From<StoredOutcome> for pb::invoke_response::Outcome {
+    fn from(o: StoredOutcome) -> Self {
+        match o {
+            StoredOutcome::Output(out) => pb::invoke_response::Outcome::OutputJson(out),
+            StoredOutcome::Error { code, message, retryable } => {
+                pb::invoke_response::Outcome::Error(pb::ToolError { code, message, retryable })
+            }
+        }
+    }
+}
+
+/// Everything the tools keep: the SQLite state file (outcomes and `kv`) and the outbox.
+///
+/// One host process owns a state file. Two processes over one file stay correct for the
+/// `kv` store, but their in-flight guards do not see each other, so concurrent calls with
+/// one key on two hosts could both act (the second outcome is then discarded, see
+/// [`ToolState::record_outcome`]).
 pub struct ToolState {
-    kv: Mutex<HashMap<String, Value>>,
-    outbox: std::path::PathBuf,
+    pool: SqlitePool,
+    path: PathBuf,
+    /// Set once the tables exist; retried on the next call after a failure.
+    schema: tokio::sync::OnceCell<()>,
+    outbox: PathBuf,
     outbox_lock: Mutex<()>,
 }
 
 impl ToolState {
-    pub fn new(outbox: &str) -> ToolState {
-        ToolState { kv: Mutex::default(), outbox: outbox.into(), outbox_lock: Mutex::default() }
+    /// Opens (lazily: the first use connects and creates the tables) the state file at
+    /// `state`, creating its directory. Must be called within a Tokio runtime.
+    pub fn new(outbox: &str, state: &Path) -> Result<ToolState, StateError> {
+        let open_error = |reason: String| StateError::Open { path: state.display().to_string(), reason };
+        if let Some(dir) = state.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| open_error(e.to_string()))?;
+        }
+        // WAL with synchronous=NORMAL, as the ledger: a committed outcome survives the host
+        // process dying (the restart the replay guards against); an OS crash may lose the
+        // last commits, which then read as unknown outcomes (see `ToolHostService::invoke`).
+        let options = SqliteConnectOptions::new()
+            .filename(state)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_lazy_with(options);
+        Ok(ToolState {
+            pool,
+            path: state.to_path_buf(),
+            schema: tokio::sync::OnceCell::new(),
+            outbox: outbox.into(),
+            outbox_lock: Mutex::default(),
+        })
+    }
+
+    /// The pool, once the tables exist.
+    async fn db(&self) -> Result<&SqlitePool, StateError> {
+        self.schema
+            .get_or_try_init(|| async {
+                for statement in SCHEMA {
+                    sqlx::query(statement).execute(&self.pool).await.map_err(|e| StateError::Open {
+                        path: self.path.display().to_string(),
+                        reason: e.to_string(),
+                    })?;
+                }
+                Ok::<(), StateError>(())
+            })
+            .await?;
+        Ok(&self.pool)
+    }
+
+    /// Connects and creates the tables now (a server checks its state file at start).
+    pub async fn ready(&self) -> Result<(), StateError> {
+        self.db().await.map(|_| ())
+    }
+
+    /// The outcome first recorded for `key` of `tenant`, if any.
+    pub async fn outcome(&self, tenant: &str, key: &str) -> Result<Option<Recorded>, StateError> {
+        let row: Option<(String, String, String)> = sqlx::query_as(
+            "SELECT tool, args_sha256, outcome_json FROM outcomes WHERE tenant = ? AND idempotency_key = ?",
+        )
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(self.db().await?)
+        .await?;
+        row.map(|(tool, args_sha256, json)| {
+            let stored: StoredOutcome =
+                serde_json::from_str(&json).map_err(|e| StateError::Corrupt(format!("outcome of key '{key}': {e}")))?;
+            Ok(Recorded { tool, args_sha256, outcome: stored.into() })
+        })
+        .transpose()
+    }
+
+    /// Records `recorded` as the outcome of `key` unless one is there already, and returns
+    /// the stored one with whether it is this one. The first outcome always wins, so a host
+    /// that somehow acted twice still answers every call with one outcome.
+    pub async fn record_outcome(
+        &self,
+        tenant: &str,
+        key: &str,
+        recorded: &Recorded,
+        now_ms: i64,
+    ) -> Result<(Recorded, bool), StateError> {
+        let json = serde_json::to_string(&StoredOutcome::from(&recorded.outcome))
+            .map_err(|e| StateError::Corrupt(e.to_string()))?;
+        let inserted = sqlx::query(
+            "INSERT INTO outcomes (tenant, idempotency_key, tool, args_sha256, outcome_json, recorded_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, idempotency_key) DO NOTHING",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(&recorded.tool)
+        .bind(&recorded.args_sha256)
+        .bind(json)
+        .bind(now_ms)
+        .execute(self.db().await?)
+        .await?
+        .rows_affected()
+            == 1;
+        if inserted {
+            return Ok((recorded.clone(), true));
+        }
+        let first = self
+            .outcome(tenant, key)
+            .await?
+            .ok_or_else(|| StateError::Corrupt(format!("outcome of key '{key}' vanished after a conflict")))?;
+        Ok((first, false))
+    }
+
+    async fn kv_put(&self, tenant: &str, key: &str, value: &Value) -> Result<Option<Value>, StateError> {
+        // IMMEDIATE takes the write lock up front: read-then-write never races another writer.
+        let mut tx = self.db().await?.begin_with("BEGIN IMMEDIATE").await?;
+        let previous: Option<(String,)> = sqlx::query_as("SELECT value_json FROM kv WHERE tenant = ? AND key = ?")
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO kv (tenant, key, value_json) VALUES (?, ?, ?)
+             ON CONFLICT (tenant, key) DO UPDATE SET value_json = excluded.value_json",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(value.to_string())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        previous.map(|(json,)| parse_kv(key, &json)).transpose()
+    }
+
+    async fn kv_get(&self, tenant: &str, key: &str) -> Result<Option<Value>, StateError> {
+        let row: Option<(String,)> = sqlx::query_as("SELECT value_json FROM kv WHERE tenant = ? AND key = ?")
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(self.db().await?)
+            .await?;
+        row.map(|(json,)| parse_kv(key, &json)).transpose()
     }
 }
 
+fn parse_kv(key: &str, json: &str) -> Result<Value, StateError> {
+    serde_json::from_str(json).map_err(|e| StateError::Corrupt(format!("kv value of '{key}': {e}")))
+}
+
+/// What a tool knows about the call beyond its arguments. `tenant` comes from the request
+/// and is bound into the verified authorization, so state keyed by it cannot be reached
+/// from another tenant's call.
 pub struct CallContext<'a> {
+    pub tenant: &'a str,
     pub run_id: &'a str,
     pub step_id: &'a str,
     pub attempt: u32,
@@ -116,8 +335,7 @@ impl Tool {
             description: description.into(),
             input_schema_json: schema.to_string(),
             timeout_sec: 10,
-            // Every demo tool dedupes by idempotency key, so re-invoking is safe.
-            idempotent: true,
+            idempotent: self.idempotent(),
             consequential,
             read_only,
             version: "1".into(),
@@ -125,6 +343,21 @@ impl Tool {
                 Tool::Flaky => pb::RetryPolicy::Standard,
                 _ => pb::RetryPolicy::None,
             } as i32,
+        }
+    }
+
+    /// Whether running the call again (after an outcome was lost: the host died before it
+    /// recorded one) has no further effect. The host's replay of recorded outcomes does not
+    /// make a tool idempotent: a call in flight when the host dies has no recorded outcome,
+    /// and the executor re-invokes a tool declaring itself idempotent, which then acts again.
+    /// So only tools whose effect is the same however often they run say so: `kv.put` sets a
+    /// key to a value; `flaky` and the others have no effect and answer as a function of
+    /// their arguments and attempt. `email.send` appends a message each time it runs: an
+    /// unknown outcome of it goes to an operator (requires_reconciliation) instead.
+    pub fn idempotent(self) -> bool {
+        match self {
+            Tool::Echo | Tool::Upper | Tool::KvPut | Tool::KvGet | Tool::Fail | Tool::Sleep | Tool::Flaky => true,
+            Tool::EmailSend => false,
         }
     }
 
@@ -138,20 +371,22 @@ impl Tool {
                     .get("value")
                     .cloned()
                     .ok_or_else(|| tool_error("invalid_arguments", "'value' is required", false))?;
-                let previous = state.kv.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_string(), value);
+                let previous = state.kv_put(ctx.tenant, key, &value).await.map_err(state_error)?;
                 Ok(json!({"key": key, "previous": previous}))
             }
             Tool::KvGet => {
                 let key = string_arg(args, "key")?;
-                let value = state.kv.lock().unwrap_or_else(|p| p.into_inner()).get(key).cloned();
+                let value = state.kv_get(ctx.tenant, key).await.map_err(state_error)?;
                 Ok(json!({"key": key, "found": value.is_some(), "value": value}))
             }
             Tool::EmailSend => {
                 let (to, subject, body) =
                     (string_arg(args, "to")?, string_arg(args, "subject")?, string_arg(args, "body")?);
-                let message_id = format!("msg-{}", &warden_core::sha256_hex(ctx.idempotency_key)[..16]);
+                let id_material = format!("{}\u{0}{}", ctx.tenant, ctx.idempotency_key);
+                let message_id = format!("msg-{}", &warden_core::sha256_hex(id_material)[..16]);
                 let line = json!({"message_id": message_id, "to": to, "subject": subject, "body": body,
-                    "run_id": ctx.run_id, "step_id": ctx.step_id, "idempotency_key": ctx.idempotency_key});
+                    "tenant": ctx.tenant, "run_id": ctx.run_id, "step_id": ctx.step_id,
+                    "idempotency_key": ctx.idempotency_key});
                 let _guard = state.outbox_lock.lock().unwrap_or_else(|p| p.into_inner());
                 append_line(&state.outbox, &line.to_string())
                     .map_err(|e| tool_error("outbox_unavailable", e.to_string(), true))?;
@@ -182,6 +417,11 @@ impl Tool {
             )),
         }
     }
+}
+
+/// The state store failing is transient from the caller's side: asking again may work.
+fn state_error(e: StateError) -> pb::ToolError {
+    tool_error("state_unavailable", e.to_string(), true)
 }
 
 fn append_line(path: &std::path::Path, line: &str) -> std::io::Result<()> {

@@ -12,9 +12,9 @@ use warden_core::receipt::{Receipt, receipt_for, receipt_id};
 use super::checks::{self, RunHead};
 use super::{Backend, EVENT_COLUMNS, LedgerStore, OwnedEvent, event_from_row};
 use crate::error::LedgerError;
+use crate::group::GroupResult;
 
 type Tx<'a> = Transaction<'a, Any>;
-type Appended = Result<(ChainedEvent, bool), LedgerError>;
 
 /// Rows per multi-row statement (10 parameters each stays under every backend's limit).
 const ROWS: usize = 400;
@@ -176,17 +176,19 @@ pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, h: &RunHead) -> Re
     Ok(())
 }
 
-/// Appends a batch of events without derived effects. `Err` only for storage trouble.
+/// Appends groups of events without derived effects, each group all or nothing: a refused
+/// event leaves its whole group out (and the in-memory state as it was before the group), and
+/// the other groups go on. `Err` only for storage trouble.
 pub async fn append_plain(
     store: &LedgerStore,
     tx: &mut Tx<'_>,
-    batch: &[OwnedEvent],
-) -> Result<Vec<Appended>, LedgerError> {
-    let run_ids: Vec<String> = batch.iter().map(|e| e.run_id.clone()).collect();
+    groups: &[Vec<OwnedEvent>],
+) -> Result<Vec<GroupResult>, LedgerError> {
+    let run_ids: Vec<String> = groups.iter().flatten().map(|e| e.run_id.clone()).collect();
     let mut heads = lock_heads(store, tx, &run_ids).await?;
-    let mut keys = Vec::with_capacity(batch.len() * 2);
+    let mut keys = Vec::new();
     let mut receipt_ids = Vec::new();
-    for e in batch {
+    for e in groups.iter().flatten() {
         keys.push((e.run_id.clone(), e.idempotency_key.clone()));
         if let Ok(Some(k)) = checks::cited_decision_key(&e.borrowed()) {
             keys.push((e.run_id.clone(), k));
@@ -195,61 +197,52 @@ pub async fn append_plain(
     }
     let mut known = find_events(tx, &keys).await?;
     let mut receipts_taken = existing_receipts(tx, &receipt_ids).await?;
-    let mut results = Vec::with_capacity(batch.len());
+    let mut results = Vec::with_capacity(groups.len());
     let (mut new_events, mut new_receipts, mut touched) = (Vec::new(), Vec::new(), Vec::<String>::new());
-    for e in batch {
-        let new = e.borrowed();
-        let decided = (|| {
-            let head = heads.get_mut(&e.run_id).ok_or_else(|| LedgerError::NotFound(format!("run '{}'", e.run_id)))?;
-            checks::check_tenant(head, &new)?;
-            if let Some(existing) = known.get(&(e.run_id.clone(), e.idempotency_key.clone())) {
-                checks::check_duplicate(existing, &new)?;
-                return Ok((existing.clone(), true, None));
-            }
-            checks::check_writable(head, &new)?;
-            let capability_id = match checks::cited_decision_key(&new)? {
-                Some(k) => checks::check_allow(known.get(&(e.run_id.clone(), k)), &new)?,
-                None => String::new(),
-            };
-            if let Some(id) = receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload)
-                && receipts_taken.contains(&id)
-            {
-                return Err(LedgerError::Precondition(format!(
-                    "step '{}' already has an outcome for this attempt (receipt {id})",
-                    e.step_id
-                )));
-            }
-            let event = link(
-                EventBody {
-                    run_id: e.run_id.clone(),
-                    seq: head.last_seq + 1,
-                    event_type: e.event_type.clone(),
-                    payload: e.payload.clone(),
-                    step_id: e.step_id.clone(),
-                    epoch: e.epoch,
-                    idempotency_key: e.idempotency_key.clone(),
-                    timestamp_ms: e.now_ms,
-                },
-                &head.head_hash,
-            );
-            head.advance(&event);
-            Ok((event, false, Some(capability_id)))
-        })();
-        match decided {
-            Ok((event, false, Some(capability_id))) => {
-                if let Some(r) = receipt_for(&event, &capability_id) {
-                    receipts_taken.insert(r.receipt_id.clone());
-                    new_receipts.push(r);
+    for group in groups {
+        // What this group added, to undo if one of its events is refused.
+        let saved_heads: HashMap<String, RunHead> =
+            group.iter().filter_map(|e| heads.get(&e.run_id).map(|h| (e.run_id.clone(), h.clone()))).collect();
+        let (mut added, mut appended, mut refused) = (Vec::new(), Vec::new(), None);
+        for e in group {
+            match decide(&mut heads, &known, &receipts_taken, e) {
+                Ok((event, true, _)) => appended.push((event, true)),
+                Ok((event, false, capability_id)) => {
+                    let receipt = receipt_for(&event, &capability_id);
+                    if let Some(r) = &receipt {
+                        receipts_taken.insert(r.receipt_id.clone());
+                    }
+                    known.insert((event.body.run_id.clone(), event.body.idempotency_key.clone()), event.clone());
+                    added.push((event.clone(), receipt));
+                    appended.push((event, false));
                 }
-                known.insert((event.body.run_id.clone(), event.body.idempotency_key.clone()), event.clone());
-                if !touched.contains(&event.body.run_id) {
-                    touched.push(event.body.run_id.clone());
+                Err(err) => {
+                    refused = Some(err);
+                    break;
                 }
-                new_events.push(event.clone());
-                results.push(Ok((event, false)));
             }
-            Ok((event, dup, _)) => results.push(Ok((event, dup))),
-            Err(err) => results.push(Err(err)),
+        }
+        match refused {
+            None => {
+                for (event, receipt) in added {
+                    if !touched.contains(&event.body.run_id) {
+                        touched.push(event.body.run_id.clone());
+                    }
+                    new_receipts.extend(receipt);
+                    new_events.push(event);
+                }
+                results.push(Ok(appended));
+            }
+            Some(err) => {
+                for (event, receipt) in added {
+                    known.remove(&(event.body.run_id.clone(), event.body.idempotency_key.clone()));
+                    if let Some(r) = receipt {
+                        receipts_taken.remove(&r.receipt_id);
+                    }
+                }
+                heads.extend(saved_heads);
+                results.push(Err(err));
+            }
         }
     }
     insert_events(tx, &new_events).await?;
@@ -260,4 +253,50 @@ pub async fn append_plain(
         }
     }
     Ok(results)
+}
+
+/// One event against the heads and what is known so far: the existing event of its key (a
+/// retry), or the new event chained onto its run's head (advanced), with the capability of the
+/// allow it cites.
+fn decide(
+    heads: &mut HashMap<String, RunHead>,
+    known: &HashMap<(String, String), ChainedEvent>,
+    receipts_taken: &HashSet<String>,
+    e: &OwnedEvent,
+) -> Result<(ChainedEvent, bool, String), LedgerError> {
+    let new = e.borrowed();
+    let head = heads.get_mut(&e.run_id).ok_or_else(|| LedgerError::NotFound(format!("run '{}'", e.run_id)))?;
+    checks::check_tenant(head, &new)?;
+    if let Some(existing) = known.get(&(e.run_id.clone(), e.idempotency_key.clone())) {
+        checks::check_duplicate(existing, &new)?;
+        return Ok((existing.clone(), true, String::new()));
+    }
+    checks::check_writable(head, &new)?;
+    let capability_id = match checks::cited_decision_key(&new)? {
+        Some(k) => checks::check_allow(known.get(&(e.run_id.clone(), k)), &new)?,
+        None => String::new(),
+    };
+    if let Some(id) = receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload)
+        && receipts_taken.contains(&id)
+    {
+        return Err(LedgerError::Precondition(format!(
+            "step '{}' already has an outcome for this attempt (receipt {id})",
+            e.step_id
+        )));
+    }
+    let event = link(
+        EventBody {
+            run_id: e.run_id.clone(),
+            seq: head.last_seq + 1,
+            event_type: e.event_type.clone(),
+            payload: e.payload.clone(),
+            step_id: e.step_id.clone(),
+            epoch: e.epoch,
+            idempotency_key: e.idempotency_key.clone(),
+            timestamp_ms: e.now_ms,
+        },
+        &head.head_hash,
+    );
+    head.advance(&event);
+    Ok((event, false, capability_id))
 }

@@ -11,7 +11,7 @@ use warden_core::events;
 use super::Backend;
 use crate::error::LedgerError;
 
-/// The tool a decision allowing a commit names (its arguments: `{"tx_id": …}`).
+/// The tool a decision allowing a commit names (its arguments: `{"tx_id": …, "deltas_sha256": …}`).
 pub const COMMIT_TOOL: &str = "commit_tx";
 
 type Tx<'a> = Transaction<'a, Any>;
@@ -108,8 +108,20 @@ async fn commit(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedEven
         Some(other) => return Err(not_open(tx_id, other)),
         None => return Err(LedgerError::NotFound(format!("transaction '{tx_id}'"))),
     }
+    let staged = sqlx::query("SELECT delta_json FROM tx_staged WHERE run_id = $1 AND tx_id = $2 ORDER BY seq")
+        .bind(run_id)
+        .bind(tx_id)
+        .fetch_all(&mut **tx)
+        .await?;
+    let deltas: Vec<Value> = staged
+        .iter()
+        .map(|r| serde_json::from_str(&r.try_get::<String, _>(0).unwrap_or_default()).unwrap_or_default())
+        .collect();
+    let deltas_sha256 = warden_core::canonical::staged_deltas_sha256(&deltas);
     // Commit applies staged effects only on a recorded allow of this very commit: tool
-    // `commit_tx` with arguments {"tx_id": …}, in this run.
+    // `commit_tx` with arguments {"tx_id", "deltas_sha256"} naming exactly the deltas staged
+    // now, in this run. A delta staged after the decision (or its approval) changes the digest:
+    // the commit then needs a new decision.
     let decision_id = text(p, "decision_id");
     let decision =
         sqlx::query("SELECT event_type, payload_json FROM events WHERE run_id = $1 AND idempotency_key = $2")
@@ -117,7 +129,8 @@ async fn commit(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedEven
             .bind(events::decision_key(decision_id))
             .fetch_optional(&mut **tx)
             .await?;
-    let expected_args = warden_core::canonical::args_digest(&serde_json::json!({ "tx_id": tx_id }));
+    let expected_args =
+        warden_core::canonical::args_digest(&serde_json::json!({ "tx_id": tx_id, "deltas_sha256": deltas_sha256 }));
     let capability = decision.and_then(|r| {
         let (t, body): (String, String) = (r.try_get(0).unwrap_or_default(), r.try_get(1).unwrap_or_default());
         let body: Value = serde_json::from_str(&body).unwrap_or_default();
@@ -130,18 +143,9 @@ async fn commit(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedEven
     let Some(capability) = capability else {
         return Err(LedgerError::Precondition(format!(
             "commit of transaction '{tx_id}' cites decision '{decision_id}', which is not a recorded allow of \
-             '{COMMIT_TOOL}' for this transaction in this run"
+             '{COMMIT_TOOL}' for this transaction's staged deltas (deltas_sha256 {deltas_sha256}) in this run"
         )));
     };
-    let staged = sqlx::query("SELECT delta_json FROM tx_staged WHERE run_id = $1 AND tx_id = $2 ORDER BY seq")
-        .bind(run_id)
-        .bind(tx_id)
-        .fetch_all(&mut **tx)
-        .await?;
-    let deltas: Vec<Value> = staged
-        .iter()
-        .map(|r| serde_json::from_str(&r.try_get::<String, _>(0).unwrap_or_default()).unwrap_or_default())
-        .collect();
     // Commits of one tenant may run in other write lanes: on PostgreSQL, lock every key this
     // commit touches (sorted, so two commits cannot deadlock) before reading any version.
     if backend == Backend::Postgres {

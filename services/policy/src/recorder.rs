@@ -1,0 +1,103 @@
+//! Recording decisions off the hot path. The executor carries each signed decision into the
+//! same ledger transaction as the call's request, so the common case needs nothing from the
+//! policy service. So that no decision is ever lost — a deny the executor never records, an
+//! allow whose executor died before acting — the policy also records every decision itself,
+//! a little later and idempotently (the event's key is the decision id, its content the
+//! signed record): by then the executor's copy is usually there and the append is a no-op.
+//!
+//! The queue is bounded; when it is full the decision is recorded before answering instead
+//! (backpressure, never loss). A decision the ledger refuses as stale (a newer executor
+//! holds the run) is recorded at the run's current epoch: the decision is a fact whoever
+//! asked for it.
+
+use std::time::Duration;
+
+use tokio::sync::{Semaphore, mpsc};
+use tonic::Status;
+use warden_proto::v1 as pb;
+use warden_proto::v1::ledger_client::LedgerClient;
+
+/// How long a decision waits before the policy records it itself.
+const DELAY: Duration = Duration::from_millis(500);
+/// Decisions waiting at most; beyond, `Authorize` records before answering.
+const QUEUE: usize = 65_536;
+/// Appends in flight at once.
+const IN_FLIGHT: usize = 32;
+/// How long a decision is retried before it is given up (logged).
+const GIVE_UP: Duration = Duration::from_secs(600);
+
+#[derive(Clone)]
+pub struct DecisionRecorder {
+    queue: mpsc::Sender<(tokio::time::Instant, pb::AppendEventRequest)>,
+    ledger: LedgerClient<warden_grpc::auth::Ch>,
+}
+
+impl DecisionRecorder {
+    pub fn start(ledger: LedgerClient<warden_grpc::auth::Ch>) -> DecisionRecorder {
+        let (queue, mut rx) = mpsc::channel::<(tokio::time::Instant, pb::AppendEventRequest)>(QUEUE);
+        let writer = ledger.clone();
+        tokio::spawn(async move {
+            let permits = std::sync::Arc::new(Semaphore::new(IN_FLIGHT));
+            while let Some((at, req)) = rx.recv().await {
+                tokio::time::sleep_until(at + DELAY).await;
+                let Ok(permit) = permits.clone().acquire_owned().await else { return };
+                let ledger = writer.clone();
+                tokio::spawn(async move {
+                    record_with_retries(ledger, req).await;
+                    drop(permit);
+                });
+            }
+        });
+        DecisionRecorder { queue, ledger }
+    }
+
+    /// Queues `req` to be recorded; records it now when the queue is full.
+    pub async fn record_later(&self, req: pb::AppendEventRequest) -> Result<(), Status> {
+        match self.queue.try_send((tokio::time::Instant::now(), req)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full((_, req)) | mpsc::error::TrySendError::Closed((_, req))) => {
+                self.ledger.clone().append_event(req).await.map(|_| ())
+            }
+        }
+    }
+}
+
+async fn record_with_retries(mut ledger: LedgerClient<warden_grpc::auth::Ch>, mut req: pb::AppendEventRequest) {
+    let started = tokio::time::Instant::now();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match ledger.append_event(req.clone()).await {
+            Ok(_) => return,
+            Err(s) if warden_grpc::is_fenced(&s) => {
+                let run = ledger
+                    .get_run(pb::GetLedgerRunRequest { tenant: req.tenant.clone(), run_id: req.run_id.clone() })
+                    .await;
+                if let Ok(run) = run {
+                    req.epoch = run.into_inner().max_epoch;
+                    continue;
+                }
+            }
+            // Refusals other than fencing (a terminal run, a different record under the id)
+            // cannot be helped by retrying.
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::InvalidArgument
+                        | tonic::Code::FailedPrecondition
+                        | tonic::Code::NotFound
+                        | tonic::Code::PermissionDenied
+                ) =>
+            {
+                tracing::debug!(run_id = %req.run_id, error = %s, "decision not recorded by the policy");
+                return;
+            }
+            Err(s) if started.elapsed() > GIVE_UP => {
+                tracing::error!(run_id = %req.run_id, key = %req.idempotency_key, error = %s, "decision could not be recorded; giving up");
+                return;
+            }
+            Err(s) => tracing::debug!(run_id = %req.run_id, error = %s, "decision record retried"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
