@@ -1,7 +1,7 @@
 # Warden — the two commands are `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test build bench lint fmt clean
+.PHONY: run test test-python build bench lint fmt clean
 
 ## Build, start the whole mesh in one process (SQLite, no servers needed), run the demo plan.
 run:
@@ -9,10 +9,17 @@ run:
 	./target/debug/warden dev --demo examples/hello.plan.json
 
 ## Every test: unit tests, then integration/conformance tests against separate processes,
-## a throwaway Redis and PostgreSQL (or REDIS_URL / DATABASE_URL when set).
+## a throwaway Redis and PostgreSQL (or REDIS_URL / DATABASE_URL when set), then the Python
+## SDK's tests against a mesh of the built binaries.
 test:
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
+	./sdk/python/run-tests.sh
+
+## The Python SDK's tests alone (a virtualenv in ~/.cache/warden-test; the binaries built).
+test-python:
+	$(CARGO) build --workspace --bins
+	./sdk/python/run-tests.sh
 
 build:
 	$(CARGO) build --workspace --bins

@@ -4,6 +4,7 @@
 mod bad_input;
 mod conformance;
 mod deploy;
+mod faults;
 mod ledger;
 mod lifecycle;
 mod mesh;

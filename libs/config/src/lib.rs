@@ -270,6 +270,11 @@ pub struct ExecutorConfig {
     /// Retry backoff: attempt n waits `retry_backoff_base_ms × 2^(n-1)` after attempt n-1 failed
     /// (seed 000's `2^attempt` seconds at the default 1000; smaller in tests).
     pub retry_backoff_base_ms: u64,
+    /// How long a blip may last before it fails a step: while the policy service, the ledger
+    /// or a tool host cannot be reached (a restart, a datastore outage), idempotent calls are
+    /// retried with jittered backoff for up to this long. Only then does a step fail
+    /// (`policy_unavailable`, `tool_host_unavailable`). Nothing runs meanwhile (fail closed).
+    pub outage_grace_ms: u64,
 }
 
 impl Default for ExecutorConfig {
@@ -287,6 +292,7 @@ impl Default for ExecutorConfig {
             max_plan_bytes: 256 * 1024,
             executor_id: String::new(),
             retry_backoff_base_ms: 1_000,
+            outage_grace_ms: 30_000,
         }
     }
 }

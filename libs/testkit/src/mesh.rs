@@ -34,6 +34,8 @@ pub struct MeshOptions {
     pub tools_extra: String,
     /// Appended to the `[executor]` section (e.g. `retry_backoff_base_ms = 10`).
     pub executor_extra: String,
+    /// The executors' `outage_grace_ms` (short by default, so tests of outages end quickly).
+    pub outage_grace_ms: u64,
     /// `(tenant, extra TOML lines for its [policy.tenants.<tenant>] section)`.
     pub tenant_extra: Vec<(String, String)>,
     /// `(tenant, calls per minute)`.
@@ -74,6 +76,7 @@ impl Default for MeshOptions {
             policy_extra: String::new(),
             tools_extra: String::new(),
             executor_extra: String::new(),
+            outage_grace_ms: 2_000,
             auth_tokens: Vec::new(),
             service_token: String::new(),
         }
@@ -265,8 +268,8 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
     }
     s.push_str(&format!("[planner]\nmax_steps = {}\n\n", opts.max_steps));
     s.push_str(&format!(
-        "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\n{}\n\n",
-        opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms, opts.executor_extra
+        "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\noutage_grace_ms = {}\n{}\n\n",
+        opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms, opts.outage_grace_ms, opts.executor_extra
     ));
     s.push_str(&format!("[tools]\noutbox_path = \"{}\"\n{}\n\n", dir.join("outbox.jsonl").display(), opts.tools_extra));
     s.push_str(&format!("[auth]\ntoken = \"{}\"\n[auth.tokens]\n", opts.service_token));

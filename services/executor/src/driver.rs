@@ -184,20 +184,23 @@ impl RunCtx {
             epoch: self.epoch,
             events,
         };
-        let mut backoff = Duration::from_millis(50);
-        for attempt in 0.. {
+        // Appends are idempotent by key: a ledger restart or a database blip is waited out
+        // within the outage grace.
+        let grace = Duration::from_millis(self.ex.inner.config.outage_grace_ms);
+        let started = tokio::time::Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        loop {
             match self.ex.inner.ledger.clone().append_events(req.clone()).await {
                 Ok(r) => return Ok(r.into_inner().appended),
                 Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
-                Err(s) if retryable(&s) && attempt < 8 && !self.lost.is_cancelled() => {
+                Err(s) if retryable(&s) && started.elapsed() < grace && !self.lost.is_cancelled() => {
                     tracing::debug!(run_id = %self.run_id, error = %s, "ledger append retried");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    tokio::time::sleep(jittered(backoff)).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
                 Err(s) => return Err(DriveError::Ledger(s)),
             }
         }
-        unreachable!("the retry loop returns")
     }
 
     /// Records a step's failure (after the decision it follows, when there is one to record)
@@ -650,6 +653,58 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value, from: Resume) 
     }
 }
 
+/// Calls `call` until it answers, retrying UNAVAILABLE and transport failures (the callee is
+/// restarting, its store had a blip) with jittered exponential backoff for up to the executor's
+/// outage grace. Only idempotent calls go through here. Stops early when the lease is lost.
+async fn within_grace<T, F, Fut>(ctx: &RunCtx, what: &str, mut call: F) -> Result<T, Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+{
+    let grace = Duration::from_millis(ctx.ex.inner.config.outage_grace_ms);
+    let started = tokio::time::Instant::now();
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        match call().await {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) if transient(&s) && started.elapsed() < grace && !ctx.lost.is_cancelled() => {
+                tracing::debug!(run_id = %ctx.run_id, callee = what, error = %s, "waiting out an outage");
+                tokio::time::sleep(jittered(backoff)).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Err(s) => return Err(s),
+        }
+    }
+}
+
+/// A call that never reached its callee: the connection was not established, so nothing was
+/// sent and nothing can have happened (unlike a call that broke off once sent).
+fn never_sent(s: &Status) -> bool {
+    if s.code() != Code::Unavailable {
+        return false;
+    }
+    let mut text = format!("{} {:?}", s.message(), s);
+    let mut source = std::error::Error::source(s);
+    while let Some(e) = source {
+        text.push_str(&format!(" {e:?}"));
+        source = e.source();
+    }
+    let text = text.to_ascii_lowercase();
+    text.contains("connecterror") || text.contains("tcp connect error") || text.contains("connection refused")
+}
+
+/// An error that says nothing was decided or done: the callee could not be reached, or said
+/// it cannot answer now.
+fn transient(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::ResourceExhausted | Code::Aborted)
+}
+
+/// `d` scaled by a factor in [0.5, 1.5), so callers that failed together do not retry together.
+fn jittered(d: Duration) -> Duration {
+    let r = (uuid::Uuid::new_v4().as_u128() % 1000) as f64 / 1000.0;
+    d.mul_f64(0.5 + r)
+}
+
 /// Most a single cost record may carry (the policy refuses more): a tool reporting more
 /// spends this much, which exhausts any sane budget, rather than nothing.
 const MAX_COST_PER_RECORD: f64 = 1e9;
@@ -745,12 +800,11 @@ async fn execute_attempt(
     };
     let args_json = canonical_json(&args);
     // K01/K19: without a recorded allow decision and its signed authorization, nothing runs.
-    let authorized = ctx
-        .ex
-        .inner
-        .policy
-        .clone()
-        .authorize(pb::AuthorizeRequest {
+    // Authorize is idempotent per call: a policy restart or a store blip is waited out (within
+    // the outage grace), not turned into a failure; nothing runs meanwhile.
+    let authorized = within_grace(ctx, "policy", || {
+        let mut policy = ctx.ex.inner.policy.clone();
+        let req = pb::AuthorizeRequest {
             tenant: ctx.tenant.clone(),
             run_id: ctx.run_id.clone(),
             step_id: step.id.clone(),
@@ -764,11 +818,17 @@ async fn execute_attempt(
             retry_of: retry_of.unwrap_or_default().to_string(),
             // The decision goes into this step's own append (with the request or the failure).
             caller_records: true,
-        })
-        .await;
+        };
+        async move { policy.authorize(req).await }
+    })
+    .await;
     let authorized = match authorized {
-        Ok(r) => r.into_inner(),
+        Ok(r) => r,
         Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
+        Err(s) if s.code() == Code::InvalidArgument => {
+            let p = fail("invalid_arguments", s.message().to_string(), json!({}));
+            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        }
         Err(s) => {
             let reason = format!("policy unavailable, failing closed: {}", s.message());
             tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, error = %s, "no policy decision; step not executed");
@@ -831,27 +891,49 @@ async fn execute_attempt(
     };
     // A timeout or a broken connection leaves the outcome unknown: the tool may have acted.
     // An idempotent tool is asked again with the same key (the host returns the first
-    // outcome); otherwise, or if it stays unknown, an operator must reconcile the step.
+    // outcome), backing off between asks; otherwise, or if it stays unknown, an operator must
+    // reconcile the step. A host that could not be reached at all was never asked: that is
+    // waited out within the outage grace, then a failure — never an unknown outcome.
     let tries = if entry.spec.idempotent { UNKNOWN_OUTCOME_TRIES } else { 1 };
-    let mut answer = None;
-    let mut unknown = String::new();
-    for _ in 0..tries {
+    let grace = Duration::from_millis(ctx.ex.inner.config.outage_grace_ms);
+    let since = tokio::time::Instant::now();
+    let mut backoff = Duration::from_millis(50);
+    let (mut answer, mut unknown, mut asked) = (None, String::new(), 0);
+    loop {
         let mut host = ctx.ex.inner.catalog.host(entry.host);
         match tokio::time::timeout(timeout, host.invoke(request.clone())).await {
-            Err(_) => unknown = format!("no answer within {}s (the tool's timeout_sec)", timeout.as_secs()),
+            Err(_) => {
+                asked += 1;
+                unknown = format!("no answer within {}s (the tool's timeout_sec)", timeout.as_secs());
+            }
+            Ok(Err(s)) if never_sent(&s) => {
+                if since.elapsed() >= grace || ctx.lost.is_cancelled() {
+                    let reason = format!("tool host unreachable for {} ms: {}", grace.as_millis(), s.message());
+                    answer = Some(Err(failed("tool_host_unavailable", reason, json!({}))));
+                    break;
+                }
+            }
             Ok(Err(s))
                 if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) =>
             {
+                asked += 1;
                 unknown = format!("tool host call broke off: {}", s.message());
             }
             Ok(r) => {
-                answer = Some(r);
+                answer = Some(Ok(r));
                 break;
             }
         }
+        if asked >= tries {
+            break;
+        }
+        tokio::time::sleep(jittered(backoff)).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
-    let Some(answer) = answer else {
-        return Ok(StepOutcome::Unknown(unknown));
+    let answer = match answer {
+        None => return Ok(StepOutcome::Unknown(unknown)),
+        Some(Err(not_sent)) => return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, not_sent).await,
+        Some(Ok(answer)) => answer,
     };
     let outcome = match answer {
         Err(s) => {

@@ -61,8 +61,9 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
                 );
             }
             Ok(_) => {}
-            // Fail closed: a window that cannot be counted allows nothing.
-            Err(e) => return deny("rate_limiter_unavailable", format!("the rate window could not be counted: {e}")),
+            // Fail closed without deciding: a window that cannot be counted allows nothing, and
+            // the caller asks again (a Redis blip is not a recorded deny).
+            Err(e) => return Err(Status::unavailable(format!("the rate window could not be counted: {e}"))),
         }
     }
     Ok(rule)

@@ -593,10 +593,16 @@ impl pb::policy_server::Policy for PolicyService {
                 return Err(status);
             }
         };
-        // A stage that fails (its store unreachable, say) is a deny with its own rule id —
-        // recorded like any other decision — never an allow.
+        // A stage that cannot reach its store (or the ledger) has decided nothing: the caller
+        // gets UNAVAILABLE, nothing is recorded, and it asks again — a blip is not a decision.
+        // A stage that fails otherwise is a deny with its own rule id, recorded like any other
+        // decision — never an allow.
         let rule = match self.stages(&r, &mut checked).await {
             Ok(rule) => rule,
+            Err(e) if e.code() == Code::Unavailable => {
+                tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, error = %e, "policy stage unavailable; not deciding");
+                return Err(Status::unavailable(format!("policy cannot decide now: {}", e.message())));
+            }
             Err(e) => {
                 tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, error = %e, "policy stage failed; denying");
                 checked.gate = "|policy_error".into();

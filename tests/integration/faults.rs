@@ -1,0 +1,96 @@
+//! A blip is not a failure: restarts of a service shorter than the executors' outage grace
+//! fail no run, record no denial and need no operator — every run completes, every effect
+//! happens once, every chain verifies.
+
+use std::time::Duration;
+
+use serde_json::json;
+use warden_proto::v1 as pb;
+use warden_testkit::MeshOptions;
+
+use crate::*;
+
+fn graceful() -> MeshOptions {
+    let mut opts = MeshOptions { outage_grace_ms: 30_000, ..MeshOptions::default() };
+    opts.tenants[0].1.push("sleep".into());
+    opts
+}
+
+/// No decision in the ledger is a transient error dressed as a deny.
+fn assert_no_outage_recorded(evs: &[pb::Event]) {
+    for e in evs {
+        let p = payload(e);
+        let rule = p["rule_id"].as_str().unwrap_or_default();
+        let kind = p["kind"].as_str().unwrap_or_default();
+        assert!(
+            !matches!(rule, "policy_error" | "rate_limiter_unavailable")
+                && !matches!(kind, "policy_unavailable" | "tool_host_unavailable"),
+            "an outage was recorded as a decision or a failure: {} {p}",
+            e.event_type
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_policy_restart_within_the_grace_fails_no_run() {
+    let mut mesh = mesh_with(Backend::Sqlite, graceful()).await;
+    mesh.policy.kill();
+    let ids: Vec<String> = futures_join(&mesh, 3).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    mesh.policy.restart().expect("restart the policy service");
+    for id in &ids {
+        let run = settled(&mesh, "acme", id).await;
+        assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+        let evs = events(&mut mesh.ledger(), "acme", id).await;
+        assert_no_outage_recorded(&evs);
+        assert!(verify(&mut mesh.ledger(), "acme", id).await.valid);
+    }
+}
+
+#[tokio::test]
+async fn a_tool_host_restart_mid_call_needs_no_operator() {
+    let mut mesh = mesh_with(Backend::Sqlite, graceful()).await;
+    let plan = plan(&[
+        ("wait", "sleep", json!({"ms": 1500}), &[]),
+        ("after", "echo", json!({"v": "{{wait.output}}"}), &["wait"]),
+    ]);
+    let id = submit(&mesh, "acme", &plan).await;
+    first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "wait").await;
+    mesh.tools.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    mesh.tools.restart().expect("restart the tool host");
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}\n{}", run.reason, mesh.logs());
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    assert_no_outage_recorded(&evs);
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}
+
+#[tokio::test]
+async fn a_ledger_restart_within_the_grace_fails_no_run() {
+    let mut mesh = mesh_with(Backend::Postgres, graceful()).await;
+    let plan = plan(&[
+        ("a", "sleep", json!({"ms": 300}), &[]),
+        ("b", "echo", json!({"v": 1}), &["a"]),
+        ("c", "echo", json!({"v": 2}), &["b"]),
+    ]);
+    let id = submit(&mesh, "acme", &plan).await;
+    first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "a").await;
+    mesh.ledger.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    mesh.ledger.restart().expect("restart the ledger");
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}\n{}", run.reason, mesh.logs());
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    assert_no_outage_recorded(&evs);
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}
+
+/// Submits `n` hello runs.
+async fn futures_join(mesh: &warden_testkit::Mesh, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        ids.push(submit(mesh, "acme", HELLO).await);
+    }
+    ids
+}
