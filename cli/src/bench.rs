@@ -2,9 +2,11 @@
 //! concurrent runs, in the `warden dev` shape (one process, SQLite, in-process leases) and
 //! in the production shape (separate processes, PostgreSQL with durable commits, Redis).
 //!
-//! Per-step latency is what the executor records in each `tool_completed` event
-//! (`elapsed_us`: authorize, decision recorded, tool_requested recorded, tool invoked);
-//! steps per second is steps over the wall time from submit to the terminal event.
+//! Everything is measured the way a client sees it: from `SubmitRun` to `WaitRun` answering
+//! the terminal status. The chain's figure is that wall time divided by its steps; the batch's
+//! is steps over the wall time of all runs; a run's fixed cost is the wall time of one-step
+//! runs. The production shape also reports CPU per step per process (from /proc) and, from
+//! PostgreSQL, commits and SQL statements per step (`pg_stat_database`, `pg_stat_statements`).
 
 use std::time::{Duration, Instant};
 
@@ -14,7 +16,7 @@ use serde_json::{Value, json};
 use warden_config::WardenConfig;
 use warden_proto::v1 as pb;
 
-use crate::run::{describe, ledger_client, runs_client};
+use crate::run::{describe, runs_client};
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Shape {
@@ -51,8 +53,11 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 3)]
     sequential_runs: usize,
     /// Runs submitted at once in the concurrent batch.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 200)]
     batch_runs: usize,
+    /// One-step runs measured one after another (a run's fixed cost).
+    #[arg(long, default_value_t = 50)]
+    fixed_runs: usize,
     /// Sequential steps in each run of the batch.
     #[arg(long, default_value_t = 10)]
     batch_steps: usize,
@@ -77,42 +82,23 @@ fn chain(n: usize) -> String {
     json!({"steps": steps}).to_string()
 }
 
-struct RunResult {
-    wall: Duration,
-    step_us: Vec<u64>,
-}
-
-/// Submits one plan and follows its events to the end.
-async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<RunResult> {
+/// Submits one plan and waits for its end the way a client does (`Runs.WaitRun`): the wall
+/// time is submit → terminal status as the client sees it.
+async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Duration> {
     let started = Instant::now();
-    let run_id = runs_client(&ep.runs)
-        .await?
+    let mut runs = runs_client(&ep.runs).await?;
+    let run_id = runs
         .submit_run(pb::SubmitRunRequest { tenant: tenant.into(), plan_json: plan.into(), ..Default::default() })
         .await
         .map_err(|s| anyhow::anyhow!("submit refused: {}", describe(&s)))?
         .into_inner()
         .run_id;
-    let mut stream = ledger_client(&ep.ledger)
-        .await?
-        .stream_events(pb::StreamEventsRequest {
-            tenant: tenant.into(),
-            run_id: run_id.clone(),
-            since_seq: 0,
-            follow: true,
-        })
+    let run = runs
+        .wait_run(pb::WaitRunRequest { tenant: tenant.into(), run_id: run_id.clone(), timeout_ms: 600_000 })
         .await?
         .into_inner();
-    let mut step_us = Vec::new();
-    let mut last = String::new();
-    while let Some(e) = stream.message().await? {
-        if e.event_type == "tool_completed" {
-            let p: Value = serde_json::from_str(&e.payload_json)?;
-            step_us.push(p["elapsed_us"].as_u64().unwrap_or_default());
-        }
-        last = e.event_type;
-    }
-    anyhow::ensure!(last == "run_completed", "run {run_id} ended with {last}");
-    Ok(RunResult { wall: started.elapsed(), step_us })
+    anyhow::ensure!(run.status() == pb::RunStatus::Completed, "run {run_id} ended {:?}: {}", run.status(), run.reason);
+    Ok(started.elapsed())
 }
 
 fn hist() -> Histogram<u64> {
@@ -123,31 +109,156 @@ fn ms(us: u64) -> String {
     format!("{:.2}ms", us as f64 / 1000.0)
 }
 
-async fn measure(shape: &str, ep: &Endpoints, tenant: &str, args: &BenchArgs) -> anyhow::Result<()> {
-    // Warm-up: connections, catalog caches, SQLite/PostgreSQL page caches.
-    one_run(ep, tenant, &chain(5)).await.context("warm-up run")?;
+/// CPU time (user + system) of each process, in clock ticks, from /proc.
+fn cpu_ticks(pids: &[u32]) -> std::collections::HashMap<u32, u64> {
+    pids.iter()
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+            let rest = stat.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some((*pid, f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?))
+        })
+        .collect()
+}
 
-    let plan = chain(args.steps);
-    let (mut steps, mut wall, mut n) = (hist(), Duration::ZERO, 0u64);
-    for _ in 0..args.sequential_runs {
-        let r = one_run(ep, tenant, &plan).await?;
-        wall += r.wall;
-        for us in r.step_us {
-            steps.record(us.max(1))?;
-            n += 1;
+/// The children of `parent` (PostgreSQL's backends under its postmaster).
+fn children(parent: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok()))
+                == Some(parent)
+        })
+        .collect()
+}
+
+/// What the production shape can count besides wall time: CPU per process and, from
+/// PostgreSQL, commits and statements.
+struct Counters {
+    processes: Vec<(String, Vec<u32>)>,
+    /// PostgreSQL's postmaster: its backends (found at each snapshot) and itself.
+    postmaster: Option<u32>,
+    db: Option<String>,
+}
+
+struct Snapshot {
+    cpu: Vec<std::collections::HashMap<u32, u64>>,
+    commits: i64,
+    statements: i64,
+}
+
+impl Counters {
+    fn groups(&self) -> Vec<(String, Vec<u32>)> {
+        let mut groups = self.processes.clone();
+        if let Some(pm) = self.postmaster {
+            let mut pids = children(pm);
+            pids.push(pm);
+            groups.push(("postgres".into(), pids));
         }
+        groups
+    }
+
+    async fn snapshot(&self) -> Snapshot {
+        let cpu = self.groups().iter().map(|(_, pids)| cpu_ticks(pids)).collect();
+        let (mut commits, mut statements) = (0, 0);
+        if let Some(url) = &self.db
+            && let Ok(mut c) = <sqlx::PgConnection as sqlx::Connection>::connect(url).await
+        {
+            commits = sqlx::query_scalar::<_, i64>(
+                "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+            )
+            .fetch_one(&mut c)
+            .await
+            .unwrap_or_default();
+            statements = sqlx::query_scalar::<_, i64>(
+                "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+                 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            )
+            .fetch_one(&mut c)
+            .await
+            .unwrap_or_default();
+        }
+        Snapshot { cpu, commits, statements }
+    }
+
+    /// One line per workload: per step, what each process spent and what the database did.
+    fn report(&self, before: &Snapshot, after: &Snapshot, steps: u64) -> String {
+        let tick_ms = 1000.0 / 100.0; // USER_HZ is 100 on Linux
+        // A process seen only after (a backend opened meanwhile) counts from zero.
+        let spent = |b: &std::collections::HashMap<u32, u64>, a: &std::collections::HashMap<u32, u64>| -> u64 {
+            a.iter().map(|(pid, t)| t.saturating_sub(b.get(pid).copied().unwrap_or(0))).sum()
+        };
+        let names: Vec<String> = self.groups().into_iter().map(|(n, _)| n).collect();
+        let mut total = 0;
+        let mut parts: Vec<String> = names
+            .iter()
+            .zip(before.cpu.iter().zip(&after.cpu))
+            .map(|(name, (b, a))| {
+                let t = spent(b, a);
+                total += t;
+                format!("{name} {:.2}", t as f64 * tick_ms / steps as f64)
+            })
+            .collect();
+        parts.push(format!("total {:.2}", total as f64 * tick_ms / steps as f64));
+        let mut line = format!("cpu ms/step: {}", parts.join(", "));
+        if self.db.is_some() {
+            line.push_str(&format!(
+                "; commits/step {:.2}, SQL statements/step {:.1}",
+                (after.commits - before.commits) as f64 / steps as f64,
+                (after.statements - before.statements) as f64 / steps as f64
+            ));
+        }
+        line
+    }
+}
+
+async fn measure(
+    shape: &str,
+    ep: &Endpoints,
+    tenant: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> anyhow::Result<()> {
+    // Warm-up: connections, catalog caches, SQLite/PostgreSQL page caches.
+    for _ in 0..3 {
+        one_run(ep, tenant, &chain(5)).await.context("warm-up run")?;
+    }
+
+    // A run's fixed cost: one-step runs, one after another.
+    let mut fixed = hist();
+    for _ in 0..args.fixed_runs {
+        fixed.record(one_run(ep, tenant, &chain(1)).await?.as_micros() as u64)?;
     }
     println!(
-        "{shape:<5} sequential {:>3}-step plan x{:<3} {:>6} steps  step p50 {:>8}  p99 {:>8}  {:>8.0} steps/s",
-        args.steps,
-        args.sequential_runs,
-        n,
-        ms(steps.value_at_quantile(0.5)),
-        ms(steps.value_at_quantile(0.99)),
-        n as f64 / wall.as_secs_f64()
+        "{shape:<5} one-step run (submit -> completed, {} runs): p50 {}  p99 {}",
+        args.fixed_runs,
+        ms(fixed.value_at_quantile(0.5)),
+        ms(fixed.value_at_quantile(0.99))
     );
 
+    let plan = chain(args.steps);
+    let mut per_step = hist();
+    let before = counters.snapshot().await;
+    for _ in 0..args.sequential_runs {
+        let wall = one_run(ep, tenant, &plan).await?;
+        per_step.record((wall.as_micros() as u64 / args.steps as u64).max(1))?;
+    }
+    let after = counters.snapshot().await;
+    println!(
+        "{shape:<5} {}-step chain x{}: {} per step end to end (min {}, max {})",
+        args.steps,
+        args.sequential_runs,
+        ms(per_step.value_at_quantile(0.5)),
+        ms(per_step.min()),
+        ms(per_step.max()),
+    );
+    println!("{shape:<5}   {}", counters.report(&before, &after, (args.steps * args.sequential_runs) as u64));
+
     let plan = chain(args.batch_steps);
+    let before = counters.snapshot().await;
     let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..args.batch_runs {
@@ -155,27 +266,22 @@ async fn measure(shape: &str, ep: &Endpoints, tenant: &str, args: &BenchArgs) ->
             (Endpoints { runs: ep.runs.clone(), ledger: ep.ledger.clone() }, plan.clone(), tenant.to_string());
         tasks.push(tokio::spawn(async move { one_run(&ep, &tenant, &plan).await }));
     }
-    let (mut steps, mut runs, mut n) = (hist(), hist(), 0u64);
+    let mut runs = hist();
     for t in tasks {
-        let r = t.await??;
-        runs.record(r.wall.as_micros() as u64)?;
-        for us in r.step_us {
-            steps.record(us.max(1))?;
-            n += 1;
-        }
+        runs.record(t.await??.as_micros() as u64)?;
     }
     let wall = started.elapsed();
+    let after = counters.snapshot().await;
+    let n = (args.batch_runs * args.batch_steps) as u64;
     println!(
-        "{shape:<5} batch {:>3} runs x {:>3} steps   {:>6} steps  step p50 {:>8}  p99 {:>8}  {:>8.0} steps/s  run p50 {} p99 {}",
+        "{shape:<5} {} runs x {} steps at once: {:.0} steps/s  (run p50 {}, p99 {})",
         args.batch_runs,
         args.batch_steps,
-        n,
-        ms(steps.value_at_quantile(0.5)),
-        ms(steps.value_at_quantile(0.99)),
         n as f64 / wall.as_secs_f64(),
         ms(runs.value_at_quantile(0.5)),
         ms(runs.value_at_quantile(0.99)),
     );
+    println!("{shape:<5}   {}", counters.report(&before, &after, n));
     Ok(())
 }
 
@@ -188,7 +294,9 @@ async fn dev_shape(args: &BenchArgs) -> anyhow::Result<()> {
     let config = crate::dev::dev_config(base, &dir, &endpoint);
     let mesh = crate::dev::start(config, listener).await?;
     let ep = Endpoints { runs: endpoint.clone(), ledger: endpoint };
-    let r = measure("dev", &ep, "default", args).await;
+    let counters =
+        Counters { processes: vec![("warden-dev".into(), vec![std::process::id()])], postmaster: None, db: None };
+    let r = measure("dev", &ep, "default", args, &counters).await;
     let _ = mesh.shutdown.send(());
     let _ = std::fs::remove_dir_all(&dir);
     r
@@ -212,7 +320,20 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
     })
     .await?;
     let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };
-    measure("prod", &ep, "default", args).await
+    let pid = |p: &warden_testkit::ServiceProcess| p.pid().into_iter().collect::<Vec<u32>>();
+    let mut processes = vec![
+        ("ledger".to_string(), pid(&mesh.ledger)),
+        ("policy".to_string(), pid(&mesh.policy)),
+        ("executor".to_string(), pid(&mesh.executors[0])),
+        ("tools".to_string(), pid(&mesh.tools)),
+    ];
+    processes.push(("client".to_string(), vec![std::process::id()]));
+    let db = mesh.database_url.clone();
+    if let Ok(mut c) = <sqlx::PgConnection as sqlx::Connection>::connect(&db).await {
+        let _ = sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements").execute(&mut c).await;
+    }
+    let counters = Counters { processes, postmaster: pg.pid(), db: Some(db) };
+    measure("prod", &ep, "default", args, &counters).await
 }
 
 fn tempfile_dir(prefix: &str) -> anyhow::Result<std::path::PathBuf> {

@@ -50,11 +50,11 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
             TenantPolicy { allow_tools: DEV_TOOLS.iter().map(|s| s.to_string()).collect(), ..Default::default() },
         );
     }
-    c.planner.tool_hosts = vec![endpoint.into()];
+    c.planner.tool_hosts = dev_tool_hosts(endpoint, &c.planner.tool_hosts);
     c.executor.ledger_endpoint = endpoint.into();
     c.executor.policy_endpoint = endpoint.into();
     c.executor.planner_endpoint = endpoint.into();
-    c.executor.tool_hosts = vec![endpoint.into()];
+    c.executor.tool_hosts = dev_tool_hosts(endpoint, &c.executor.tool_hosts);
     c.executor.redis_url = String::new();
     c.tools.policy_endpoint = endpoint.into();
     c.tools.ledger_endpoint = endpoint.into();
@@ -72,6 +72,16 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
         c.auth.tokens.insert(c.auth.token.clone(), "*".into());
     }
     c
+}
+
+/// The dev endpoint (the demo tools, served in this process) first, then every tool host the
+/// configuration adds — a Python tool host, say. The built-in default (the demo host's own
+/// port, which dev does not serve) is dropped, so a configuration without hosts changes nothing.
+fn dev_tool_hosts(endpoint: &str, configured: &[String]) -> Vec<String> {
+    let builtin = warden_config::ExecutorConfig::default().tool_hosts;
+    std::iter::once(endpoint.to_string())
+        .chain(configured.iter().filter(|h| h.as_str() != endpoint && !builtin.contains(h)).cloned())
+        .collect()
 }
 
 /// A running dev mesh.

@@ -1,7 +1,6 @@
 //! `warden run …`: submit, status, tail, verify-ledger.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use anyhow::Context;
 use serde_json::json;
@@ -184,24 +183,27 @@ pub async fn submit(target: &Target, plan: &Path, o: SubmitOptions) -> anyhow::R
     Ok(resp.into_inner().run_id)
 }
 
-/// Polls until the run is terminal (or needs an operator) and returns it.
+/// Waits until the run is terminal (or needs someone: an approval, an operator) and returns
+/// it (`Runs.WaitRun`, asked again past its timeout).
 pub async fn wait(target: &Target, run_id: &str) -> anyhow::Result<pb::Run> {
     let mut client = runs_client(&target.endpoint).await?;
-    let mut delay = Duration::from_millis(20);
     loop {
         let run = client
-            .get_run(pb::GetRunRequest { tenant: target.tenant.clone(), run_id: run_id.to_string() })
+            .wait_run(pb::WaitRunRequest {
+                tenant: target.tenant.clone(),
+                run_id: run_id.to_string(),
+                timeout_ms: 60_000,
+            })
             .await
             .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
             .into_inner();
-        let st = run.status();
         use pb::RunStatus as S;
-        if matches!(st, S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation | S::Blocked)
-        {
+        if matches!(
+            run.status(),
+            S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation | S::Blocked
+        ) {
             return Ok(run);
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(250));
     }
 }
 

@@ -128,6 +128,33 @@ pub fn status_after(event_type: &str) -> Option<RunStatus> {
 
 /// Ledger idempotency key under which the policy service records decision `decision_id`;
 /// the ledger looks cited decisions up by it.
+/// The payload of a run's `run_submitted` event. The ledger records it; an executor that
+/// submitted the run folds the same payload instead of reading it back.
+pub fn submitted_payload(
+    tenant: &str,
+    cancel_policy: i32,
+    plan: Option<&serde_json::Value>,
+    goal: &str,
+    agent: &str,
+) -> serde_json::Value {
+    let mut payload = serde_json::json!({"tenant": tenant, "cancel_policy": cancel_policy});
+    if let Some(plan) = plan {
+        payload["plan"] = plan.clone();
+    }
+    if !goal.is_empty() {
+        payload["goal"] = serde_json::Value::String(goal.to_string());
+    }
+    if !agent.is_empty() {
+        payload["agent"] = serde_json::Value::String(agent.to_string());
+    }
+    payload
+}
+
+/// The payload of `run_started`.
+pub fn started_payload(executor: &str, epoch: u64) -> serde_json::Value {
+    serde_json::json!({"executor": executor, "epoch": epoch})
+}
+
 pub fn decision_key(decision_id: &str) -> String {
     format!("decision:{decision_id}")
 }

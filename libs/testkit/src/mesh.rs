@@ -160,6 +160,11 @@ impl ServiceProcess {
         self.env.push((key.to_string(), value.to_string()));
     }
 
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn is_running(&self) -> bool {
         self.child.is_some()
     }

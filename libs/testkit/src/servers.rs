@@ -183,6 +183,9 @@ impl Launch {
         ]);
         if self.fast {
             cmd.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
+        } else if self.bindir.join("../lib/pg_stat_statements.so").exists() {
+            // Benchmarks count statements per step.
+            cmd.args(["-c", "shared_preload_libraries=pg_stat_statements"]);
         }
         cmd.current_dir(&self.base).stdout(Stdio::null()).stderr(log);
         self.as_owner(&mut cmd);
@@ -297,6 +300,11 @@ impl Postgres {
     }
 
     /// Creates an empty database for one test and returns its URL.
+    /// The postmaster's process id (None for `DATABASE_URL`): its children are the backends.
+    pub fn pid(&self) -> Option<u32> {
+        self._child.as_ref().map(|c| c.lock().unwrap_or_else(|p| p.into_inner()).id())
+    }
+
     pub async fn create_database(&self) -> anyhow::Result<String> {
         let name = format!("warden_{}", uuid_simple());
         let mut conn = sqlx::PgConnection::connect(&self.admin_url).await.context("connecting to PostgreSQL")?;

@@ -281,7 +281,8 @@ pub(crate) async fn load_view(ex: &Executor, tenant: &str, run_id: &str) -> Resu
     Ok((view, all))
 }
 
-/// Drives `run_id` to a terminal status (or until its lease is lost).
+/// Drives `run_id` to a terminal status (or until its lease is lost): the recovery path,
+/// which takes the lease, raises the epoch in the ledger and rebuilds the run from it.
 pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
     let run = ex
         .inner
@@ -300,13 +301,27 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
     let Some(lease) = ex.inner.leases.acquire(run_id, &ex.inner.id, ttl, run.max_epoch).await? else {
         return Ok(()); // another replica drives it
     };
+    with_lease(ex, &run.tenant, lease, None).await
+}
+
+/// Drives a run this replica just submitted: it took the lease before the run was created
+/// and the ledger recorded `run_started` with `run_submitted`, so nothing is read back —
+/// the run starts from the plan in hand (`view`, as the ledger's first events fold).
+pub async fn drive_submitted(ex: &Executor, tenant: &str, lease: RunLease, view: RunView) -> Result<(), DriveError> {
+    with_lease(ex, tenant, lease, Some(view)).await
+}
+
+async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<RunView>) -> Result<(), DriveError> {
+    let run_id = lease.run_id.clone();
+    let run_id = run_id.as_str();
+    let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
     let lost = CancellationToken::new();
     let cancel = ex.cancel_token(run_id);
     let renewal = tokio::spawn(renew(ex.clone(), lease.clone(), ttl, lost.clone(), cancel.clone()));
     let ctx = RunCtx {
         ex: ex.clone(),
         run_id: run_id.to_string(),
-        tenant: run.tenant.clone(),
+        tenant: tenant.to_string(),
         agent: String::new(),
         epoch: lease.epoch,
         lost: lost.clone(),
@@ -315,7 +330,10 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         deferred: Default::default(),
         appending: Default::default(),
     };
-    let mut result = drive_leased(&ctx).await;
+    let mut result = match view {
+        Some(view) => drive_view(&ctx, view).await,
+        None => drive_leased(&ctx).await,
+    };
     if let Err(DriveError::Ledger(s)) = &result
         && matches!(s.code(), Code::InvalidArgument | Code::FailedPrecondition | Code::Internal)
         && !lost.is_cancelled()
@@ -370,7 +388,7 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
             events::RUN_STARTED,
             "",
             format!("run_started:{}", ctx.epoch),
-            json!({"executor": ctx.ex.inner.id, "epoch": ctx.epoch}),
+            events::started_payload(&ctx.ex.inner.id, ctx.epoch),
         )
         .await;
     match started {
@@ -380,6 +398,11 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
         Err(e) => return Err(e),
     }
     let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    drive_view(ctx, view).await
+}
+
+/// Drives a run from its folded state: settles unknown outcomes, then schedules the DAG.
+async fn drive_view(ctx: &RunCtx, view: RunView) -> Result<(), DriveError> {
     if !matches!(view.status, RunStatus::Pending | RunStatus::Active) {
         return Ok(());
     }

@@ -121,6 +121,25 @@ impl Executor {
         });
     }
 
+    /// Drives a run this replica submitted and holds the lease of (see
+    /// [`driver::drive_submitted`]).
+    pub(crate) fn dispatch_submitted(
+        &self,
+        tenant: String,
+        lease: warden_lease::RunLease,
+        view: warden_core::run::RunView,
+    ) {
+        let run_id = lease.run_id.clone();
+        self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).insert(run_id.clone());
+        let this = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view).await {
+                tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+            }
+            this.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).remove(&run_id);
+        });
+    }
+
     /// Re-dispatches every non-terminal run without a live lease, forever.
     pub async fn sweep_forever(self) {
         let every = Duration::from_millis(self.inner.config.sweep_interval_ms);

@@ -120,6 +120,18 @@ impl Runs for RunsService {
                 format!("{} bytes once normalized, over the maximum of {max}", validated.plan_json.len()),
             ));
         }
+        // A fresh run costs one ledger commit: this replica takes the lease of the id it picks
+        // first, so the ledger records `run_started` with `run_submitted`, and the run is driven
+        // from the plan in hand without reading anything back.
+        let run_id = uuid::Uuid::now_v7().to_string();
+        let ttl = std::time::Duration::from_millis(self.ex.inner.config.lease_ttl_ms);
+        let lease = self
+            .ex
+            .inner
+            .leases
+            .acquire(&run_id, &self.ex.inner.id, ttl, 0)
+            .await
+            .map_err(|e| Status::unavailable(format!("lease store: {e}")))?;
         let created = self
             .ex
             .inner
@@ -127,15 +139,36 @@ impl Runs for RunsService {
             .clone()
             .create_run(pb::CreateRunRequest {
                 tenant: r.tenant,
-                plan_json: validated.plan_json,
+                plan_json: validated.plan_json.clone(),
                 goal: String::new(),
                 idempotency_key: r.idempotency_key,
                 cancel_policy: r.cancel_policy,
-                agent,
+                agent: agent.clone(),
+                run_id: run_id.clone(),
+                started_by: lease.as_ref().map(|_| self.ex.inner.id.clone()).unwrap_or_default(),
+                epoch: lease.as_ref().map(|l| l.epoch).unwrap_or_default(),
             })
-            .await?
-            .into_inner();
+            .await;
+        let created = match created {
+            Ok(c) => c.into_inner(),
+            Err(e) => {
+                if let Some(l) = &lease {
+                    let _ = self.ex.inner.leases.release(l).await;
+                }
+                return Err(e);
+            }
+        };
         let run = created.run.ok_or_else(|| Status::internal("ledger returned no run"))?;
+        // Deduplicated (an earlier submission's run), or no lease (cannot happen for a fresh
+        // id; then the usual path drives it): this lease is not needed.
+        let fresh = match lease {
+            Some(l) if !created.deduplicated && run.run_id == run_id => Some(l),
+            Some(l) => {
+                let _ = self.ex.inner.leases.release(&l).await;
+                None
+            }
+            None => None,
+        };
         // Attached before the run is dispatched, so its first step can use them. A handle
         // revoked in between fails to attach: the calls it would have covered are denied and
         // recorded like any other.
@@ -145,8 +178,20 @@ impl Runs for RunsService {
             }
         }
         let status = run.status();
-        if !warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal()) {
-            self.ex.dispatch(run.run_id.clone());
+        match fresh {
+            Some(lease) => {
+                let plan: serde_json::Value = serde_json::from_str(&validated.plan_json)
+                    .map_err(|e| Status::internal(format!("validated plan is not JSON: {e}")))?;
+                let mut view = warden_core::run::RunView::default();
+                let submitted = events::submitted_payload(&run.tenant, run.cancel_policy, Some(&plan), "", &agent);
+                view.apply(1, events::RUN_SUBMITTED, "", &submitted);
+                view.apply(2, events::RUN_STARTED, "", &events::started_payload(&self.ex.inner.id, lease.epoch));
+                self.ex.dispatch_submitted(run.tenant.clone(), lease, view);
+            }
+            None if !warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal()) => {
+                self.ex.dispatch(run.run_id.clone());
+            }
+            None => {}
         }
         tracing::info!(run_id = %run.run_id, tenant = %run.tenant, deduplicated = created.deduplicated, "run submitted");
         Ok(Response::new(pb::SubmitRunResponse {
@@ -154,6 +199,55 @@ impl Runs for RunsService {
             status: status as i32,
             deduplicated: created.deduplicated,
         }))
+    }
+
+    async fn wait_run(&self, req: Request<pb::WaitRunRequest>) -> Result<Response<pb::Run>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        let timeout = match r.timeout_ms {
+            0 => 60_000,
+            t if t > 3_600_000 => return Err(invalid_field("timeout_ms", "at most 3600000 (one hour)")),
+            t => t,
+        };
+        // Settled already: answered at once. Otherwise follows the run's events from here (the
+        // ledger wakes followers as it commits) until one leaves the run settled; the stream
+        // itself ends at a terminal event.
+        let now = self
+            .ex
+            .inner
+            .ledger
+            .clone()
+            .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
+            .await?
+            .into_inner();
+        let settled_now = matches!(now.status(), pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation)
+            || warden_grpc::convert::status_from_proto(now.status()).is_some_and(|s| s.is_terminal());
+        if settled_now {
+            return self.get_run(Request::new(pb::GetRunRequest { tenant: r.tenant, run_id: r.run_id })).await;
+        }
+        let follow = pb::StreamEventsRequest {
+            tenant: r.tenant.clone(),
+            run_id: r.run_id.clone(),
+            since_seq: now.last_seq,
+            follow: true,
+        };
+        let mut stream = self.ex.inner.ledger.clone().stream_events(follow).await?.into_inner();
+        let settled = async {
+            while let Some(e) = stream.message().await? {
+                let waits = matches!(e.event_type.as_str(), events::RUN_BLOCKED | events::RUN_REQUIRES_RECONCILIATION);
+                if waits || events::status_after(&e.event_type).is_some_and(|s| s.is_terminal()) {
+                    break;
+                }
+            }
+            Ok::<(), Status>(())
+        };
+        // Past the timeout the run is answered as it is then.
+        if let Ok(r) = tokio::time::timeout(std::time::Duration::from_millis(timeout), settled).await {
+            r?;
+        }
+        self.get_run(Request::new(pb::GetRunRequest { tenant: r.tenant, run_id: r.run_id })).await
     }
 
     async fn get_run(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::Run>, Status> {

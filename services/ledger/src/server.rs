@@ -521,7 +521,18 @@ impl Ledger for LedgerService {
         }
         pb::CancelPolicy::try_from(r.cancel_policy)
             .map_err(|_| invalid_field("cancel_policy", "unknown cancel policy"))?;
-        let run_id = uuid::Uuid::now_v7().to_string();
+        let run_id = if r.run_id.is_empty() {
+            uuid::Uuid::now_v7().to_string()
+        } else {
+            id_field("run_id", &r.run_id)?;
+            r.run_id.clone()
+        };
+        if !r.started_by.is_empty() {
+            id_field("started_by", &r.started_by)?;
+            if r.epoch == 0 || i64::try_from(r.epoch).is_err() {
+                return Err(invalid_field("epoch", "a lease's epoch, from 1 to 2^63-1"));
+            }
+        }
         let (run, deduplicated) = self
             .store
             .create_run(NewRun {
@@ -533,6 +544,7 @@ impl Ledger for LedgerService {
                 idempotency_key: &r.idempotency_key,
                 cancel_policy: r.cancel_policy,
                 now_ms: now_ms(),
+                started_by: (!r.started_by.is_empty()).then_some((r.started_by.as_str(), r.epoch)),
             })
             .await?;
         Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated }))

@@ -113,6 +113,9 @@ pub struct NewRun<'a> {
     pub idempotency_key: &'a str,
     pub cancel_policy: i32,
     pub now_ms: i64,
+    /// The executor already holding the run's lease, and its epoch: `run_started` is then
+    /// recorded in the same transaction (a fresh run costs one commit, not two).
+    pub started_by: Option<(&'a str, u64)>,
 }
 
 /// One event to append.
@@ -337,16 +340,7 @@ impl LedgerStore {
         {
             return Ok((run, true));
         }
-        let mut payload = serde_json::json!({"tenant": new.tenant, "cancel_policy": new.cancel_policy});
-        if let Some(plan) = new.plan {
-            payload["plan"] = plan.clone();
-        }
-        if !new.goal.is_empty() {
-            payload["goal"] = Value::String(new.goal.to_string());
-        }
-        if !new.agent.is_empty() {
-            payload["agent"] = Value::String(new.agent.to_string());
-        }
+        let payload = events::submitted_payload(new.tenant, new.cancel_policy, new.plan, new.goal, new.agent);
         let first = link(
             EventBody {
                 run_id: new.run_id.to_string(),
@@ -360,23 +354,49 @@ impl LedgerStore {
             },
             GENESIS_HASH,
         );
+        let mut chain = vec![first];
+        if let Some((executor, epoch)) = new.started_by {
+            let started = link(
+                EventBody {
+                    run_id: new.run_id.to_string(),
+                    seq: 2,
+                    event_type: events::RUN_STARTED.to_string(),
+                    payload: events::started_payload(executor, epoch),
+                    step_id: String::new(),
+                    epoch,
+                    idempotency_key: format!("run_started:{epoch}"),
+                    timestamp_ms: new.now_ms,
+                },
+                &chain[0].hash,
+            );
+            chain.push(started);
+        }
+        let Some(head) = chain.last() else { return Err(LedgerError::Internal("no first event".into())) };
+        let (status, last_seq, head_hash) = if chain.len() == 2 {
+            (RunStatus::Active, 2u64, head.hash.clone())
+        } else {
+            (RunStatus::Pending, 1, head.hash.clone())
+        };
+        let max_epoch = new.started_by.map(|(_, e)| e).unwrap_or(0);
         let plan_json = new.plan.map(warden_core::canonical_json).unwrap_or_default();
         let submit_key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
-        let (signature, key_id) = self.sign_head(new.run_id, 1, &first.hash);
+        let (signature, key_id) = self.sign_head(new.run_id, last_seq, &head_hash);
         let mut tx = self.pool.begin().await?;
         let inserted = sqlx::query(
             "INSERT INTO runs (run_id, tenant, status, reason, plan_json, goal, cancel_policy, submit_key, last_seq, head_hash, max_epoch,
                                created_at_ms, updated_at_ms, head_signature, head_key_id)
-             VALUES ($1, $2, $3, '', $4, $5, $6, $7, 1, $8, 0, $9, $9, $10, $11)",
+             VALUES ($1, $2, $3, '', $4, $5, $6, $7, $8, $9, $10, $11, $11, $12, $13)",
         )
         .bind(new.run_id)
         .bind(new.tenant)
-        .bind(RunStatus::Pending.as_str())
+        .bind(status.as_str())
         .bind(&plan_json)
         .bind(new.goal)
         .bind(new.cancel_policy as i64)
         .bind(submit_key)
-        .bind(&first.hash)
+        .bind(last_seq as i64)
+        .bind(&head_hash)
+        .bind(max_epoch as i64)
         .bind(new.now_ms)
         .bind(&signature)
         .bind(&key_id)
@@ -392,10 +412,24 @@ impl LedgerStore {
             }
             return Err(e.into());
         }
-        batch::insert_events(&mut tx, std::slice::from_ref(&first)).await?;
+        batch::insert_events(&mut tx, &chain).await?;
         tx.commit().await?;
-        let run =
-            self.get_run(new.run_id).await?.ok_or_else(|| LedgerError::Internal("created run vanished".into()))?;
+        let run = RunRow {
+            run_id: new.run_id.to_string(),
+            tenant: new.tenant.to_string(),
+            status,
+            reason: String::new(),
+            plan_json,
+            goal: new.goal.to_string(),
+            cancel_policy: new.cancel_policy,
+            last_seq,
+            head_hash,
+            max_epoch,
+            created_at_ms: new.now_ms,
+            updated_at_ms: new.now_ms,
+            head_signature: signature,
+            head_key_id: key_id,
+        };
         Ok((run, false))
     }
 
