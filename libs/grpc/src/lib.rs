@@ -37,8 +37,9 @@ pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
 }
 
 /// Serves `routes` on `listener` with gRPC health (every name in `services` reported
-/// SERVING, plus the empty overall name) and reflection over the warden.v1 descriptors,
-/// until `shutdown` resolves.
+/// SERVING, plus the empty overall name) and reflection over the warden.v1 descriptors —
+/// both `grpc.reflection.v1` and `grpc.reflection.v1alpha`, since grpcurl, grpcui, Postman
+/// and evans still ask v1alpha — until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
@@ -50,11 +51,14 @@ pub async fn serve(
     for s in services {
         reporter.set_service_status(*s, tonic_health::ServingStatus::Serving).await;
     }
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(warden_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let routes = routes.add_service(health).add_service(reflection);
+    // One builder per version (building consumes it); both describe the same descriptors.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(warden_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let routes =
+        routes.add_service(health).add_service(reflection().build_v1()?).add_service(reflection().build_v1alpha()?);
     // Agents' steps are latency-bound request/response calls: no Nagle delay (set on the
     // incoming stream, which owns the accepted sockets).
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -252,4 +256,78 @@ pub fn fenced(message: impl Into<String>) -> Status {
 pub fn is_fenced(status: &Status) -> bool {
     status.code() == Code::FailedPrecondition
         && status.get_details_error_info().is_some_and(|i| i.reason == STALE_EPOCH)
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::service::Routes;
+
+    /// The services a reflection client of either version lists, and whether it can fetch
+    /// the file declaring `warden.v1.Runs`.
+    async fn reflect(endpoint: &str, alpha: bool) -> (Vec<String>, bool) {
+        use tonic_reflection::pb::{v1, v1alpha};
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string()).expect("endpoint").connect_lazy();
+        if alpha {
+            use v1alpha::server_reflection_request::MessageRequest as Ask;
+            use v1alpha::server_reflection_response::MessageResponse as Answer;
+            let mut client = v1alpha::server_reflection_client::ServerReflectionClient::new(channel);
+            let ask = |m| v1alpha::ServerReflectionRequest { host: String::new(), message_request: Some(m) };
+            let asks = [Ask::ListServices(String::new()), Ask::FileContainingSymbol("warden.v1.Runs".into())];
+            let mut answers = client
+                .server_reflection_info(tokio_stream::iter(asks.map(ask)))
+                .await
+                .expect("v1alpha reflection")
+                .into_inner();
+            let (mut names, mut file) = (Vec::new(), false);
+            while let Some(a) = answers.message().await.expect("answer") {
+                match a.message_response {
+                    Some(Answer::ListServicesResponse(l)) => names = l.service.into_iter().map(|s| s.name).collect(),
+                    Some(Answer::FileDescriptorResponse(f)) => file = !f.file_descriptor_proto.is_empty(),
+                    other => panic!("unexpected answer {other:?}"),
+                }
+            }
+            (names, file)
+        } else {
+            use v1::server_reflection_request::MessageRequest as Ask;
+            use v1::server_reflection_response::MessageResponse as Answer;
+            let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel);
+            let ask = |m| v1::ServerReflectionRequest { host: String::new(), message_request: Some(m) };
+            let asks = [Ask::ListServices(String::new()), Ask::FileContainingSymbol("warden.v1.Runs".into())];
+            let mut answers = client
+                .server_reflection_info(tokio_stream::iter(asks.map(ask)))
+                .await
+                .expect("v1 reflection")
+                .into_inner();
+            let (mut names, mut file) = (Vec::new(), false);
+            while let Some(a) = answers.message().await.expect("answer") {
+                match a.message_response {
+                    Some(Answer::ListServicesResponse(l)) => names = l.service.into_iter().map(|s| s.name).collect(),
+                    Some(Answer::FileDescriptorResponse(f)) => file = !f.file_descriptor_proto.is_empty(),
+                    other => panic!("unexpected answer {other:?}"),
+                }
+            }
+            (names, file)
+        }
+    }
+
+    /// grpcurl, grpcui, Postman and evans ask `grpc.reflection.v1alpha`; newer clients ask v1.
+    /// Both answer with the same services and descriptors.
+    #[tokio::test]
+    async fn reflection_answers_v1_and_v1alpha_clients_alike() {
+        let listener = super::bind("127.0.0.1:0").await.expect("bind");
+        let endpoint = super::endpoint_of(listener.local_addr().expect("addr"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(super::serve(listener, Routes::default(), &[], async {
+            let _ = stopped.await;
+        }));
+        for alpha in [false, true] {
+            let (names, file) = reflect(&endpoint, alpha).await;
+            for service in ["warden.v1.Runs", "warden.v1.ToolHost", "grpc.health.v1.Health"] {
+                assert!(names.iter().any(|n| n == service), "alpha={alpha}: {names:?}");
+            }
+            assert!(file, "alpha={alpha}: the file declaring warden.v1.Runs is served");
+        }
+        let _ = stop.send(());
+        server.await.expect("server task").expect("served");
+    }
 }

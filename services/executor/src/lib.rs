@@ -48,6 +48,9 @@ pub(crate) struct Inner {
     pub driving: Mutex<HashSet<String>>,
     /// Cancellation tokens of the runs this replica holds the lease of.
     pub cancels: Mutex<HashMap<String, CancellationToken>>,
+    /// Woken when this replica stops driving a run (it ended, blocked, or was handed off):
+    /// `WaitRun` for a run driven here needs no ledger follower.
+    pub stopped_driving: Mutex<HashMap<String, Arc<tokio::sync::Notify>>>,
 }
 
 /// How long the sweeper leaves a just-submitted run to the replica that took it.
@@ -78,6 +81,7 @@ impl Executor {
                 leases,
                 driving: Mutex::default(),
                 cancels: Mutex::default(),
+                stopped_driving: Mutex::default(),
             }),
         })
     }
@@ -104,6 +108,32 @@ impl Executor {
         }
     }
 
+    /// Whether this replica drives `run_id` now.
+    pub(crate) fn drives(&self, run_id: &str) -> bool {
+        self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).contains(run_id)
+    }
+
+    /// What wakes when this replica stops driving `run_id`.
+    pub(crate) fn stopped_driving(&self, run_id: &str) -> Arc<tokio::sync::Notify> {
+        let mut m = self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(run_id.to_string()).or_default().clone()
+    }
+
+    /// Drops the waker of a run no longer driven here when nobody else holds it.
+    pub(crate) fn forget_stopped_driving(&self, run_id: &str) {
+        let mut m = self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner());
+        if m.get(run_id).is_some_and(|n| Arc::strong_count(n) <= 2) && !self.drives(run_id) {
+            m.remove(run_id);
+        }
+    }
+
+    fn done_driving(&self, run_id: &str) {
+        self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).remove(run_id);
+        if let Some(n) = self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner()).remove(run_id) {
+            n.notify_waiters();
+        }
+    }
+
     /// Starts driving `run_id` in the background unless this replica already is.
     pub fn dispatch(&self, run_id: String) {
         {
@@ -117,7 +147,7 @@ impl Executor {
             if let Err(e) = driver::drive(&this, &run_id).await {
                 tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
             }
-            this.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).remove(&run_id);
+            this.done_driving(&run_id);
         });
     }
 
@@ -136,7 +166,7 @@ impl Executor {
             if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view).await {
                 tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
             }
-            this.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).remove(&run_id);
+            this.done_driving(&run_id);
         });
     }
 

@@ -211,41 +211,62 @@ impl Runs for RunsService {
             t if t > 3_600_000 => return Err(invalid_field("timeout_ms", "at most 3600000 (one hour)")),
             t => t,
         };
-        // Settled already: answered at once. Otherwise follows the run's events from here (the
-        // ledger wakes followers as it commits) until one leaves the run settled; the stream
-        // itself ends at a terminal event.
-        let now = self
-            .ex
-            .inner
-            .ledger
-            .clone()
-            .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
-            .await?
-            .into_inner();
-        let settled_now = matches!(now.status(), pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation)
-            || warden_grpc::convert::status_from_proto(now.status()).is_some_and(|s| s.is_terminal());
-        if settled_now {
-            return self.get_run(Request::new(pb::GetRunRequest { tenant: r.tenant, run_id: r.run_id })).await;
-        }
-        let follow = pb::StreamEventsRequest {
-            tenant: r.tenant.clone(),
-            run_id: r.run_id.clone(),
-            since_seq: now.last_seq,
-            follow: true,
-        };
-        let mut stream = self.ex.inner.ledger.clone().stream_events(follow).await?.into_inner();
-        let settled = async {
-            while let Some(e) = stream.message().await? {
-                let waits = matches!(e.event_type.as_str(), events::RUN_BLOCKED | events::RUN_REQUIRES_RECONCILIATION);
-                if waits || events::status_after(&e.event_type).is_some_and(|s| s.is_terminal()) {
+        // Settled already: answered at once. A run this replica drives is waited for in
+        // memory (woken when its driver stops); any other is followed through the ledger (which
+        // wakes followers as it commits) until an event leaves it settled.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(timeout);
+        loop {
+            let stopped = self.ex.drives(&r.run_id).then(|| self.ex.stopped_driving(&r.run_id));
+            let woken = stopped.as_ref().map(|n| Box::pin(n.notified()));
+            let mut woken = woken.map(|mut w| {
+                w.as_mut().enable();
+                w
+            });
+            if woken.is_some() && !self.ex.drives(&r.run_id) {
+                // Stopped between the two looks: forget the waker (unless someone else waits).
+                self.ex.forget_stopped_driving(&r.run_id);
+                woken = None;
+            }
+            let now = self
+                .ex
+                .inner
+                .ledger
+                .clone()
+                .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
+                .await?
+                .into_inner();
+            let settled = matches!(now.status(), pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation)
+                || warden_grpc::convert::status_from_proto(now.status()).is_some_and(|s| s.is_terminal());
+            if settled || tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            if let Some(woken) = woken {
+                if tokio::time::timeout_at(deadline, woken).await.is_err() {
                     break;
                 }
+                continue;
             }
-            Ok::<(), Status>(())
-        };
-        // Past the timeout the run is answered as it is then.
-        if let Ok(r) = tokio::time::timeout(std::time::Duration::from_millis(timeout), settled).await {
-            r?;
+            let follow = pb::StreamEventsRequest {
+                tenant: r.tenant.clone(),
+                run_id: r.run_id.clone(),
+                since_seq: now.last_seq,
+                follow: true,
+            };
+            let mut stream = self.ex.inner.ledger.clone().stream_events(follow).await?.into_inner();
+            let until_settled = async {
+                while let Some(e) = stream.message().await? {
+                    let waits =
+                        matches!(e.event_type.as_str(), events::RUN_BLOCKED | events::RUN_REQUIRES_RECONCILIATION);
+                    if waits || events::status_after(&e.event_type).is_some_and(|s| s.is_terminal()) {
+                        break;
+                    }
+                }
+                Ok::<(), Status>(())
+            };
+            if let Ok(r) = tokio::time::timeout_at(deadline, until_settled).await {
+                r?;
+            }
+            break;
         }
         self.get_run(Request::new(pb::GetRunRequest { tenant: r.tenant, run_id: r.run_id })).await
     }

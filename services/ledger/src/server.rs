@@ -34,6 +34,44 @@ const FOLLOW_POLL: Duration = Duration::from_millis(500);
 /// Most events one `AppendEvents` call may carry.
 pub const MAX_EVENTS_PER_APPEND: usize = 64;
 
+/// Decisions kept in memory to answer the policy's own (late) records of them.
+const RECENT_DECISIONS: usize = 65_536;
+
+/// Decision events this replica committed recently, by (run, idempotency key), with their
+/// tenant. The executor carries each decision into its append; the policy records the same
+/// decision again a little later, off the hot path. Answering that from memory — the same
+/// answer the database would give for an identical retry — saves a transaction per step.
+#[derive(Default)]
+struct RecentDecisions {
+    by_key: HashMap<(String, String), (String, ChainedEvent)>,
+    order: std::collections::VecDeque<(String, String)>,
+}
+
+impl RecentDecisions {
+    fn remember(&mut self, tenant: &str, e: &ChainedEvent) {
+        let key = (e.body.run_id.clone(), e.body.idempotency_key.clone());
+        if self.by_key.insert(key.clone(), (tenant.to_string(), e.clone())).is_none() {
+            self.order.push_back(key);
+        }
+        while self.order.len() > RECENT_DECISIONS {
+            if let Some(old) = self.order.pop_front() {
+                self.by_key.remove(&old);
+            }
+        }
+    }
+
+    /// The recorded event when `new` repeats it exactly (same tenant, type, step, content).
+    fn repeat(&self, tenant: &str, r: &pb::AppendEventRequest) -> Option<ChainedEvent> {
+        let (t, e) = self.by_key.get(&(r.run_id.clone(), r.idempotency_key.clone()))?;
+        let payload: Value = serde_json::from_str(&r.payload_json).ok()?;
+        let same = t == tenant
+            && e.body.event_type == r.event_type
+            && e.body.step_id == r.step_id
+            && warden_core::canonical_json(&e.body.payload) == warden_core::canonical_json(&payload);
+        same.then(|| e.clone())
+    }
+}
+
 #[derive(Clone)]
 pub struct LedgerService {
     /// The policy's published keys: every `policy_decision` must be signed by one.
@@ -44,6 +82,7 @@ pub struct LedgerService {
     followers: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
     /// Appends go through group commit.
     writer: GroupCommit,
+    recent: Arc<Mutex<RecentDecisions>>,
 }
 
 fn id_field(field: &str, v: &str) -> Result<(), Status> {
@@ -95,7 +134,15 @@ impl LedgerService {
             store,
             max_payload_bytes,
             followers: Default::default(),
+            recent: Default::default(),
         })
+    }
+
+    fn remember_decisions<'a>(&self, tenant: &str, appended: impl IntoIterator<Item = &'a ChainedEvent>) {
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        for e in appended.into_iter().filter(|e| e.body.event_type == events::POLICY_DECISION) {
+            recent.remember(tenant, e);
+        }
     }
 
     /// A decision is recorded only as the policy signed it (see `warden_core::decision`): the
@@ -561,9 +608,16 @@ impl Ledger for LedgerService {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
+        if r.event_type == events::POLICY_DECISION {
+            let known = self.recent.lock().unwrap_or_else(|p| p.into_inner()).repeat(&r.tenant, &r);
+            if let Some(event) = known {
+                return Ok(Response::new(self.appended(&r.tenant, &event, true)));
+            }
+        }
         let payload = self.check_event(&r.idempotency_key, &r.event_type, &r.payload_json, &r.step_id).await?;
         let (event, deduplicated) =
             self.append(&r.tenant, &r.run_id, r.epoch, &r.idempotency_key, &r.event_type, payload, &r.step_id).await?;
+        self.remember_decisions(&r.tenant, [&event]);
         Ok(Response::new(self.appended(&r.tenant, &event, deduplicated)))
     }
 
@@ -604,6 +658,7 @@ impl Ledger for LedgerService {
         if appended.iter().any(|(_, dup)| !dup) {
             self.notify(&r.run_id);
         }
+        self.remember_decisions(&r.tenant, appended.iter().map(|(e, _)| e));
         Ok(Response::new(pb::AppendEventsResponse {
             appended: appended.iter().map(|(e, dup)| self.appended(&r.tenant, e, *dup)).collect(),
         }))
