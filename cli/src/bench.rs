@@ -6,7 +6,8 @@
 //! the terminal status. The chain's figure is that wall time divided by its steps; the batch's
 //! is steps over the wall time of all runs; a run's fixed cost is the wall time of one-step
 //! runs. The production shape also reports CPU per step per process (from /proc) and, from
-//! PostgreSQL, commits and SQL statements per step (`pg_stat_database`, `pg_stat_statements`).
+//! PostgreSQL's `pg_stat_statements`, commits and SQL statements per step
+//! (`WARDEN_BENCH_SQL=1` lists the most called statements).
 
 use std::time::{Duration, Instant};
 
@@ -148,6 +149,8 @@ struct Snapshot {
     cpu: Vec<std::collections::HashMap<u32, u64>>,
     commits: i64,
     statements: i64,
+    /// With `WARDEN_BENCH_SQL=1`: the most called statements (calls, text).
+    top: Vec<(i64, String)>,
 }
 
 impl Counters {
@@ -163,12 +166,15 @@ impl Counters {
 
     async fn snapshot(&self) -> Snapshot {
         let cpu = self.groups().iter().map(|(_, pids)| cpu_ticks(pids)).collect();
-        let (mut commits, mut statements) = (0, 0);
+        let (mut commits, mut statements, mut top) = (0, 0, Vec::new());
         if let Some(url) = &self.db
             && let Ok(mut c) = <sqlx::PgConnection as sqlx::Connection>::connect(url).await
         {
+            // Explicit transactions (pg_stat_database's counters are flushed too lazily to
+            // read between workloads); the services commit only through BEGIN … COMMIT.
             commits = sqlx::query_scalar::<_, i64>(
-                "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+                "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+                 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) AND query ILIKE 'COMMIT%'",
             )
             .fetch_one(&mut c)
             .await
@@ -180,8 +186,18 @@ impl Counters {
             .fetch_one(&mut c)
             .await
             .unwrap_or_default();
+            if std::env::var("WARDEN_BENCH_SQL").is_ok() {
+                top = sqlx::query_as::<_, (i64, String)>(
+                    "SELECT calls, left(regexp_replace(query, '\\s+', ' ', 'g'), 110) FROM pg_stat_statements
+                     WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                     ORDER BY calls DESC LIMIT 12",
+                )
+                .fetch_all(&mut c)
+                .await
+                .unwrap_or_default();
+            }
         }
-        Snapshot { cpu, commits, statements }
+        Snapshot { cpu, commits, statements, top }
     }
 
     /// One line per workload: per step, what each process spent and what the database did.
@@ -204,6 +220,10 @@ impl Counters {
             .collect();
         parts.push(format!("total {:.2}", total as f64 * tick_ms / steps as f64));
         let mut line = format!("cpu ms/step: {}", parts.join(", "));
+        for (calls, query) in &after.top {
+            let before = before.top.iter().find(|(_, q)| q == query).map(|(c, _)| *c).unwrap_or(0);
+            line.push_str(&format!("\n        {:>6.2}/step  {}", (calls - before) as f64 / steps as f64, query));
+        }
         if self.db.is_some() {
             line.push_str(&format!(
                 "; commits/step {:.2}, SQL statements/step {:.1}",

@@ -94,3 +94,56 @@ async fn futures_join(mesh: &warden_testkit::Mesh, n: usize) -> Vec<String> {
     }
     ids
 }
+
+/// The executor that drives a run is shut down cleanly mid-run: it lets the call in flight
+/// settle, records it, releases the lease and leaves; the other replica takes the run over at
+/// once (not after the lease TTL) and finishes it. Nothing is repeated, nothing is lost.
+#[tokio::test]
+async fn an_executor_shutting_down_hands_its_runs_off() {
+    let mut opts = graceful();
+    opts.executors = 2;
+    opts.lease_ttl_ms = 600_000; // a takeover that waited for the lease would never come in time
+    let mut mesh = mesh_with(Backend::Sqlite, opts).await;
+    let plan = plan(&[
+        ("wait", "sleep", json!({"ms": 800}), &[]),
+        ("after", "echo", json!({"v": "{{wait.output}}"}), &["wait"]),
+    ]);
+    let id = submit(&mesh, "acme", &plan).await;
+    first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "wait").await;
+    mesh.executors[0].terminate();
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}\n{}", run.reason, mesh.logs());
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let waited = evs.iter().filter(|e| e.event_type == "tool_completed" && e.step_id == "wait").count();
+    assert_eq!(waited, 1, "the call in flight settled once, recorded by the leaving replica");
+    let starts: Vec<serde_json::Value> = evs.iter().filter(|e| e.event_type == "run_started").map(payload).collect();
+    assert_eq!(starts.last().map(|p| p["executor"].clone()), Some(json!("executor-1")), "{starts:?}");
+    assert_no_outage_recorded(&evs);
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}
+
+/// An executor killed mid-run (SIGKILL: no hand-off) is detected by its missing liveness, and
+/// the other replica takes the run over long before the lease would have expired.
+#[tokio::test]
+async fn a_killed_executor_is_taken_over_before_its_lease_expires() {
+    let mut opts = graceful();
+    opts.executors = 2;
+    // A takeover that waited for the lease to expire would not happen within the test's wait.
+    opts.lease_ttl_ms = 600_000;
+    let mut mesh = mesh_with(Backend::Postgres, opts).await;
+    let plan = plan(&[
+        ("wait", "sleep", json!({"ms": 500}), &[]),
+        ("after", "echo", json!({"v": "{{wait.output}}"}), &["wait"]),
+    ]);
+    let id = submit(&mesh, "acme", &plan).await;
+    first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "wait").await;
+    mesh.executors[0].kill();
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}\n{}", run.reason, mesh.logs());
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let started: Vec<&pb::Event> = evs.iter().filter(|e| e.event_type == "run_started").collect();
+    assert_eq!(started.last().map(|e| payload(e)["executor"].clone()), Some(json!("executor-1")));
+    let waited = evs.iter().filter(|e| e.event_type == "tool_completed" && e.step_id == "wait").count();
+    assert_eq!(waited, 1, "the interrupted call is completed once (asked again under its key)");
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}

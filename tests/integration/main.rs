@@ -7,6 +7,7 @@ mod deploy;
 mod faults;
 mod ledger;
 mod lifecycle;
+mod mcp;
 mod mesh;
 mod policy;
 mod receipts;

@@ -838,7 +838,7 @@ async fn a_failing_policy_stage_is_a_recorded_deny() {
         .policy()
         .authorize(authorize(&run, "m1", "email.send", json!({"to": "a@example.com", "subject": "s", "body": "b"})))
         .await
-        .expect("a decision, not an error")
+        .unwrap_or_else(|e| panic!("a decision, not an error: {e:?}\n{}", mesh.logs()))
         .into_inner();
     let decision = d.decision.expect("decision");
     assert_eq!((decision.outcome(), decision.rule_id.as_str()), (pb::Outcome::Deny, "policy_error"));

@@ -275,6 +275,10 @@ pub struct ExecutorConfig {
     /// retried with jittered backoff for up to this long. Only then does a step fail
     /// (`policy_unavailable`, `tool_host_unavailable`). Nothing runs meanwhile (fail closed).
     pub outage_grace_ms: u64,
+    /// How long an executor's liveness key outlives its last heartbeat (three a TTL): a
+    /// replica that dies is taken over by another within about this plus `sweep_interval_ms`,
+    /// well inside the lease TTL.
+    pub liveness_ttl_ms: u64,
 }
 
 impl Default for ExecutorConfig {
@@ -288,11 +292,12 @@ impl Default for ExecutorConfig {
             redis_url: String::new(),
             lease_ttl_ms: 10_000,
             max_concurrency: 5,
-            sweep_interval_ms: 2_000,
+            sweep_interval_ms: 1_000,
             max_plan_bytes: 256 * 1024,
             executor_id: String::new(),
             retry_backoff_base_ms: 1_000,
             outage_grace_ms: 30_000,
+            liveness_ttl_ms: 1_000,
         }
     }
 }
@@ -410,6 +415,7 @@ impl WardenConfig {
             ("executor.max_concurrency", self.executor.max_concurrency as u64),
             ("executor.max_plan_bytes", self.executor.max_plan_bytes as u64),
             ("executor.sweep_interval_ms", self.executor.sweep_interval_ms),
+            ("executor.liveness_ttl_ms", self.executor.liveness_ttl_ms),
             ("policy.authorization_ttl_ms", self.policy.authorization_ttl_ms),
         ];
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
@@ -417,6 +423,9 @@ impl WardenConfig {
         }
         if self.executor.lease_ttl_ms < 300 {
             return Err(invalid("executor.lease_ttl_ms", "must be at least 300 ms"));
+        }
+        if self.executor.liveness_ttl_ms < 300 || self.executor.liveness_ttl_ms > self.executor.lease_ttl_ms {
+            return Err(invalid("executor.liveness_ttl_ms", "must be from 300 ms to executor.lease_ttl_ms"));
         }
         for (token, scope) in &self.auth.tokens {
             if token.len() < 16 || !token.chars().all(|c| c.is_ascii_graphic()) {

@@ -8,6 +8,12 @@
 //! In Redis: `SET lease NX PX ttl` plus an `INCR`ed epoch in one Lua script; renewal is a
 //! compare-and-pexpire, release a compare-and-delete. The in-process store has the same
 //! semantics for a single executor (`warden dev`).
+//!
+//! Liveness: each executor also keeps a short-lived key of its own alive (refreshed several
+//! times a second, see [`LeaseStore::heartbeat`]). A lease whose holder's liveness key is gone
+//! counts as free — its holder died — so a successor takes the run over within the liveness
+//! TTL instead of waiting out the lease TTL. A holder that was only paused loses nothing it
+//! should keep: the takeover raises the epoch, so its late writes are fenced off.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -95,6 +101,23 @@ impl LeaseStore {
         }
     }
 
+    /// Keeps `owner` alive for `ttl` (call every third of it). The in-process store needs no
+    /// liveness: its only executor is the process itself.
+    pub async fn heartbeat(&self, owner: &str, ttl: Duration) -> Result<(), LeaseError> {
+        match self {
+            LeaseStore::Redis(r) => r.heartbeat(owner, ttl).await,
+            LeaseStore::Memory(_) => Ok(()),
+        }
+    }
+
+    /// Says `owner` is gone at once (a clean shutdown), so nothing waits for its liveness.
+    pub async fn depart(&self, owner: &str) -> Result<(), LeaseError> {
+        match self {
+            LeaseStore::Redis(r) => r.depart(owner).await,
+            LeaseStore::Memory(_) => Ok(()),
+        }
+    }
+
     /// Tells whichever executor drives the run that it is to be cancelled (the ledger's
     /// `run_cancel_requested` event is the durable record; this is the fast signal).
     pub async fn request_cancel(&self, run_id: &str) -> Result<(), LeaseError> {
@@ -119,8 +142,14 @@ impl LeaseStore {
 /// How long a cancellation signal stays in Redis (the ledger keeps the request for good).
 const CANCEL_SIGNAL_SECS: u64 = 7 * 24 * 3600;
 
+/// A lease is free when missing, or when its holder's liveness key is gone (ARGV[4] is the
+/// liveness key prefix; the holder is the lease value before '|').
 const ACQUIRE: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local held = redis.call('GET', KEYS[1])
+if held then
+  local holder = string.match(held, '^(.*)|')
+  if holder and redis.call('EXISTS', ARGV[4] .. holder) == 1 then return false end
+end
 local epoch = redis.call('INCR', KEYS[2])
 local floor = tonumber(ARGV[3])
 if epoch <= floor then
@@ -129,6 +158,15 @@ if epoch <= floor then
 end
 redis.call('SET', KEYS[1], ARGV[1] .. '|' .. epoch, 'PX', ARGV[2])
 return epoch
+";
+
+/// Whether a live holder has the lease.
+const IS_HELD: &str = r"
+local held = redis.call('GET', KEYS[1])
+if not held then return 0 end
+local holder = string.match(held, '^(.*)|')
+if holder and redis.call('EXISTS', ARGV[1] .. holder) == 1 then return 1 end
+return 0
 ";
 
 const RENEW: &str = r"
@@ -152,6 +190,7 @@ pub struct RedisLeases {
     acquire: Arc<Script>,
     renew: Arc<Script>,
     release: Arc<Script>,
+    is_held: Arc<Script>,
 }
 
 impl RedisLeases {
@@ -164,7 +203,26 @@ impl RedisLeases {
             acquire: Arc::new(Script::new(ACQUIRE)),
             renew: Arc::new(Script::new(RENEW)),
             release: Arc::new(Script::new(RELEASE)),
+            is_held: Arc::new(Script::new(IS_HELD)),
         })
+    }
+
+    fn alive_prefix(&self) -> String {
+        format!("{}:alive:", self.prefix)
+    }
+
+    async fn heartbeat(&self, owner: &str, ttl: Duration) -> Result<(), LeaseError> {
+        let mut conn = self.conn.clone();
+        let key = format!("{}{owner}", self.alive_prefix());
+        let _: () =
+            redis::cmd("SET").arg(key).arg(1).arg("PX").arg(ttl.as_millis() as u64).query_async(&mut conn).await?;
+        Ok(())
+    }
+
+    async fn depart(&self, owner: &str) -> Result<(), LeaseError> {
+        let mut conn = self.conn.clone();
+        let _: i64 = redis::cmd("DEL").arg(format!("{}{owner}", self.alive_prefix())).query_async(&mut conn).await?;
+        Ok(())
     }
 
     fn lease_key(&self, run_id: &str) -> String {
@@ -190,6 +248,7 @@ impl RedisLeases {
             .arg(owner)
             .arg(ttl.as_millis() as u64)
             .arg(min_epoch)
+            .arg(self.alive_prefix())
             .invoke_async(&mut conn)
             .await?;
         Ok(epoch.map(|e| RunLease::new(run_id, owner, e)))
@@ -215,7 +274,7 @@ impl RedisLeases {
 
     async fn is_held(&self, run_id: &str) -> Result<bool, LeaseError> {
         let mut conn = self.conn.clone();
-        let n: i64 = redis::cmd("EXISTS").arg(self.lease_key(run_id)).query_async(&mut conn).await?;
+        let n: i64 = self.is_held.key(self.lease_key(run_id)).arg(self.alive_prefix()).invoke_async(&mut conn).await?;
         Ok(n == 1)
     }
 

@@ -13,7 +13,7 @@ pub mod mesh;
 pub mod procs;
 pub mod servers;
 
-pub use mesh::{Mesh, MeshOptions, ServiceProcess};
+pub use mesh::{ExtraHost, Mesh, MeshOptions, ServiceProcess};
 pub use servers::{Postgres, Redis, postgres, redis};
 
 /// Polls `probe` every 50 ms until it returns `Some`, for at most `limit`.

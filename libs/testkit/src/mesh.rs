@@ -52,6 +52,23 @@ pub struct MeshOptions {
     pub auth_tokens: Vec<(String, String)>,
     /// The `*` token services present to each other (and the test's default client token).
     pub service_token: String,
+    /// Tool hosts beyond the demo host (e.g. `warden-mcp`), served to the planner and the
+    /// executors after it.
+    pub extra_hosts: Vec<ExtraHost>,
+}
+
+/// A tool host process beyond the demo host, started after the ledger and the policy.
+#[derive(Clone, Debug)]
+pub struct ExtraHost {
+    pub name: &'static str,
+    /// A binary of the workspace (next to the test binary).
+    pub binary: String,
+    /// Its environment (after the mesh's `WARDEN_CONFIG`, which it may replace). It must bind
+    /// through a `…__LISTEN` variable set to `127.0.0.1:0`, and announce like every service.
+    pub env: Vec<(String, String)>,
+    /// The variables that tell it the policy's and the ledger's endpoints.
+    pub policy_endpoint_var: String,
+    pub ledger_endpoint_var: String,
 }
 
 impl Default for MeshOptions {
@@ -79,6 +96,7 @@ impl Default for MeshOptions {
             outage_grace_ms: 2_000,
             auth_tokens: Vec::new(),
             service_token: String::new(),
+            extra_hosts: Vec::new(),
         }
     }
 }
@@ -169,6 +187,27 @@ impl ServiceProcess {
         self.child.is_some()
     }
 
+    /// Asks the process to stop (SIGTERM) and waits for it to exit (at most 30 s, then kills
+    /// it): a clean shutdown.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            #[allow(unsafe_code)]
+            // SAFETY: kill(2) on the pid of a child we own and have not reaped yet.
+            unsafe {
+                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// Kills the process at once (SIGKILL): a crash, not a shutdown.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -224,6 +263,8 @@ pub struct Mesh {
     pub ledger: ServiceProcess,
     pub policy: ServiceProcess,
     pub tools: ServiceProcess,
+    /// The [`MeshOptions::extra_hosts`], in order.
+    pub extra_hosts: Vec<ServiceProcess>,
     pub planner: ServiceProcess,
     pub executors: Vec<ServiceProcess>,
 }
@@ -332,7 +373,17 @@ impl Mesh {
             ]),
             log("tools"),
         )?;
-        let hosts = format!("[\"{}\"]", tools.endpoint);
+        let mut extra_hosts = Vec::new();
+        for h in &opts.extra_hosts {
+            let mut env = base(&[]);
+            env.extend(h.env.iter().cloned());
+            env.push((h.policy_endpoint_var.clone(), policy.endpoint.clone()));
+            env.push((h.ledger_endpoint_var.clone(), ledger.endpoint.clone()));
+            extra_hosts.push(ServiceProcess::start(h.name, binary(&h.binary)?, env, log(h.name))?);
+        }
+        let endpoints: Vec<String> =
+            std::iter::once(&tools).chain(&extra_hosts).map(|p| format!("\"{}\"", p.endpoint)).collect();
+        let hosts = format!("[{}]", endpoints.join(", "));
         let planner = ServiceProcess::start(
             "planner",
             binary("warden-planner")?,
@@ -356,7 +407,17 @@ impl Mesh {
                 log(&id),
             )?);
         }
-        Ok(Mesh { dir, token: opts.service_token.clone(), database_url, ledger, policy, tools, planner, executors })
+        Ok(Mesh {
+            dir,
+            token: opts.service_token.clone(),
+            database_url,
+            ledger,
+            policy,
+            tools,
+            extra_hosts,
+            planner,
+            executors,
+        })
     }
 
     /// The front door of the first executor that is still running.
@@ -398,7 +459,8 @@ impl Mesh {
     /// Every service's log, for failure messages.
     pub fn logs(&self) -> String {
         let mut all = String::new();
-        for p in [&self.ledger, &self.policy, &self.tools, &self.planner].into_iter().chain(self.executors.iter()) {
+        let services = [&self.ledger, &self.policy, &self.tools, &self.planner].into_iter();
+        for p in services.chain(self.extra_hosts.iter()).chain(self.executors.iter()) {
             all.push_str(&format!("--- {} ---\n{}\n", p.name, std::fs::read_to_string(&p.log).unwrap_or_default()));
         }
         all

@@ -521,9 +521,11 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 status.insert(step.id.clone(), StepStatus::Cancelled);
             }
         }
+        let handing_off = ctx.ex.inner.handoff.is_cancelled();
         for &i in &order {
-            // After an unknown outcome nothing new starts: an operator decides first.
-            if running.len() >= limit || reconcile.is_some() || blocked.is_some() {
+            // After an unknown outcome nothing new starts: an operator decides first. Nor while
+            // this replica hands its runs off.
+            if running.len() >= limit || reconcile.is_some() || blocked.is_some() || handing_off {
                 break;
             }
             let step = &plan.steps[i];
@@ -561,6 +563,13 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         // if none was, append them before waiting on the steps still running.
         if !launched && !running.is_empty() {
             ctx.flush().await?;
+        }
+        if running.is_empty() && handing_off {
+            // What settled is recorded; the rest is the next holder's (the lease is released
+            // on the way out, so it is taken over at once).
+            ctx.flush().await?;
+            tracing::info!(run_id = %ctx.run_id, "run handed off");
+            return Ok(());
         }
         if running.is_empty() {
             let settled = status.values().all(|s| *s != StepStatus::Pending && *s != StepStatus::Running);

@@ -51,7 +51,13 @@ pub(crate) struct Inner {
     /// Woken when this replica stops driving a run (it ended, blocked, or was handed off):
     /// `WaitRun` for a run driven here needs no ledger follower.
     pub stopped_driving: Mutex<HashMap<String, Arc<tokio::sync::Notify>>>,
+    /// Fires when this replica shuts down: its drivers start nothing new, let the steps in
+    /// flight settle, record what waits, and release their leases for another replica.
+    pub handoff: CancellationToken,
 }
+
+/// How long a shutting-down replica lets the steps in flight settle before it leaves.
+const HANDOFF_DRAIN: Duration = Duration::from_secs(10);
 
 /// How long the sweeper leaves a just-submitted run to the replica that took it.
 const SUBMIT_GRACE_MS: i64 = 2_000;
@@ -82,6 +88,7 @@ impl Executor {
                 driving: Mutex::default(),
                 cancels: Mutex::default(),
                 stopped_driving: Mutex::default(),
+                handoff: CancellationToken::new(),
             }),
         })
     }
@@ -106,6 +113,38 @@ impl Executor {
         if let Some(t) = self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner()).get(run_id) {
             t.cancel();
         }
+    }
+
+    /// Keeps this replica alive in the lease store, so other replicas take its runs over
+    /// soon after it dies (not after the lease TTL). Ends when the replica hands off.
+    pub async fn heartbeat_forever(self) {
+        let ttl = Duration::from_millis(self.inner.config.liveness_ttl_ms);
+        loop {
+            if let Err(e) = self.inner.leases.heartbeat(&self.inner.id, ttl).await {
+                tracing::warn!(error = %e, "liveness heartbeat failed");
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(ttl / 3) => {}
+                _ = self.inner.handoff.cancelled() => return,
+            }
+        }
+    }
+
+    /// A clean shutdown: nothing new starts, the steps in flight settle (for at most
+    /// `drain`), every lease is released and the replica says it is gone, so other replicas
+    /// take its runs over at once.
+    pub async fn hand_off(&self, drain: Duration) {
+        self.inner.handoff.cancel();
+        let deadline = tokio::time::Instant::now() + drain;
+        while !self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if let Err(e) = self.inner.leases.depart(&self.inner.id).await {
+            tracing::warn!(error = %e, "departure not recorded; liveness will expire");
+        }
+        tracing::info!(executor_id = %self.inner.id, "handed off");
     }
 
     /// Whether this replica drives `run_id` now.
@@ -236,12 +275,25 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let executor = Executor::new(config).await?;
+    // Alive before it takes any lease, so no other replica mistakes its runs for orphans.
+    let ttl = Duration::from_millis(config.liveness_ttl_ms);
+    executor.inner.leases.heartbeat(executor.id(), ttl).await?;
+    let heartbeat = tokio::spawn(executor.clone().heartbeat_forever());
     tracing::info!(executor_id = executor.id(), "executor ready");
     let sweeper = tokio::spawn(executor.clone().sweep_forever());
     let mut routes = Routes::builder();
-    add_routes(&mut routes, executor, &tokens);
+    add_routes(&mut routes, executor.clone(), &tokens);
+    // On the signal the drivers start handing off at once (and waiting clients are answered),
+    // while the server finishes the requests in flight.
+    let handoff = executor.inner.handoff.clone();
+    let shutdown = async move {
+        shutdown.await;
+        handoff.cancel();
+    };
     let served = warden_grpc::serve(listener, routes.routes(), SERVICES, shutdown).await;
     sweeper.abort();
+    executor.hand_off(HANDOFF_DRAIN).await;
+    heartbeat.abort();
     served?;
     Ok(())
 }

@@ -241,10 +241,12 @@ impl Runs for RunsService {
                 break;
             }
             if let Some(woken) = woken {
-                if tokio::time::timeout_at(deadline, woken).await.is_err() {
-                    break;
+                tokio::select! {
+                    _ = woken => continue,
+                    _ = tokio::time::sleep_until(deadline) => break,
+                    // This replica is leaving: answer now; the client asks another.
+                    _ = self.ex.inner.handoff.cancelled() => break,
                 }
-                continue;
             }
             let follow = pb::StreamEventsRequest {
                 tenant: r.tenant.clone(),
@@ -263,8 +265,10 @@ impl Runs for RunsService {
                 }
                 Ok::<(), Status>(())
             };
-            if let Ok(r) = tokio::time::timeout_at(deadline, until_settled).await {
-                r?;
+            tokio::select! {
+                r = until_settled => r?,
+                _ = tokio::time::sleep_until(deadline) => {}
+                _ = self.ex.inner.handoff.cancelled() => {}
             }
             break;
         }
