@@ -147,3 +147,35 @@ async fn a_killed_executor_is_taken_over_before_its_lease_expires() {
     assert_eq!(waited, 1, "the interrupted call is completed once (asked again under its key)");
     assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
 }
+
+/// PostgreSQL itself restarts (fast shutdown: every connection dropped) under the ledger and
+/// the policy store while a run is in flight: the run completes, nothing is recorded as a
+/// decision or a failure, the chain verifies.
+#[tokio::test]
+async fn a_postgres_restart_within_the_grace_fails_no_run() {
+    let pg = std::sync::Arc::new(
+        tokio::task::spawn_blocking(|| warden_testkit::servers::start_private_postgres(true))
+            .await
+            .expect("join")
+            .expect("a private PostgreSQL"),
+    );
+    let mut opts = graceful();
+    opts.database_url = pg.create_database().await.expect("ledger database");
+    opts.policy_database_url = pg.create_database().await.expect("policy database");
+    opts.redis_url = warden_testkit::redis().url.clone();
+    let mesh = warden_testkit::Mesh::start(opts).await.expect("mesh");
+    let plan = plan(&[
+        ("wait", "sleep", json!({"ms": 600}), &[]),
+        ("after", "echo", json!({"v": "{{wait.output}}"}), &["wait"]),
+        ("last", "echo", json!({"v": "{{after.output}}"}), &["after"]),
+    ]);
+    let id = submit(&mesh, "acme", &plan).await;
+    first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "wait").await;
+    let restarter = pg.clone();
+    tokio::task::spawn_blocking(move || restarter.restart()).await.expect("join").expect("restart postgres");
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}\n{}", run.reason, mesh.logs());
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    assert_no_outage_recorded(&evs);
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}
