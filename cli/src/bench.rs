@@ -34,6 +34,9 @@ enum Suite {
     Ledger,
     /// Policy decisions.
     Policy,
+    /// How long a run waits after its executor is killed (SIGKILL) until another replica
+    /// drives it (production shape, two executors, default lease and liveness settings).
+    Takeover,
     All,
 }
 
@@ -59,6 +62,9 @@ pub struct BenchArgs {
     /// One-step runs measured one after another (a run's fixed cost).
     #[arg(long, default_value_t = 50)]
     fixed_runs: usize,
+    /// Executor kills measured by the takeover suite.
+    #[arg(long, default_value_t = 10)]
+    takeovers: usize,
     /// Sequential steps in each run of the batch.
     #[arg(long, default_value_t = 10)]
     batch_steps: usize,
@@ -356,6 +362,73 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
     measure("prod", &ep, "default", args, &counters).await
 }
 
+/// Kills the executor driving a run mid-call, `n` times, and measures the wait until the
+/// other replica's `run_started` arrives, as a client following the run sees it.
+async fn takeover(n: usize) -> anyhow::Result<()> {
+    let redis = tokio::task::spawn_blocking(warden_testkit::servers::start_redis).await??;
+    let mut tenant_tools = vec!["echo".to_string(), "sleep".to_string()];
+    tenant_tools.sort();
+    let mut mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions {
+        redis_url: redis.url.clone(),
+        tenants: vec![("default".into(), tenant_tools)],
+        executors: 2,
+        // The defaults a deployment gets (the testkit shortens them for tests).
+        lease_ttl_ms: warden_config::ExecutorConfig::default().lease_ttl_ms,
+        sweep_interval_ms: warden_config::ExecutorConfig::default().sweep_interval_ms,
+        ..Default::default()
+    })
+    .await?;
+    let plan = json!({"steps": [
+        {"id": "wait", "tool": "sleep", "params": {"ms": 5000}},
+        {"id": "after", "tool": "echo", "depends_on": ["wait"]},
+    ]})
+    .to_string();
+    let mut waits = hist();
+    for i in 0..n {
+        // Alternate which replica submits (and so drives), restarting the one killed before.
+        let (victim, survivor) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
+        let runs_ep = mesh.executors[victim].endpoint.clone();
+        let run_id = runs_client(&runs_ep)
+            .await?
+            .submit_run(pb::SubmitRunRequest { tenant: "default".into(), plan_json: plan.clone(), ..Default::default() })
+            .await?
+            .into_inner()
+            .run_id;
+        let mut stream = crate::run::ledger_client(&mesh.ledger.endpoint)
+            .await?
+            .stream_events(pb::StreamEventsRequest {
+                tenant: "default".into(),
+                run_id: run_id.clone(),
+                since_seq: 0,
+                follow: true,
+            })
+            .await?
+            .into_inner();
+        while let Some(e) = stream.message().await? {
+            if e.event_type == "tool_requested" {
+                break;
+            }
+        }
+        mesh.executors[victim].kill();
+        let killed = Instant::now();
+        let successor = format!("executor-{survivor}");
+        while let Some(e) = stream.message().await? {
+            if e.event_type == "run_started" && e.payload_json.contains(&successor) {
+                break;
+            }
+        }
+        waits.record(killed.elapsed().as_micros() as u64)?;
+        mesh.executors[victim].restart()?;
+    }
+    println!(
+        "prod  takeover after SIGKILL ({n} kills, lease 10 s, liveness 1 s, sweep 1 s): p50 {}  p99 {}  max {}",
+        ms(waits.value_at_quantile(0.5)),
+        ms(waits.value_at_quantile(0.99)),
+        ms(waits.max())
+    );
+    Ok(())
+}
+
 fn tempfile_dir(prefix: &str) -> anyhow::Result<std::path::PathBuf> {
     let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -364,7 +437,7 @@ fn tempfile_dir(prefix: &str) -> anyhow::Result<std::path::PathBuf> {
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     println!(
-        "warden bench: build {}; step latency = executor-measured authorize+record+invoke per step",
+        "warden bench: build {}; every figure as a client sees it (SubmitRun -> WaitRun)",
         if cfg!(debug_assertions) { "debug (use --release for real figures)" } else { "release" }
     );
     if matches!(args.suite, Suite::Steps | Suite::All) {
@@ -374,6 +447,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         if matches!(args.shape, Shape::Prod | Shape::Both) {
             prod_shape(&args).await?;
         }
+    }
+    if matches!(args.suite, Suite::Takeover | Suite::All) {
+        takeover(args.takeovers).await?;
     }
     if matches!(args.suite, Suite::Ledger | Suite::All) {
         crate::bench_ledger::run(&args.ledger).await?;
