@@ -390,7 +390,11 @@ async fn takeover(n: usize) -> anyhow::Result<()> {
         let runs_ep = mesh.executors[victim].endpoint.clone();
         let run_id = runs_client(&runs_ep)
             .await?
-            .submit_run(pb::SubmitRunRequest { tenant: "default".into(), plan_json: plan.clone(), ..Default::default() })
+            .submit_run(pb::SubmitRunRequest {
+                tenant: "default".into(),
+                plan_json: plan.clone(),
+                ..Default::default()
+            })
             .await?
             .into_inner()
             .run_id;

@@ -7,6 +7,7 @@ mod bench_policy;
 mod caps;
 mod dev;
 mod ledger;
+mod mcp;
 mod policy;
 mod run;
 
@@ -57,6 +58,9 @@ enum Command {
     /// Work with ledger exports offline.
     #[command(subcommand)]
     Ledger(ledger::LedgerCommand),
+    /// Warden as an MCP server: `warden mcp serve` (stdio, or --http ADDR).
+    #[command(subcommand)]
+    Mcp(mcp::McpCommand),
     /// Measure step latency and throughput (dev shape, and production shape with separate
     /// processes, PostgreSQL and Redis).
     Bench(bench::BenchArgs),
@@ -107,6 +111,7 @@ async fn async_main() {
         Command::Run(cmd) => run::run(&target, cmd).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Ledger(cmd) => ledger::run(cmd),
+        Command::Mcp(cmd) => mcp::run(&target, policy_endpoint.clone(), cmd).await,
         Command::Caps(cmd) => {
             let endpoint = policy_endpoint.unwrap_or_else(|| target.endpoint.clone());
             caps::run(&target, &endpoint, cmd).await

@@ -238,8 +238,10 @@ async fn an_mcp_server_over_stdio_runs_calls_authorized_recorded_and_receipted()
         "[[mcp.servers]]\nname = \"fs\"\ncommand = {}\ntenants = [\"acme\"]\n",
         toml_list(&[node.display().to_string(), entry.display().to_string(), files.display().to_string()])
     );
-    let mut opts = MeshOptions::default();
-    opts.tenants = vec![("acme".into(), vec!["mcp.*".into()]), ("globex".into(), vec!["mcp.*".into()])];
+    let opts = MeshOptions {
+        tenants: vec![("acme".into(), vec!["mcp.*".into()]), ("globex".into(), vec!["mcp.*".into()])],
+        ..MeshOptions::default()
+    };
     let mesh = mcp_mesh(opts, dir.path(), &servers).await;
 
     // The catalog: name-spaced tools, schemas carried over, hints as effect classes.
@@ -350,10 +352,12 @@ async fn an_mcp_server_over_streamable_http_acts_once_per_key_and_only_with_both
     let notes = dir.path().join("notes.txt");
     let (_server, url) = http_fixture(&notes);
     let servers = format!("[[mcp.servers]]\nname = \"py\"\nurl = \"{url}\"\ntenants = [\"*\"]\n");
-    let mut opts = MeshOptions::default();
-    opts.tenants = vec![("acme".into(), vec!["mcp.py.*".into()])];
-    // Runs created straight in the ledger below are driven by the test, not by a sweep.
-    opts.sweep_interval_ms = 600_000;
+    let opts = MeshOptions {
+        tenants: vec![("acme".into(), vec!["mcp.py.*".into()])],
+        // Runs created straight in the ledger below are driven by the test, not by a sweep.
+        sweep_interval_ms: 600_000,
+        ..MeshOptions::default()
+    };
     let mut mesh = mcp_mesh(opts, dir.path(), &servers).await;
 
     let listed = mcp_host(&mesh).list_tools(pb::ListToolsRequest::default()).await.expect("list").into_inner().tools;
@@ -436,13 +440,12 @@ async fn a_misbehaving_mcp_server_fails_calls_recorded_with_the_reason_and_the_h
         toml_list(&[mcp_python().display().to_string(), fixture("bad_server.py")]),
         Value::String(calls.display().to_string())
     );
-    let mut opts = MeshOptions::default();
-    opts.tenants = vec![("acme".into(), vec!["mcp.bad.*".into()])];
+    let opts = MeshOptions { tenants: vec![("acme".into(), vec!["mcp.bad.*".into()])], ..MeshOptions::default() };
     let mesh = mcp_mesh(opts, dir.path(), &servers).await;
 
     let one = |tool: &str| plan(&[("s", tool, json!({}), &[])]);
     let cases = [
-        ("mcp.bad.crash", "mcp_server_failed", "exited"),
+        ("mcp.bad.crash", "mcp_server_failed", "exited (exit status: 3)"),
         ("mcp.bad.garbage", "mcp_server_failed", "broke the protocol"),
         ("mcp.bad.hang", "mcp_timeout", "did not answer within 2s"),
         ("mcp.bad.odd_schema", "mcp_invalid_schema", "not JSON Schema"),
@@ -455,8 +458,10 @@ async fn a_misbehaving_mcp_server_fails_calls_recorded_with_the_reason_and_the_h
         assert_eq!(failed["kind"], "tool_error", "{tool}: {failed}");
         assert_eq!(failed["code"], code, "{tool}: {failed}");
         let reason = failed["reason"].as_str().unwrap_or_default();
-        eprintln!("REASON {tool}: {reason}");
         assert!(reason.contains(why), "{tool}: '{reason}' should say '{why}'");
+        if tool == "mcp.bad.crash" {
+            assert!(reason.contains("boom, crashing on purpose"), "the server's last stderr: {reason}");
+        }
         let receipts = receipts_of(&mesh, "acme", &id, "s").await;
         assert_eq!(receipts.len(), 1, "{tool}: {receipts:?}");
         assert_eq!(receipts[0].status, "error", "{tool}");
@@ -466,10 +471,217 @@ async fn a_misbehaving_mcp_server_fails_calls_recorded_with_the_reason_and_the_h
         assert_eq!(ok.status(), pb::RunStatus::Completed, "after {tool}: {ok:?}\n{}", mesh.logs());
         assert_eq!(output(step(&ok, "s"))["text"], "fine");
     }
-    let crash_reason = failure_of(&mesh, "acme", &run_plan(&mesh, "acme", &one("mcp.bad.crash")).await.0, "s").await;
-    assert!(
-        crash_reason["reason"].as_str().unwrap_or_default().contains("boom"),
-        "the server's stderr: {crash_reason}"
-    );
     assert!(!lines(&calls).iter().any(|c| c == "odd_schema"), "a tool whose schema is broken is never called");
+}
+
+const OPS: &str = "mcp-ops-token-0123456789abcdef";
+const ACME: &str = "mcp-acme-token-0123456789abcdef";
+const GLOBEX: &str = "mcp-globex-token-0123456789abcdef";
+
+/// The `warden` binary next to the test binary.
+fn warden_bin() -> PathBuf {
+    warden_testkit::mesh::bin_dir().expect("bin dir").join("warden")
+}
+
+/// The environment through which `warden mcp serve` reaches `mesh`.
+fn cli_env(mesh: &Mesh) -> Vec<(String, String)> {
+    vec![
+        ("WARDEN_ENDPOINT".into(), mesh.executors[0].endpoint.clone()),
+        ("WARDEN_LEDGER_ENDPOINT".into(), mesh.ledger.endpoint.clone()),
+        ("WARDEN_POLICY_ENDPOINT".into(), mesh.policy.endpoint.clone()),
+        ("WARDEN_PLANNER_ENDPOINT".into(), mesh.planner.endpoint.clone()),
+    ]
+}
+
+/// Runs the official Python MCP client (`client.py`) with `args`, making `calls`.
+fn python_client(args: &[&str], env: &[(String, String)], calls: &Value) -> Value {
+    let out = Command::new(mcp_python())
+        .arg(fixture("client.py"))
+        .args(args)
+        .envs(env.iter().cloned())
+        .env("CALLS", calls.to_string())
+        .env_remove("WARDEN_CONFIG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the MCP client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("client printed no JSON ({e}):\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// The status line (and headers) a bare MCP `initialize` POST to `url` gets with `token`.
+fn http_status(url: &str, token: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").expect("http url");
+    let (authority, path) = rest.split_once('/').expect("path");
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "probe", "version": "1"}}})
+    .to_string();
+    let auth = if token.is_empty() { String::new() } else { format!("Authorization: Bearer {token}\r\n") };
+    let request = format!(
+        "POST /{path} HTTP/1.1\r\nHost: {authority}\r\n{auth}Content-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = std::net::TcpStream::connect(authority).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    stream.write_all(request.as_bytes()).expect("send");
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+}
+
+fn tool_names(session: &Value) -> Vec<String> {
+    let mut names: Vec<String> = session["tools"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tools in {session}"))
+        .iter()
+        .map(|t| t["name"].as_str().unwrap_or_default().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+fn text(result: &Value) -> String {
+    result["content"].as_array().into_iter().flatten().filter_map(|c| c["text"].as_str()).collect::<Vec<_>>().join("\n")
+}
+
+/// `warden mcp serve`, driven by the official Python MCP client. Over stdio (as acme, by
+/// `--tenant`/`--token`): the tenant's governed tools are listed — an MCP server's tools behind
+/// `warden-mcp` among them, annotated with their effect class — and each call is a one-step run
+/// answered with its outcome, run and receipt; a denial names rule and reason; a gated call
+/// answers "approval required" with the approval id. Over streamable HTTP, a bearer token maps
+/// to its tenant as in the gRPC API, and an unknown one is refused before anything happens.
+#[tokio::test]
+async fn warden_mcp_serve_offers_governed_tools_to_an_mcp_client_and_runs_each_call() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let notes = dir.path().join("notes.txt");
+    let servers = format!(
+        "[[mcp.servers]]\nname = \"py\"\ncommand = {}\ntenants = [\"acme\"]\nenv = {{ NOTES_FILE = {} }}\n",
+        toml_list(&[mcp_python().display().to_string(), fixture("fixture_server.py")]),
+        Value::String(notes.display().to_string())
+    );
+    let opts = MeshOptions {
+        tenants: vec![
+            ("acme".into(), vec!["echo".into(), "email.send".into(), "mcp.py.*".into()]),
+            ("globex".into(), vec!["echo".into()]),
+        ],
+        approval_rules: vec![("acme".into(), vec!["email.send".into()], vec![])],
+        auth_tokens: vec![(OPS.into(), "*".into()), (ACME.into(), "acme".into()), (GLOBEX.into(), "globex".into())],
+        service_token: OPS.into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mcp_mesh(opts, dir.path(), &servers).await;
+
+    // Over stdio, as acme.
+    let mut env = cli_env(&mesh);
+    env.push(("WARDEN_TENANT".into(), "acme".into()));
+    env.push(("WARDEN_TOKEN".into(), ACME.into()));
+    let calls = json!([
+        ["echo", {"message": "hi"}],
+        ["mcp.py.greet", {"name": "ada"}],
+        ["kv.put", {"key": "k", "value": 1}],
+        ["email.send", {"to": "ops@example.com", "subject": "s", "body": "b"}],
+        ["no.such.tool", {}],
+    ]);
+    let bin = warden_bin().display().to_string();
+    let session = python_client(&["stdio", &bin], &env, &calls);
+    assert_eq!(
+        tool_names(&session),
+        ["echo", "email.send", "mcp.py.greet", "mcp.py.note", "mcp.py.wipe"],
+        "acme's governed tools, not the whole catalog: {session}"
+    );
+    let tool = |n: &str| session["tools"].as_array().and_then(|ts| ts.iter().find(|t| t["name"] == n)).cloned();
+    let greet = tool("mcp.py.greet").expect("greet");
+    assert_eq!(greet["annotations"]["readOnlyHint"], true, "{greet}");
+    assert_eq!(greet["inputSchema"]["properties"]["name"]["type"], "string", "schema carried through: {greet}");
+    assert_eq!(tool("email.send").expect("email.send")["annotations"]["destructiveHint"], true);
+
+    let [echo, greeted, denied, gated, unknown] =
+        session["calls"].as_array().cloned().expect("calls").try_into().expect("5 calls");
+    assert_ne!(echo["isError"], true, "{echo}");
+    assert_eq!(echo["structuredContent"], json!({"message": "hi"}), "{echo}");
+    let run = &echo["_meta"]["warden/run"];
+    assert_eq!((run["status"].as_str(), run["receipt_status"].as_str()), (Some("completed"), Some("ok")), "{echo}");
+    let echo_run = run["run_id"].as_str().expect("run id").to_string();
+    let receipts = receipts_of(&mesh, "acme", &echo_run, "call").await;
+    assert_eq!(receipts.len(), 1);
+    assert_eq!(run["receipt_id"], receipts[0].receipt_id.as_str(), "the result names the run's receipt");
+    assert!(verify(&mut mesh.ledger(), "acme", &echo_run).await.valid);
+
+    assert_eq!(text(&greeted), "hello, ada", "an MCP server's content, through both hops: {greeted}");
+
+    assert_eq!(denied["isError"], true);
+    assert_eq!(denied["structuredContent"]["status"], "denied", "{denied}");
+    assert_eq!(denied["structuredContent"]["rule_id"], "default_deny", "{denied}");
+    assert!(
+        text(&denied).contains("denied by policy rule 'default_deny': no rule allows tenant 'acme' to call 'kv.put'"),
+        "{denied}"
+    );
+    let denied_run = denied["_meta"]["warden/run"]["run_id"].as_str().expect("run id").to_string();
+    let receipts = receipts_of(&mesh, "acme", &denied_run, "call").await;
+    assert_eq!(
+        receipts.iter().map(|r| r.status.as_str()).collect::<Vec<_>>(),
+        ["denied"],
+        "the denial is receipted too"
+    );
+
+    assert_eq!(gated["isError"], true);
+    assert_eq!(gated["structuredContent"]["status"], "approval_required", "{gated}");
+    let approval_id = gated["structuredContent"]["approval_id"].as_str().expect("approval id").to_string();
+    assert!(text(&gated).contains(&approval_id), "{gated}");
+    let pending = warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel_as(OPS))
+        .list(pb::ListApprovalsRequest { tenant: "acme".into(), ..Default::default() })
+        .await
+        .expect("approvals")
+        .into_inner()
+        .approvals;
+    let gated_run = gated["_meta"]["warden/run"]["run_id"].as_str().expect("run id");
+    assert!(pending.iter().any(|a| a.approval_id == approval_id && a.run_id == gated_run), "{pending:?}");
+    assert!(mesh.outbox().is_empty(), "nothing was sent before a human approves");
+
+    assert_eq!(unknown["isError"], true);
+    assert!(text(&unknown).contains("no.such.tool"), "{unknown}");
+
+    // Over streamable HTTP: the bearer token decides the tenant.
+    let mut cmd = Command::new(warden_bin());
+    cmd.args(["mcp", "serve", "--http", "127.0.0.1:0", "--config"])
+        .arg(mesh.dir.path().join("warden.toml"))
+        .envs(cli_env(&mesh))
+        .env("WARDEN_TOKEN", OPS)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut child = spawn_tied(cmd, libc::SIGKILL).expect("start warden mcp serve --http");
+    let stdout = child.stdout.take().expect("stdout");
+    let _served = Spawned(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(url) = line.strip_prefix("WARDEN_MCP_LISTENING ") {
+                let _ = tx.send(url.to_string());
+            }
+        }
+    });
+    let url = rx.recv_timeout(Duration::from_secs(30)).expect("warden mcp serve --http announced its URL");
+
+    let calls = json!([["echo", {"message": "from globex"}], ["mcp.py.greet", {"name": "x"}]]);
+    let session = python_client(&["http", &url, GLOBEX], &[], &calls);
+    assert_eq!(tool_names(&session), ["echo"], "globex's tools: {session}");
+    let [echo, greet] = session["calls"].as_array().cloned().expect("calls").try_into().expect("2 calls");
+    assert_eq!(echo["structuredContent"], json!({"message": "from globex"}), "{echo}");
+    let run_id = echo["_meta"]["warden/run"]["run_id"].as_str().expect("run id");
+    let run = mesh.runs().get_run(pb::GetRunRequest { tenant: "globex".into(), run_id: run_id.into() }).await;
+    assert_eq!(run.expect("globex's run").into_inner().tenant, "globex");
+    assert_eq!(greet["structuredContent"]["rule_id"], "default_deny", "{greet}");
+    assert!(lines(&notes).is_empty());
+
+    for token in ["not-a-token-0123456789", ""] {
+        let refused = python_client(&["http", &url, token], &[], &json!([["echo", {"message": "x"}]]));
+        assert!(refused.get("error").is_some(), "token '{token}': no session: {refused}");
+        let status = http_status(&url, token);
+        assert!(status.starts_with("HTTP/1.1 401"), "token '{token}': {status}");
+        assert!(status.to_ascii_lowercase().contains("www-authenticate: bearer"), "{status}");
+    }
+    let ran = mesh.runs().list_runs(pb::ListRunsRequest { tenant: "globex".into(), ..Default::default() }).await;
+    assert_eq!(ran.expect("runs").into_inner().runs.len(), 2, "globex's two calls; refused callers ran nothing");
 }

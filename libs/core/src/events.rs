@@ -28,7 +28,10 @@ pub const TX_COMMITTED: &str = "tx_committed";
 pub const TX_ROLLED_BACK: &str = "tx_rolled_back";
 
 /// Events a terminal run still accepts: they record, they do not act.
-pub const AFTER_END: &[&str] = &[RUN_SUMMARY];
+/// Events a terminal run still takes: summaries, and decisions — a decision is a fact that
+/// must be on the record (K03) even when the run ended before it was written down; it acts
+/// on nothing by itself.
+pub const AFTER_END: &[&str] = &[RUN_SUMMARY, POLICY_DECISION];
 
 pub const CHECKPOINT_PREFIX: &str = "checkpoint::";
 pub const ARTIFACT_PREFIX: &str = "artifact::";

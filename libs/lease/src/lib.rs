@@ -110,6 +110,13 @@ impl LeaseStore {
         }
     }
 
+    /// Whether other holders' missing liveness may free their leases (see [`RedisLeases`]).
+    pub fn trust_liveness(&self, trusted: bool) {
+        if let LeaseStore::Redis(r) = self {
+            r.trust_liveness.store(trusted, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// Says `owner` is gone at once (a clean shutdown), so nothing waits for its liveness.
     pub async fn depart(&self, owner: &str) -> Result<(), LeaseError> {
         match self {
@@ -143,10 +150,12 @@ impl LeaseStore {
 const CANCEL_SIGNAL_SECS: u64 = 7 * 24 * 3600;
 
 /// A lease is free when missing, or when its holder's liveness key is gone (ARGV[4] is the
-/// liveness key prefix; the holder is the lease value before '|').
+/// liveness key prefix, empty while liveness is not to be trusted; the holder is the lease
+/// value before '|').
 const ACQUIRE: &str = r"
 local held = redis.call('GET', KEYS[1])
 if held then
+  if ARGV[4] == '' then return false end
   local holder = string.match(held, '^(.*)|')
   if holder and redis.call('EXISTS', ARGV[4] .. holder) == 1 then return false end
 end
@@ -164,6 +173,7 @@ return epoch
 const IS_HELD: &str = r"
 local held = redis.call('GET', KEYS[1])
 if not held then return 0 end
+if ARGV[1] == '' then return 1 end
 local holder = string.match(held, '^(.*)|')
 if holder and redis.call('EXISTS', ARGV[1] .. holder) == 1 then return 1 end
 return 0
@@ -191,6 +201,10 @@ pub struct RedisLeases {
     renew: Arc<Script>,
     release: Arc<Script>,
     is_held: Arc<Script>,
+    /// Whether a missing liveness key may be read as a dead holder: only once this process's
+    /// own heartbeats have gone through for a whole liveness TTL (after a Redis outage every
+    /// key has lapsed, live holders' included, until they heartbeat again).
+    trust_liveness: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl RedisLeases {
@@ -204,11 +218,18 @@ impl RedisLeases {
             renew: Arc::new(Script::new(RENEW)),
             release: Arc::new(Script::new(RELEASE)),
             is_held: Arc::new(Script::new(IS_HELD)),
+            trust_liveness: Arc::default(),
         })
     }
 
     fn alive_prefix(&self) -> String {
         format!("{}:alive:", self.prefix)
+    }
+
+    /// The liveness prefix the scripts look at, or "" (leases free only when gone) while
+    /// liveness is not trusted.
+    fn liveness_arg(&self) -> String {
+        if self.trust_liveness.load(std::sync::atomic::Ordering::Relaxed) { self.alive_prefix() } else { String::new() }
     }
 
     async fn heartbeat(&self, owner: &str, ttl: Duration) -> Result<(), LeaseError> {
@@ -248,7 +269,7 @@ impl RedisLeases {
             .arg(owner)
             .arg(ttl.as_millis() as u64)
             .arg(min_epoch)
-            .arg(self.alive_prefix())
+            .arg(self.liveness_arg())
             .invoke_async(&mut conn)
             .await?;
         Ok(epoch.map(|e| RunLease::new(run_id, owner, e)))

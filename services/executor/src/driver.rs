@@ -231,9 +231,21 @@ impl RunCtx {
     }
 
     async fn step_cancelled(&self, step_id: &str, reason: &str) -> Result<StepOutcome, DriveError> {
+        self.step_cancelled_after(None, step_id, reason).await
+    }
+
+    /// A step cancelled after its decision: the decision is recorded with the cancellation.
+    async fn step_cancelled_after(
+        &self,
+        decision: Option<pb::EventInput>,
+        step_id: &str,
+        reason: &str,
+    ) -> Result<StepOutcome, DriveError> {
         let key = self.step_key(step_id, 0, "cancelled");
         let reason = format!("{reason} ({})", policy_name(self.cancel_policy));
-        self.append(events::STEP_CANCELLED, step_id, key, json!({"reason": reason})).await?;
+        let mut events: Vec<pb::EventInput> = decision.into_iter().collect();
+        events.push(event(events::STEP_CANCELLED, step_id, key, json!({"reason": reason})));
+        self.append_all(events).await?;
         Ok(StepOutcome::Cancelled)
     }
 
@@ -298,7 +310,7 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         return Ok(());
     }
     let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
-    let Some(lease) = ex.inner.leases.acquire(run_id, &ex.inner.id, ttl, run.max_epoch).await? else {
+    let Some(lease) = ex.inner.leases.acquire(run_id, &ex.inner.lease_owner, ttl, run.max_epoch).await? else {
         return Ok(()); // another replica drives it
     };
     with_lease(ex, &run.tenant, lease, None).await
@@ -335,7 +347,10 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
         None => drive_leased(&ctx).await,
     };
     if let Err(DriveError::Ledger(s)) = &result
-        && matches!(s.code(), Code::InvalidArgument | Code::FailedPrecondition | Code::Internal)
+        && matches!(
+            s.code(),
+            Code::InvalidArgument | Code::FailedPrecondition | Code::Internal | Code::PermissionDenied | Code::NotFound
+        )
         && !lost.is_cancelled()
     {
         // Retrying cannot help: record why and end the run instead of re-driving it forever.
@@ -715,14 +730,16 @@ fn never_sent(s: &Status) -> bool {
     if s.code() != Code::Unavailable {
         return false;
     }
-    let mut text = format!("{} {:?}", s.message(), s);
+    // Only the client's own transport error says so: a status a host sent (whatever its
+    // message) came over an established connection, and the host may have acted.
     let mut source = std::error::Error::source(s);
+    let mut text = String::new();
     while let Some(e) = source {
         text.push_str(&format!(" {e:?}"));
         source = e.source();
     }
     let text = text.to_ascii_lowercase();
-    text.contains("connecterror") || text.contains("tcp connect error") || text.contains("connection refused")
+    text.contains("connecterror") || text.contains("connection refused")
 }
 
 /// An error that says nothing was decided or done: the callee could not be reached, or said
@@ -884,7 +901,7 @@ async fn execute_attempt(
     };
     // Immediate cancellation: an allowed call whose tool was not invoked yet never is.
     if ctx.cancel.is_cancelled() && ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before {
-        return ctx.step_cancelled(&step.id, "the run was cancelled before the tool was invoked").await;
+        return ctx.step_cancelled_after(record, &step.id, "the run was cancelled before the tool was invoked").await;
     }
     // One transaction: the outcomes waiting, the policy's signed decision and the request.
     // The ledger acknowledges the durable request; the tool host acts only with that proof.
@@ -932,6 +949,10 @@ async fn execute_attempt(
     let mut backoff = Duration::from_millis(50);
     let (mut answer, mut unknown, mut asked) = (None, String::new(), 0);
     loop {
+        // A holder that lost its lease invokes nothing more: its successor settles the call.
+        if ctx.lost.is_cancelled() {
+            return Err(DriveError::LeaseLost);
+        }
         let mut host = ctx.ex.inner.catalog.host(entry.host);
         match tokio::time::timeout(timeout, host.invoke(request.clone())).await {
             Err(_) => {

@@ -37,6 +37,9 @@ pub struct Executor {
 
 pub(crate) struct Inner {
     pub id: String,
+    /// Who holds leases: the id plus this process's boot id, so a replica restarted under the
+    /// same id (a pod restarting in place) does not make its predecessor's leases look alive.
+    pub lease_owner: String,
     pub config: ExecutorConfig,
     pub ledger: LedgerClient<Ch>,
     pub policy: PolicyClient<Ch>,
@@ -77,6 +80,7 @@ impl Executor {
             .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES);
         Ok(Executor {
             inner: Arc::new(Inner {
+                lease_owner: format!("{id}#{}", &uuid::Uuid::new_v4().simple().to_string()[..8]),
                 id,
                 config: config.clone(),
                 ledger,
@@ -119,14 +123,23 @@ impl Executor {
     /// soon after it dies (not after the lease TTL). Ends when the replica hands off.
     pub async fn heartbeat_forever(self) {
         let ttl = Duration::from_millis(self.inner.config.liveness_ttl_ms);
+        let mut ok_since: Option<tokio::time::Instant> = None;
         loop {
-            if let Err(e) = self.inner.leases.heartbeat(&self.inner.id, ttl).await {
-                tracing::warn!(error = %e, "liveness heartbeat failed");
+            match self.inner.leases.heartbeat(&self.inner.lease_owner, ttl).await {
+                Ok(()) => {
+                    let since = *ok_since.get_or_insert_with(tokio::time::Instant::now);
+                    // Others' liveness is read only once ours has held for a whole TTL: after a
+                    // Redis outage every key lapsed, live holders' too, until they beat again.
+                    self.inner.leases.trust_liveness(since.elapsed() >= ttl);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "liveness heartbeat failed");
+                    ok_since = None;
+                    self.inner.leases.trust_liveness(false);
+                }
             }
-            tokio::select! {
-                _ = tokio::time::sleep(ttl / 3) => {}
-                _ = self.inner.handoff.cancelled() => return,
-            }
+            // Beats on through a hand-off: the runs still settling are this replica's.
+            tokio::time::sleep(ttl / 3).await;
         }
     }
 
@@ -141,7 +154,7 @@ impl Executor {
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        if let Err(e) = self.inner.leases.depart(&self.inner.id).await {
+        if let Err(e) = self.inner.leases.depart(&self.inner.lease_owner).await {
             tracing::warn!(error = %e, "departure not recorded; liveness will expire");
         }
         tracing::info!(executor_id = %self.inner.id, "handed off");
@@ -213,10 +226,16 @@ impl Executor {
     pub async fn sweep_forever(self) {
         let every = Duration::from_millis(self.inner.config.sweep_interval_ms);
         loop {
+            if self.inner.handoff.is_cancelled() {
+                return; // leaving: take nothing new
+            }
             if let Err(e) = self.sweep_once().await {
                 tracing::warn!(error = %e, "sweep failed");
             }
-            tokio::time::sleep(every).await;
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = self.inner.handoff.cancelled() => return,
+            }
         }
     }
 
@@ -277,7 +296,7 @@ pub async fn serve(
     let executor = Executor::new(config).await?;
     // Alive before it takes any lease, so no other replica mistakes its runs for orphans.
     let ttl = Duration::from_millis(config.liveness_ttl_ms);
-    executor.inner.leases.heartbeat(executor.id(), ttl).await?;
+    executor.inner.leases.heartbeat(&executor.inner.lease_owner, ttl).await?;
     let heartbeat = tokio::spawn(executor.clone().heartbeat_forever());
     tracing::info!(executor_id = executor.id(), "executor ready");
     let sweeper = tokio::spawn(executor.clone().sweep_forever());

@@ -129,7 +129,7 @@ impl Runs for RunsService {
             .ex
             .inner
             .leases
-            .acquire(&run_id, &self.ex.inner.id, ttl, 0)
+            .acquire(&run_id, &self.ex.inner.lease_owner, ttl, 0)
             .await
             .map_err(|e| Status::unavailable(format!("lease store: {e}")))?;
         let created = self

@@ -147,7 +147,7 @@ impl LedgerService {
 
     /// A decision is recorded only as the policy signed it (see `warden_core::decision`): the
     /// executor carries decisions into its appends, and nobody between may forge or alter one.
-    async fn check_decision(&self, payload: &Value) -> Result<(), Status> {
+    async fn check_decision(&self, tenant: &str, run_id: &str, step_id: &str, payload: &Value) -> Result<(), Status> {
         let kid = payload.get("key_id").and_then(Value::as_str).unwrap_or_default().to_string();
         if !kid.is_empty() && self.policy_keys.get(&kid).is_none() {
             let Some(policy) = &self.policy else {
@@ -167,12 +167,22 @@ impl LedgerService {
         }
         warden_core::decision::verify_decision(payload, |id| self.policy_keys.get(id)).map_err(|e| {
             Status::permission_denied(format!("policy_decision refused: not as the policy signed it: {e}"))
-        })
+        })?;
+        // The signature covers where the decision belongs: a genuine record of one call cannot
+        // be replayed into another run, step or tenant.
+        let text = |k: &str| payload.get(k).and_then(Value::as_str).unwrap_or_default();
+        if text("tenant") != tenant || text("run_id") != run_id || text("step_id") != step_id {
+            return Err(Status::permission_denied(
+                "policy_decision refused: the policy signed it for another tenant, run or step",
+            ));
+        }
+        Ok(())
     }
 
     /// Validates one event of an append request; returns its parsed payload.
     async fn check_event(
         &self,
+        (tenant, run_id): (&str, &str),
         key: &str,
         event_type: &str,
         payload_json: &str,
@@ -198,7 +208,7 @@ impl LedgerService {
         }
         let payload = self.parse_payload("payload_json", payload_json)?;
         if event_type == events::POLICY_DECISION {
-            self.check_decision(&payload).await?;
+            self.check_decision(tenant, run_id, step_id, &payload).await?;
         }
         Ok(payload)
     }
@@ -614,7 +624,9 @@ impl Ledger for LedgerService {
                 return Ok(Response::new(self.appended(&r.tenant, &event, true)));
             }
         }
-        let payload = self.check_event(&r.idempotency_key, &r.event_type, &r.payload_json, &r.step_id).await?;
+        let payload = self
+            .check_event((&r.tenant, &r.run_id), &r.idempotency_key, &r.event_type, &r.payload_json, &r.step_id)
+            .await?;
         let (event, deduplicated) =
             self.append(&r.tenant, &r.run_id, r.epoch, &r.idempotency_key, &r.event_type, payload, &r.step_id).await?;
         self.remember_decisions(&r.tenant, [&event]);
@@ -640,7 +652,7 @@ impl Ledger for LedgerService {
         let mut group = Vec::with_capacity(r.events.len());
         for (i, e) in r.events.into_iter().enumerate() {
             let payload = self
-                .check_event(&e.idempotency_key, &e.event_type, &e.payload_json, &e.step_id)
+                .check_event((&r.tenant, &r.run_id), &e.idempotency_key, &e.event_type, &e.payload_json, &e.step_id)
                 .await
                 .map_err(|s| prefix_field(s, &format!("events[{i}].")))?;
             group.push(OwnedEvent {

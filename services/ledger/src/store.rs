@@ -574,6 +574,7 @@ impl LedgerStore {
         let found = batch::find_events(tx, &keys).await?;
         if let Some(existing) = found.get(&own_key) {
             checks::check_duplicate(existing, &new)?;
+            checks::check_stale_repeat(head, &new)?;
             return Ok((existing.clone(), true));
         }
         checks::check_writable(head, &new)?;

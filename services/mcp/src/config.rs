@@ -245,6 +245,20 @@ impl McpConfig {
 mod tests {
     use super::*;
 
+    /// The README's MCP example (`cat > mcp.toml <<TOML … TOML`) stays a valid configuration.
+    #[test]
+    fn the_readme_example_is_a_valid_configuration() {
+        let readme = include_str!("../../../README.md");
+        let opening = "cat > mcp.toml <<TOML\n";
+        let start = readme.find(opening).expect("the README shows an mcp.toml") + opening.len();
+        let end = start + readme[start..].find("\nTOML\n").expect("the heredoc ends");
+        let text = readme[start..end].replace("$HOME", "/home/someone");
+        let loaded = Loaded::from_toml(&text).unwrap_or_else(|e| panic!("README example: {e}\n{text}"));
+        let fs = &loaded.mcp.servers[0];
+        assert_eq!((fs.name.as_str(), fs.command[0].as_str()), ("fs", "node"));
+        assert_eq!(fs.effects["write_file"], Effect::Consequential);
+    }
+
     #[test]
     fn a_server_file_loads_and_bad_keys_are_named() {
         let ok = Loaded::from_toml(

@@ -102,7 +102,7 @@ impl McpHost {
                 Err(e) => tracing::warn!(server = %u.name(), error = %e, "MCP server not available yet"),
             }
         });
-        futures_join_all(listings).await;
+        run_all(listings).await;
         Ok(())
     }
 
@@ -110,26 +110,26 @@ impl McpHost {
         self.inner.upstreams.iter().find(|u| u.name() == name)
     }
 
-    /// Refreshes `upstream`'s listing in the background (one at a time per server).
-    fn refresh_later(&self, upstream: &Arc<Upstream>) {
-        let upstream = upstream.clone();
-        tokio::spawn(async move {
-            let _ = upstream.refresh().await;
-        });
-    }
-
     /// The call's tool on its server: from the listing, or a fresh one if the tool is not in it
     /// (a server restarted with new tools).
-    async fn find_tool(&self, upstream: &Upstream, name: &str) -> Result<tools::McpTool, pb::ToolError> {
+    async fn find_tool(
+        &self,
+        upstream: &Upstream,
+        name: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<tools::McpTool, pb::ToolError> {
         let (known, _) = upstream.tools(self.inner.list_ttl);
         if let Some(t) = known.iter().find(|t| t.name == name) {
             return Ok(t.clone());
         }
-        let fresh = upstream.refresh().await.map_err(|e| pb::ToolError {
-            code: "mcp_server_unavailable".into(),
-            message: e,
-            retryable: true,
-        })?;
+        let unavailable =
+            |message: String| pb::ToolError { code: "mcp_server_unavailable".into(), message, retryable: true };
+        let late =
+            || format!("MCP server '{}' did not list its tools in time; nothing was sent to it", upstream.name());
+        let fresh = tokio::time::timeout_at(deadline, upstream.refresh())
+            .await
+            .map_err(|_| unavailable(late()))?
+            .map_err(unavailable)?;
         fresh.iter().find(|t| t.name == name).cloned().ok_or_else(|| {
             tool_error("mcp_unknown_tool", format!("MCP server '{}' lists no tool '{name}'", upstream.name()))
         })
@@ -173,7 +173,10 @@ impl McpHost {
     }
 
     async fn forward(&self, upstream: &Upstream, tool: &str, args: Value) -> Result<Value, pb::ToolError> {
-        let found = self.find_tool(upstream, tool).await?;
+        // One deadline for everything the call needs, so the host answers before the executor
+        // (waiting the tool's declared timeout_sec, 2 s longer) would give up on it.
+        let deadline = tokio::time::Instant::now() + upstream.call_timeout();
+        let found = self.find_tool(upstream, tool, deadline).await?;
         if let Some(problem) = found.schema_problem {
             return Err(tool_error(
                 "mcp_invalid_schema",
@@ -183,7 +186,7 @@ impl McpHost {
         let Value::Object(args) = args else {
             return Err(tool_error("invalid_arguments", format!("MCP tool arguments are an object, not {args}")));
         };
-        upstream.call(tool, args).await
+        upstream.call(tool, args, deadline).await
     }
 }
 
@@ -199,7 +202,7 @@ fn replay(r: &pb::InvokeRequest, args_sha256: &str, first: Recorded) -> Result<R
     Ok(Response::new(pb::InvokeResponse { outcome: Some(first.outcome), replayed: true }))
 }
 
-async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(futures: impl Iterator<Item = F>) {
+async fn run_all<F: std::future::Future<Output = ()> + Send + 'static>(futures: impl Iterator<Item = F>) {
     let mut set = tokio::task::JoinSet::new();
     for f in futures {
         set.spawn(f);
@@ -217,7 +220,7 @@ impl ToolHost for McpHost {
         for u in self.inner.upstreams.iter().filter(|u| u.config.admits(&tenant)) {
             let (tools, stale) = u.tools(self.inner.list_ttl);
             if stale {
-                self.refresh_later(u);
+                u.refresh_in_background();
             }
             specs.extend(tools.iter().map(|t| t.spec.clone()));
         }

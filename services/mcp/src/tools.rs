@@ -158,9 +158,11 @@ fn subschema_problem(schema: &Value, at: &str, depth: usize) -> Option<String> {
                 other => Some(format!("{at}/required: must be an array of property names, not {other}")),
             },
             "enum" => (!v.is_array()).then(|| format!("{at}/enum: must be an array, not {v}")),
-            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" | "multipleOf" => (!v.is_number()
-                && !(v.is_boolean() && key.starts_with("exclusive")))
-            .then(|| format!("{at}/{key}: must be a number, not {v}")),
+            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" | "multipleOf" => {
+                // Draft 4 spelled the exclusive bounds as booleans.
+                let draft4 = v.is_boolean() && key.starts_with("exclusive");
+                (!(v.is_number() || draft4)).then(|| format!("{at}/{key}: must be a number, not {v}"))
+            }
             "minLength" | "maxLength" | "minItems" | "maxItems" | "minProperties" | "maxProperties" | "minContains"
             | "maxContains" => count(key, v),
             "pattern" | "format" | "$ref" | "$id" | "$schema" | "title" | "description" => {

@@ -10,6 +10,7 @@
 
 use std::collections::VecDeque;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -104,6 +105,8 @@ pub struct Upstream {
     listing: RwLock<Option<Listing>>,
     /// One listing at a time (a background refresh, or a call looking for a tool).
     listing_turn: tokio::sync::Mutex<()>,
+    /// A background refresh is under way: `ListTools` starts no second one.
+    refreshing: AtomicBool,
 }
 
 impl Upstream {
@@ -114,6 +117,7 @@ impl Upstream {
             connection: tokio::sync::Mutex::new(None),
             listing: RwLock::new(None),
             listing_turn: tokio::sync::Mutex::new(()),
+            refreshing: AtomicBool::new(false),
         }
     }
 
@@ -130,6 +134,19 @@ impl Upstream {
         }
     }
 
+    /// Refreshes the listing on a task of its own, unless one is under way: a server slow to
+    /// answer never holds up `ListTools`, nor piles up refreshes.
+    pub fn refresh_in_background(self: &Arc<Self>) {
+        if self.refreshing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let upstream = self.clone();
+        tokio::spawn(async move {
+            let _ = upstream.refresh().await;
+            upstream.refreshing.store(false, Ordering::Release);
+        });
+    }
+
     /// Lists the server's tools now (connecting first if needed) and keeps the listing. A
     /// failed listing keeps the previous one: a server that is down keeps its tools in the
     /// catalog, so calls of them fail recorded, with the reason.
@@ -139,7 +156,10 @@ impl Upstream {
             let connection = self.connection().await.map_err(|e| e.message)?;
             let tools = tokio::time::timeout(self.connect_timeout, connection.client.peer().list_all_tools())
                 .await
-                .map_err(|_| format!("no tools/list answer within {} ms", self.connect_timeout.as_millis()))?
+                .map_err(|_| {
+                    let within = self.connect_timeout.as_millis();
+                    format!("MCP server '{}' did not answer tools/list within {within} ms", self.config.name)
+                })?
                 .map_err(|e| self.explain(&connection, &e))?;
             Ok::<_, String>(tools)
         };
@@ -198,14 +218,14 @@ impl Upstream {
             Implementation::new("warden-mcp", env!("CARGO_PKG_VERSION")),
         );
         let diagnosis = Arc::new(Diagnosis::default());
+        // A server that fails the handshake, or does not finish it in time (this future is
+        // then dropped), is stopped — killed — rather than left running unused.
         let stop = CancellationToken::new();
+        let unused = stop.clone().drop_guard();
         let client = if self.config.url.is_empty() {
             let (read, write) = self.spawn(diagnosis.clone(), stop.clone())?;
             let handshake = info.serve((read, write)).await;
-            handshake.map_err(|e| {
-                stop.cancel();
-                format!("{e}{}", diagnosis.ended().map(|w| format!(" ({w})")).unwrap_or_default())
-            })?
+            handshake.map_err(|e| format!("{e}{}", diagnosis.ended().map(|w| format!(" ({w})")).unwrap_or_default()))?
         } else {
             use rmcp::transport::StreamableHttpClientTransport;
             use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
@@ -215,6 +235,7 @@ impl Upstream {
             }
             info.serve(StreamableHttpClientTransport::from_config(config)).await.map_err(|e| e.to_string())?
         };
+        unused.disarm();
         Ok(Connection { client, diagnosis, stop })
     }
 
@@ -242,7 +263,7 @@ impl Upstream {
             return Err("the server's stdio could not be attached".into());
         };
         let name = self.config.name.clone();
-        {
+        let stderr = {
             let (diagnosis, name) = (diagnosis.clone(), name.clone());
             tokio::spawn(async move {
                 let mut lines = tokio::io::BufReader::new(stderr).lines();
@@ -250,28 +271,44 @@ impl Upstream {
                     tracing::info!(server = %name, "{line}");
                     diagnosis.note_stderr(line);
                 }
-            });
-        }
+            })
+        };
         let (to_client, from_server) = tokio::io::duplex(64 << 10);
-        tokio::spawn(supervise(name, child, stdout, to_client, diagnosis, stop));
+        let server = Supervised { name, child, stdout, stderr, to_client, diagnosis, stop };
+        tokio::spawn(server.supervise());
         Ok((from_server, stdin))
     }
 
-    /// Forwards one call; `Err` is the failure to record. `deadline` is the host's wait.
-    pub async fn call(&self, tool: &str, args: serde_json::Map<String, Value>) -> Result<Value, pb::ToolError> {
-        let connection = self.connection().await?;
-        let deadline = Duration::from_secs(self.config.call_timeout_secs.into());
+    /// The host's wait for one call, connecting included (`call_timeout_secs`).
+    pub fn call_timeout(&self) -> Duration {
+        Duration::from_secs(self.config.call_timeout_secs.into())
+    }
+
+    /// Forwards one call, connecting first if needed, all by `deadline`; `Err` is the failure
+    /// to record.
+    pub async fn call(
+        &self,
+        tool: &str,
+        args: serde_json::Map<String, Value>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Value, pb::ToolError> {
+        let wait = self.config.call_timeout_secs;
+        let server = &self.config.name;
+        let connection = tokio::time::timeout_at(deadline, self.connection()).await.map_err(|_| {
+            let why = format!(
+                "MCP server '{server}' was not reachable within {wait}s (call_timeout_secs); nothing was sent to it"
+            );
+            failure("mcp_server_unavailable", why, true)
+        })??;
         let params = CallToolRequestParams::new(tool.to_string()).with_arguments(args);
         // Dropping the call at the deadline sends the server `notifications/cancelled`.
-        let answered = tokio::time::timeout(deadline, connection.client.peer().call_tool(params)).await;
-        let server = &self.config.name;
+        let answered = tokio::time::timeout_at(deadline, connection.client.peer().call_tool(params)).await;
         match answered {
             Err(_) => Err(failure(
                 "mcp_timeout",
                 format!(
-                    "MCP server '{server}' did not answer within {}s (call_timeout_secs); the call was cancelled, \
+                    "MCP server '{server}' did not answer within {wait}s (call_timeout_secs); the call was cancelled, \
                      whether it acted is unknown{}",
-                    deadline.as_secs(),
                     connection.diagnosis.stderr_tail()
                 ),
                 false,
@@ -298,7 +335,7 @@ impl Upstream {
                 // The supervisor notes why the stream ended; give it a moment to do so.
                 let why = connection.diagnosis.ended().unwrap_or_else(|| format!("the connection broke ({e})"));
                 format!(
-                    "MCP server '{server}' {why} during the call; whether it acted is unknown{}",
+                    "MCP server '{server}' {why}; the call broke off, whether it acted is unknown{}",
                     connection.diagnosis.stderr_tail()
                 )
             }
@@ -307,75 +344,85 @@ impl Upstream {
     }
 }
 
-/// Reads a stdio server's stdout line by line, passing on only JSON-RPC messages the MCP
-/// client can read; anything else ends the connection with that reason. Kills the server when
-/// told to stop or when it broke the protocol, and notes how it ended.
-async fn supervise(
+/// A running stdio server and what the host holds of it.
+struct Supervised {
     name: String,
-    mut child: tokio::process::Child,
+    child: tokio::process::Child,
     stdout: tokio::process::ChildStdout,
-    mut to_client: tokio::io::DuplexStream,
+    /// The task copying its stderr to the log (and the diagnosis).
+    stderr: tokio::task::JoinHandle<()>,
+    to_client: tokio::io::DuplexStream,
     diagnosis: Arc<Diagnosis>,
     stop: CancellationToken,
-) {
-    let mut reader = tokio::io::BufReader::new(stdout);
-    let mut line = Vec::new();
-    let kill = loop {
-        line.clear();
-        let mut bounded = (&mut reader).take(MAX_LINE_BYTES as u64 + 1);
-        let read = tokio::select! {
-            _ = stop.cancelled() => break true,
-            read = bounded.read_until(b'\n', &mut line) => read,
-        };
-        match read {
-            Ok(0) => break false,
-            Ok(_) if line.len() > MAX_LINE_BYTES => {
-                diagnosis.end(format!("wrote a line longer than {MAX_LINE_BYTES} bytes (malformed JSON-RPC)"));
+}
+
+impl Supervised {
+    /// Reads the server's stdout line by line, passing on only JSON-RPC messages the MCP
+    /// client can read; anything else ends the connection with that reason. Kills the server
+    /// when told to stop or when it broke the protocol. How it ended — and its last stderr —
+    /// is noted before the client sees the end, so a call it broke off can say why.
+    async fn supervise(self) {
+        let Supervised { name, mut child, stdout, stderr, mut to_client, diagnosis, stop } = self;
+        let mut reader = tokio::io::BufReader::new(stdout);
+        let mut line = Vec::new();
+        let kill = loop {
+            line.clear();
+            let mut bounded = (&mut reader).take(MAX_LINE_BYTES as u64 + 1);
+            let read = tokio::select! {
+                _ = stop.cancelled() => break true,
+                read = bounded.read_until(b'\n', &mut line) => read,
+            };
+            match read {
+                Ok(0) => break false,
+                Ok(_) if line.len() > MAX_LINE_BYTES => {
+                    diagnosis.end(format!("broke the protocol: wrote a line longer than {MAX_LINE_BYTES} bytes"));
+                    break true;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    diagnosis.end(format!("could not be read ({e})"));
+                    break true;
+                }
+            }
+            let text = line.strip_suffix(b"\n").unwrap_or(&line);
+            let text = text.strip_suffix(b"\r").unwrap_or(text);
+            if text.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            if let Err(why) = check_message(text) {
+                tracing::warn!(server = %name, problem = %why, "MCP server broke the protocol; closing its connection");
+                diagnosis.end(format!("broke the protocol: {why}"));
                 break true;
             }
-            Ok(_) => {}
-            Err(e) => {
-                diagnosis.end(format!("could not be read ({e})"));
+            let forwarded = async {
+                to_client.write_all(text).await?;
+                to_client.write_all(b"\n").await
+            };
+            if forwarded.await.is_err() {
+                // The client is gone (the connection was dropped).
                 break true;
             }
-        }
-        let text = line.strip_suffix(b"\n").unwrap_or(&line);
-        let text = text.strip_suffix(b"\r").unwrap_or(text);
-        if text.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        if let Err(why) = check_message(text) {
-            tracing::warn!(server = %name, problem = %why, "MCP server broke the protocol; closing its connection");
-            diagnosis.end(format!("broke the protocol: {why}"));
-            break true;
-        }
-        let forwarded = async {
-            to_client.write_all(text).await?;
-            to_client.write_all(b"\n").await
         };
-        if forwarded.await.is_err() {
-            // The client is gone (the connection was dropped).
-            break true;
+        if kill {
+            let _ = child.start_kill();
         }
-    };
-    if kill {
-        let _ = child.start_kill();
-    }
-    // EOF for the client: its pending requests end at once.
-    drop(to_client);
-    let status = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
-    let how = match status {
-        Ok(Ok(s)) => format!("exited ({s})"),
-        Ok(Err(e)) => format!("ended ({e})"),
-        Err(_) => {
-            let _ = child.kill().await;
-            "closed its stdout and was killed".into()
+        let how = match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
+            Ok(Ok(s)) => format!("exited ({s})"),
+            Ok(Err(e)) => format!("ended ({e})"),
+            Err(_) => {
+                let _ = child.kill().await;
+                "closed its stdout and was killed".into()
+            }
+        };
+        // Its stderr closes with it: its last lines are read before anyone asks for them.
+        let _ = tokio::time::timeout(Duration::from_secs(1), stderr).await;
+        if !stop.is_cancelled() {
+            tracing::warn!(server = %name, how = %how, "MCP server connection ended");
         }
-    };
-    if !stop.is_cancelled() {
-        tracing::warn!(server = %name, how = %how, "MCP server connection ended");
+        diagnosis.end(how);
+        // Only now EOF for the client: its pending requests end, and the reason is known.
+        drop(to_client);
     }
-    diagnosis.end(how);
 }
 
 /// Whether one stdout line is a JSON-RPC message the MCP client can read.

@@ -410,7 +410,8 @@ impl PolicyService {
         };
         let id = warden_core::auth::decision_id(&call, "|malformed");
         let payload = json!({
-            "decision_id": id, "attempt": r.attempt, "tool": r.tool, "args_sha256": digest,
+            "decision_id": id, "tenant": r.tenant, "run_id": r.run_id, "step_id": r.step_id,
+            "attempt": r.attempt, "tool": r.tool, "args_sha256": digest,
             "fingerprint": format!("{}@{}", r.tool, &digest[..16]), "capability_id": "",
             "idempotency_key": r.idempotency_key, "outcome": "deny", "rule_id": "malformed_request",
             "reason": status.message(),
@@ -599,7 +600,9 @@ impl pb::policy_server::Policy for PolicyService {
         // decision — never an allow.
         let rule = match self.stages(&r, &mut checked).await {
             Ok(rule) => rule,
-            Err(e) if e.code() == Code::Unavailable => {
+            Err(e)
+                if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled) =>
+            {
                 tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, error = %e, "policy stage unavailable; not deciding");
                 return Err(Status::unavailable(format!("policy cannot decide now: {}", e.message())));
             }
@@ -616,6 +619,10 @@ impl pb::policy_server::Policy for PolicyService {
         let id = decision_id(&r, &checked);
         let mut payload = json!({
             "decision_id": id,
+            // Bound into what is signed: the record is this call's only, in this run.
+            "tenant": r.tenant,
+            "run_id": r.run_id,
+            "step_id": r.step_id,
             "attempt": r.attempt,
             "tool": r.tool,
             "fingerprint": format!("{}@{}", r.tool, &checked.args_sha256[..16]),

@@ -27,7 +27,20 @@ impl From<sqlx::Error> for StoreError {
             | sqlx::Error::PoolTimedOut
             | sqlx::Error::PoolClosed
             | sqlx::Error::Tls(_)
+            | sqlx::Error::WorkerCrashed
             | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
+            sqlx::Error::Database(d) => {
+                // As the ledger reads them: 08xxx connection exceptions, 57xxx operator
+                // intervention (shutdown, starting up), serialization failures and deadlocks,
+                // SQLite busy/locked — a blip, not an answer.
+                let code = d.code().unwrap_or_default();
+                let busy = code.parse::<u32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6));
+                if code.starts_with("08") || code.starts_with("57") || code == "40001" || code == "40P01" || busy {
+                    StoreError::Unavailable(e.to_string())
+                } else {
+                    StoreError::Internal(e.to_string())
+                }
+            }
             _ => StoreError::Internal(e.to_string()),
         }
     }

@@ -15,7 +15,7 @@ import sys
 from mcp.server.mcpserver import MCPServer
 from mcp_types import ToolAnnotations
 
-server = MCPServer("warden-fixture")
+server = MCPServer("warden-fixture", log_level="WARNING")
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))

@@ -269,6 +269,7 @@ fn decide(
     checks::check_tenant(head, &new)?;
     if let Some(existing) = known.get(&(e.run_id.clone(), e.idempotency_key.clone())) {
         checks::check_duplicate(existing, &new)?;
+        checks::check_stale_repeat(head, &new)?;
         return Ok((existing.clone(), true, String::new()));
     }
     checks::check_writable(head, &new)?;

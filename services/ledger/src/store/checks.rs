@@ -64,6 +64,16 @@ pub fn check_duplicate(existing: &ChainedEvent, new: &NewEvent<'_>) -> Result<()
     Ok(())
 }
 
+/// A request repeated by a holder the run has moved past gets no answer that would let it act:
+/// the repeat would be handed the request's acknowledgement, and a stale executor must not
+/// invoke a tool (its successor may already have settled the call otherwise).
+pub fn check_stale_repeat(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerError> {
+    if new.event_type == events::TOOL_REQUESTED && new.epoch < head.max_epoch {
+        return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch: head.max_epoch });
+    }
+    Ok(())
+}
+
 /// Fencing and lifecycle: stale epochs, restarts of waiting runs, events after the end.
 pub fn check_writable(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerError> {
     if let Some(a) = new.payload.get("attempt")
