@@ -887,6 +887,15 @@ async fn execute_attempt(
     };
     let decision = authorized.decision.unwrap_or_default();
     let record = decision_event(&step.id, &decision.decision_id, &authorized.decision_event_json);
+    // A call requested before (its outcome unknown) may have acted: a decision that no longer
+    // allows asking again cannot make it a failure or a cancellation — an operator settles it.
+    if asked_before && decision.outcome() != pb::Outcome::Allow {
+        return Ok(StepOutcome::Unknown(format!(
+            "the call was requested before its outcome was recorded, and policy no longer allows asking again \
+             ({}: {})",
+            decision.rule_id, decision.reason
+        )));
+    }
     if decision.outcome() == pb::Outcome::ApprovalRequired {
         // Nothing runs and nothing fails: the run will wait, holding no executor.
         return Ok(StepOutcome::Blocked { decision_id: decision.decision_id, reason: decision.reason });

@@ -79,9 +79,10 @@ async fn outcome(svc: &PolicyService, tenant: &str, claim: &SemanticClaim) -> Re
     })
 }
 
-/// Applies semantic idempotency to an allow. When the call may go ahead, returns the claim to
-/// make for it: the caller claims the key only once the whole decision is an allow and is
-/// recorded (or handed to the executor), so a refused or denied request holds no key.
+/// Applies semantic idempotency to an allow. When the call may go ahead it claims the key
+/// (atomically) and returns the claim, which the caller gives back unless the whole decision
+/// ends as an allow that is recorded (or handed to the executor): a refused or denied request
+/// holds no key. A claim left by a crash in between lapses (never requested).
 pub async fn check(
     svc: &PolicyService,
     r: &pb::AuthorizeRequest,
@@ -110,24 +111,32 @@ pub async fn check(
         decision_id: decision_id.to_string(),
         claimed_at_ms: warden_grpc::now_ms(),
     };
-    if let Some(held) = svc.store().semantic_claim(&r.tenant, &key).await?
-        && (held.run_id != mine.run_id || held.step_id != mine.step_id)
-    {
-        match outcome(svc, &r.tenant, &held).await? {
+    let held = svc.store().semantic_claim(&r.tenant, &key).await?;
+    let replacing = match &held {
+        // This very call (another attempt, or asked again after an approval) holds it already.
+        Some(h) if h.run_id == mine.run_id && h.step_id == mine.step_id => return Ok((rule, None)),
+        Some(h) => match outcome(svc, &r.tenant, h).await? {
             Outcome::Succeeded => {
-                let why = format!("'{key}' already succeeded (run {}, step {})", held.run_id, held.step_id);
+                let why = format!("'{key}' already succeeded (run {}, step {})", h.run_id, h.step_id);
                 return Ok((deny("semantic_duplicate", why), None));
             }
             Outcome::Unknown => {
-                let why =
-                    format!("'{key}' has an unresolved earlier call (run {}, step {})", held.run_id, held.step_id);
+                let why = format!("'{key}' has an unresolved earlier call (run {}, step {})", h.run_id, h.step_id);
                 return Ok((deny("semantic_requires_reconciliation", why), None));
             }
-            Outcome::Failed => {}
-        }
+            Outcome::Failed => Some(h),
+        },
+        None => None,
+    };
+    // Claimed atomically now, so two calls with one key never both go ahead; given back if this
+    // request ends as anything but a recorded allow.
+    if !svc.store().claim_semantic(&r.tenant, &key, &mine, replacing).await? {
+        let why = format!("'{key}' was just claimed by another call");
+        return Ok((deny("semantic_requires_reconciliation", why), None));
     }
     Ok((rule, Some((key, mine))))
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

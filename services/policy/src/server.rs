@@ -284,6 +284,58 @@ impl PolicyService {
         })
     }
 
+    /// Counts an allow against the budgets and records the decision — before the answer, or
+    /// off the hot path when the executor carries it into its own append. Returns the ledger
+    /// seq of a decision recorded now (0 otherwise).
+    async fn count_and_record(
+        &self,
+        r: &pb::AuthorizeRequest,
+        checked: &mut Checked,
+        rule: &rules::RuleDecision,
+        id: &str,
+        record: pb::AppendEventRequest,
+        caller_records: bool,
+    ) -> Result<u64, Status> {
+        // Decisions are whole: an allow is counted against the budgets (once per decision: a
+        // retried Authorize of the same call counts nothing) before it is recorded or answered.
+        // A retry of an earlier attempt is the same call: never counted again.
+        if rule.verdict == Verdict::Allow && rule.rule_id != "retry" {
+            crate::budgets::count(self, r, id).await?;
+        }
+        if rule.verdict != Verdict::ApprovalRequired && caller_records {
+            // The executor records the decision with the call's request (nothing can act on an
+            // allow before that); the policy records it too, off the hot path.
+            self.recorder.record_later(record).await.map_err(|s| {
+                Status::unavailable(format!(
+                    "decision could not be queued or recorded (failing closed): {}",
+                    s.message()
+                ))
+            })?;
+            return Ok(0);
+        }
+        let appended = self.ledger.clone().append_event(record).await.map_err(|s| match s.code() {
+            // Fencing and tenancy refusals pass through unchanged (with their details).
+            Code::NotFound | Code::FailedPrecondition => s,
+            // The decision id is taken by different content: rules changed since, or a forged
+            // record. Never sign on top of it.
+            Code::InvalidArgument => Status::failed_precondition(format!(
+                "a different decision is already recorded for this call; not signing: {}",
+                s.message()
+            )),
+            _ => Status::unavailable(format!(
+                "decision could not be recorded in the ledger (failing closed): {}",
+                s.message()
+            )),
+        })?;
+        if let Some(wanted) = checked.new_approval.take() {
+            let a = self.store.ensure_approval(&wanted).await?;
+            if a.created_at_ms == wanted.created_at_ms {
+                self.approvals_changed();
+            }
+        }
+        Ok(appended.into_inner().event.map(|e| e.seq).unwrap_or_default())
+    }
+
     /// The recorded events of the request's run, first to last.
     async fn run_events(&self, r: &pb::AuthorizeRequest) -> Result<tonic::Streaming<pb::Event>, Status> {
         let req =
@@ -604,6 +656,9 @@ impl pb::policy_server::Policy for PolicyService {
                 if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled) =>
             {
                 tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, error = %e, "policy stage unavailable; not deciding");
+                if let Some((key, claim)) = checked.semantic_claim.take() {
+                    let _ = self.store.release_semantic(&r.tenant, &key, &claim).await;
+                }
                 return Err(Status::unavailable(format!("policy cannot decide now: {}", e.message())));
             }
             Err(e) => {
@@ -649,7 +704,6 @@ impl pb::policy_server::Policy for PolicyService {
             payload_json: decision_event_json.clone(),
             step_id: r.step_id.clone(),
         };
-        let mut ledger_seq = 0;
         // Recorded before the answer unless the mesh's executor carries it into its own append
         // (and never for approvals: one comes into being only once the decision asking for it
         // is recorded; nor for ledger-mediated tools, whose effect the ledger applies on sight
@@ -658,44 +712,15 @@ impl pb::policy_server::Policy for PolicyService {
         // Decisions are whole: an allow is counted against the budgets (once per decision: a
         // retried Authorize of the same call counts nothing) before it is recorded or answered.
         // A retry of an earlier attempt is the same call: never counted again.
-        if rule.verdict == Verdict::Allow && rule.rule_id != "retry" {
-            crate::budgets::count(self, &r, &id).await?;
+        let recorded = self.count_and_record(&r, &mut checked, &rule, &id, record, caller_records).await;
+        // A semantic key this request claimed stays claimed only by a recorded (or handed
+        // over) allow; refused or decided otherwise, it is given back.
+        if let Some((key, claim)) = checked.semantic_claim.take()
+            && (recorded.is_err() || rule.verdict != Verdict::Allow)
+        {
+            self.store.release_semantic(&r.tenant, &key, &claim).await?;
         }
-        if rule.verdict == Verdict::ApprovalRequired || !caller_records {
-            let appended = self.ledger.clone().append_event(record).await.map_err(|s| match s.code() {
-                // Fencing and tenancy refusals pass through unchanged (with their details).
-                Code::NotFound | Code::FailedPrecondition => s,
-                // The decision id is taken by different content: rules changed since, or a
-                // forged record. Never sign on top of it.
-                Code::InvalidArgument => Status::failed_precondition(format!(
-                    "a different decision is already recorded for this call; not signing: {}",
-                    s.message()
-                )),
-                _ => Status::unavailable(format!(
-                    "decision could not be recorded in the ledger (failing closed): {}",
-                    s.message()
-                )),
-            })?;
-            ledger_seq = appended.into_inner().event.map(|e| e.seq).unwrap_or_default();
-            if let Some(wanted) = checked.new_approval.take() {
-                let a = self.store.ensure_approval(&wanted).await?;
-                if a.created_at_ms == wanted.created_at_ms {
-                    self.approvals_changed();
-                }
-            }
-        } else {
-            // The executor records the decision with the call's request (nothing can act
-            // on an allow before that); the policy records it too, off the hot path.
-            self.recorder.record_later(record).await.map_err(|s| {
-                Status::unavailable(format!(
-                    "decision could not be queued or recorded (failing closed): {}",
-                    s.message()
-                ))
-            })?;
-        }
-        if let (Verdict::Allow, Some((key, claim))) = (rule.verdict, checked.semantic_claim.take()) {
-            self.store.claim_semantic(&r.tenant, &key, &claim).await?;
-        }
+        let ledger_seq = recorded?;
         let decision = self.decision(&r, &checked, ledger_seq, &rule);
         tracing::info!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, outcome = rule.verdict.as_str(), rule_id = %rule.rule_id, "policy decision");
         let authorization = (rule.verdict == Verdict::Allow).then(|| {

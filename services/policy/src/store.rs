@@ -506,20 +506,60 @@ impl PolicyStore {
         .transpose()
     }
 
-    /// Points the key at this call (first claim, or after the previous holder failed).
-    pub async fn claim_semantic(&self, tenant: &str, key: &str, c: &SemanticClaim) -> Result<(), StoreError> {
+    /// Points the key at this call, atomically: when it is free (`replacing` None), or still
+    /// held by the call judged finished (`replacing`). False when another call got there first
+    /// (two calls with one key never both hold it).
+    pub async fn claim_semantic(
+        &self,
+        tenant: &str,
+        key: &str,
+        c: &SemanticClaim,
+        replacing: Option<&SemanticClaim>,
+    ) -> Result<bool, StoreError> {
+        let done = match replacing {
+            None => {
+                sqlx::query(
+                    "INSERT INTO semantic_keys (tenant, semantic_key, run_id, step_id, decision_id, claimed_at_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tenant, semantic_key) DO NOTHING",
+                )
+                .bind(tenant)
+                .bind(key)
+                .bind(&c.run_id)
+                .bind(&c.step_id)
+                .bind(&c.decision_id)
+                .bind(c.claimed_at_ms)
+                .execute(&self.pool)
+                .await?
+            }
+            Some(held) => {
+                sqlx::query(
+                    "UPDATE semantic_keys SET run_id = $3, step_id = $4, decision_id = $5, claimed_at_ms = $6
+                 WHERE tenant = $1 AND semantic_key = $2 AND run_id = $7 AND step_id = $8",
+                )
+                .bind(tenant)
+                .bind(key)
+                .bind(&c.run_id)
+                .bind(&c.step_id)
+                .bind(&c.decision_id)
+                .bind(c.claimed_at_ms)
+                .bind(&held.run_id)
+                .bind(&held.step_id)
+                .execute(&self.pool)
+                .await?
+            }
+        };
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Gives a key back when the call that claimed it was refused before anything could act.
+    pub async fn release_semantic(&self, tenant: &str, key: &str, c: &SemanticClaim) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO semantic_keys (tenant, semantic_key, run_id, step_id, decision_id, claimed_at_ms)
-             VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (tenant, semantic_key) DO UPDATE SET run_id = excluded.run_id, step_id = excluded.step_id,
-                 decision_id = excluded.decision_id, claimed_at_ms = excluded.claimed_at_ms",
+            "DELETE FROM semantic_keys WHERE tenant = $1 AND semantic_key = $2 AND run_id = $3 AND step_id = $4",
         )
         .bind(tenant)
         .bind(key)
         .bind(&c.run_id)
         .bind(&c.step_id)
-        .bind(&c.decision_id)
-        .bind(c.claimed_at_ms)
         .execute(&self.pool)
         .await?;
         Ok(())
