@@ -346,23 +346,39 @@ impl Mesh {
         };
         let log = |n: &str| dir.path().join(format!("{n}.log"));
         // The ledger verifies decisions with the policy's keys and the policy records into the
-        // ledger: the policy's address is chosen first so each can name the other.
-        let policy_addr = format!("127.0.0.1:{}", crate::procs::free_port()?);
-        let ledger = ServiceProcess::start(
-            "ledger",
-            binary("warden-ledger")?,
-            base(&[
-                ("WARDEN_LEDGER__LISTEN", "127.0.0.1:0"),
-                ("WARDEN_LEDGER__POLICY_ENDPOINT", &format!("http://{policy_addr}")),
-            ]),
-            log("ledger"),
-        )?;
-        let policy = ServiceProcess::start(
-            "policy",
-            binary("warden-policy")?,
-            base(&[("WARDEN_POLICY__LISTEN", &policy_addr), ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint)]),
-            log("policy"),
-        )?;
+        // ledger: the policy's address is chosen first so each can name the other. Another
+        // process may take that free port before the policy binds it: then both start again on
+        // another.
+        let (ledger, policy) = {
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                let policy_addr = format!("127.0.0.1:{}", crate::procs::free_port()?);
+                let mut ledger = ServiceProcess::start(
+                    "ledger",
+                    binary("warden-ledger")?,
+                    base(&[
+                        ("WARDEN_LEDGER__LISTEN", "127.0.0.1:0"),
+                        ("WARDEN_LEDGER__POLICY_ENDPOINT", &format!("http://{policy_addr}")),
+                    ]),
+                    log("ledger"),
+                )?;
+                let policy = ServiceProcess::start(
+                    "policy",
+                    binary("warden-policy")?,
+                    base(&[
+                        ("WARDEN_POLICY__LISTEN", &policy_addr),
+                        ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint),
+                    ]),
+                    log("policy"),
+                );
+                match policy {
+                    Ok(policy) => break (ledger, policy),
+                    Err(e) if tries < 5 && e.to_string().contains("Address already in use") => ledger.kill(),
+                    Err(e) => return Err(e),
+                }
+            }
+        };
         let tools = ServiceProcess::start(
             "tools",
             binary("warden-tools")?,
