@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import sys
-import time
 
 from pydantic import BaseModel, Field
 
@@ -65,19 +64,27 @@ def gated(amount: int, ctx: ToolContext) -> dict[str, int]:
     return {"paid": amount}
 
 
+def wait_for_release(gate: str) -> None:
+    """Blocks until the test opens the FIFO ``gate`` for writing (see ``mesh.Gate``): the tool
+    works exactly as long as the test wants, with no timing guessed on either side."""
+    with open(gate, encoding="utf-8") as f:
+        f.read()
+
+
 @host.tool(name="py.slow", effect="read_only", idempotent=True, timeout_sec=30)
-async def slow(ms: int, ctx: ToolContext) -> dict[str, int]:
-    """Waits ``ms`` milliseconds (asynchronously)."""
+async def slow(ms: int, gate: str, ctx: ToolContext) -> dict[str, int]:
+    """Works until the test releases ``gate`` (asynchronously); answers ``ms`` as given."""
     effect("py.slow", ctx)
-    await asyncio.sleep(ms / 1000)
+    await asyncio.to_thread(wait_for_release, gate)
     return {"slept_ms": ms}
 
 
 @host.tool(name="py.hang", timeout_sec=1)
-def hang(ms: int, ctx: ToolContext) -> dict[str, int]:
-    """Sleeps past its declared 1 s timeout: its outcome is unknown to the executor."""
+def hang(ms: int, gate: str, ctx: ToolContext) -> dict[str, int]:
+    """Works until the test releases ``gate`` — past its declared 1 s timeout, so its outcome
+    is unknown to the executor."""
     effect("py.hang", ctx)
-    time.sleep(ms / 1000)
+    wait_for_release(gate)
     return {"slept_ms": ms}
 
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,19 +153,11 @@ class Mesh:
         return [json.loads(line) for line in self.effects_file.read_text().splitlines() if line.strip()]
 
     def restart_pyhost(self) -> None:
-        """Kills the Python host (SIGKILL) and starts it again on the same address."""
+        """Kills the Python host (SIGKILL) and starts it again on the same address (gRPC
+        listens with SO_REUSEADDR, so the address is free again once the process is gone)."""
         self.pyhost.kill()
-        addr = self.pyhost.endpoint.removeprefix("http://")
-        self.pyhost.argv[-1] = addr
-        last: Exception | None = None
-        for _ in range(50):
-            try:
-                self.pyhost.start()
-                return
-            except RuntimeError as e:  # the old socket may linger for a moment
-                last = e
-                time.sleep(0.1)
-        raise RuntimeError(f"python host did not restart: {last}")
+        self.pyhost.argv[-1] = self.pyhost.endpoint.removeprefix("http://")
+        self.pyhost.start()
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Runs the Rust ``warden`` CLI against this mesh."""
@@ -286,3 +279,21 @@ outbox_path = "{root / "outbox.jsonl"}"
             s.kill()
         raise
     return Mesh(root, ledger, policy, tools, pyhost, planner, executor)
+
+
+class Gate:
+    """A FIFO a gated test tool (``py.slow``, ``py.hang``) blocks on until :meth:`release`:
+    the test decides when the tool's work ends, instead of both sides guessing a duration."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f"gate-{uuid.uuid4().hex}"
+        os.mkfifo(self.path)
+
+    def release(self, timeout: float = 60.0) -> None:
+        """Ends the tool's work: opening for writing waits until the tool is reading (it runs),
+        then the tool's read returns. The timeout only guards against a hang."""
+        opened = threading.Thread(target=lambda: open(self.path, "w", encoding="utf-8").close(), daemon=True)
+        opened.start()
+        opened.join(timeout)
+        if opened.is_alive():
+            raise TimeoutError(f"no tool waited on {self.path}")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import payload
-from mesh import TENANT, Mesh
+from mesh import TENANT, Gate, Mesh
 from warden_sdk import (
     AsyncClient,
     Client,
@@ -50,8 +50,12 @@ def test_a_bad_plan_is_refused_naming_the_field_and_a_goal_is_unimplemented(clie
         client.get_run("no-such-run")
 
 
-def test_events_from_a_seq_and_followed_to_the_end(client: Client) -> None:
-    submitted = client.submit({"steps": [{"id": "s", "tool": "py.slow", "params": {"ms": 300}}]})
+def test_events_from_a_seq_and_followed_to_the_end(client: Client, tmp_path: Path) -> None:
+    gate = Gate(tmp_path)
+    submitted = client.submit(
+        {"steps": [{"id": "s", "tool": "py.slow", "params": {"ms": 300, "gate": str(gate.path)}}]}
+    )
+    gate.release()
     followed = list(client.events(submitted.run_id, follow=True))
     assert followed[-1].event_type == "run_completed", [e.event_type for e in followed]
     assert [e.seq for e in followed] == list(range(1, len(followed) + 1))
@@ -78,11 +82,12 @@ def test_trace_and_receipts(client: Client) -> None:
     assert (only_b.status, only_b.action_type) == ("ok", "echo")
 
 
-def test_cancel_follows_the_declared_policy(client: Client) -> None:
+def test_cancel_follows_the_declared_policy(client: Client, tmp_path: Path) -> None:
+    gate = Gate(tmp_path)
     sub = client.submit(
         {
             "steps": [
-                {"id": "working", "tool": "py.slow", "params": {"ms": 2000}},
+                {"id": "working", "tool": "py.slow", "params": {"ms": 2000, "gate": str(gate.path)}},
                 {"id": "next", "tool": "echo", "params": {}, "depends_on": ["working"]},
             ]
         },
@@ -92,6 +97,7 @@ def test_cancel_follows_the_declared_policy(client: Client) -> None:
         if e.event_type == "tool_requested":
             break
     client.cancel(sub.run_id, reason="changed my mind")
+    gate.release()  # the tool was working when the cancel landed; now it finishes
     run = client.wait(sub.run_id, timeout=30)
     assert status_name(run.status) == "cancelled", run
     steps = {s.id: s for s in run.steps}
@@ -101,18 +107,20 @@ def test_cancel_follows_the_declared_policy(client: Client) -> None:
     assert {r.step_id: r.status for r in client.receipts(sub.run_id)}["next"] == "cancelled"
 
 
-def test_an_unknown_outcome_is_reconciled_by_an_operator(client: Client) -> None:
+def test_an_unknown_outcome_is_reconciled_by_an_operator(client: Client, tmp_path: Path) -> None:
+    gate = Gate(tmp_path)
     # py.hang outlives its declared 1 s timeout and is not idempotent: the executor cannot
     # know whether it acted, so the run waits for an operator.
     sub = client.submit(
         {
             "steps": [
-                {"id": "h", "tool": "py.hang", "params": {"ms": 1500}},
+                {"id": "h", "tool": "py.hang", "params": {"ms": 1500, "gate": str(gate.path)}},
                 {"id": "after", "tool": "echo", "params": {"got": "{{h.output.slept_ms}}"}, "depends_on": ["h"]},
             ]
         }
     )
     stuck = client.wait(sub.run_id, timeout=30)
+    gate.release()  # the host's call ends now, long after the executor gave up on it
     assert status_name(stuck.status) == "requires_reconciliation", stuck
     with pytest.raises(FailedPrecondition):
         client.cancel(sub.run_id)
@@ -125,11 +133,11 @@ def test_an_unknown_outcome_is_reconciled_by_an_operator(client: Client) -> None
 
 
 def _pending_for(client: Client, run_id: str) -> policy_pb2.Approval:
-    for _ in range(200):
-        for a in client.approvals("pending"):
-            if a.run_id == run_id:
-                return a
-        time.sleep(0.05)
+    """The run's pending approval. Callers wait for the run to block first, and the approval
+    exists before the decision that blocks the run is answered."""
+    for a in client.approvals("pending"):
+        if a.run_id == run_id:
+            return a
     raise AssertionError(f"no pending approval for {run_id}")
 
 
@@ -210,8 +218,12 @@ def test_verify_a_run_by_the_ledger_and_locally_against_the_pinned_key(client: C
     assert any(k.current for k in client.verification_keys())
 
 
-async def test_the_async_client_does_the_same(aclient: AsyncClient) -> None:
-    sub = await aclient.submit({"steps": [{"id": "a", "tool": "py.slow", "params": {"ms": 200}}]})
+async def test_the_async_client_does_the_same(aclient: AsyncClient, tmp_path: Path) -> None:
+    gate = Gate(tmp_path)
+    sub = await aclient.submit(
+        {"steps": [{"id": "a", "tool": "py.slow", "params": {"ms": 200, "gate": str(gate.path)}}]}
+    )
+    await asyncio.to_thread(gate.release)
     types = [e.event_type async for e in aclient.events(sub.run_id, follow=True)]
     assert types[0] == "run_submitted" and types[-1] == "run_completed"
     run = await aclient.wait(sub.run_id, timeout=30)

@@ -31,6 +31,7 @@ def ran(name: str) -> None:
 @pytest.fixture(autouse=True)
 def _reset() -> None:
     CALLS.clear()
+    GATE.clear()
 
 
 @tool(name="math.add", effect="read_only", idempotent=True, timeout_sec=3)
@@ -55,11 +56,19 @@ def send(to: str, ctx: ToolContext) -> dict[str, str]:
     return {"id": f"msg-{ctx.idempotency_key}", "tenant": ctx.tenant}
 
 
+#: Holds `slow.echo` until a test opens it: the tool works exactly as long as the test wants.
+GATE: dict[str, asyncio.Event] = {}
+
+
+def gate() -> asyncio.Event:
+    return GATE.setdefault("slow", asyncio.Event())
+
+
 @tool(name="slow.echo", idempotent=True)
 async def slow_echo(text: str, ms: int = 300) -> dict[str, str]:
-    """Echoes after a pause (an async tool)."""
+    """Echoes once released (an async tool that takes its time)."""
     ran("slow")
-    await asyncio.sleep(ms / 1000)
+    await gate().wait()
     return {"text": text}
 
 
@@ -180,7 +189,9 @@ async def test_a_key_reused_for_another_call_is_refused_not_answered_with_the_fi
 
 async def test_concurrent_calls_with_one_key_run_the_tool_once(host: ToolHost, authority: LocalAuthority) -> None:
     req = authority.request("slow.echo", {"text": "hi", "ms": 100})
-    answers = await asyncio.gather(*(host.invoke(req) for _ in range(8)))
+    calls = [asyncio.ensure_future(host.invoke(req)) for _ in range(8)]
+    gate().set()  # every call was issued while the first one worked
+    answers = await asyncio.gather(*calls)
     assert sum(not a.replayed for a in answers) == 1
     assert len({a.output_json for a in answers}) == 1
     assert CALLS == ["slow"]
@@ -332,8 +343,9 @@ async def test_served_over_grpc_with_rich_errors_health_and_hang_up_safety(
             # recording of its outcome: asking again gets the recorded outcome.
             slow = authority.request("slow.echo", {"text": "later", "ms": 400})
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.Invoke(slow, timeout=0.1)
+                await stub.Invoke(slow, timeout=0.1)  # the tool is held: the caller hangs up
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            gate().set()
             answer = await stub.Invoke(slow, timeout=5)
             assert json.loads(answer.output_json) == {"text": "later"}
             assert CALLS == ["slow"]
