@@ -456,6 +456,14 @@ async fn policy_signs_only_calls_of_the_runs_recorded_plan() {
     let recorded = events(&mut mesh.ledger(), "acme", &run).await;
     let denies = recorded.iter().filter(|e| payload(e)["rule_id"] == json!("step_not_in_plan")).count();
     assert_eq!(denies, 2, "refusals are recorded decisions");
+    // Only the mesh's executor may carry a decision into its own append: for anyone else the
+    // flag is ignored and the decision is on the record before the answer.
+    let mut own = call("acme", &run, "greet", "echo", json!({}));
+    own.caller_records = true;
+    let d = acme.authorize(own).await.expect("decide").into_inner();
+    let id = d.decision.expect("decision").decision_id;
+    let recorded = events(&mut mesh.ledger(), "acme", &run).await;
+    assert!(recorded.iter().any(|e| payload(e)["decision_id"] == json!(id)), "recorded before the answer");
 }
 
 /// Medium 10: a tool call cannot happen outside the record. A tenant holding a signed allow
@@ -494,8 +502,27 @@ async fn a_signed_allow_alone_cannot_make_a_tool_act_outside_the_record() {
         payload_json: json!({"decision_id": "x"}).to_string(),
         step_id: "mail".into(),
     };
-    let e = mesh.ledger_as(ACME).append_event(forged).await.expect_err("only the mesh records requests");
+    let e = mesh.ledger_as(ACME).append_event(forged.clone()).await.expect_err("only the mesh records requests");
     assert_eq!(e.code(), Code::PermissionDenied);
+    let batch = |n: usize| pb::AppendEventsRequest {
+        tenant: "acme".into(),
+        run_id: run.clone(),
+        epoch: 0,
+        events: (0..n)
+            .map(|i| pb::EventInput {
+                idempotency_key: format!("mine-{i}"),
+                event_type: forged.event_type.clone(),
+                payload_json: forged.payload_json.clone(),
+                step_id: forged.step_id.clone(),
+            })
+            .collect(),
+    };
+    for token in [ACME, MAILER] {
+        let e = mesh.ledger_as(token).append_events(batch(1)).await.expect_err("nor in a batch");
+        assert_eq!(e.code(), Code::PermissionDenied, "{token}");
+    }
+    let e = mesh.ledger_as(OPS).append_events(batch(65)).await.expect_err("over the batch limit");
+    assert_field_violation(&e, "events");
     assert!(mesh.outbox().is_empty(), "no effect happened");
     let recorded = events(&mut mesh.ledger(), "acme", &run).await;
     assert!(recorded.iter().all(|e| e.event_type != "tool_requested" && e.event_type != "tool_completed"));

@@ -61,13 +61,12 @@ impl RecentDecisions {
     }
 
     /// The recorded event when `new` repeats it exactly (same tenant, type, step, content).
-    fn repeat(&self, tenant: &str, r: &pb::AppendEventRequest) -> Option<ChainedEvent> {
+    fn repeat(&self, tenant: &str, r: &pb::AppendEventRequest, payload: &Value) -> Option<ChainedEvent> {
         let (t, e) = self.by_key.get(&(r.run_id.clone(), r.idempotency_key.clone()))?;
-        let payload: Value = serde_json::from_str(&r.payload_json).ok()?;
         let same = t == tenant
             && e.body.event_type == r.event_type
             && e.body.step_id == r.step_id
-            && warden_core::canonical_json(&e.body.payload) == warden_core::canonical_json(&payload);
+            && warden_core::canonical_json(&e.body.payload) == warden_core::canonical_json(payload);
         same.then(|| e.clone())
     }
 }
@@ -619,7 +618,10 @@ impl Ledger for LedgerService {
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         if r.event_type == events::POLICY_DECISION {
-            let known = self.recent.lock().unwrap_or_else(|p| p.into_inner()).repeat(&r.tenant, &r);
+            // Parsed before the lock: the lock is held only for the lookup.
+            let payload: Option<Value> = serde_json::from_str(&r.payload_json).ok();
+            let known =
+                payload.and_then(|p| self.recent.lock().unwrap_or_else(|x| x.into_inner()).repeat(&r.tenant, &r, &p));
             if let Some(event) = known {
                 return Ok(Response::new(self.appended(&r.tenant, &event, true)));
             }

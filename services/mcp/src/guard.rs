@@ -7,10 +7,6 @@
 //! here rather than shared because sharing them would mean editing that host; they are small
 //! and both call the same `warden_core` verifiers, which hold the logic that matters.
 
-use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
-
-use ed25519_dalek::VerifyingKey;
 use tonic::Status;
 use warden_core::ack::{AckedCall, verify_ack};
 use warden_core::auth::{self, CallIdentity, SignedClaims};
@@ -19,24 +15,6 @@ use warden_grpc::now_ms;
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 use warden_proto::v1::policy_client::PolicyClient;
-
-/// Verifying keys by key id.
-pub type KeyRing = Arc<RwLock<HashMap<String, VerifyingKey>>>;
-
-fn lookup(ring: &KeyRing, id: &str) -> Option<VerifyingKey> {
-    ring.read().unwrap_or_else(|p| p.into_inner()).get(id).copied()
-}
-
-pub fn install(ring: &KeyRing, keys: impl IntoIterator<Item = (String, Vec<u8>)>) {
-    let mut map = ring.write().unwrap_or_else(|p| p.into_inner());
-    for (id, bytes) in keys {
-        if let Ok(bytes) = <[u8; 32]>::try_from(bytes.as_slice())
-            && let Ok(vk) = VerifyingKey::from_bytes(&bytes)
-        {
-            map.insert(id, vk);
-        }
-    }
-}
 
 fn from_wire(a: Option<&pb::SignedAuthorization>) -> SignedClaims {
     a.map(|a| SignedClaims {
@@ -49,31 +27,31 @@ fn from_wire(a: Option<&pb::SignedAuthorization>) -> SignedClaims {
 
 #[derive(Clone)]
 pub struct Guard {
-    pub policy_keys: KeyRing,
+    pub policy_keys: warden_grpc::keyfile::KeyRing,
     policy: PolicyClient<Ch>,
-    pub ledger_keys: KeyRing,
+    pub ledger_keys: warden_grpc::keyfile::KeyRing,
     ledger: LedgerClient<Ch>,
 }
 
 impl Guard {
     pub fn new(policy_endpoint: &str, ledger_endpoint: &str) -> Result<Guard, Status> {
         Ok(Guard {
-            policy_keys: KeyRing::default(),
+            policy_keys: Default::default(),
             policy: PolicyClient::new(warden_grpc::channel(policy_endpoint)?),
-            ledger_keys: KeyRing::default(),
+            ledger_keys: Default::default(),
             ledger: LedgerClient::new(warden_grpc::channel(ledger_endpoint)?),
         })
     }
 
     pub async fn refresh_policy_keys(&self) -> Result<(), Status> {
         let keys = self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner();
-        install(&self.policy_keys, keys.keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        self.policy_keys.install(keys.keys.into_iter().map(|k| (k.key_id, k.public_key)));
         Ok(())
     }
 
     pub async fn refresh_ledger_keys(&self) -> Result<(), Status> {
         let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner();
-        install(&self.ledger_keys, keys.keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        self.ledger_keys.install(keys.keys.into_iter().map(|k| (k.key_id, k.public_key)));
         Ok(())
     }
 
@@ -82,7 +60,7 @@ impl Guard {
     /// acknowledgement that its request, citing that allow, is recorded.
     pub async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<(), Status> {
         let signed = from_wire(r.authorization.as_ref());
-        if !signed.key_id.is_empty() && lookup(&self.policy_keys, &signed.key_id).is_none() {
+        if !signed.key_id.is_empty() && self.policy_keys.get(&signed.key_id).is_none() {
             // Possibly a rotated key: ask the policy once. Failure leaves the key unknown.
             let _ = self.refresh_policy_keys().await;
         }
@@ -100,9 +78,9 @@ impl Guard {
             Status::permission_denied(format!("refused: {what}{e}"))
         };
         let claims =
-            auth::verify(&signed, |id| lookup(&self.policy_keys, id), &call, now_ms()).map_err(|e| refused(e, ""))?;
+            auth::verify(&signed, |id| self.policy_keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
         let ack = from_wire(r.request_ack.as_ref());
-        if !ack.key_id.is_empty() && lookup(&self.ledger_keys, &ack.key_id).is_none() {
+        if !ack.key_id.is_empty() && self.ledger_keys.get(&ack.key_id).is_none() {
             let _ = self.refresh_ledger_keys().await;
         }
         let acked = AckedCall {
@@ -113,7 +91,7 @@ impl Guard {
             decision_id: &claims.decision_id,
             idempotency_key: &r.idempotency_key,
         };
-        verify_ack(&ack, |id| lookup(&self.ledger_keys, id), &acked)
+        verify_ack(&ack, |id| self.ledger_keys.get(id), &acked)
             .map_err(|e| refused(e, "no ledger acknowledgement that the request is recorded: "))?;
         Ok(())
     }

@@ -21,9 +21,8 @@
 pub mod tools;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 
-use ed25519_dalek::VerifyingKey;
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tonic::service::{Routes, RoutesBuilder};
@@ -116,24 +115,6 @@ fn state_unavailable(e: StateError, what: &str) -> Status {
     Status::unavailable(format!("{what}: {e}"))
 }
 
-/// Verifying keys by key id, refreshed from their publisher when an unknown id shows up.
-type KeyRing = Arc<RwLock<HashMap<String, VerifyingKey>>>;
-
-fn lookup(ring: &KeyRing, id: &str) -> Option<VerifyingKey> {
-    ring.read().unwrap_or_else(|p| p.into_inner()).get(id).copied()
-}
-
-fn install(ring: &KeyRing, keys: impl IntoIterator<Item = (String, Vec<u8>)>) {
-    let mut map = ring.write().unwrap_or_else(|p| p.into_inner());
-    for (id, bytes) in keys {
-        if let Ok(bytes) = <[u8; 32]>::try_from(bytes.as_slice())
-            && let Ok(vk) = VerifyingKey::from_bytes(&bytes)
-        {
-            map.insert(id, vk);
-        }
-    }
-}
-
 fn from_wire(a: Option<&pb::SignedAuthorization>) -> SignedClaims {
     a.map(|a| SignedClaims {
         claims_json: a.claims_json.clone(),
@@ -146,10 +127,10 @@ fn from_wire(a: Option<&pb::SignedAuthorization>) -> SignedClaims {
 #[derive(Clone)]
 pub struct ToolHostService {
     state: Arc<tools::ToolState>,
-    keys: KeyRing,
+    keys: warden_grpc::keyfile::KeyRing,
     policy: PolicyClient<warden_grpc::auth::Ch>,
     /// The ledger's keys: they verify the acknowledgement that a call's request is recorded.
-    ledger_keys: KeyRing,
+    ledger_keys: warden_grpc::keyfile::KeyRing,
     ledger: LedgerClient<warden_grpc::auth::Ch>,
     in_flight: Arc<InFlight>,
     /// What `ListTools` declares (timeouts as configured).
@@ -191,14 +172,14 @@ impl ToolHostService {
     pub async fn refresh_keys(&self) -> Result<(), Status> {
         let keys =
             self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner().keys;
-        install(&self.keys, keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        self.keys.install(keys.into_iter().map(|k| (k.key_id, k.public_key)));
         Ok(())
     }
 
     /// Fetches the ledger's keys (on start and when an unknown key id shows up).
     pub async fn refresh_ledger_keys(&self) -> Result<(), Status> {
         let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner().keys;
-        install(&self.ledger_keys, keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        self.ledger_keys.install(keys.into_iter().map(|k| (k.key_id, k.public_key)));
         Ok(())
     }
 
@@ -207,7 +188,7 @@ impl ToolHostService {
     /// (the acknowledgement) — so no effect happens outside the record.
     async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<(), Status> {
         let signed = from_wire(r.authorization.as_ref());
-        if !signed.key_id.is_empty() && lookup(&self.keys, &signed.key_id).is_none() {
+        if !signed.key_id.is_empty() && self.keys.get(&signed.key_id).is_none() {
             // Possibly a rotated key: ask the policy once. Failure leaves the key unknown.
             let _ = self.refresh_keys().await;
         }
@@ -224,9 +205,9 @@ impl ToolHostService {
             tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, error = %e, "refused unauthorized call");
             Status::permission_denied(format!("refused: {what}{e}"))
         };
-        let claims = auth::verify(&signed, |id| lookup(&self.keys, id), &call, now_ms()).map_err(|e| refused(e, ""))?;
+        let claims = auth::verify(&signed, |id| self.keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
         let ack = from_wire(r.request_ack.as_ref());
-        if !ack.key_id.is_empty() && lookup(&self.ledger_keys, &ack.key_id).is_none() {
+        if !ack.key_id.is_empty() && self.ledger_keys.get(&ack.key_id).is_none() {
             let _ = self.refresh_ledger_keys().await;
         }
         let acked = AckedCall {
@@ -237,7 +218,7 @@ impl ToolHostService {
             decision_id: &claims.decision_id,
             idempotency_key: &r.idempotency_key,
         };
-        verify_ack(&ack, |id| lookup(&self.ledger_keys, id), &acked)
+        verify_ack(&ack, |id| self.ledger_keys.get(id), &acked)
             .map_err(|e| refused(e, "no ledger acknowledgement that the request is recorded: "))?;
         Ok(())
     }
@@ -368,9 +349,9 @@ mod tests {
         };
         let service = ToolHostService::new(&config).expect("service");
         let vk = policy_key().verifying_key();
-        service.keys.write().expect("keys").insert(key_id(&vk), vk);
+        service.keys.install([(key_id(&vk), vk.as_bytes().to_vec())]);
         let lk = ledger_key().verifying_key();
-        service.ledger_keys.write().expect("keys").insert(key_id(&lk), lk);
+        service.ledger_keys.install([(key_id(&lk), lk.as_bytes().to_vec())]);
         service
     }
 
