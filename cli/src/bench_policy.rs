@@ -194,6 +194,7 @@ pub async fn run() -> anyhow::Result<()> {
         agent: String::new(),
         retry_of: String::new(),
         caller_records: false,
+        base_rules_only: false,
     };
     let mut h = Histogram::<u64>::new(3)?;
     let mut p = policy.clone();

@@ -32,7 +32,7 @@ pub struct DevArgs {
 const DEFAULT_LISTEN: &str = "127.0.0.1:7100";
 
 /// Tools the `default` tenant may call in dev when the configuration names no tenants.
-pub const DEV_TOOLS: &[&str] = &["echo", "text.upper", "kv.*", "email.send"];
+pub const DEV_TOOLS: &[&str] = &["echo", "text.upper", "kv.*", "email.send", "model.call"];
 
 /// The dev mesh's configuration: every endpoint is the one dev endpoint.
 pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfig {
@@ -54,6 +54,8 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     c.executor.ledger_endpoint = endpoint.into();
     c.executor.policy_endpoint = endpoint.into();
     c.executor.planner_endpoint = endpoint.into();
+    c.planner.policy_endpoint = endpoint.into();
+    c.planner.ledger_endpoint = endpoint.into();
     c.executor.tool_hosts = dev_tool_hosts(endpoint, &c.executor.tool_hosts);
     c.executor.redis_url = String::new();
     c.tools.policy_endpoint = endpoint.into();

@@ -57,6 +57,7 @@ pub async fn run(target: &Target, policy_endpoint: &str, cmd: PolicyCommand) -> 
                 agent: s("agent", ""),
                 retry_of: String::new(),
                 caller_records: false,
+                base_rules_only: false,
             };
             let d = PolicyClient::new(warden_grpc::channel(policy_endpoint)?)
                 .check(req)

@@ -14,10 +14,17 @@ use crate::Target;
 
 #[derive(clap::Subcommand)]
 pub enum RunCommand {
-    /// Submit a plan; prints the run id (with --wait, the final status).
+    /// Submit a plan, or a goal for the planner's model; prints the run id (with --wait, the
+    /// final status).
     Submit {
+        #[arg(long, required_unless_present = "goal", conflicts_with = "goal")]
+        plan: Option<PathBuf>,
+        /// A goal: the planner asks the configured model for a plan ([planner.model]).
         #[arg(long)]
-        plan: PathBuf,
+        goal: Option<String>,
+        /// How recorded model calls are replayed when the run's planning runs again.
+        #[arg(long, value_enum, default_value_t = ReplayPolicyArg::Strict)]
+        replay_policy: ReplayPolicyArg,
         #[arg(long)]
         wait: bool,
         /// Makes the submission idempotent: resubmitting returns the first run.
@@ -33,6 +40,16 @@ pub enum RunCommand {
         /// or `after-tool-call` (steps already authorized finish).
         #[arg(long, value_enum, default_value_t = CancelPolicyArg::Immediate)]
         cancel_policy: CancelPolicyArg,
+    },
+    /// Re-run a finished goal run's planning against its recorded model calls: `strict`
+    /// replays only an exact match, `allow-prompt-drift` replays the recorded answer and
+    /// records the drift, `fork-on-drift` starts a new run that asks the model. Prints the
+    /// outcome, the differences and the plan (or the fork's run id).
+    Replay {
+        run_id: String,
+        /// Default: the policy the run was submitted with.
+        #[arg(long, value_enum)]
+        policy: Option<ReplayPolicyArg>,
     },
     /// Ask to cancel a run; it ends `cancelled` by its cancel policy (prints the status at the
     /// time of the request, or with --wait the final one).
@@ -151,9 +168,29 @@ pub enum CancelPolicyArg {
     AfterToolCall,
 }
 
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum ReplayPolicyArg {
+    Strict,
+    AllowPromptDrift,
+    ForkOnDrift,
+}
+
+impl ReplayPolicyArg {
+    fn proto(self) -> pb::ReplayPolicy {
+        match self {
+            ReplayPolicyArg::Strict => pb::ReplayPolicy::Strict,
+            ReplayPolicyArg::AllowPromptDrift => pb::ReplayPolicy::AllowPromptDrift,
+            ReplayPolicyArg::ForkOnDrift => pb::ReplayPolicy::ForkOnDrift,
+        }
+    }
+}
+
 /// What a submission carries besides its plan.
 #[derive(Default)]
 pub struct SubmitOptions {
+    /// Submit this goal instead of the plan file.
+    pub goal: Option<String>,
+    pub replay_policy: Option<ReplayPolicyArg>,
     pub idempotency_key: Option<String>,
     pub agent: Option<String>,
     pub capability_handles: Vec<String>,
@@ -161,22 +198,26 @@ pub struct SubmitOptions {
 }
 
 pub async fn submit(target: &Target, plan: &Path, o: SubmitOptions) -> anyhow::Result<String> {
-    let SubmitOptions { idempotency_key, agent, capability_handles, cancel_policy } = o;
+    let SubmitOptions { goal, replay_policy, idempotency_key, agent, capability_handles, cancel_policy } = o;
     let cancel_policy = match cancel_policy {
         Some(CancelPolicyArg::AfterToolCall) => pb::CancelPolicy::AfterToolCall,
         _ => pb::CancelPolicy::Immediate,
     };
-    let plan_json = std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?;
+    let plan_json = match &goal {
+        Some(_) => String::new(),
+        None => std::fs::read_to_string(plan).with_context(|| format!("reading {}", plan.display()))?,
+    };
     let resp = runs_client(&target.endpoint)
         .await?
         .submit_run(pb::SubmitRunRequest {
             tenant: target.tenant.clone(),
             plan_json,
-            goal: String::new(),
+            goal: goal.unwrap_or_default(),
             idempotency_key: idempotency_key.unwrap_or_default(),
             cancel_policy: cancel_policy as i32,
             agent: agent.unwrap_or_default(),
             capability_handles,
+            replay_policy: replay_policy.map(|p| p.proto() as i32).unwrap_or_default(),
         })
         .await
         .map_err(|s| anyhow::anyhow!("submit refused: {}", describe(&s)))?;
@@ -307,14 +348,25 @@ pub async fn verify(target: &Target, run_id: &str, as_json: bool) -> anyhow::Res
 
 pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
     match cmd {
-        RunCommand::Submit { plan, wait: w, idempotency_key, agent, capabilities, cancel_policy } => {
+        RunCommand::Submit {
+            plan,
+            goal,
+            replay_policy,
+            wait: w,
+            idempotency_key,
+            agent,
+            capabilities,
+            cancel_policy,
+        } => {
             let o = SubmitOptions {
+                goal,
+                replay_policy: Some(replay_policy),
                 idempotency_key,
                 agent,
                 capability_handles: capabilities,
                 cancel_policy: Some(cancel_policy),
             };
-            let run_id = submit(target, &plan, o).await?;
+            let run_id = submit(target, plan.as_deref().unwrap_or(Path::new("")), o).await?;
             println!("{run_id}");
             if w {
                 let run = wait(target, &run_id).await?;
@@ -323,6 +375,28 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
                     println!("reason: {}", run.reason);
                 }
                 return Ok(exit_code(&run));
+            }
+            Ok(0)
+        }
+        RunCommand::Replay { run_id, policy } => {
+            let r = runs_client(&target.endpoint)
+                .await?
+                .replay_run(pb::ReplayRunRequest {
+                    tenant: target.tenant.clone(),
+                    run_id,
+                    policy: policy.map(|p| p.proto() as i32).unwrap_or_default(),
+                })
+                .await
+                .map_err(|s| anyhow::anyhow!("replay refused: {}", describe(&s)))?
+                .into_inner();
+            println!("{}", r.outcome);
+            for d in &r.differences {
+                println!("difference: {d}");
+            }
+            if !r.forked_run_id.is_empty() {
+                println!("forked: {}", r.forked_run_id);
+            } else {
+                println!("{}", r.plan_json);
             }
             Ok(0)
         }

@@ -33,6 +33,7 @@ fn authorize_request(run_id: &str, args: &Value) -> pb::AuthorizeRequest {
         agent: String::new(),
         retry_of: String::new(),
         caller_records: false,
+        base_rules_only: false,
     }
 }
 
@@ -806,6 +807,7 @@ async fn k14_capabilities(backend: Backend) {
             agent: String::new(),
             retry_of: String::new(),
             caller_records: false,
+            base_rules_only: false,
         };
         let mut p = policy.clone();
         async move { p.authorize(req).await.expect("a decision").into_inner() }

@@ -136,6 +136,7 @@ async fn transactions(backend: Backend) {
                 agent: String::new(),
                 retry_of: String::new(),
                 caller_records: false,
+                base_rules_only: false,
             })
             .await
             .expect("authorize")

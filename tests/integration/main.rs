@@ -1,6 +1,7 @@
 //! Integration and conformance tests: every service a separate process, real gRPC, a real
 //! Redis for leases and a real PostgreSQL (and SQLite) for the ledger.
 
+mod agent;
 mod bad_input;
 mod conformance;
 mod deploy;
@@ -11,6 +12,7 @@ mod mcp;
 mod mesh;
 mod policy;
 mod receipts;
+mod scripted_model;
 mod security;
 
 use std::time::Duration;
@@ -142,8 +144,13 @@ pub async fn submit(mesh: &Mesh, tenant: &str, plan: &str) -> String {
 /// Waits for a run to settle; the bound only guards against a hung test, it is not a
 /// performance assertion.
 pub async fn settled(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
+    settled_within(mesh, tenant, run_id, Duration::from_secs(90)).await
+}
+
+/// [`settled`] with another bound (a real model's answers take their time on a busy machine).
+pub async fn settled_within(mesh: &Mesh, tenant: &str, run_id: &str, bound: Duration) -> pb::Run {
     let mut runs = mesh.runs();
-    let run = warden_testkit::eventually(Duration::from_secs(90), || {
+    let run = warden_testkit::eventually(bound, || {
         let mut runs = runs.clone();
         async move {
             let run = runs

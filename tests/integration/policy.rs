@@ -70,6 +70,7 @@ async fn cedar_policies_decide_and_reload_without_a_restart() {
             agent: String::new(),
             retry_of: String::new(),
             caller_records: false,
+            base_rules_only: false,
         })
         .await
         .expect("check")
@@ -309,6 +310,7 @@ fn authorize(run: &str, step: &str, tool: &str, args: serde_json::Value) -> pb::
         agent: String::new(),
         retry_of: String::new(),
         caller_records: false,
+        base_rules_only: false,
     }
 }
 

@@ -155,6 +155,7 @@ async fn k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_
             agent: String::new(),
             retry_of: String::new(),
             caller_records: false,
+            base_rules_only: false,
         })
         .await
         .expect("the policy decides afresh")

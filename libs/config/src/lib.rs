@@ -237,6 +237,141 @@ pub struct PlannerConfig {
     pub listen: String,
     pub tool_hosts: Vec<String>,
     pub max_steps: usize,
+    /// Model calls are authorized here (`model.call`) and their cost recorded.
+    pub policy_endpoint: String,
+    /// Model calls are recorded in the run's chain here.
+    pub ledger_endpoint: String,
+    /// Longest goal accepted, in bytes (`SubmitRun.goal`).
+    pub max_goal_bytes: usize,
+    /// Redaction before a goal leaves Warden or is recorded: pattern name → regular
+    /// expression; each match becomes `[redacted:<name>]`. Defaults cover common secrets and
+    /// personal data; set a name to "" to turn its default off.
+    pub redact: BTreeMap<String, String>,
+    /// The model planning asks (no provider: goal runs are refused with how to configure one).
+    pub model: ModelConfig,
+    /// Per-tenant model (replaces `model` whole for that tenant's runs).
+    pub tenants: BTreeMap<String, PlannerTenantConfig>,
+    /// Prices per model name, per million tokens: usage × price is the call's recorded cost.
+    pub prices: BTreeMap<String, ModelPrice>,
+}
+
+/// A tenant's own planning model.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PlannerTenantConfig {
+    pub model: ModelConfig,
+}
+
+/// Price of a model, per million tokens.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelPrice {
+    pub input_per_mtok: f64,
+    pub output_per_mtok: f64,
+}
+
+/// A model provider: `openai` is any OpenAI-compatible Chat Completions endpoint (OpenAI,
+/// vLLM, llama.cpp's `llama-server`, Ollama, …); `anthropic` the Anthropic Messages API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// "" (none), "openai" or "anthropic".
+    pub provider: String,
+    /// e.g. `https://api.openai.com/v1`, `http://127.0.0.1:8080/v1`, `https://api.anthropic.com`.
+    pub base_url: String,
+    pub model: String,
+    /// Environment variable holding the API key (none: no key is sent).
+    pub api_key_env: String,
+    /// Or a file holding it (read at start; trailing whitespace trimmed).
+    pub api_key_file: String,
+    /// Per HTTP attempt.
+    pub timeout_secs: u64,
+    /// Times an invalid plan is shown its error and asked again before the fallback.
+    pub repair_attempts: u32,
+    /// Retries of one call on 429, 5xx, timeouts and refused connections (with backoff,
+    /// honouring `Retry-After`) before planning fails `planner_unavailable`.
+    pub max_retries: u32,
+    pub max_tokens: u32,
+    pub temperature: f64,
+    /// OpenAI structured output dialect: "json_schema" (OpenAI, llama-server, vLLM) or
+    /// "json_object" (`llama-cpp-python`'s server: `{"type":"json_object","schema":…}`).
+    pub response_format: String,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            provider: String::new(),
+            base_url: String::new(),
+            model: String::new(),
+            api_key_env: String::new(),
+            api_key_file: String::new(),
+            timeout_secs: 60,
+            repair_attempts: 2,
+            max_retries: 3,
+            max_tokens: 1024,
+            temperature: 0.0,
+            response_format: "json_schema".into(),
+        }
+    }
+}
+
+impl ModelConfig {
+    pub fn is_configured(&self) -> bool {
+        !self.provider.is_empty()
+    }
+
+    fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        if !self.is_configured() {
+            return Ok(());
+        }
+        let k = |f: &str| format!("{key}.{f}");
+        if !matches!(self.provider.as_str(), "openai" | "anthropic") {
+            return Err(invalid(&k("provider"), format!("'{}' is not \"openai\" or \"anthropic\"", self.provider)));
+        }
+        match url::Url::parse(&self.base_url) {
+            Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {}
+            Ok(_) => return Err(invalid(&k("base_url"), format!("'{}' is not an http(s) URL", self.base_url))),
+            Err(e) => return Err(invalid(&k("base_url"), format!("'{}' is not a URL ({e})", self.base_url))),
+        }
+        if self.model.is_empty() || self.model.len() > 200 || self.model.chars().any(|c| c.is_control()) {
+            return Err(invalid(&k("model"), "a model name of 1 to 200 printable characters"));
+        }
+        if self.timeout_secs == 0 || self.timeout_secs > 3600 {
+            return Err(invalid(&k("timeout_secs"), "from 1 to 3600"));
+        }
+        if self.repair_attempts > 5 {
+            return Err(invalid(&k("repair_attempts"), "at most 5"));
+        }
+        if self.max_retries > 10 {
+            return Err(invalid(&k("max_retries"), "at most 10"));
+        }
+        if self.max_tokens == 0 || self.max_tokens > 200_000 {
+            return Err(invalid(&k("max_tokens"), "from 1 to 200000"));
+        }
+        if !(0.0..=2.0).contains(&self.temperature) {
+            return Err(invalid(&k("temperature"), "from 0 to 2"));
+        }
+        if !matches!(self.response_format.as_str(), "json_schema" | "json_object") {
+            return Err(invalid(&k("response_format"), "\"json_schema\" or \"json_object\""));
+        }
+        Ok(())
+    }
+}
+
+/// Default redaction patterns (see [`PlannerConfig::redact`]).
+pub fn default_redactions() -> BTreeMap<String, String> {
+    [
+        ("openai_key", r"sk-[A-Za-z0-9_-]{16,}"),
+        ("aws_access_key", r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),
+        ("bearer_token", r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{16,}"),
+        ("private_key", r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)"),
+        ("email", r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b"),
+        ("card_number", r"\b(?:\d[ -]?){13,19}\b"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
 }
 
 impl Default for PlannerConfig {
@@ -245,7 +380,47 @@ impl Default for PlannerConfig {
             listen: "127.0.0.1:7103".into(),
             tool_hosts: vec!["http://127.0.0.1:7105".into()],
             max_steps: 10,
+            policy_endpoint: "http://127.0.0.1:7102".into(),
+            ledger_endpoint: "http://127.0.0.1:7101".into(),
+            max_goal_bytes: 8192,
+            redact: default_redactions(),
+            model: ModelConfig::default(),
+            tenants: BTreeMap::new(),
+            prices: BTreeMap::new(),
         }
+    }
+}
+
+impl PlannerConfig {
+    /// The model a tenant's runs plan with (its own, else the default), if any.
+    pub fn model_for(&self, tenant: &str) -> Option<&ModelConfig> {
+        let m = self.tenants.get(tenant).map(|t| &t.model).filter(|m| m.is_configured()).unwrap_or(&self.model);
+        m.is_configured().then_some(m)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.model.validate("planner.model")?;
+        for (tenant, t) in &self.tenants {
+            t.model.validate(&format!("planner.tenants.{tenant}.model"))?;
+        }
+        for (name, pattern) in &self.redact {
+            if !pattern.is_empty() {
+                regex::Regex::new(pattern).map_err(|e| {
+                    invalid(&format!("planner.redact.{name}"), format!("not a regular expression: {e}"))
+                })?;
+            }
+        }
+        for (model, p) in &self.prices {
+            for (field, v) in [("input_per_mtok", p.input_per_mtok), ("output_per_mtok", p.output_per_mtok)] {
+                if !v.is_finite() || v < 0.0 {
+                    return Err(invalid(&format!("planner.prices.{model}.{field}"), "a price is a number ≥ 0"));
+                }
+            }
+        }
+        if self.max_goal_bytes == 0 || self.max_goal_bytes > 1 << 20 {
+            return Err(invalid("planner.max_goal_bytes", "from 1 to 1048576"));
+        }
+        Ok(())
     }
 }
 
@@ -387,6 +562,8 @@ impl WardenConfig {
             ("tools.policy_endpoint", &self.tools.policy_endpoint),
             ("tools.ledger_endpoint", &self.tools.ledger_endpoint),
             ("ledger.policy_endpoint", &self.ledger.policy_endpoint),
+            ("planner.policy_endpoint", &self.planner.policy_endpoint),
+            ("planner.ledger_endpoint", &self.planner.ledger_endpoint),
         ];
         endpoints.extend(self.planner.tool_hosts.iter().map(|e| ("planner.tool_hosts", e)));
         endpoints.extend(self.executor.tool_hosts.iter().map(|e| ("executor.tool_hosts", e)));
@@ -395,6 +572,7 @@ impl WardenConfig {
                 return Err(invalid(key, format!("'{e}' must be an http:// or https:// URL")));
             }
         }
+        self.planner.validate()?;
         let pdb = &self.policy.database_url;
         if !(pdb.starts_with("sqlite:") || pdb.starts_with("postgres://") || pdb.starts_with("postgresql://")) {
             return Err(invalid("policy.database_url", "must start with sqlite:, postgres:// or postgresql://"));

@@ -23,6 +23,19 @@ pub const RUN_RESUMED: &str = "run_resumed";
 /// Someone asked to cancel the run; the executor driving it applies the run's cancel policy
 /// and ends it `run_cancelled`. Changes no status by itself.
 pub const RUN_CANCEL_REQUESTED: &str = "run_cancel_requested";
+/// A goal run's plan, as planning produced it (model, replay or fallback). Sets the run's
+/// plan once; a run submitted with a plan never takes one.
+pub const PLAN_CREATED: &str = "plan_created";
+/// A model call about to be made: cites the policy's allow for `model.call` (seed 002 fields).
+pub const MODEL_REQUESTED: &str = "model_requested";
+/// What the model answered: raw output, parsed plan or why it was refused, usage, cost.
+pub const MODEL_COMPLETED: &str = "model_completed";
+/// The call failed (provider down, timeout, unreadable answer).
+pub const MODEL_FAILED: &str = "model_failed";
+/// A recorded completion was used again instead of asking the model (planning driven again).
+pub const MODEL_REPLAYED: &str = "model_replayed";
+/// A recorded completion was replayed although the request drifted (`allow_prompt_drift`).
+pub const REPLAYED_WITH_DRIFT: &str = "replayed_with_drift";
 pub const TX_PROPOSED: &str = "tx_proposed";
 pub const TX_COMMITTED: &str = "tx_committed";
 pub const TX_ROLLED_BACK: &str = "tx_rolled_back";
@@ -31,7 +44,8 @@ pub const TX_ROLLED_BACK: &str = "tx_rolled_back";
 /// Events a terminal run still takes: summaries, and decisions — a decision is a fact that
 /// must be on the record (K03) even when the run ended before it was written down; it acts
 /// on nothing by itself.
-pub const AFTER_END: &[&str] = &[RUN_SUMMARY, POLICY_DECISION];
+/// Replays of a finished run's planning (`Runs.ReplayRun`) are recorded in its chain too.
+pub const AFTER_END: &[&str] = &[RUN_SUMMARY, POLICY_DECISION, MODEL_REPLAYED, REPLAYED_WITH_DRIFT];
 
 pub const CHECKPOINT_PREFIX: &str = "checkpoint::";
 pub const ARTIFACT_PREFIX: &str = "artifact::";
@@ -58,10 +72,20 @@ pub const KNOWN: &[&str] = &[
     TX_PROPOSED,
     TX_COMMITTED,
     TX_ROLLED_BACK,
+    PLAN_CREATED,
+    MODEL_REQUESTED,
+    MODEL_COMPLETED,
+    MODEL_FAILED,
+    MODEL_REPLAYED,
+    REPLAYED_WITH_DRIFT,
 ];
 
 /// Event types that must cite a recorded allow decision (`decision_id` in the payload).
-pub const NEEDS_ALLOW: &[&str] = &[TOOL_REQUESTED, TOOL_COMPLETED];
+/// A model call is an effect like a tool call: its request cites the allow for `model.call`.
+pub const NEEDS_ALLOW: &[&str] = &[TOOL_REQUESTED, TOOL_COMPLETED, MODEL_REQUESTED];
+
+/// The policy's name for a model call (Cedar action, allowlist entry).
+pub const MODEL_CALL_TOOL: &str = "model.call";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -151,6 +175,17 @@ pub fn submitted_payload(
         payload["agent"] = serde_json::Value::String(agent.to_string());
     }
     payload
+}
+
+/// A goal run's fields of `run_submitted`: its replay policy (the proto enum's number; 0, the
+/// default strict, is not written) and, for a fork, its parent run.
+pub fn add_goal_fields(payload: &mut serde_json::Value, replay_policy: i32, parent_run_id: &str) {
+    if replay_policy != 0 {
+        payload["replay_policy"] = serde_json::Value::from(replay_policy);
+    }
+    if !parent_run_id.is_empty() {
+        payload["parent_run_id"] = serde_json::Value::String(parent_run_id.to_string());
+    }
 }
 
 /// The payload of `run_started`.

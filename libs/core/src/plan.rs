@@ -18,6 +18,16 @@ use serde_json::Value;
 use crate::ids::check_step_id;
 use crate::template::{self, TemplateError};
 
+/// The step id under which planning round `round`'s model calls are decided and recorded.
+pub fn planner_step(round: u32) -> String {
+    format!("plan-r{round}")
+}
+
+/// Whether `id` is a planner step id (`plan-r<digits>`), which no plan step may take.
+pub fn is_planner_step(id: &str) -> bool {
+    id.strip_prefix("plan-r").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// Default upper bound on steps in one plan.
 pub const DEFAULT_MAX_STEPS: usize = 10;
 
@@ -191,6 +201,13 @@ impl Plan {
                 id: s.id.clone(),
                 reason: e.to_string(),
             })?;
+            if is_planner_step(&s.id) {
+                return Err(PlanError::InvalidStepId {
+                    index: i,
+                    id: s.id.clone(),
+                    reason: "ids 'plan-r<round>' are reserved for the planner's own model calls".into(),
+                });
+            }
             if index.insert(&s.id, i).is_some() {
                 return Err(PlanError::DuplicateStep { step_id: s.id.clone() });
             }

@@ -54,6 +54,11 @@ impl StepView {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunView {
     pub plan: Option<Plan>,
+    /// A goal run's goal (as recorded, redacted), from `run_submitted`; its plan comes from
+    /// `plan_created`.
+    pub goal: Option<String>,
+    /// A goal run's replay policy (the proto enum's number; 0 is strict).
+    pub replay_policy: i32,
     /// The agent the run acts for (empty: the tenant itself), from `run_submitted`.
     pub agent: String,
     /// The run's cancel policy (the proto enum's number), from `run_submitted`.
@@ -70,6 +75,8 @@ impl Default for RunView {
     fn default() -> Self {
         RunView {
             plan: None,
+            goal: None,
+            replay_policy: 0,
             agent: String::new(),
             cancel_policy: 0,
             cancel_requested: None,
@@ -100,24 +107,18 @@ impl RunView {
         if event_type == events::RUN_SUBMITTED {
             self.agent = str_field(payload, "agent").unwrap_or_default().to_string();
             self.cancel_policy = payload.get("cancel_policy").and_then(Value::as_i64).unwrap_or_default();
+            self.goal = str_field(payload, "goal").map(str::to_string);
+            self.replay_policy = payload.get("replay_policy").and_then(Value::as_i64).unwrap_or_default() as i32;
             if let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {
-                self.steps = plan
-                    .steps
-                    .iter()
-                    .map(|s| StepView {
-                        id: s.id.clone(),
-                        tool: s.tool.clone(),
-                        status: StepStatus::Pending,
-                        output: None,
-                        error: None,
-                        attempts: 0,
-                        outcome_unknown: false,
-                        idempotency_key: None,
-                        retry_of: None,
-                        retry_not_before_ms: None,
-                    })
-                    .collect();
-                self.plan = Some(plan);
+                self.set_plan(plan);
+            }
+            return;
+        }
+        if event_type == events::PLAN_CREATED {
+            if self.plan.is_none()
+                && let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok())
+            {
+                self.set_plan(plan);
             }
             return;
         }
@@ -156,6 +157,26 @@ impl RunView {
             }
             _ => {}
         }
+    }
+
+    fn set_plan(&mut self, plan: Plan) {
+        self.steps = plan
+            .steps
+            .iter()
+            .map(|s| StepView {
+                id: s.id.clone(),
+                tool: s.tool.clone(),
+                status: StepStatus::Pending,
+                output: None,
+                error: None,
+                attempts: 0,
+                outcome_unknown: false,
+                idempotency_key: None,
+                retry_of: None,
+                retry_not_before_ms: None,
+            })
+            .collect();
+        self.plan = Some(plan);
     }
 
     /// Outputs of completed steps, by step id.

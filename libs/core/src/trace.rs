@@ -82,6 +82,32 @@ pub struct RunTrace {
     pub edges: Vec<Edge>,
     /// Run-level events in order: `seq`, `event_type`, `timestamp_ms`.
     pub run_events: Vec<Value>,
+    /// The run's model calls (seed 000 §14), in order: each recorded call once, with the
+    /// replays of it marked on it.
+    pub llm_calls: Vec<LlmCall>,
+    /// Planning rounds: which plan each produced and how (model, replay, fallback).
+    pub plan_rounds: Vec<Value>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct LlmCall {
+    pub seq: u64,
+    pub step_key: String,
+    pub provider: String,
+    pub model: String,
+    /// ok (an answer, valid or not), failed, or pending (requested, no answer recorded).
+    pub outcome: String,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cost: f64,
+    pub latency_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub validation_error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Times the recorded answer was used again instead of asking (replays, drift replays).
+    pub replayed: u32,
+    pub replayed_with_drift: bool,
 }
 
 fn text(p: &Value, k: &str) -> String {
@@ -104,6 +130,43 @@ impl StepNode {
         };
         &mut self.attempts[i]
     }
+}
+
+/// Folds a model event into `llm_calls`; true when `e` was one.
+fn model_event(t: &mut RunTrace, e: &TraceEvent<'_>) -> bool {
+    let p = e.payload;
+    let key = text(p, "step_key");
+    let call = |t: &mut RunTrace| t.llm_calls.iter().rposition(|c| c.step_key == key);
+    match e.event_type {
+        events::MODEL_REQUESTED => t.llm_calls.push(LlmCall {
+            seq: e.seq,
+            step_key: key.clone(),
+            provider: text(p, "provider"),
+            model: text(p, "model"),
+            outcome: "pending".into(),
+            ..LlmCall::default()
+        }),
+        events::MODEL_COMPLETED | events::MODEL_FAILED => {
+            if let Some(i) = call(t) {
+                let c = &mut t.llm_calls[i];
+                c.outcome = if e.event_type == events::MODEL_COMPLETED { "ok" } else { "failed" }.into();
+                c.input_tokens = p["usage"]["input_tokens"].as_u64().unwrap_or_default();
+                c.output_tokens = p["usage"]["output_tokens"].as_u64().unwrap_or_default();
+                c.cost = p.get("cost").and_then(Value::as_f64).unwrap_or_default();
+                c.latency_ms = p.get("latency_ms").and_then(Value::as_u64).unwrap_or_default();
+                c.validation_error = p.get("validation_error").and_then(Value::as_str).map(str::to_string);
+                c.error = p.get("error").and_then(Value::as_str).map(str::to_string);
+            }
+        }
+        events::MODEL_REPLAYED | events::REPLAYED_WITH_DRIFT => {
+            if let Some(i) = call(t) {
+                t.llm_calls[i].replayed += 1;
+                t.llm_calls[i].replayed_with_drift |= e.event_type == events::REPLAYED_WITH_DRIFT;
+            }
+        }
+        _ => return false,
+    }
+    true
 }
 
 /// Builds the trace of `run_id` from its events, in seq order.
@@ -138,6 +201,31 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
         }
         if e.event_type == events::RUN_STARTED && t.started_at_ms.is_none() {
             t.started_at_ms = Some(e.timestamp_ms);
+        }
+        if model_event(&mut t, e) {
+            continue;
+        }
+        if e.event_type == events::PLAN_CREATED
+            && let Some(plan) = p.get("plan").and_then(|v| serde_json::from_value::<Plan>(v.clone()).ok())
+        {
+            t.plan_rounds.push(serde_json::json!({
+                "seq": e.seq, "round": t.plan_rounds.len(), "source": text(p, "source"), "steps": plan.steps.len(),
+                "direct_response": plan.direct_response.is_some(), "reason": text(p, "reason"),
+            }));
+            for s in &plan.steps {
+                t.steps.push(StepNode {
+                    step_id: s.id.clone(),
+                    tool: s.tool.clone(),
+                    input_params: s.params.clone(),
+                    status: "pending".into(),
+                    ..StepNode::default()
+                });
+                t.edges.extend(s.depends_on.iter().map(|d| Edge {
+                    from: d.clone(),
+                    to: s.id.clone(),
+                    kind: "depends_on",
+                }));
+            }
         }
         let node = (!e.step_id.is_empty()).then(|| t.steps.iter_mut().find(|s| s.step_id == e.step_id)).flatten();
         let Some(node) = node else {

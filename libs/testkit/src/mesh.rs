@@ -34,6 +34,8 @@ pub struct MeshOptions {
     pub tools_extra: String,
     /// Appended to the `[executor]` section (e.g. `retry_backoff_base_ms = 10`).
     pub executor_extra: String,
+    /// More TOML lines for the `[planner]` section (e.g. `[planner.model]` after it).
+    pub planner_extra: String,
     /// The executors' `outage_grace_ms` (short by default, so tests of outages end quickly).
     pub outage_grace_ms: u64,
     /// `(tenant, extra TOML lines for its [policy.tenants.<tenant>] section)`.
@@ -93,6 +95,7 @@ impl Default for MeshOptions {
             policy_extra: String::new(),
             tools_extra: String::new(),
             executor_extra: String::new(),
+            planner_extra: String::new(),
             outage_grace_ms: 2_000,
             auth_tokens: Vec::new(),
             service_token: String::new(),
@@ -312,7 +315,7 @@ fn toml_config(opts: &MeshOptions, dir: &Path, database_url: &str) -> String {
         }
         s.push('\n');
     }
-    s.push_str(&format!("[planner]\nmax_steps = {}\n\n", opts.max_steps));
+    s.push_str(&format!("[planner]\nmax_steps = {}\n{}\n\n", opts.max_steps, opts.planner_extra));
     s.push_str(&format!(
         "[executor]\nredis_url = \"{}\"\nlease_ttl_ms = {}\nsweep_interval_ms = {}\noutage_grace_ms = {}\n{}\n\n",
         opts.redis_url, opts.lease_ttl_ms, opts.sweep_interval_ms, opts.outage_grace_ms, opts.executor_extra
@@ -403,7 +406,12 @@ impl Mesh {
         let planner = ServiceProcess::start(
             "planner",
             binary("warden-planner")?,
-            base(&[("WARDEN_PLANNER__LISTEN", "127.0.0.1:0"), ("WARDEN_PLANNER__TOOL_HOSTS", &hosts)]),
+            base(&[
+                ("WARDEN_PLANNER__LISTEN", "127.0.0.1:0"),
+                ("WARDEN_PLANNER__TOOL_HOSTS", &hosts),
+                ("WARDEN_PLANNER__POLICY_ENDPOINT", &policy.endpoint),
+                ("WARDEN_PLANNER__LEDGER_ENDPOINT", &ledger.endpoint),
+            ]),
             log("planner"),
         )?;
         let mut executors = Vec::new();

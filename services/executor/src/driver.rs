@@ -417,7 +417,7 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
 }
 
 /// Drives a run from its folded state: settles unknown outcomes, then schedules the DAG.
-async fn drive_view(ctx: &RunCtx, view: RunView) -> Result<(), DriveError> {
+async fn drive_view(ctx: &RunCtx, mut view: RunView) -> Result<(), DriveError> {
     if !matches!(view.status, RunStatus::Pending | RunStatus::Active) {
         return Ok(());
     }
@@ -429,13 +429,26 @@ async fn drive_view(ctx: &RunCtx, view: RunView) -> Result<(), DriveError> {
     if view.cancel_requested.is_some() {
         ctx.cancel.cancel();
     }
-    let Some(plan) = view.plan.clone() else {
-        return finish(
-            ctx,
-            events::RUN_FAILED,
-            json!({"reason": "run has no plan (goal-based runs need Planner.CreatePlan)"}),
-        )
-        .await;
+    let plan = match (view.plan.clone(), view.goal.clone()) {
+        (Some(plan), _) => plan,
+        (None, Some(goal)) => match plan_goal(ctx, &goal, &view).await? {
+            Some(created) => {
+                view.apply(
+                    created.seq,
+                    events::PLAN_CREATED,
+                    "",
+                    &serde_json::from_str(&created.payload_json).unwrap_or_default(),
+                );
+                match view.plan.clone() {
+                    Some(plan) => plan,
+                    None => return Err(DriveError::Ledger(Status::internal("plan_created recorded no plan"))),
+                }
+            }
+            None => return Ok(()),
+        },
+        (None, None) => {
+            return finish(ctx, events::RUN_FAILED, json!({"reason": "run has neither a plan nor a goal"})).await;
+        }
     };
     if let Some(text) = &plan.direct_response {
         return finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "direct_response": text})).await;
@@ -462,6 +475,86 @@ async fn drive_view(ctx: &RunCtx, view: RunView) -> Result<(), DriveError> {
         tracing::info!(run_id = %ctx.run_id, step_id = %s.id, "re-invoking idempotent step with an unknown outcome");
     }
     run_dag(ctx, &plan, view).await
+}
+
+/// Plans a goal run (the planner asks the model, or replays what the run recorded) and
+/// records the plan (`plan_created`, returned); `None` when the run ended instead (the model
+/// call was denied, the provider stayed down, a strict replay was refused, or planning forked).
+async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb::Event>, DriveError> {
+    let req = pb::CreatePlanRequest {
+        tenant: ctx.tenant.clone(),
+        run_id: ctx.run_id.clone(),
+        goal: goal.to_string(),
+        epoch: ctx.epoch,
+        agent: view.agent.clone(),
+        replay_policy: view.replay_policy,
+        ..Default::default()
+    };
+    let planned = within_grace(ctx, "planner", || {
+        let mut planner = ctx.ex.inner.planner.clone();
+        let req = req.clone();
+        async move { planner.create_plan(req).await }
+    })
+    .await;
+    let failed = |kind: &str, reason: String| json!({"reason": reason, "kind": kind});
+    let planned = match planned {
+        Ok(p) => p,
+        Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
+        Err(s) if s.code() == Code::FailedPrecondition => {
+            finish(ctx, events::RUN_FAILED, failed("planning_refused", format!("planning refused: {}", s.message())))
+                .await?;
+            return Ok(None);
+        }
+        Err(s) if transient(&s) => {
+            let reason = format!("planner_unavailable: {}", s.message());
+            finish(ctx, events::RUN_FAILED, failed("planner_unavailable", reason)).await?;
+            return Ok(None);
+        }
+        Err(s) => return Err(DriveError::Ledger(s)),
+    };
+    match planned.source.as_str() {
+        "denied" => {
+            let reason = format!("model call denied by {}: {}", planned.rule_id, planned.reason);
+            let mut payload = failed("model_call_denied", reason);
+            payload["rule_id"] = json!(planned.rule_id);
+            finish(ctx, events::RUN_FAILED, payload).await?;
+            Ok(None)
+        }
+        "unavailable" => {
+            let reason = format!("planner_unavailable: {}", planned.reason);
+            finish(ctx, events::RUN_FAILED, failed("planner_unavailable", reason)).await?;
+            Ok(None)
+        }
+        "fork" => {
+            let fork = crate::replay::fork(&ctx.ex, &ctx.tenant, &ctx.run_id, &planned.fork_hash)
+                .await
+                .map_err(DriveError::Ledger)?;
+            let mut payload = failed("forked_on_drift", format!("planning drifted from the record; forked to {fork}"));
+            payload["forked_run_id"] = json!(fork);
+            payload["differences"] = json!(planned.differences);
+            finish(ctx, events::RUN_FAILED, payload).await?;
+            Ok(None)
+        }
+        source => {
+            let plan = Plan::parse(&planned.plan_json)
+                .map_err(|e| DriveError::Ledger(Status::internal(format!("the planner's plan does not parse: {e}"))))?;
+            let mut payload = json!({
+                "plan": plan,
+                "source": source,
+                "model_calls": planned.model_calls,
+                "replayed_calls": planned.replayed_calls,
+            });
+            if !planned.reason.is_empty() {
+                payload["reason"] = json!(planned.reason);
+            }
+            if !planned.differences.is_empty() {
+                payload["differences"] = json!(planned.differences);
+            }
+            let created =
+                ctx.append(events::PLAN_CREATED, "", format!("{}:plan_created:r0", ctx.run_id), payload).await?;
+            Ok(Some(created))
+        }
+    }
 }
 
 async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), DriveError> {
@@ -867,6 +960,7 @@ async fn execute_attempt(
             retry_of: retry_of.unwrap_or_default().to_string(),
             // The decision goes into this step's own append (with the request or the failure).
             caller_records: true,
+            base_rules_only: false,
         };
         async move { policy.authorize(req).await }
     })

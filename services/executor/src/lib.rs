@@ -9,6 +9,7 @@
 //! is lost between submit and completion.
 
 pub mod driver;
+pub mod replay;
 pub mod runs;
 
 use std::collections::{HashMap, HashSet};

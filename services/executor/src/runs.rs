@@ -67,17 +67,15 @@ impl Runs for RunsService {
         }
         pb::CancelPolicy::try_from(r.cancel_policy)
             .map_err(|_| invalid_field("cancel_policy", format!("{} is not a cancel policy", r.cancel_policy)))?;
-        match (r.plan_json.is_empty(), r.goal.is_empty()) {
-            (false, true) => {}
-            (true, false) => {
-                return Err(Status::unimplemented(
-                    "runs from a goal need Planner.CreatePlan, which this Warden release does not serve; submit plan_json",
-                ));
-            }
+        pb::ReplayPolicy::try_from(r.replay_policy)
+            .map_err(|_| invalid_field("replay_policy", format!("{} is not a replay policy", r.replay_policy)))?;
+        let goal_run = match (r.plan_json.is_empty(), r.goal.is_empty()) {
+            (false, true) => false,
+            (true, false) => true,
             _ => {
                 return Err(invalid_field("plan_json", "exactly one of plan_json and goal must be set"));
             }
-        }
+        };
         let max = self.ex.inner.config.max_plan_bytes;
         if r.plan_json.len() > max {
             return Err(invalid_field(
@@ -103,15 +101,39 @@ impl Runs for RunsService {
             })?;
         }
         let handles = r.capability_handles.clone();
+        // A goal is checked (size, a model configured for the tenant) and redacted before it
+        // is recorded; the plan comes from planning, once the run is driven.
+        let goal = if goal_run {
+            let checked = self
+                .ex
+                .inner
+                .planner
+                .clone()
+                .create_plan(pb::CreatePlanRequest {
+                    tenant: r.tenant.clone(),
+                    goal: r.goal.clone(),
+                    agent: agent.clone(),
+                    check_only: true,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            checked.goal
+        } else {
+            String::new()
+        };
         // The plan is validated before anything is written: a bad plan leaves no trace.
-        let validated = self
-            .ex
-            .inner
-            .planner
-            .clone()
-            .validate_plan(pb::ValidatePlanRequest { tenant: r.tenant.clone(), plan_json: r.plan_json })
-            .await?
-            .into_inner();
+        let validated = if goal_run {
+            pb::ValidatePlanResponse::default()
+        } else {
+            self.ex
+                .inner
+                .planner
+                .clone()
+                .validate_plan(pb::ValidatePlanRequest { tenant: r.tenant.clone(), plan_json: r.plan_json })
+                .await?
+                .into_inner()
+        };
         // The executor bounds the plan as it will read it (canonical, defaults filled in).
         let max = self.ex.inner.config.max_plan_bytes;
         if validated.plan_json.len() > max {
@@ -140,7 +162,9 @@ impl Runs for RunsService {
             .create_run(pb::CreateRunRequest {
                 tenant: r.tenant,
                 plan_json: validated.plan_json.clone(),
-                goal: String::new(),
+                goal: goal.clone(),
+                replay_policy: if goal_run { r.replay_policy } else { 0 },
+                parent_run_id: String::new(),
                 idempotency_key: r.idempotency_key,
                 cancel_policy: r.cancel_policy,
                 agent: agent.clone(),
@@ -180,10 +204,18 @@ impl Runs for RunsService {
         let status = run.status();
         match fresh {
             Some(lease) => {
-                let plan: serde_json::Value = serde_json::from_str(&validated.plan_json)
-                    .map_err(|e| Status::internal(format!("validated plan is not JSON: {e}")))?;
+                let plan: Option<serde_json::Value> = if goal_run {
+                    None
+                } else {
+                    Some(
+                        serde_json::from_str(&validated.plan_json)
+                            .map_err(|e| Status::internal(format!("validated plan is not JSON: {e}")))?,
+                    )
+                };
                 let mut view = warden_core::run::RunView::default();
-                let submitted = events::submitted_payload(&run.tenant, run.cancel_policy, Some(&plan), "", &agent);
+                let mut submitted =
+                    events::submitted_payload(&run.tenant, run.cancel_policy, plan.as_ref(), &goal, &agent);
+                events::add_goal_fields(&mut submitted, if goal_run { r.replay_policy } else { 0 }, "");
                 view.apply(1, events::RUN_SUBMITTED, "", &submitted);
                 view.apply(2, events::RUN_STARTED, "", &events::started_payload(&self.ex.inner.id, lease.epoch));
                 self.ex.dispatch_submitted(run.tenant.clone(), lease, view);
@@ -457,6 +489,17 @@ impl Runs for RunsService {
         let trace = warden_core::trace::build(&r.run_id, &trace_events);
         let trace_json = serde_json::to_string(&trace).map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(pb::RunTrace { trace_json }))
+    }
+
+    async fn replay_run(&self, req: Request<pb::ReplayRunRequest>) -> Result<Response<pb::ReplayRunResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let bound = warden_grpc::auth::bound_agent(&req);
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        let policy = pb::ReplayPolicy::try_from(r.policy)
+            .map_err(|_| invalid_field("policy", format!("{} is not a replay policy", r.policy)))?;
+        Ok(Response::new(crate::replay::replay_run(&self.ex, &r.tenant, &r.run_id, policy, bound).await?))
     }
 
     async fn reconcile_step(&self, req: Request<pb::ReconcileStepRequest>) -> Result<Response<pb::Run>, Status> {

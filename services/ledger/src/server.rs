@@ -577,6 +577,11 @@ impl Ledger for LedgerService {
         }
         pb::CancelPolicy::try_from(r.cancel_policy)
             .map_err(|_| invalid_field("cancel_policy", "unknown cancel policy"))?;
+        pb::ReplayPolicy::try_from(r.replay_policy)
+            .map_err(|_| invalid_field("replay_policy", "unknown replay policy"))?;
+        if !r.parent_run_id.is_empty() {
+            id_field("parent_run_id", &r.parent_run_id)?;
+        }
         let run_id = if r.run_id.is_empty() {
             uuid::Uuid::now_v7().to_string()
         } else {
@@ -601,6 +606,8 @@ impl Ledger for LedgerService {
                 cancel_policy: r.cancel_policy,
                 now_ms: now_ms(),
                 started_by: (!r.started_by.is_empty()).then_some((r.started_by.as_str(), r.epoch)),
+                replay_policy: r.replay_policy,
+                parent_run_id: &r.parent_run_id,
             })
             .await?;
         Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated }))

@@ -116,6 +116,9 @@ pub struct NewRun<'a> {
     /// The executor already holding the run's lease, and its epoch: `run_started` is then
     /// recorded in the same transaction (a fresh run costs one commit, not two).
     pub started_by: Option<(&'a str, u64)>,
+    /// A goal run's replay policy (proto enum number) and, for a fork, its parent.
+    pub replay_policy: i32,
+    pub parent_run_id: &'a str,
 }
 
 /// One event to append.
@@ -299,7 +302,15 @@ impl LedgerStore {
             view.apply(e.body.seq, &e.body.event_type, &e.body.step_id, &e.body.payload);
             max_epoch = max_epoch.max(e.body.epoch);
         }
-        let plan_json = first.body.payload.get("plan").map(warden_core::canonical_json).unwrap_or_default();
+        // A goal run's plan is the one its `plan_created` recorded.
+        let created = events.iter().find(|e| e.body.event_type == events::PLAN_CREATED);
+        let plan_json = first
+            .body
+            .payload
+            .get("plan")
+            .or_else(|| created.and_then(|e| e.body.payload.get("plan")))
+            .map(warden_core::canonical_json)
+            .unwrap_or_default();
         let (signature, key_id) = self.sign_head(run_id, last.body.seq, &last.hash);
         let mut tx = self.pool.begin().await?;
         sqlx::query(
@@ -340,7 +351,8 @@ impl LedgerStore {
         {
             return Ok((run, true));
         }
-        let payload = events::submitted_payload(new.tenant, new.cancel_policy, new.plan, new.goal, new.agent);
+        let mut payload = events::submitted_payload(new.tenant, new.cancel_policy, new.plan, new.goal, new.agent);
+        events::add_goal_fields(&mut payload, new.replay_policy, new.parent_run_id);
         let first = link(
             EventBody {
                 run_id: new.run_id.to_string(),

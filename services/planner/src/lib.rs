@@ -1,9 +1,19 @@
-//! The Warden planner: turns goals into plans and checks explicit plans against the tool
-//! catalog (the union of every configured tool host's `ListTools`).
+//! The Warden planner: turns goals into plans through a model (see [`planning`]) and checks
+//! explicit plans against the tool catalog (the union of every configured tool host's
+//! `ListTools`).
 //!
 //! Validation refuses, naming the step and field: unknown fields, bad or duplicate ids,
 //! unknown tools, missing dependencies, cycles, malformed or non-dependency template
 //! references, and more than `max_steps` steps (an error to fix, never a truncation).
+
+pub mod goal;
+pub mod model;
+pub mod planning;
+pub mod prompt;
+pub mod schema;
+
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
@@ -16,7 +26,17 @@ use warden_grpc::auth::Tokens;
 use warden_grpc::catalog::ToolCatalog;
 use warden_grpc::invalid_field;
 use warden_proto::v1 as pb;
+use warden_proto::v1::ledger_client::LedgerClient;
 use warden_proto::v1::planner_server::{Planner, PlannerServer};
+use warden_proto::v1::policy_client::PolicyClient;
+
+use crate::model::ModelClient;
+use crate::schema::{AllowedTool, Offer};
+
+/// What a goal run answers when no model is configured for its tenant.
+pub const NO_MODEL: &str = "no model is configured for planning: set [planner.model] provider = \"openai\" \
+     (any OpenAI-compatible server: OpenAI, llama.cpp's llama-server, vLLM, Ollama) or \"anthropic\", with \
+     base_url and model (see the README, \"Goal runs\"); or submit an explicit plan_json";
 
 /// Largest plan document accepted.
 pub const MAX_PLAN_BYTES: usize = 1 << 20;
@@ -25,11 +45,72 @@ pub const MAX_PLAN_BYTES: usize = 1 << 20;
 pub struct PlannerService {
     max_steps: usize,
     catalog: ToolCatalog,
+    redactor: goal::Redactor,
+    ledger: LedgerClient<warden_grpc::auth::Ch>,
+    policy: PolicyClient<warden_grpc::auth::Ch>,
+    /// The default model (key "") and tenants' own.
+    models: Arc<HashMap<String, ModelClient>>,
+    prices: Arc<std::collections::BTreeMap<String, warden_config::ModelPrice>>,
 }
 
 impl PlannerService {
     pub fn new(config: &PlannerConfig) -> anyhow::Result<PlannerService> {
-        Ok(PlannerService { max_steps: config.max_steps, catalog: ToolCatalog::new(&config.tool_hosts)? })
+        let mut models = HashMap::new();
+        if config.model.is_configured() {
+            models.insert(String::new(), ModelClient::new(&config.model)?);
+        }
+        for (tenant, t) in &config.tenants {
+            if t.model.is_configured() {
+                models.insert(tenant.clone(), ModelClient::new(&t.model)?);
+            }
+        }
+        let max = warden_grpc::MAX_MESSAGE_BYTES;
+        Ok(PlannerService {
+            max_steps: config.max_steps,
+            catalog: ToolCatalog::new(&config.tool_hosts)?,
+            redactor: goal::Redactor::new(config)?,
+            ledger: LedgerClient::new(warden_grpc::channel(&config.ledger_endpoint)?).max_decoding_message_size(max),
+            policy: PolicyClient::new(warden_grpc::channel(&config.policy_endpoint)?),
+            models: Arc::new(models),
+            prices: Arc::new(config.prices.clone()),
+        })
+    }
+
+    fn model_for(&self, tenant: &str) -> Option<&ModelClient> {
+        self.models.get(tenant).or_else(|| self.models.get(""))
+    }
+
+    /// The tools this run may call: the catalog, less what the policy's base rules refuse the
+    /// run's principal (Cedar or allowlist, capabilities, commitments). Arguments are not
+    /// known yet; their invariants are checked when each call is authorized.
+    async fn offer(&self, tenant: &str, agent: &str, run_id: &str) -> Result<Offer, Status> {
+        let catalog = self.catalog.tools().await?;
+        let mut names: Vec<&String> = catalog.keys().collect();
+        names.sort();
+        let mut allowed = Vec::new();
+        for name in names {
+            let d = self
+                .policy
+                .clone()
+                .check(pb::AuthorizeRequest {
+                    tenant: tenant.to_string(),
+                    run_id: run_id.to_string(),
+                    step_id: warden_core::plan::planner_step(0),
+                    attempt: 1,
+                    tool: name.clone(),
+                    args_json: "{}".into(),
+                    idempotency_key: "catalog".into(),
+                    agent: agent.to_string(),
+                    base_rules_only: true,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            if d.outcome() != pb::Outcome::Deny {
+                allowed.push(AllowedTool::from_spec(&catalog[name].spec));
+            }
+        }
+        Ok(Offer::new(allowed))
     }
 
     /// Parses and validates plan JSON; returns the plan and its canonical JSON.
@@ -63,10 +144,71 @@ impl Planner for PlannerService {
         Ok(Response::new(pb::ValidatePlanResponse { plan_json, step_count: plan.steps.len() as u32 }))
     }
 
-    async fn create_plan(&self, _: Request<pb::CreatePlanRequest>) -> Result<Response<pb::CreatePlanResponse>, Status> {
-        Err(Status::unimplemented(
-            "Planner.CreatePlan (model-backed planning from a goal) is not available in this Warden release; submit an explicit plan",
-        ))
+    async fn create_plan(
+        &self,
+        req: Request<pb::CreatePlanRequest>,
+    ) -> Result<Response<pb::CreatePlanResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        // Planning records into runs and spends money: the executor (the mesh) asks, for a run
+        // it holds; everyone else submits goal runs through Runs.SubmitRun.
+        warden_grpc::auth::require_mesh(&req, "CreatePlan (submit goal runs through Runs.SubmitRun)")?;
+        let r = req.into_inner();
+        check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        if !r.agent.is_empty() {
+            check_id(&r.agent).map_err(|e| invalid_field("agent", e.to_string()))?;
+        }
+        let policy = pb::ReplayPolicy::try_from(r.replay_policy)
+            .map_err(|_| invalid_field("replay_policy", format!("{} is not a replay policy", r.replay_policy)))?;
+        let checked = self.redactor.check(&r.goal)?;
+        let Some(model) = self.model_for(&r.tenant) else {
+            return Err(Status::failed_precondition(NO_MODEL));
+        };
+        if r.check_only {
+            return Ok(Response::new(pb::CreatePlanResponse {
+                goal: checked.text,
+                redacted: checked.redacted,
+                ..Default::default()
+            }));
+        }
+        check_id(&r.run_id).map_err(|e| invalid_field("run_id", e.to_string()))?;
+        if r.epoch == 0 || i64::try_from(r.epoch).is_err() {
+            return Err(invalid_field("epoch", "the run's lease epoch, from 1 to 2^63-1"));
+        }
+        let offer = self.offer(&r.tenant, &r.agent, &r.run_id).await?;
+        let planning = planning::Planning {
+            ledger: &self.ledger,
+            policy: &self.policy,
+            model,
+            prices: &self.prices,
+            max_steps: self.max_steps,
+            round: 0,
+        };
+        let ask = planning::Ask {
+            tenant: &r.tenant,
+            run_id: &r.run_id,
+            agent: &r.agent,
+            goal: &checked.text,
+            epoch: r.epoch,
+            policy: match policy {
+                pb::ReplayPolicy::Unspecified => pb::ReplayPolicy::Strict,
+                p => p,
+            },
+            replay_only: r.replay_only,
+        };
+        let out = planning.run(&ask, &offer).await?;
+        tracing::info!(run_id = %r.run_id, source = out.source, calls = out.model_calls, replayed = out.replayed_calls, "planned");
+        Ok(Response::new(pb::CreatePlanResponse {
+            plan_json: out.plan.as_ref().map(warden_core::canonical_json).unwrap_or_default(),
+            source: out.source.to_string(),
+            goal: String::new(),
+            model_calls: out.model_calls,
+            replayed_calls: out.replayed_calls,
+            differences: out.differences,
+            fork_hash: out.fork_hash,
+            redacted: checked.redacted,
+            rule_id: out.rule_id,
+            reason: out.reason,
+        }))
     }
 
     async fn list_tools(&self, _: Request<pb::ListToolsRequest>) -> Result<Response<pb::ListToolsResponse>, Status> {

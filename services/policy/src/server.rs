@@ -246,6 +246,16 @@ impl PolicyService {
         if LEDGER_MEDIATED_TOOLS.contains(&r.tool.as_str()) {
             return Ok(None);
         }
+        // A model call is planning's, before (or between) plans: it is decided under the
+        // planner's own step id, which no plan step may take, and never as a plan step.
+        let planner_step = warden_core::plan::is_planner_step(&r.step_id);
+        if r.tool == events::MODEL_CALL_TOOL || planner_step {
+            return Ok((r.tool != events::MODEL_CALL_TOOL || !planner_step).then(|| rules::RuleDecision {
+                verdict: Verdict::Deny,
+                rule_id: "step_not_in_plan".into(),
+                reason: format!("'{}' is decided only as a planner step, and a planner step only for it", r.tool),
+            }));
+        }
         let cached = self.plans.lock().unwrap_or_else(|p| p.into_inner()).get(&r.run_id).cloned();
         let steps = match cached {
             Some(steps) if steps.contains_key(&r.step_id) => steps,
@@ -638,6 +648,11 @@ impl pb::policy_server::Policy for PolicyService {
         let r = pb::AuthorizeRequest { agent, ..req.into_inner() };
         if !mesh {
             self.outside_caller(&r, bound.is_some()).await?;
+            // Model calls are the planner's: a tenant asking for one could have policy sign a
+            // call no run's planning made.
+            if r.tool == events::MODEL_CALL_TOOL {
+                return Err(Status::permission_denied("model calls are authorized for the mesh's planner only"));
+            }
         }
         let mut checked = match validate(&r) {
             Ok(c) => c,
@@ -786,7 +801,11 @@ impl pb::policy_server::Policy for PolicyService {
         let r = pb::AuthorizeRequest { agent, ..req.into_inner() };
         let mut checked = validate(&r)?;
         let rule = self.evaluate(&r, &mut checked).await?;
-        let rule = crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await;
+        let rule = if r.base_rules_only {
+            rule
+        } else {
+            crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await
+        };
         Ok(Response::new(self.decision(&r, &checked, 0, &rule)))
     }
 }

@@ -149,9 +149,12 @@ pub fn check_allow(decision: Option<&ChainedEvent>, new: &NewEvent<'_>) -> Resul
             return refused(&format!("which allowed a different {key}"));
         }
     }
-    if new.event_type == events::TOOL_REQUESTED {
+    if matches!(new.event_type, events::TOOL_REQUESTED | events::MODEL_REQUESTED) {
         let args = new.payload.get("args").ok_or_else(|| {
-            LedgerError::invalid("payload_json.args", "a tool_requested event records the arguments it was allowed for")
+            LedgerError::invalid(
+                "payload_json.args",
+                format!("a {} event records the arguments it was allowed for", new.event_type),
+            )
         })?;
         if warden_core::canonical::args_digest(args) != field("args_sha256") {
             return refused("which allowed different arguments");

@@ -18,7 +18,14 @@ type Tx<'a> = Transaction<'a, Any>;
 
 /// Whether events of this type change derived tables.
 pub fn has_effects(event_type: &str) -> bool {
-    matches!(event_type, events::RUN_SUMMARY | events::TX_PROPOSED | events::TX_COMMITTED | events::TX_ROLLED_BACK)
+    matches!(
+        event_type,
+        events::RUN_SUMMARY
+            | events::TX_PROPOSED
+            | events::TX_COMMITTED
+            | events::TX_ROLLED_BACK
+            | events::PLAN_CREATED
+    )
 }
 
 /// Applies `e`'s derived effects; returns the capability a commit's decision named.
@@ -28,8 +35,26 @@ pub async fn apply(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedE
         events::TX_PROPOSED => propose(tx, tenant, e).await.map(|_| String::new()),
         events::TX_COMMITTED => commit(tx, backend, tenant, e).await,
         events::TX_ROLLED_BACK => rollback(tx, e).await.map(|_| String::new()),
+        events::PLAN_CREATED => plan_created(tx, e).await.map(|_| String::new()),
         _ => Ok(String::new()),
     }
+}
+
+/// A goal run's plan becomes the run's plan (what `GetRun` answers and the policy signs steps
+/// of) in the same transaction that records it — once: a run that has a plan takes no other.
+async fn plan_created(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
+    let plan = e.body.payload.get("plan").ok_or_else(|| LedgerError::invalid("payload_json.plan", "missing"))?;
+    let text = warden_core::canonical_json(plan);
+    warden_core::plan::Plan::parse(&text).map_err(|err| LedgerError::invalid("payload_json.plan", err.to_string()))?;
+    let updated = sqlx::query("UPDATE runs SET plan_json = $2 WHERE run_id = $1 AND plan_json = ''")
+        .bind(&e.body.run_id)
+        .bind(&text)
+        .execute(&mut **tx)
+        .await?;
+    if updated.rows_affected() != 1 {
+        return Err(LedgerError::Precondition(format!("run '{}' already has a plan", e.body.run_id)));
+    }
+    Ok(())
 }
 
 fn text<'a>(p: &'a Value, k: &str) -> &'a str {

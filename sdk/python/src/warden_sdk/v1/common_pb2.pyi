@@ -61,6 +61,44 @@ RUN_STATUS_EMPTY_PLAN: RunStatus.ValueType  # 9
 """The plan had no steps and no direct response."""
 Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
 
+class _ReplayPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReplayPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReplayPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPLAY_POLICY_UNSPECIFIED: _ReplayPolicy.ValueType  # 0
+    """Strict."""
+    REPLAY_POLICY_STRICT: _ReplayPolicy.ValueType  # 1
+    """Only an exact match (messages, model, options, tool signatures, step_key) is replayed;
+    anything else fails, naming the difference.
+    """
+    REPLAY_POLICY_ALLOW_PROMPT_DRIFT: _ReplayPolicy.ValueType  # 2
+    """The recorded completion for the same (model, step_key, tool signatures) is replayed even
+    when the prompt, messages or options drifted; `replayed_with_drift` records the drift.
+    """
+    REPLAY_POLICY_FORK_ON_DRIFT: _ReplayPolicy.ValueType  # 3
+    """On drift a new run `<run>::fork::<hash>` (linked to its parent) asks the model again."""
+
+class ReplayPolicy(_ReplayPolicy, metaclass=_ReplayPolicyEnumTypeWrapper):
+    """How a run reacts to CancelRun (SPEC-KERN-01 §6).
+    How a run's recorded model calls are replayed when its planning runs again (seed 002).
+    """
+
+REPLAY_POLICY_UNSPECIFIED: ReplayPolicy.ValueType  # 0
+"""Strict."""
+REPLAY_POLICY_STRICT: ReplayPolicy.ValueType  # 1
+"""Only an exact match (messages, model, options, tool signatures, step_key) is replayed;
+anything else fails, naming the difference.
+"""
+REPLAY_POLICY_ALLOW_PROMPT_DRIFT: ReplayPolicy.ValueType  # 2
+"""The recorded completion for the same (model, step_key, tool signatures) is replayed even
+when the prompt, messages or options drifted; `replayed_with_drift` records the drift.
+"""
+REPLAY_POLICY_FORK_ON_DRIFT: ReplayPolicy.ValueType  # 3
+"""On drift a new run `<run>::fork::<hash>` (linked to its parent) asks the model again."""
+Global___ReplayPolicy: _TypeAlias = ReplayPolicy  # noqa: Y015
+
 class _CancelPolicy:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -75,8 +113,7 @@ class _CancelPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CancelPo
     CANCEL_POLICY_AFTER_TOKEN: _CancelPolicy.ValueType  # 3
     """Stop at the next model token boundary."""
 
-class CancelPolicy(_CancelPolicy, metaclass=_CancelPolicyEnumTypeWrapper):
-    """How a run reacts to CancelRun (SPEC-KERN-01 §6)."""
+class CancelPolicy(_CancelPolicy, metaclass=_CancelPolicyEnumTypeWrapper): ...
 
 CANCEL_POLICY_UNSPECIFIED: CancelPolicy.ValueType  # 0
 CANCEL_POLICY_IMMEDIATE: CancelPolicy.ValueType  # 1

@@ -32,6 +32,8 @@ class CreateRunRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     STARTED_BY_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    PARENT_RUN_ID_FIELD_NUMBER: _builtins.int
+    REPLAY_POLICY_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     plan_json: _builtins.str
     """The normalized plan (canonical JSON); empty when the run starts from a goal."""
@@ -47,6 +49,10 @@ class CreateRunRequest(_message.Message):
     ledger then records `run_started` in the same transaction as `run_submitted`.
     """
     epoch: _builtins.int
+    parent_run_id: _builtins.str
+    """A fork's parent run (fork_on_drift), recorded in run_submitted."""
+    replay_policy: _common_pb2.ReplayPolicy.ValueType
+    """A goal run's replay policy, recorded in run_submitted."""
     def __init__(
         self,
         *,
@@ -59,10 +65,12 @@ class CreateRunRequest(_message.Message):
         run_id: _builtins.str = ...,
         started_by: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        parent_run_id: _builtins.str = ...,
+        replay_policy: _common_pb2.ReplayPolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "cancel_policy", b"cancel_policy", "epoch", b"epoch", "goal", b"goal", "idempotency_key", b"idempotency_key", "plan_json", b"plan_json", "run_id", b"run_id", "started_by", b"started_by", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "cancel_policy", b"cancel_policy", "epoch", b"epoch", "goal", b"goal", "idempotency_key", b"idempotency_key", "parent_run_id", b"parent_run_id", "plan_json", b"plan_json", "replay_policy", b"replay_policy", "run_id", b"run_id", "started_by", b"started_by", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

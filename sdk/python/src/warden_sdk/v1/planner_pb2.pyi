@@ -3,8 +3,11 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+from warden_sdk.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -63,17 +66,41 @@ Global___ValidatePlanResponse: _TypeAlias = ValidatePlanResponse  # noqa: Y015
 
 @_typing.final
 class CreatePlanRequest(_message.Message):
+    """Asked by the mesh only (the executor driving the run, under its lease epoch). Each model
+    call passes the policy (`model.call`) and is recorded in the run's chain
+    (`model_requested`, then `model_completed` or `model_failed`); a call the run has recorded
+    is replayed under the run's replay policy, never asked again.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TENANT_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     GOAL_FIELD_NUMBER: _builtins.int
     FAILURE_CONTEXT_JSON_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    REPLAY_POLICY_FIELD_NUMBER: _builtins.int
+    CHECK_ONLY_FIELD_NUMBER: _builtins.int
+    REPLAY_ONLY_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     run_id: _builtins.str
     goal: _builtins.str
+    """The goal as recorded (already redacted at submission)."""
     failure_context_json: _builtins.str
     """Failure context when replanning."""
+    epoch: _builtins.int
+    """The caller's fencing epoch for the run: model calls are recorded under it."""
+    agent: _builtins.str
+    """The agent the run acts for (the policy's principal; its catalog)."""
+    replay_policy: _common_pb2.ReplayPolicy.ValueType
+    check_only: _builtins.bool
+    """Submission check only: validates the goal, applies redaction and checks that a model is
+    configured for the tenant; nothing is asked or recorded. `goal` of the answer is the
+    goal as it will be recorded.
+    """
+    replay_only: _builtins.bool
+    """Replay only (Runs.ReplayRun): every call must come from the record; nothing is asked."""
     def __init__(
         self,
         *,
@@ -81,10 +108,15 @@ class CreatePlanRequest(_message.Message):
         run_id: _builtins.str = ...,
         goal: _builtins.str = ...,
         failure_context_json: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        agent: _builtins.str = ...,
+        replay_policy: _common_pb2.ReplayPolicy.ValueType = ...,
+        check_only: _builtins.bool = ...,
+        replay_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure_context_json", b"failure_context_json", "goal", b"goal", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "check_only", b"check_only", "epoch", b"epoch", "failure_context_json", b"failure_context_json", "goal", b"goal", "replay_only", b"replay_only", "replay_policy", b"replay_policy", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -95,15 +127,56 @@ class CreatePlanResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PLAN_JSON_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    GOAL_FIELD_NUMBER: _builtins.int
+    MODEL_CALLS_FIELD_NUMBER: _builtins.int
+    REPLAYED_CALLS_FIELD_NUMBER: _builtins.int
+    DIFFERENCES_FIELD_NUMBER: _builtins.int
+    FORK_HASH_FIELD_NUMBER: _builtins.int
+    REDACTED_FIELD_NUMBER: _builtins.int
+    RULE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     plan_json: _builtins.str
+    """The validated plan (canonical JSON), or the deterministic fallback plan."""
+    source: _builtins.str
+    """"model", "replay", "replayed_with_drift", "fallback" (no safe plan; a direct response), or
+    "fork" (drift under fork_on_drift: `fork_hash` names the fork; no plan), "denied" (the
+    policy refused the model call) or "unavailable" (the provider stayed down).
+    """
+    goal: _builtins.str
+    """check_only: the goal as recorded (redacted)."""
+    model_calls: _builtins.int
+    """Model calls made or replayed, in order."""
+    replayed_calls: _builtins.int
+    fork_hash: _builtins.str
+    rule_id: _builtins.str
+    """source "denied": the policy's rule and reason for refusing the model call;
+    "unavailable": why the provider could not be reached; "fallback": why no plan was safe.
+    """
+    reason: _builtins.str
+    @_builtins.property
+    def differences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def redacted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The redaction patterns that matched the goal (their names)."""
+
     def __init__(
         self,
         *,
         plan_json: _builtins.str = ...,
+        source: _builtins.str = ...,
+        goal: _builtins.str = ...,
+        model_calls: _builtins.int = ...,
+        replayed_calls: _builtins.int = ...,
+        differences: _abc.Iterable[_builtins.str] | None = ...,
+        fork_hash: _builtins.str = ...,
+        redacted: _abc.Iterable[_builtins.str] | None = ...,
+        rule_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_json", b"plan_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["differences", b"differences", "fork_hash", b"fork_hash", "goal", b"goal", "model_calls", b"model_calls", "plan_json", b"plan_json", "reason", b"reason", "redacted", b"redacted", "replayed_calls", b"replayed_calls", "rule_id", b"rule_id", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -76,6 +76,7 @@ class AuthorizeRequest(_message.Message):
     AGENT_FIELD_NUMBER: _builtins.int
     RETRY_OF_FIELD_NUMBER: _builtins.int
     CALLER_RECORDS_FIELD_NUMBER: _builtins.int
+    BASE_RULES_ONLY_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     run_id: _builtins.str
     step_id: _builtins.str
@@ -105,6 +106,11 @@ class AuthorizeRequest(_message.Message):
     Only the mesh may ask for this; for everyone else the decision is recorded before the
     answer.
     """
+    base_rules_only: _builtins.bool
+    """Check only (Authorize ignores it): evaluate the base rules alone (Cedar or allowlist,
+    capabilities, commitments), not the argument invariants — may this principal call this
+    tool at all? The planner builds the catalog a model sees from it.
+    """
     def __init__(
         self,
         *,
@@ -120,10 +126,11 @@ class AuthorizeRequest(_message.Message):
         agent: _builtins.str = ...,
         retry_of: _builtins.str = ...,
         caller_records: _builtins.bool = ...,
+        base_rules_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "caller_records", b"caller_records", "capability_handle", b"capability_handle", "epoch", b"epoch", "idempotency_key", b"idempotency_key", "retry_of", b"retry_of", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "base_rules_only", b"base_rules_only", "caller_records", b"caller_records", "capability_handle", b"capability_handle", "epoch", b"epoch", "idempotency_key", b"idempotency_key", "retry_of", b"retry_of", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

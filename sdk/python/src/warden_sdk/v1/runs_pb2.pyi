@@ -48,6 +48,69 @@ STEP_STATUS_UNKNOWN_OUTCOME: StepStatus.ValueType  # 7
 Global___StepStatus: _TypeAlias = StepStatus  # noqa: Y015
 
 @_typing.final
+class ReplayRunRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    run_id: _builtins.str
+    policy: _common_pb2.ReplayPolicy.ValueType
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        policy: _common_pb2.ReplayPolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplayRunRequest: _TypeAlias = ReplayRunRequest  # noqa: Y015
+
+@_typing.final
+class ReplayRunResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    PLAN_JSON_FIELD_NUMBER: _builtins.int
+    DIFFERENCES_FIELD_NUMBER: _builtins.int
+    FORKED_RUN_ID_FIELD_NUMBER: _builtins.int
+    REPLAYED_CALLS_FIELD_NUMBER: _builtins.int
+    outcome: _builtins.str
+    """"replayed", "replayed_with_drift" or "forked"."""
+    plan_json: _builtins.str
+    """The plan the replayed planning produced (canonical JSON); empty when forked."""
+    forked_run_id: _builtins.str
+    """The new run, when forked."""
+    replayed_calls: _builtins.int
+    """Model calls replayed from the ledger (none was asked)."""
+    @_builtins.property
+    def differences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What differs from the recorded requests ("options: …", "messages: …")."""
+
+    def __init__(
+        self,
+        *,
+        outcome: _builtins.str = ...,
+        plan_json: _builtins.str = ...,
+        differences: _abc.Iterable[_builtins.str] | None = ...,
+        forked_run_id: _builtins.str = ...,
+        replayed_calls: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["differences", b"differences", "forked_run_id", b"forked_run_id", "outcome", b"outcome", "plan_json", b"plan_json", "replayed_calls", b"replayed_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplayRunResponse: _TypeAlias = ReplayRunResponse  # noqa: Y015
+
+@_typing.final
 class SubmitRunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -58,6 +121,7 @@ class SubmitRunRequest(_message.Message):
     CANCEL_POLICY_FIELD_NUMBER: _builtins.int
     AGENT_FIELD_NUMBER: _builtins.int
     CAPABILITY_HANDLES_FIELD_NUMBER: _builtins.int
+    REPLAY_POLICY_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     plan_json: _builtins.str
     """An explicit plan as JSON: {"steps":[{"id","tool","params","depends_on"}],
@@ -72,6 +136,10 @@ class SubmitRunRequest(_message.Message):
     """The agent (within the tenant) the run acts for; Cedar policies see it as the principal
     `Agent::"<tenant>/<agent>"`, a member of `Tenant::"<tenant>"`. A token bound to an agent
     (`tenant/agent`) fixes it: empty means that agent, another name is PERMISSION_DENIED.
+    """
+    replay_policy: _common_pb2.ReplayPolicy.ValueType
+    """For goal runs: how recorded model calls are replayed when the run's planning is driven
+    again (after a crash, or by ReplayRun without a policy). Strict by default.
     """
     @_builtins.property
     def capability_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -90,10 +158,11 @@ class SubmitRunRequest(_message.Message):
         cancel_policy: _common_pb2.CancelPolicy.ValueType = ...,
         agent: _builtins.str = ...,
         capability_handles: _abc.Iterable[_builtins.str] | None = ...,
+        replay_policy: _common_pb2.ReplayPolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "cancel_policy", b"cancel_policy", "capability_handles", b"capability_handles", "goal", b"goal", "idempotency_key", b"idempotency_key", "plan_json", b"plan_json", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "cancel_policy", b"cancel_policy", "capability_handles", b"capability_handles", "goal", b"goal", "idempotency_key", b"idempotency_key", "plan_json", b"plan_json", "replay_policy", b"replay_policy", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

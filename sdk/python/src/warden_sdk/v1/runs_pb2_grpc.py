@@ -70,6 +70,11 @@ class RunsStub:
                 request_serializer=warden_dot_v1_dot_runs__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=warden_dot_v1_dot_runs__pb2.RunTrace.FromString,
                 _registered_method=True)
+        self.ReplayRun = channel.unary_unary(
+                '/warden.v1.Runs/ReplayRun',
+                request_serializer=warden_dot_v1_dot_runs__pb2.ReplayRunRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_runs__pb2.ReplayRunResponse.FromString,
+                _registered_method=True)
 
 
 class RunsServicer:
@@ -129,6 +134,16 @@ class RunsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplayRun(self, request, context):
+        """Re-runs a finished goal run's planning against its recorded model calls under a replay
+        policy: replayed (nothing is asked), replayed with drift (recorded), or forked into a new
+        run that asks the model. Strict replay of a drifted request fails FAILED_PRECONDITION
+        naming the difference. Tenants (and the run's agent) replay their own runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +181,11 @@ def add_RunsServicer_to_server(servicer, server):
                     servicer.GetTrace,
                     request_deserializer=warden_dot_v1_dot_runs__pb2.GetRunRequest.FromString,
                     response_serializer=warden_dot_v1_dot_runs__pb2.RunTrace.SerializeToString,
+            ),
+            'ReplayRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplayRun,
+                    request_deserializer=warden_dot_v1_dot_runs__pb2.ReplayRunRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_runs__pb2.ReplayRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +378,33 @@ class Runs:
             '/warden.v1.Runs/GetTrace',
             warden_dot_v1_dot_runs__pb2.GetRunRequest.SerializeToString,
             warden_dot_v1_dot_runs__pb2.RunTrace.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplayRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Runs/ReplayRun',
+            warden_dot_v1_dot_runs__pb2.ReplayRunRequest.SerializeToString,
+            warden_dot_v1_dot_runs__pb2.ReplayRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

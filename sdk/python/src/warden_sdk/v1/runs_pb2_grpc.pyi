@@ -55,6 +55,12 @@ class RunsStub:
     overwritten) with every attempt in order — its decision, request and outcome — the
     step's policy and approval events, and the plan's dependency edges.
     """
+    ReplayRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.ReplayRunRequest, _runs_pb2.ReplayRunResponse]
+    """Re-runs a finished goal run's planning against its recorded model calls under a replay
+    policy: replayed (nothing is asked), replayed with drift (recorded), or forked into a new
+    run that asks the model. Strict replay of a drifted request fails FAILED_PRECONDITION
+    naming the difference. Tenants (and the run's agent) replay their own runs.
+    """
 
 @_typing.type_check_only
 class RunsAsyncStub(RunsStub):
@@ -82,6 +88,12 @@ class RunsAsyncStub(RunsStub):
     """The run's execution trace, derived from its ledger events: one node per step (never
     overwritten) with every attempt in order — its decision, request and outcome — the
     step's policy and approval events, and the plan's dependency edges.
+    """
+    ReplayRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.ReplayRunRequest, _runs_pb2.ReplayRunResponse]  # type: ignore[assignment]
+    """Re-runs a finished goal run's planning against its recorded model calls under a replay
+    policy: replayed (nothing is asked), replayed with drift (recorded), or forked into a new
+    run that asks the model. Strict replay of a drifted request fails FAILED_PRECONDITION
+    naming the difference. Tenants (and the run's agent) replay their own runs.
     """
 
 class RunsServicer(metaclass=_abc_1.ABCMeta):
@@ -149,6 +161,18 @@ class RunsServicer(metaclass=_abc_1.ABCMeta):
         """The run's execution trace, derived from its ledger events: one node per step (never
         overwritten) with every attempt in order — its decision, request and outcome — the
         step's policy and approval events, and the plan's dependency edges.
+        """
+
+    @_abc_1.abstractmethod
+    def ReplayRun(
+        self,
+        request: _runs_pb2.ReplayRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runs_pb2.ReplayRunResponse, _abc.Awaitable[_runs_pb2.ReplayRunResponse]]:
+        """Re-runs a finished goal run's planning against its recorded model calls under a replay
+        policy: replayed (nothing is asked), replayed with drift (recorded), or forked into a new
+        run that asks the model. Strict replay of a drifted request fails FAILED_PRECONDITION
+        naming the difference. Tenants (and the run's agent) replay their own runs.
         """
 
 def add_RunsServicer_to_server(servicer: RunsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

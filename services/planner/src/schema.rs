@@ -1,0 +1,297 @@
+//! What the model is shown and held to: the tools a run may call (with their signatures,
+//! seed 002), the JSON Schema of an `ExecutionPlan` built from them (OpenAI's strict subset:
+//! every field required, `additionalProperties: false`, tool names as an enum per step kind),
+//! and the strict parse and validation of an answer against that catalog.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde_json::{Map, Value, json};
+use warden_core::canonical::args_digest;
+use warden_core::plan::{Plan, PlanLimits};
+use warden_proto::v1 as pb;
+
+/// A tool the model may plan with.
+#[derive(Debug, Clone)]
+pub struct AllowedTool {
+    pub name: String,
+    pub description: String,
+    pub version: String,
+    /// The declared input schema (an object schema; `{}` declares none).
+    pub schema: Value,
+}
+
+impl AllowedTool {
+    pub fn from_spec(spec: &pb::ToolSpec) -> AllowedTool {
+        let schema = serde_json::from_str::<Value>(&spec.input_schema_json)
+            .ok()
+            .filter(Value::is_object)
+            .unwrap_or_else(|| json!({"type": "object"}));
+        AllowedTool {
+            name: spec.name.clone(),
+            description: spec.description.clone(),
+            version: if spec.version.is_empty() { "0".into() } else { spec.version.clone() },
+            schema,
+        }
+    }
+
+    /// Seed 002's tool signature: name, version, schema version and hash.
+    pub fn signature(&self) -> Value {
+        json!({
+            "name": self.name,
+            "tool_version": self.version,
+            "schema_version": "json-schema",
+            "schema_hash": args_digest(&self.schema),
+        })
+    }
+}
+
+/// The catalog a planning round offers, sorted by name.
+#[derive(Debug, Clone)]
+pub struct Offer {
+    pub tools: Vec<AllowedTool>,
+}
+
+impl Offer {
+    pub fn new(mut tools: Vec<AllowedTool>) -> Offer {
+        tools.sort_by(|a, b| a.name.cmp(&b.name));
+        Offer { tools }
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.tools.iter().map(|t| t.name.clone()).collect()
+    }
+
+    pub fn signatures(&self) -> Vec<Value> {
+        self.tools.iter().map(AllowedTool::signature).collect()
+    }
+
+    /// Hash of the tool signatures (not just the names): any schema change is drift.
+    pub fn signatures_hash(&self) -> String {
+        args_digest(&Value::Array(self.signatures()))
+    }
+
+    /// The answer's JSON Schema. A step is one of one object schema per tool, whose `tool` is
+    /// that tool's name and whose `params` is its input schema made strict.
+    pub fn response_schema(&self, max_steps: usize) -> Value {
+        let step_kinds: Vec<Value> = self
+            .tools
+            .iter()
+            .map(|t| {
+                json!({
+                    "type": "object",
+                    "additionalProperties": false,
+                    "required": ["id", "tool", "params", "depends_on"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "tool": {"type": "string", "enum": [t.name]},
+                        "params": strict(&t.schema),
+                        "depends_on": {"type": "array", "items": {"type": "string"}},
+                    },
+                })
+            })
+            .collect();
+        let steps = if step_kinds.is_empty() {
+            json!({"type": "array", "maxItems": 0, "items": {"type": "object", "additionalProperties": false, "properties": {}, "required": []}})
+        } else {
+            json!({"type": "array", "maxItems": max_steps, "items": {"anyOf": step_kinds}})
+        };
+        json!({
+            "type": "object",
+            "additionalProperties": false,
+            "required": ["reasoning", "steps", "direct_response"],
+            "properties": {
+                "reasoning": {"type": "string"},
+                "steps": steps,
+                "direct_response": {"type": ["string", "null"]},
+            },
+        })
+    }
+}
+
+/// A tool's input schema in OpenAI's strict subset: objects list every property as required
+/// and allow no others; a property the tool does not require may be `null` (dropped again
+/// when the answer is read, see [`drop_null_optionals`]).
+fn strict(schema: &Value) -> Value {
+    let Some(obj) = schema.as_object() else {
+        return json!({"type": "object", "additionalProperties": false, "properties": {}, "required": []});
+    };
+    let is_object = obj.get("type").and_then(Value::as_str) == Some("object") || obj.contains_key("properties");
+    if !is_object {
+        return schema.clone();
+    }
+    let required: Vec<&str> = obj
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut props = Map::new();
+    if let Some(p) = obj.get("properties").and_then(Value::as_object) {
+        for (name, s) in p {
+            let mut s = strict(s);
+            if !required.contains(&name.as_str())
+                && let Some(t) = s.get("type").cloned()
+            {
+                s["type"] = match t {
+                    Value::String(t) => json!([t, "null"]),
+                    Value::Array(mut ts) if !ts.contains(&json!("null")) => {
+                        ts.push(json!("null"));
+                        Value::Array(ts)
+                    }
+                    other => other,
+                };
+            }
+            props.insert(name.clone(), s);
+        }
+    }
+    let names: Vec<Value> = props.keys().map(|k| Value::String(k.clone())).collect();
+    let mut out = Map::new();
+    out.insert("type".into(), json!("object"));
+    out.insert("additionalProperties".into(), json!(false));
+    out.insert("properties".into(), Value::Object(props));
+    out.insert("required".into(), Value::Array(names));
+    if let Some(d) = obj.get("description") {
+        out.insert("description".into(), d.clone());
+    }
+    Value::Object(out)
+}
+
+/// Removes `null` values the strict schema allowed for properties the tool does not require.
+fn drop_null_optionals(params: &mut Value, schema: &Value) {
+    let required: Vec<&str> = schema
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if let Some(map) = params.as_object_mut() {
+        map.retain(|k, v| !(v.is_null() && !required.contains(&k.as_str())));
+    }
+}
+
+/// Compiled input-schema validators of the offered tools.
+pub struct Validators {
+    by_tool: HashMap<String, (Value, Option<jsonschema::Validator>)>,
+}
+
+impl Validators {
+    /// A tool whose declared schema does not compile is offered nothing to check against:
+    /// its params are then refused (a tool host declaring a broken schema is a tool host bug
+    /// the model cannot fix).
+    pub fn new(offer: &Offer) -> Validators {
+        let by_tool = offer
+            .tools
+            .iter()
+            .map(|t| (t.name.clone(), (t.schema.clone(), jsonschema::validator_for(&t.schema).ok())))
+            .collect();
+        Validators { by_tool }
+    }
+}
+
+/// Parses the model's answer strictly (a JSON object with exactly the plan's fields), then
+/// validates it like an explicit plan (ids, tools of the offer, dependencies, cycles,
+/// templates, size) and each step's params against its tool's input schema. The error is what
+/// the model is shown on a repair pass.
+pub fn parse_and_validate(
+    text: &str,
+    offer: &Offer,
+    validators: &Validators,
+    max_steps: usize,
+) -> Result<Plan, String> {
+    let mut value: Value =
+        serde_json::from_str(text.trim()).map_err(|e| format!("the answer is not valid JSON: {e}"))?;
+    if let Some(obj) = value.as_object_mut() {
+        // The schema makes `direct_response` required and nullable; a plan omits it.
+        if obj.get("direct_response").is_some_and(Value::is_null) {
+            obj.remove("direct_response");
+        }
+        if obj.get("direct_response").and_then(Value::as_str).is_some_and(|s| s.trim().is_empty()) {
+            obj.remove("direct_response");
+        }
+        if let Some(steps) = obj.get_mut("steps").and_then(Value::as_array_mut) {
+            for step in steps {
+                let tool = step.get("tool").and_then(Value::as_str).unwrap_or_default().to_string();
+                if let (Some(params), Some((schema, _))) = (step.get_mut("params"), validators.by_tool.get(&tool)) {
+                    drop_null_optionals(params, schema);
+                }
+            }
+        }
+    }
+    let plan = Plan::parse(&value.to_string()).map_err(|e| format!("{}: {e}", e.field()))?;
+    let known: BTreeMap<&str, ()> = offer.tools.iter().map(|t| (t.name.as_str(), ())).collect();
+    let is_known = |t: &str| known.contains_key(t);
+    plan.validate(&PlanLimits { max_steps, known_tool: &is_known }).map_err(|e| format!("{}: {e}", e.field()))?;
+    for (i, step) in plan.steps.iter().enumerate() {
+        // A templated value is resolved at run time; its type is checked then, by the host.
+        if step.params.to_string().contains("{{") {
+            continue;
+        }
+        match validators.by_tool.get(&step.tool) {
+            Some((_, Some(v))) => {
+                if let Some(err) = v.iter_errors(&step.params).next() {
+                    let at = err.instance_path.to_string();
+                    return Err(format!("steps[{i}].params{at}: {err} (tool '{}')", step.tool));
+                }
+            }
+            Some((_, None)) => {
+                return Err(format!("steps[{i}]: tool '{}' declares an input schema that does not compile", step.tool));
+            }
+            None => return Err(format!("steps[{i}].tool: '{}' is not offered", step.tool)),
+        }
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offer() -> Offer {
+        Offer::new(vec![
+            AllowedTool {
+                name: "echo".into(),
+                description: "echoes".into(),
+                version: "1".into(),
+                schema: json!({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}),
+            },
+            AllowedTool {
+                name: "kv.put".into(),
+                description: "stores".into(),
+                version: "1".into(),
+                schema: json!({"type": "object", "properties": {"key": {"type": "string"}, "ttl": {"type": "integer"}}, "required": ["key"]}),
+            },
+        ])
+    }
+
+    #[test]
+    fn schema_is_strict_and_names_tools_as_enums() {
+        let s = offer().response_schema(10);
+        assert_eq!(s["additionalProperties"], json!(false));
+        assert_eq!(s["required"], json!(["reasoning", "steps", "direct_response"]));
+        let kinds = s["properties"]["steps"]["items"]["anyOf"].as_array().unwrap();
+        assert_eq!(kinds[0]["properties"]["tool"]["enum"], json!(["echo"]));
+        let kv = &kinds[1]["properties"]["params"];
+        assert_eq!(kv["required"], json!(["key", "ttl"]));
+        assert_eq!(kv["properties"]["ttl"]["type"], json!(["integer", "null"]));
+        assert_eq!(kv["additionalProperties"], json!(false));
+    }
+
+    #[test]
+    fn answers_are_parsed_strictly_and_validated() {
+        let o = offer();
+        let v = Validators::new(&o);
+        let good = r#"{"reasoning":"r","direct_response":null,"steps":[{"id":"a","tool":"kv.put","params":{"key":"k","ttl":null},"depends_on":[]}]}"#;
+        let plan = parse_and_validate(good, &o, &v, 10).unwrap();
+        assert_eq!(plan.steps[0].params, json!({"key": "k"}));
+        let cases = [
+            ("not json", "not valid JSON"),
+            (r#"{"steps":[],"extra":1}"#, "extra"),
+            (r#"{"steps":[{"id":"a","tool":"shell","params":{},"depends_on":[]}]}"#, "shell"),
+            (r#"{"steps":[{"id":"a","tool":"echo","params":{"text":"x"},"depends_on":["zz"]}]}"#, "zz"),
+            (r#"{"steps":[{"id":"a","tool":"echo","params":{"text":5},"depends_on":[]}]}"#, "params"),
+            (r#"{"steps":[{"id":"a","tool":"echo","params":{},"depends_on":[]}]}"#, "text"),
+        ];
+        for (text, needle) in cases {
+            let e = parse_and_validate(text, &o, &v, 10).unwrap_err();
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+    }
+}

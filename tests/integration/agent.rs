@@ -1,0 +1,511 @@
+//! The agent layer: goal runs planned by a model, every model call decided by the policy and
+//! recorded in the run's chain, replayed (never asked again) when planning runs again, and
+//! model output that never triggers execution by itself (K17).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+use tonic::Code;
+use warden_proto::v1 as pb;
+use warden_testkit::{Mesh, MeshOptions};
+
+use crate::scripted_model::{Reply, ScriptedModel};
+use crate::{Backend, assert_field_violation, events, mesh_with, payload, settled, verify};
+
+/// Tools the test tenant may call, model calls included.
+fn tools(extra: &[&str]) -> Vec<String> {
+    ["echo", "kv.*", "email.send", "model.call"].iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+async fn agent_mesh(backend: Backend, planner: String, tenant_tools: Vec<String>, policy_extra: &str) -> Mesh {
+    let opts = MeshOptions {
+        tenants: vec![("acme".into(), tenant_tools)],
+        planner_extra: planner,
+        policy_extra: policy_extra.into(),
+        ..MeshOptions::default()
+    };
+    mesh_with(backend, opts).await
+}
+
+async fn submit_goal(mesh: &Mesh, goal: &str, policy: pb::ReplayPolicy) -> String {
+    mesh.runs()
+        .submit_run(pb::SubmitRunRequest {
+            tenant: "acme".into(),
+            goal: goal.into(),
+            replay_policy: policy as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|s| panic!("submit failed: {s:?}\n{}", mesh.logs()))
+        .into_inner()
+        .run_id
+}
+
+async fn run_events(mesh: &Mesh, run: &str) -> Vec<pb::Event> {
+    events(&mut mesh.ledger(), "acme", run).await
+}
+
+fn of_type<'a>(evs: &'a [pb::Event], t: &str) -> Vec<&'a pb::Event> {
+    evs.iter().filter(|e| e.event_type == t).collect()
+}
+
+async fn trace(mesh: &Mesh, run: &str) -> Value {
+    let t = mesh
+        .runs()
+        .get_trace(pb::GetRunRequest { tenant: "acme".into(), run_id: run.into() })
+        .await
+        .expect("trace")
+        .into_inner();
+    serde_json::from_str(&t.trace_json).expect("trace json")
+}
+
+/// Every recorded model call cites a recorded allow for `model.call` that precedes it.
+fn assert_calls_were_allowed(evs: &[pb::Event]) {
+    for req in of_type(evs, "model_requested") {
+        let p = payload(req);
+        let decision = evs
+            .iter()
+            .find(|e| e.event_type == "policy_decision" && payload(e)["decision_id"] == p["decision_id"])
+            .unwrap_or_else(|| panic!("model_requested at seq {} cites no recorded decision", req.seq));
+        assert!(decision.seq < req.seq, "the decision is recorded before the call");
+        let d = payload(decision);
+        assert_eq!((d["outcome"].as_str(), d["tool"].as_str()), (Some("allow"), Some("model.call")));
+    }
+}
+
+fn echo_plan(text: &str) -> Value {
+    json!({"reasoning": "echo it", "direct_response": null,
+           "steps": [{"id": "say", "tool": "echo", "params": {"text": text}, "depends_on": []}]})
+}
+
+/// A goal run against llama.cpp's `llama-server` with SmolLM2-135M-Instruct: the model is
+/// asked under the strict plan schema; whatever it answers, every call is decided, recorded
+/// (with usage and cost), and nothing runs that is not a validated step of the offer.
+#[tokio::test]
+async fn a_goal_run_plans_with_a_real_model_and_records_every_call() {
+    let server = tokio::task::spawn_blocking(warden_testkit::model::model_server).await.expect("model server");
+    let planner = format!(
+        "[planner.model]\nprovider = \"openai\"\nbase_url = \"{}\"\nmodel = \"{}\"\ntimeout_secs = 120\nmax_tokens = 256\n\
+         [planner.prices.{}]\ninput_per_mtok = 0.5\noutput_per_mtok = 1.5\n",
+        server.base_url, server.model, server.model
+    );
+    let mesh = agent_mesh(Backend::Sqlite, planner, tools(&[]), "").await;
+    let run = submit_goal(&mesh, "Echo the word hello.", pb::ReplayPolicy::Strict).await;
+    let done = crate::settled_within(&mesh, "acme", &run, Duration::from_secs(600)).await;
+    let evs = run_events(&mesh, &run).await;
+    let requested = of_type(&evs, "model_requested");
+    let answered = of_type(&evs, "model_completed");
+    assert!(!requested.is_empty(), "the model was asked\n{}", mesh.logs());
+    assert!(requested.len() <= 3, "at most 1 + repair_attempts (2) calls");
+    assert_calls_were_allowed(&evs);
+    assert_eq!(answered.len() + of_type(&evs, "model_failed").len(), requested.len(), "every call has an outcome");
+    for a in &answered {
+        let p = payload(a);
+        assert!(p["usage"]["input_tokens"].as_u64().unwrap_or(0) > 0, "usage recorded: {p}");
+        assert!(p["cost"].as_f64().unwrap_or(0.0) > 0.0, "cost from the price table: {p}");
+        assert!(p["raw_output"].is_string());
+    }
+    let first = payload(requested[0]);
+    assert_eq!(first["allowed_tools"], json!(["echo", "email.send", "kv.get", "kv.put"]), "the tenant's offer");
+    assert_eq!(first["messages"][1]["content"], "Echo the word hello.");
+    assert!(first["context_version"]["system_prompt_hash"].is_string());
+    let created = of_type(&evs, "plan_created");
+    assert_eq!(created.len(), 1, "one plan");
+    let plan = payload(created[0]);
+    let source = plan["source"].as_str().unwrap_or_default().to_string();
+    eprintln!("the model planned ({source}): {}", plan["plan"]);
+    assert!(matches!(source.as_str(), "model" | "fallback"), "{plan}");
+    let planned: Vec<&str> = plan["plan"]["steps"]
+        .as_array()
+        .map(|s| s.iter().filter_map(|s| s["tool"].as_str()).collect())
+        .unwrap_or_default();
+    for r in of_type(&evs, "tool_requested") {
+        let tool = payload(r)["tool"].as_str().unwrap_or_default().to_string();
+        assert!(planned.contains(&tool.as_str()), "only planned tools run: {tool}");
+    }
+    if source == "fallback" || plan["plan"]["direct_response"].is_string() {
+        assert!(of_type(&evs, "tool_requested").is_empty(), "a direct response runs nothing");
+        assert_eq!(done.status(), pb::RunStatus::Completed);
+    }
+    let t = trace(&mesh, &run).await;
+    assert_eq!(t["llm_calls"].as_array().map(Vec::len), Some(requested.len()), "{t}");
+    assert_eq!(t["plan_rounds"][0]["source"], source.as_str());
+    assert!(verify(&mut mesh.ledger(), "acme", &run).await.valid);
+}
+
+/// A valid plan is executed; replaying the finished run asks nothing (strict: exact match);
+/// drift is refused by strict, replayed and recorded by allow_prompt_drift, and forked by
+/// fork_on_drift into a new run that asks the model again.
+#[tokio::test]
+async fn goal_runs_execute_and_replay_under_each_policy() {
+    let model = ScriptedModel::start(Reply::plan(echo_plan("hello"))).await;
+    let mut mesh = agent_mesh(Backend::Sqlite, model.openai_config("temperature = 0.0"), tools(&[]), "").await;
+    let run = submit_goal(&mesh, "Say hello.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{done:?}\n{}", mesh.logs());
+    assert_eq!(done.steps[0].output_json, r#"{"text":"hello"}"#);
+    assert_eq!(model.received().len(), 1);
+    let sent = &model.received()[0].body;
+    assert_eq!(sent["response_format"]["type"], "json_schema");
+    assert_eq!(sent["response_format"]["json_schema"]["strict"], true);
+    let evs = run_events(&mesh, &run).await;
+    let costed = payload(of_type(&evs, "model_completed")[0]);
+    assert_eq!(costed["cost"], json!((120.0 * 2.0 + 30.0 * 10.0) / 1e6), "usage × price");
+
+    let runs = mesh.runs();
+    let replay = |policy: pb::ReplayPolicy| {
+        let mut runs = runs.clone();
+        let run = run.clone();
+        async move {
+            runs.replay_run(pb::ReplayRunRequest { tenant: "acme".into(), run_id: run, policy: policy as i32 }).await
+        }
+    };
+    let same = replay(pb::ReplayPolicy::Strict).await.expect("strict replay").into_inner();
+    assert_eq!((same.outcome.as_str(), same.replayed_calls), ("replayed", 1));
+    assert_eq!(serde_json::from_str::<Value>(&same.plan_json).unwrap()["steps"][0]["tool"], "echo");
+    assert_eq!(model.received().len(), 1, "a recorded call is never asked again");
+    assert_eq!(trace(&mesh, &run).await["llm_calls"][0]["replayed"], 1);
+
+    // The planner now asks with other options: drift.
+    let config = mesh.dir.path().join("warden.toml");
+    let text = std::fs::read_to_string(&config).unwrap().replace("temperature = 0.0", "temperature = 0.7");
+    std::fs::write(&config, text).unwrap();
+    mesh.planner.restart().expect("restart planner");
+    let strict = warden_testkit::eventually(Duration::from_secs(30), || async {
+        match replay(pb::ReplayPolicy::Strict).await {
+            Err(s) if s.code() == Code::Unavailable => None,
+            other => Some(other),
+        }
+    })
+    .await
+    .expect("planner back");
+    let refused = strict.expect_err("strict refuses drift");
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert!(refused.message().contains("options"), "names the difference: {}", refused.message());
+
+    let drift = replay(pb::ReplayPolicy::AllowPromptDrift).await.expect("drift replay").into_inner();
+    assert_eq!(drift.outcome, "replayed_with_drift");
+    assert!(drift.differences.iter().any(|d| d.starts_with("options")), "{:?}", drift.differences);
+    assert_eq!(model.received().len(), 1, "still not asked");
+    let evs = run_events(&mesh, &run).await;
+    assert_eq!(of_type(&evs, "replayed_with_drift").len(), 1, "the drift is recorded");
+
+    let fork = replay(pb::ReplayPolicy::ForkOnDrift).await.expect("fork").into_inner();
+    assert_eq!(fork.outcome, "forked");
+    assert!(fork.forked_run_id.starts_with(&format!("{run}::fork::")), "{}", fork.forked_run_id);
+    let forked = settled(&mesh, "acme", &fork.forked_run_id).await;
+    assert_eq!(forked.status(), pb::RunStatus::Completed, "{}", mesh.logs());
+    assert_eq!(model.received().len(), 2, "the fork asked the model");
+    let fevs = run_events(&mesh, &fork.forked_run_id).await;
+    assert_eq!(payload(&fevs[0])["parent_run_id"], run.as_str(), "linked to its parent");
+    assert!(verify(&mut mesh.ledger(), "acme", &run).await.valid);
+}
+
+/// A run driven again after its executor died mid-planning replays what was recorded and
+/// asks only for the call that has no answer.
+#[tokio::test]
+async fn planning_resumed_after_a_crash_never_asks_again_for_a_recorded_call() {
+    let model = ScriptedModel::start(Reply::plan(echo_plan("again"))).await;
+    let gate = Arc::new(Notify::new());
+    model.push(Reply::chat("this is not a plan"));
+    model.push(Reply::plan(echo_plan("again")).held(gate.clone()));
+    let opts = MeshOptions {
+        tenants: vec![("acme".into(), tools(&[]))],
+        planner_extra: model.openai_config(""),
+        executors: 2,
+        ..MeshOptions::default()
+    };
+    let mut mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run = submit_goal(&mesh, "Say again.", pb::ReplayPolicy::Strict).await;
+    // The repair pass is in flight (held): the first answer is recorded.
+    let mut ledger = mesh.ledger();
+    warden_testkit::eventually(Duration::from_secs(60), || {
+        let mut ledger = ledger.clone();
+        let run = run.clone();
+        async move {
+            (events(&mut ledger, "acme", &run).await.iter().filter(|e| e.event_type == "model_requested").count() == 2)
+                .then_some(())
+        }
+    })
+    .await
+    .expect("the repair pass is asked");
+    let driver = run_events(&mesh, &run)
+        .await
+        .iter()
+        .find(|e| e.event_type == "run_started")
+        .map(|e| payload(e)["executor"].clone())
+        .unwrap();
+    let i = if driver == "executor-0" { 0 } else { 1 };
+    mesh.executors[i].kill();
+    let done = settled(&mesh, "acme", &run).await;
+    gate.notify_waiters();
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{done:?}\n{}", mesh.logs());
+    let firsts = model.received().iter().filter(|r| r.body["messages"].as_array().map(Vec::len) == Some(2)).count();
+    assert_eq!(firsts, 1, "the recorded first answer was replayed, not asked again");
+    let evs = events(&mut ledger, "acme", &run).await;
+    assert!(!of_type(&evs, "model_replayed").is_empty(), "the replay is recorded");
+    assert_eq!(of_type(&evs, "plan_created").len(), 1);
+    assert!(verify(&mut ledger, "acme", &run).await.valid);
+}
+
+/// Answers that are no plan are shown their exact error and asked again; after the repair
+/// passes, the fallback is a direct response — never a tool call. Garbage, an empty body,
+/// invalid UTF-8 and a 10 MB body are each a recorded `model_failed`.
+#[tokio::test]
+async fn bad_answers_are_repaired_then_fall_back_to_a_direct_response() {
+    let model = ScriptedModel::start(Reply::chat("still not a plan")).await;
+    model.push(Reply::chat("{\"steps\": [ oops"));
+    model.push(Reply::raw(200, ""));
+    model.push(Reply::raw(200, vec![0xff, 0xfe, 0x00, 0x7b]));
+    model.push(Reply::raw(200, vec![b' '; 10 << 20]));
+    let mesh = agent_mesh(Backend::Sqlite, model.openai_config("repair_attempts = 3"), tools(&[]), "").await;
+    let run = submit_goal(&mesh, "Do something.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}", mesh.logs());
+    assert!(done.direct_response.starts_with("No safe plan was produced"), "{}", done.direct_response);
+    let evs = run_events(&mesh, &run).await;
+    assert_eq!(of_type(&evs, "model_requested").len(), 4);
+    assert_eq!(of_type(&evs, "model_completed").len(), 1);
+    let failed: Vec<Value> = of_type(&evs, "model_failed").iter().map(|e| payload(e)).collect();
+    assert_eq!(failed.len(), 3);
+    assert!(failed.iter().all(|f| f["kind"] == "malformed"), "{failed:?}");
+    assert!(failed[0]["error"].as_str().unwrap().contains("empty"));
+    assert!(failed[1]["error"].as_str().unwrap().contains("UTF-8"));
+    assert!(failed[2]["error"].as_str().unwrap().contains("bytes"));
+    assert!(of_type(&evs, "tool_requested").is_empty(), "no tool call");
+    let second = &model.received()[1].body["messages"];
+    let repair = second.as_array().unwrap().last().unwrap()["content"].as_str().unwrap();
+    assert!(repair.contains("not valid JSON"), "the model is shown the exact error: {repair}");
+    assert_eq!(payload(of_type(&evs, "plan_created")[0])["source"], "fallback");
+}
+
+/// 429 (with Retry-After), 5xx and timeouts are retried; a provider that stays down fails the
+/// run `planner_unavailable` with the failure recorded.
+#[tokio::test]
+async fn a_provider_blip_is_retried_and_an_outage_fails_the_run_planner_unavailable() {
+    let model = ScriptedModel::start(Reply::plan(echo_plan("up"))).await;
+    model.push(Reply::plan(echo_plan("late")).delayed(Duration::from_secs(3)));
+    model.push(Reply::raw(429, "slow down").header("retry-after", "1"));
+    model.push(Reply::raw(503, "busy"));
+    let config = model.openai_config("").replace("timeout_secs = 5", "timeout_secs = 1");
+    let mesh = agent_mesh(Backend::Sqlite, config, tools(&[]), "").await;
+    let run = submit_goal(&mesh, "Say up.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}", mesh.logs());
+    assert_eq!(done.steps[0].output_json, r#"{"text":"up"}"#, "the answer after the retries");
+    assert_eq!(model.received().len(), 4);
+
+    model.set_default(Reply::raw(500, "down"));
+    let run = submit_goal(&mesh, "Say down.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed);
+    assert!(done.reason.starts_with("planner_unavailable"), "{}", done.reason);
+    let evs = run_events(&mesh, &run).await;
+    let failed = payload(of_type(&evs, "model_failed")[0]);
+    assert_eq!(failed["kind"], "unavailable");
+    assert!(of_type(&evs, "tool_requested").is_empty());
+}
+
+/// K17: model output alone never triggers execution. The model proposes a tool outside the
+/// tenant's catalog, then a tool the tenant's policy denies, then arguments an invariant
+/// refuses: each refusal is recorded, and nothing runs that the policy did not allow.
+async fn k17(backend: Backend) {
+    let model = ScriptedModel::start(Reply::chat("unused")).await;
+    let step =
+        |id: &str, tool: &str, params: Value| json!({"id": id, "tool": tool, "params": params, "depends_on": []});
+    model.push(Reply::plan(json!({"reasoning": "r", "direct_response": null, "steps": [step("x", "shell.exec", json!({"cmd": "rm -rf /"}))]})));
+    model.push(Reply::plan(
+        json!({"reasoning": "r", "direct_response": null, "steps": [step("u", "text.upper", json!({"text": "a"}))]}),
+    ));
+    model.push(Reply::plan(json!({"reasoning": "r", "direct_response": null, "steps": [
+        step("mail", "email.send", json!({"to": "victim@attacker.example", "subject": "s", "body": "b"})),
+        step("ok", "echo", json!({"text": "fine"})),
+    ]})));
+    let invariant = "[[policy.invariants]]\nkind = \"email_domain_allowlist\"\ntool = \"email.send\"\nfield = \"to\"\ndomains = [\"example.com\"]\n";
+    let mesh = agent_mesh(backend, model.openai_config(""), tools(&[]), invariant).await;
+    let run = submit_goal(&mesh, "Clean up and mail the report.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    let evs = run_events(&mesh, &run).await;
+    let refusals: Vec<String> = of_type(&evs, "model_completed")
+        .iter()
+        .filter_map(|e| payload(e)["validation_error"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(refusals.len(), 2, "{refusals:?}");
+    assert!(refusals[0].contains("shell.exec"), "outside the catalog: {}", refusals[0]);
+    assert!(refusals[1].contains("text.upper"), "a tool the tenant's policy denies: {}", refusals[1]);
+    let offered = payload(of_type(&evs, "model_requested")[0])["allowed_tools"].clone();
+    assert!(!offered.as_array().unwrap().contains(&json!("text.upper")), "never offered: {offered}");
+    let denied: Vec<Value> =
+        of_type(&evs, "policy_decision").iter().map(|e| payload(e)).filter(|d| d["tool"] == "email.send").collect();
+    assert_eq!(denied.len(), 1);
+    assert_eq!(denied[0]["outcome"], "deny", "the invariant refused the arguments: {}", denied[0]);
+    let ran: Vec<String> =
+        of_type(&evs, "tool_requested").iter().map(|e| payload(e)["tool"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ran, vec!["echo"], "only what the policy allowed ran");
+    assert_ne!(done.status(), pb::RunStatus::Completed, "a denied step fails the run: {done:?}");
+    let outbox = std::fs::read_to_string(mesh.dir.path().join("outbox.jsonl")).unwrap_or_default();
+    assert!(!outbox.contains("attacker"), "no mail left");
+    assert!(verify(&mut mesh.ledger(), "acme", &run).await.valid);
+}
+
+#[tokio::test]
+async fn k17_model_output_alone_never_triggers_execution_sqlite() {
+    k17(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k17_model_output_alone_never_triggers_execution_postgres() {
+    k17(Backend::Postgres).await;
+}
+
+/// A model call is an effect the policy decides: a tenant not permitted `model.call` has its
+/// goal run fail with the rule, and the provider is never asked.
+#[tokio::test]
+async fn a_denied_model_call_fails_the_run_with_the_rule_and_asks_nothing() {
+    let model = ScriptedModel::start(Reply::plan(echo_plan("x"))).await;
+    let mesh = agent_mesh(Backend::Sqlite, model.openai_config(""), vec!["echo".into()], "").await;
+    let run = submit_goal(&mesh, "Say x.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed);
+    assert!(done.reason.starts_with("model call denied by default_deny: "), "{}", done.reason);
+    assert!(model.received().is_empty(), "nothing was sent out");
+    let evs = run_events(&mesh, &run).await;
+    let d = payload(of_type(&evs, "policy_decision")[0]);
+    assert_eq!((d["tool"].as_str(), d["outcome"].as_str()), (Some("model.call"), Some("deny")));
+    assert!(of_type(&evs, "model_requested").is_empty());
+}
+
+/// The Anthropic Messages API: the plan comes back as a forced tool call; the key is sent in
+/// its header and recorded nowhere.
+#[tokio::test]
+async fn anthropic_plans_through_a_forced_tool_call_and_the_key_stays_secret() {
+    let model = ScriptedModel::start(Reply::anthropic(echo_plan("claude"))).await;
+    let key_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(key_file.path(), "sk-ant-test-0123456789abcdef\n").unwrap();
+    let config = format!(
+        "[planner.model]\nprovider = \"anthropic\"\nbase_url = \"{}\"\nmodel = \"claude-test\"\napi_key_file = \"{}\"\n",
+        model.base_url,
+        key_file.path().display()
+    );
+    let mesh = agent_mesh(Backend::Sqlite, config, tools(&[]), "").await;
+    let run = submit_goal(&mesh, "Say claude.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}", mesh.logs());
+    let got = &model.received()[0];
+    assert_eq!(got.path, "/v1/messages");
+    assert_eq!(got.headers["x-api-key"], "sk-ant-test-0123456789abcdef");
+    assert_eq!(got.body["tool_choice"], json!({"type": "tool", "name": "submit_plan"}));
+    assert!(got.body["system"].as_str().unwrap().contains("echo"));
+    let evs = run_events(&mesh, &run).await;
+    assert!(evs.iter().all(|e| !e.payload_json.contains("sk-ant-test")), "the key is recorded nowhere");
+    assert!(!mesh.logs().contains("sk-ant-test"), "nor logged");
+}
+
+/// Goals are checked before anything is written: empty, over the limit, no model configured;
+/// secrets and personal data are redacted before they are recorded or sent. Planning is the
+/// mesh's: tenants cannot call CreatePlan or authorize model calls themselves.
+#[tokio::test]
+async fn goals_are_checked_and_redacted_and_planning_is_the_meshs() {
+    let model = ScriptedModel::start(Reply::plan(echo_plan("ok"))).await;
+    let opts = MeshOptions {
+        tenants: vec![("acme".into(), tools(&[])), ("other".into(), tools(&[]))],
+        planner_extra: format!("max_goal_bytes = 64\n{}", model.openai_config("")),
+        auth_tokens: vec![
+            ("ops-token-0123456789ab".into(), "*".into()),
+            ("acme-token-0123456789".into(), "acme".into()),
+            ("other-token-0123456789".into(), "other".into()),
+        ],
+        service_token: "ops-token-0123456789ab".into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mut runs = mesh.runs();
+    let goal = |g: &str| pb::SubmitRunRequest { tenant: "acme".into(), goal: g.into(), ..Default::default() };
+    for bad in ["  ", &"x".repeat(65)] {
+        let e = runs.submit_run(goal(bad)).await.expect_err("refused");
+        assert_field_violation(&e, "goal");
+    }
+    assert_field_violation(&runs.submit_run(goal("")).await.expect_err("neither plan nor goal"), "plan_json");
+    let both = pb::SubmitRunRequest { plan_json: "{\"steps\":[]}".into(), ..goal("hi") };
+    assert_field_violation(&runs.submit_run(both).await.expect_err("refused"), "plan_json");
+    let bad_policy = pb::SubmitRunRequest { replay_policy: 9, ..goal("hi") };
+    assert_field_violation(&runs.submit_run(bad_policy).await.expect_err("refused"), "replay_policy");
+
+    let run = runs
+        .submit_run(goal("mail bob@corp.example key sk-abcdefghijklmnop1234"))
+        .await
+        .expect("submit")
+        .into_inner()
+        .run_id;
+    settled(&mesh, "acme", &run).await;
+    let evs = run_events(&mesh, &run).await;
+    let recorded = payload(&evs[0])["goal"].as_str().unwrap().to_string();
+    assert_eq!(recorded, "mail [redacted:email] key [redacted:openai_key]");
+    let sent = model.received()[0].body.to_string();
+    assert!(!sent.contains("bob@corp") && !sent.contains("sk-abcdef"), "nothing secret left Warden");
+
+    let mut planner = warden_proto::v1::planner_client::PlannerClient::new(
+        warden_grpc::channel_with_token(&mesh.planner.endpoint, "acme-token-0123456789").unwrap(),
+    );
+    let e = planner
+        .create_plan(pb::CreatePlanRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            goal: "x".into(),
+            epoch: 1,
+            ..Default::default()
+        })
+        .await
+        .expect_err("tenants do not plan");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let mut policy = warden_proto::v1::policy_client::PolicyClient::new(
+        warden_grpc::channel_with_token(&mesh.policy.endpoint, "acme-token-0123456789").unwrap(),
+    );
+    let e = policy
+        .authorize(pb::AuthorizeRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            step_id: "plan-r0".into(),
+            attempt: 1,
+            tool: "model.call".into(),
+            args_json: "{}".into(),
+            idempotency_key: "k".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("tenants do not authorize model calls");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let mut other = mesh.runs_as("other-token-0123456789");
+    let e = other
+        .replay_run(pb::ReplayRunRequest { tenant: "other".into(), run_id: run.clone(), policy: 1 })
+        .await
+        .expect_err("another tenant's run does not exist for it");
+    assert_eq!(e.code(), Code::NotFound);
+    // A plan step may not take the planner's step ids.
+    let planner_id = crate::plan(&[("plan-r0", "echo", json!({"text": "x"}), &[])]);
+    let e = runs
+        .submit_run(pb::SubmitRunRequest { tenant: "acme".into(), plan_json: planner_id, ..Default::default() })
+        .await;
+    assert_eq!(e.expect_err("reserved").code(), Code::InvalidArgument);
+}
+
+/// With no model configured, a goal run is refused up front, saying how to configure one.
+#[tokio::test]
+async fn without_a_model_a_goal_run_says_how_to_configure_one() {
+    let mesh = agent_mesh(Backend::Sqlite, String::new(), tools(&[]), "").await;
+    let e = mesh
+        .runs()
+        .submit_run(pb::SubmitRunRequest { tenant: "acme".into(), goal: "anything".into(), ..Default::default() })
+        .await
+        .expect_err("no model");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("[planner.model]"), "{}", e.message());
+    let listed = mesh
+        .ledger()
+        .list_runs(pb::ListLedgerRunsRequest { tenant: "acme".into(), ..Default::default() })
+        .await
+        .unwrap();
+    assert!(listed.into_inner().runs.is_empty(), "nothing written");
+}
