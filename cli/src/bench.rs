@@ -37,6 +37,9 @@ enum Suite {
     /// How long a run waits after its executor is killed (SIGKILL) until another replica
     /// drives it (production shape, two executors, default lease and liveness settings).
     Takeover,
+    /// Goal runs planned by a local llama.cpp server, and their replay (not part of `all`:
+    /// it installs and compiles llama.cpp the first time).
+    Planner,
     All,
 }
 
@@ -47,6 +50,8 @@ pub struct BenchArgs {
     suite: Suite,
     #[command(flatten)]
     ledger: crate::bench_ledger::LedgerBenchArgs,
+    #[command(flatten)]
+    planner: crate::bench_planner::PlannerBenchArgs,
     /// Which deployment shape to measure.
     #[arg(long, value_enum, default_value = "both")]
     shape: Shape,
@@ -460,6 +465,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     }
     if matches!(args.suite, Suite::Policy | Suite::All) {
         crate::bench_policy::run().await?;
+    }
+    if args.suite == Suite::Planner {
+        crate::bench_planner::run(&args.planner).await?;
     }
     Ok(0)
 }

@@ -3,6 +3,7 @@
 mod approvals;
 mod bench;
 mod bench_ledger;
+mod bench_planner;
 mod bench_policy;
 mod caps;
 mod dev;

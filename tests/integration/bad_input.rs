@@ -74,11 +74,22 @@ async fn bad_submissions_name_the_field_and_write_nothing() {
 }
 
 #[tokio::test]
-async fn unimplemented_rpcs_say_so() {
+async fn create_plan_names_the_bad_field_or_the_missing_model() {
     let mesh = mesh_on(Backend::Sqlite).await;
     let mut planner = warden_proto::v1::planner_client::PlannerClient::new(mesh.planner.channel());
-    let e = planner.create_plan(pb::CreatePlanRequest::default()).await.expect_err("unimplemented");
-    assert_eq!(e.code(), tonic::Code::Unimplemented);
+    let e = planner.create_plan(pb::CreatePlanRequest::default()).await.expect_err("no tenant");
+    assert_field_violation(&e, "tenant");
+    let ask = |goal: &str, replay_policy: i32| pb::CreatePlanRequest {
+        tenant: "acme".into(),
+        goal: goal.into(),
+        replay_policy,
+        ..Default::default()
+    };
+    assert_field_violation(&planner.create_plan(ask("x", 7)).await.expect_err("policy"), "replay_policy");
+    assert_field_violation(&planner.create_plan(ask("", 0)).await.expect_err("goal"), "goal");
+    let e = planner.create_plan(ask("plan something", 0)).await.expect_err("no model configured");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert!(e.message().contains("[planner.model]"), "{}", e.message());
 }
 
 /// A NUL byte in any string of any request is refused at the server's decoder — before a

@@ -662,6 +662,43 @@ mod tests {
     }
 
     #[test]
+    fn bad_model_settings_name_their_key() {
+        let cases = [
+            (
+                "[planner.model]\nprovider = \"gemini\"\nbase_url = \"http://x\"\nmodel = \"m\"\n",
+                "planner.model.provider",
+            ),
+            (
+                "[planner.model]\nprovider = \"openai\"\nbase_url = \"not a url\"\nmodel = \"m\"\n",
+                "planner.model.base_url",
+            ),
+            (
+                "[planner.model]\nprovider = \"openai\"\nbase_url = \"ftp://x\"\nmodel = \"m\"\n",
+                "planner.model.base_url",
+            ),
+            ("[planner.model]\nprovider = \"openai\"\nbase_url = \"http://x\"\nmodel = \"\"\n", "planner.model.model"),
+            ("[planner.prices.gpt]\ninput_per_mtok = -1.0\n", "planner.prices.gpt.input_per_mtok"),
+            ("[planner.redact]\nbroken = \"(\"\n", "planner.redact.broken"),
+            (
+                "[planner.tenants.acme.model]\nprovider = \"anthropic\"\nbase_url = \"https://a\"\nmodel = \"m\"\nrepair_attempts = 9\n",
+                "planner.tenants.acme.model.repair_attempts",
+            ),
+        ];
+        for (toml, key) in cases {
+            let f = Figment::from(Serialized::defaults(WardenConfig::default())).merge(Toml::string(toml));
+            let e = WardenConfig::from_figment(f).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml}: {e}");
+        }
+        let f = Figment::from(Serialized::defaults(WardenConfig::default())).merge(Toml::string(
+            "[planner.model]\nprovider = \"openai\"\nbase_url = \"http://127.0.0.1:8080/v1\"\nmodel = \"smollm2\"\n\
+             [planner.tenants.acme.model]\nprovider = \"anthropic\"\nbase_url = \"https://api.anthropic.com\"\nmodel = \"claude\"\n",
+        ));
+        let c = WardenConfig::from_figment(f).unwrap();
+        assert_eq!(c.planner.model_for("acme").unwrap().provider, "anthropic");
+        assert_eq!(c.planner.model_for("globex").unwrap().model, "smollm2");
+    }
+
+    #[test]
     fn toml_and_unknown_keys() {
         let f = Figment::from(Serialized::defaults(WardenConfig::default()))
             .merge(Toml::string("[policy.tenants.acme]\nallow_tools = [\"echo\", \"kv.*\"]\n"));

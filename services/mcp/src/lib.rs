@@ -89,6 +89,9 @@ impl McpHost {
     /// every server and lists its tools, all servers at once, each within
     /// `connect_timeout_ms`. A server that does not come up is logged and tried again later.
     pub async fn start(&self) -> anyhow::Result<()> {
+        // The workspace builds reqwest without a crypto provider of its own: ring, once per
+        // process, before any HTTP client (an MCP server at an https:// URL) is built.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         self.inner.outcomes.ready().await?;
         if let Err(e) = self.inner.guard.refresh_policy_keys().await {
             tracing::warn!(error = %e, "policy keys not fetched yet; will fetch on first call");
