@@ -27,6 +27,13 @@ pub struct DevArgs {
     /// Largest plan, in steps (the planner's max_steps).
     #[arg(long)]
     max_steps: Option<usize>,
+    /// Address to serve the web console on, beside the mesh (a free port if the default is
+    /// taken).
+    #[arg(long, default_value = crate::console::DEFAULT_LISTEN)]
+    console: String,
+    /// Do not serve the web console.
+    #[arg(long)]
+    no_console: bool,
 }
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:7100";
@@ -128,6 +135,27 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
     Ok(DevMesh { shutdown: tx, served })
 }
 
+/// Serves the web console beside the mesh (the default port, or a free one if it is taken);
+/// returns its URL.
+async fn start_console(listen: &str, endpoint: &str) -> anyhow::Result<String> {
+    let listener = match warden_grpc::bind(listen).await {
+        Ok(l) => l,
+        Err(e) if listen == crate::console::DEFAULT_LISTEN => {
+            eprintln!("warden dev: console: {e}; using a free port instead");
+            warden_grpc::bind("127.0.0.1:0").await?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let url = format!("{}/", warden_grpc::endpoint_of(listener.local_addr()?));
+    let mesh = warden_console::MeshEndpoints::single(endpoint);
+    tokio::spawn(async move {
+        if let Err(e) = warden_console::serve(listener, mesh, warden_grpc::shutdown_signal()).await {
+            tracing::error!(error = %e, "console stopped");
+        }
+    });
+    Ok(url)
+}
+
 pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     warden_telemetry::init_tracing("warden-dev");
     let mut base = WardenConfig::load(args.config.as_deref())?;
@@ -149,6 +177,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     config.validate()?;
     let mesh = start(config, listener).await?;
     println!("warden dev: ledger, policy, planner, executor and demo tools serving on {endpoint}");
+    if !args.no_console {
+        let url = start_console(&args.console, &endpoint).await?;
+        println!("console: {url}");
+    }
     println!("warden dev: state in {}", args.dir.display());
     if let Some(plan) = &args.demo {
         let target = Target { endpoint: endpoint.clone(), ledger_endpoint: endpoint.clone(), tenant: "default".into() };

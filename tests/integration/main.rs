@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod conformance;
+mod console;
 mod deploy;
 mod faults;
 mod ledger;
