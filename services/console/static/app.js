@@ -553,7 +553,17 @@
         const version = `${a.state}|${a.bound ? "b" : ""}|${a.approver}`;
         if (!card || card.dataset.version !== version) {
           const fresh = approvalCard(a, version);
-          if (card) card.replaceWith(fresh); else list.append(fresh);
+          if (card) {
+            // A reason being typed survives the redraw, and so does the keyboard focus.
+            const typed = card.querySelector("textarea.reason");
+            const kept = fresh.querySelector("textarea.reason");
+            const focused = card.contains(document.activeElement);
+            if (typed && kept) kept.value = typed.value;
+            card.replaceWith(fresh);
+            if (focused && kept) kept.focus();
+          } else {
+            list.append(fresh);
+          }
           card = fresh;
         }
         if (prev ? prev.nextSibling !== card : list.firstChild !== card) {

@@ -38,6 +38,7 @@ fn binaries() -> anyhow::Result<(PathBuf, PathBuf)> {
 }
 
 pub struct Browser {
+    chromium: Child,
     driver: Child,
     base: String,
     session: String,
@@ -45,17 +46,59 @@ pub struct Browser {
     shots: PathBuf,
 }
 
+/// Spawns `cmd` tied to this process, so it cannot outlive a test that is killed.
+fn spawn(mut cmd: Command, what: &str) -> anyhow::Result<Child> {
+    cmd.stdout(Stdio::null()).stderr(Stdio::null()).stdin(Stdio::null());
+    spawn_tied(cmd, libc::SIGKILL).with_context(|| format!("starting {what}"))
+}
+
+fn stop(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 impl Browser {
-    /// A fresh headless Chromium (its own profile) at 1280×800; screenshots go to `shots`.
+    /// A fresh headless Chromium (its own profile) at 1280×800, and a chromedriver attached to
+    /// it; screenshots go to `shots`. The test starts Chromium itself (rather than letting
+    /// chromedriver start it) so both die with the test process, whatever ends it.
     pub async fn start(shots: &Path) -> anyhow::Result<Browser> {
-        let (chromium, chromedriver) = binaries()?;
+        let (chromium_bin, chromedriver) = binaries()?;
         let profile = tempfile::Builder::new().prefix("warden-chromium-").tempdir()?;
         let mut last = None;
         for _ in 0..5 {
+            let debug_port = free_port()?;
+            let mut cmd = Command::new(&chromium_bin);
+            cmd.args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--disable-dev-shm-usage",
+                "--window-size=1280,800",
+                &format!("--remote-debugging-port={debug_port}"),
+                &format!("--user-data-dir={}", profile.path().display()),
+                "about:blank",
+            ]);
+            let mut chromium = spawn(cmd, "chromium")?;
+            let devtools = format!("http://127.0.0.1:{debug_port}/json/version");
+            let up = warden_testkit::eventually(Duration::from_secs(30), || {
+                let url = devtools.clone();
+                async move { http::request("GET", &url, &[], "").await.ok().filter(|r| r.status == 200) }
+            })
+            .await;
+            if up.is_none() {
+                stop(&mut chromium);
+                last = Some(anyhow::anyhow!("chromium did not open its debugging port {debug_port}"));
+                continue;
+            }
             let port = free_port()?;
             let mut cmd = Command::new(&chromedriver);
-            cmd.arg(format!("--port={port}")).stdout(Stdio::null()).stderr(Stdio::null()).stdin(Stdio::null());
-            let mut driver = spawn_tied(cmd, libc::SIGKILL).context("starting chromedriver")?;
+            cmd.arg(format!("--port={port}"));
+            let mut driver = spawn(cmd, "chromedriver")?;
             let base = format!("http://127.0.0.1:{port}");
             let ready = warden_testkit::eventually(Duration::from_secs(20), || {
                 let url = format!("{base}/status");
@@ -65,53 +108,47 @@ impl Browser {
                 }
             })
             .await;
-            if ready.is_none() || !matches!(driver.try_wait(), Ok(None)) {
-                let _ = driver.kill();
-                let _ = driver.wait();
+            if ready.is_none() {
+                stop(&mut driver);
+                stop(&mut chromium);
                 last = Some(anyhow::anyhow!("chromedriver did not become ready on port {port}"));
                 continue;
             }
             let caps = json!({"capabilities": {"alwaysMatch": {
                 "browserName": "chrome",
-                "goog:chromeOptions": {
-                    "binary": chromium.display().to_string(),
-                    "args": [
-                        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                        "--disable-dev-shm-usage", "--window-size=1280,800",
-                        format!("--user-data-dir={}", profile.path().display()),
-                    ],
-                },
+                "goog:chromeOptions": {"debuggerAddress": format!("127.0.0.1:{debug_port}")},
             }}});
-            let created = call(&base, "POST", "/session", &caps).await;
-            match created {
+            match call(&base, "POST", "/session", &caps).await {
                 Ok(v) => {
                     let session = v["sessionId"].as_str().context("no session id")?.to_string();
                     std::fs::create_dir_all(shots)?;
-                    let b = Browser { driver, base, session, _profile: profile, shots: shots.to_path_buf() };
-                    b.cmd("POST", "/window/rect", json!({"width": 1280, "height": 800})).await?;
-                    return Ok(b);
+                    return Ok(Browser { chromium, driver, base, session, _profile: profile, shots: shots.to_path_buf() });
                 }
                 Err(e) => {
-                    let _ = driver.kill();
-                    let _ = driver.wait();
+                    stop(&mut driver);
+                    stop(&mut chromium);
                     last = Some(e);
                 }
             }
         }
-        Err(last.unwrap_or_else(|| anyhow::anyhow!("chromedriver did not start")))
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("chromium and chromedriver did not start")))
     }
 
     async fn cmd(&self, method: &str, path: &str, body: Value) -> anyhow::Result<Value> {
-        call(&self.base, method, &format!("/session/{}{path}", self.session), &body).await
+        // Boxed: the waits below nest many commands, and a test's future lives on its stack.
+        Box::pin(call(&self.base, method, &format!("/session/{}{path}", self.session), &body)).await
     }
 
     pub async fn goto(&self, url: &str) -> anyhow::Result<()> {
         self.cmd("POST", "/url", json!({"url": url})).await.map(|_| ())
     }
 
+    /// Sets the page's viewport (a narrow phone, the default 1280×800), through DevTools:
+    /// headless windows of an attached browser keep their size.
     pub async fn resize(&self, width: u32, height: u32) -> anyhow::Result<()> {
-        self.cmd("POST", "/window/rect", json!({"width": width, "height": height})).await.map(|_| ())
+        let params = json!({"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600});
+        let body = json!({"cmd": "Emulation.setDeviceMetricsOverride", "params": params});
+        self.cmd("POST", "/goog/cdp/execute", body).await.map(|_| ())
     }
 
     /// Runs `script` (a function body; `arguments` are `args`) in the page and returns its value.
@@ -140,33 +177,38 @@ impl Browser {
         }
     }
 
+    /// Does `what` to the element matching `css`, finding it again if the page redrew it in
+    /// between (the live views do).
+    async fn act(&self, css: &str, what: &str, body: Value) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let id = self.element(css).await?;
+            match self.cmd("POST", &format!("/element/{id}/{what}"), body.clone()).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.to_string().contains("stale element") && tokio::time::Instant::now() < deadline => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     pub async fn click(&self, css: &str) -> anyhow::Result<()> {
-        let id = self.element(css).await?;
-        self.cmd("POST", &format!("/element/{id}/click"), json!({})).await.map(|_| ())
+        self.act(css, "click", json!({})).await
     }
 
     /// Types `text` into the element (it gets the keyboard focus first, as a person's Tab would).
     pub async fn type_into(&self, css: &str, text: &str) -> anyhow::Result<()> {
-        let id = self.element(css).await?;
-        self.cmd("POST", &format!("/element/{id}/value"), json!({"text": text})).await.map(|_| ())
+        self.act(css, "value", json!({"text": text})).await
     }
 
     pub async fn clear(&self, css: &str) -> anyhow::Result<()> {
-        let id = self.element(css).await?;
-        self.cmd("POST", &format!("/element/{id}/clear"), json!({})).await.map(|_| ())
+        self.act(css, "clear", json!({})).await
     }
 
-    /// The visible text of the first element matching `css` (empty when there is none).
+    /// The visible text of the first element matching `css` (empty when there is none), read in
+    /// one step so a redraw cannot come between finding and reading.
     pub async fn text(&self, css: &str) -> anyhow::Result<String> {
-        match self.find(css).await? {
-            Some(id) => Ok(self
-                .cmd("GET", &format!("/element/{id}/text"), Value::Null)
-                .await?
-                .as_str()
-                .unwrap_or_default()
-                .to_string()),
-            None => Ok(String::new()),
-        }
+        let script = "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';";
+        Ok(self.eval(script, json!([css])).await?.as_str().unwrap_or_default().to_string())
     }
 
     /// Waits until the text of `css` satisfies `want`; returns that text.
@@ -206,9 +248,8 @@ impl Browser {
 }
 
 impl Drop for Browser {
-    /// Ends the session first (chromedriver then closes its Chromium, which would outlive a
-    /// killed driver), then stops the driver. Blocking, since it also runs while a failed test
-    /// unwinds.
+    /// Ends the session, then stops the driver and Chromium. Blocking, since it also runs while
+    /// a failed test unwinds.
     fn drop(&mut self) {
         use std::io::{Read, Write};
         let authority = self.base.trim_start_matches("http://").to_string();
@@ -222,8 +263,8 @@ impl Drop for Browser {
                 let _ = s.read_to_end(&mut Vec::new());
             }
         }
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
+        stop(&mut self.driver);
+        stop(&mut self.chromium);
     }
 }
 

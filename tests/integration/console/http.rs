@@ -41,12 +41,44 @@ pub async fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &s
         let mut stream = tokio::net::TcpStream::connect(authority).await?;
         stream.write_all(head.as_bytes()).await?;
         stream.write_all(body.as_bytes()).await?;
+        // Read until the body is complete: some servers (chromedriver) keep the connection
+        // open whatever `Connection: close` asks.
         let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await?;
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            if complete(&raw) {
+                break;
+            }
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            raw.extend_from_slice(&buf[..n]);
+        }
         anyhow::Ok(raw)
     };
     let raw = tokio::time::timeout(Duration::from_secs(120), exchange).await??;
     parse(&raw)
+}
+
+/// Whether `raw` holds a whole response: headers, then `Content-Length` bytes or the last chunk.
+fn complete(raw: &[u8]) -> bool {
+    let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return false;
+    };
+    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    let body = &raw[split + 4..];
+    if let Some(len) = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        return body.len() >= len;
+    }
+    if head.contains("transfer-encoding: chunked") {
+        return body.ends_with(b"0\r\n\r\n");
+    }
+    false
 }
 
 fn parse(raw: &[u8]) -> anyhow::Result<Reply> {
