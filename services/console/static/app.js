@@ -53,7 +53,7 @@
     const d = new Date(Number(ms));
     return h("time", { datetime: d.toISOString(), title: d.toISOString() }, d.toLocaleString());
   };
-  const facts = (pairs) => h("dl", { class: "facts" }, pairs.filter(Boolean).map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
+  const facts = (pairs, cls) => h("dl", { class: cls ? `facts ${cls}` : "facts" }, pairs.filter(Boolean).map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
   function state(kind, title, text) {
     return h("div", { class: `state ${kind}`, role: kind === "error" ? "alert" : "status" }, h("strong", {}, title), text || "");
   }
@@ -109,15 +109,18 @@
       session.clear();
       signIn("The mesh refused this token. Sign in with another.");
     } else if (err.status === 503 || err.status === 504 || err.status === 0) {
-      setBanner(`The mesh is unreachable: ${err.message} Retrying…`);
+      setBanner(`The mesh is unreachable (${bare(err.message)}). Retrying…`);
     }
     return err;
   }
 
+  /// A message without the API's own "the mesh is unreachable" prefix (the page says it).
+  const bare = (message) => String(message || "").replace(/^the mesh is unreachable: /i, "");
+
   function describe(err) {
     if (err.status === 403) return state("error", "This token may not see this.", err.message);
     if (err.status === 404) return state("error", "Not found.", err.message);
-    if (err.status === 503 || err.status === 504 || err.status === 0) return state("error", "The mesh is unreachable.", err.message);
+    if (err.status === 503 || err.status === 504 || err.status === 0) return state("error", "The mesh is unreachable.", bare(err.message));
     return state("error", "Something went wrong.", `${err.message}${err.field ? ` (field: ${err.field})` : ""}`);
   }
 
@@ -232,7 +235,7 @@
         if (e.status !== 401) {
           session.clear();
           error.textContent = e.status === 403 ? `This token may not act for tenant '${tn}': ${e.message}`
-            : e.status === 400 ? `${e.message}` : `The mesh is unreachable: ${e.message}`;
+            : [0, 503, 504].includes(e.status) ? `The mesh is unreachable (${bare(e.message)}).` : e.message;
         } else {
           document.getElementById("signin-error").textContent = "The mesh refused this token.";
         }
@@ -319,7 +322,7 @@
     const events = h("ol", { class: "events", id: "live-events" });
     const verifyOut = h("p", { id: "verify-result", role: "status" });
     main.append(
-      h("nav", { class: "muted", "aria-label": "Breadcrumb" }, h("a", { href: "#/runs" }, "Runs"), " / ", h("span", { class: "mono" }, runId)),
+      h("nav", { class: "muted crumbs", "aria-label": "Breadcrumb" }, h("a", { href: "#/runs" }, "Runs"), " / ", h("span", { class: "mono" }, runId)),
       h("h1", {}, "Run ", h("span", { class: "mono break" }, runId)),
       head,
       h("div", { class: "actions" },
@@ -365,7 +368,7 @@
         ["Updated", time(r.updated_at_ms)],
         ["Events", String(r.last_seq)],
         r.direct_response ? ["Direct response", r.direct_response] : null,
-      ]));
+      ], "summary"));
       document.getElementById("plan").replaceChildren(json(data.plan));
     }
 
@@ -499,7 +502,7 @@
     const out = h("p", { id: "verify-result", role: "status" });
     const body = h("div", {}, state("", "Loading receipts…"));
     main.append(
-      h("nav", { class: "muted", "aria-label": "Breadcrumb" }, h("a", { href: "#/runs" }, "Runs"), " / ",
+      h("nav", { class: "muted crumbs", "aria-label": "Breadcrumb" }, h("a", { href: "#/runs" }, "Runs"), " / ",
         h("a", { href: `#/runs/${enc(runId)}`, class: "mono" }, runId), " / receipts"),
       h("h1", {}, "Receipts"),
       h("div", { class: "actions" },
@@ -602,7 +605,7 @@
         h("header", {}, h("h2", { id: `t-${a.approval_id}` }, h("code", {}, a.tool), ` in step ${a.step_id}`), badge(a.state),
           h("a", { href: `#/runs/${enc(a.run_id)}`, class: "mono" }, `run ${a.run_id.slice(0, 13)}…`)),
         facts([
-          ["Arguments", pending ? (bound.args ? [json(bound.args), bound.digest_matches ? h("span", { class: "badge s-ok" }, "hash to the digest below") : null]
+          ["Arguments", pending ? (bound.args ? [json(bound.args), bound.digest_matches ? h("span", { class: "badge s-ok" }, "✓ these arguments hash to the digest") : null]
             : h("span", { class: "muted" }, bound.note || "Loading…")) : h("span", { class: "muted" }, "resolved")],
           ["Digest", h("span", { class: "mono break" }, `sha256 ${a.args_sha256}`)],
           ["May approve", (a.approvers || []).length ? a.approvers.join(", ") : "any tenant token or operator"],

@@ -122,7 +122,10 @@ impl Browser {
                 Ok(v) => {
                     let session = v["sessionId"].as_str().context("no session id")?.to_string();
                     std::fs::create_dir_all(shots)?;
-                    return Ok(Browser { chromium, driver, base, session, _profile: profile, shots: shots.to_path_buf() });
+                    let b = Browser { chromium, driver, base, session, _profile: profile, shots: shots.to_path_buf() };
+                    // The viewport itself is 1280×800 (a headless window's size includes its frame).
+                    b.resize(1280, 800).await?;
+                    return Ok(b);
                 }
                 Err(e) => {
                     stop(&mut driver);
