@@ -28,7 +28,7 @@ pub struct DevArgs {
     #[arg(long)]
     max_steps: Option<usize>,
     /// Address to serve the web console on, beside the mesh (a free port if the default is
-    /// taken).
+    /// taken, or if the mesh is not on its default address).
     #[arg(long, default_value = crate::console::DEFAULT_LISTEN)]
     console: String,
     /// Do not serve the web console.
@@ -173,12 +173,22 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
         Err(e) => return Err(e.into()),
     };
     let endpoint = warden_grpc::endpoint_of(listener.local_addr()?);
+    // The console sits beside the mesh: on 7180 beside the default 7100, and on a free port of
+    // the same host when the mesh was put elsewhere (`--listen 127.0.0.1:0` in tests, say).
+    let console_listen = if args.console == crate::console::DEFAULT_LISTEN && args.listen != DEFAULT_LISTEN {
+        std::net::SocketAddr::new(listener.local_addr()?.ip(), 0).to_string()
+    } else {
+        args.console.clone()
+    };
     let config = dev_config(base, &args.dir, &endpoint);
     config.validate()?;
     let mesh = start(config, listener).await?;
     println!("warden dev: ledger, policy, planner, executor and demo tools serving on {endpoint}");
-    if !args.no_console {
-        let url = start_console(&args.console, &endpoint).await?;
+    let console = match args.no_console {
+        true => None,
+        false => Some(start_console(&console_listen, &endpoint).await?),
+    };
+    if let Some(url) = &console {
         println!("console: {url}");
     }
     println!("warden dev: state in {}", args.dir.display());
@@ -191,6 +201,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     println!("  export WARDEN_ENDPOINT={endpoint}");
     println!("  cargo run -q -p warden -- run submit --plan examples/hello.plan.json --wait");
     println!("  cargo run -q -p warden -- run tail <RUN_ID> --follow");
+    if let Some(url) = &console {
+        println!("Or open {url} (without [auth] tokens, any token signs in).");
+    }
     let DevMesh { shutdown, served, .. } = mesh;
     tokio::select! {
         _ = warden_grpc::shutdown_signal() => {

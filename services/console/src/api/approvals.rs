@@ -30,10 +30,13 @@ fn state(raw: &str) -> Result<pb::ApprovalState, ApiError> {
     })
 }
 
+/// A run's plan (JSON) and the outputs of its completed steps, by step id.
+type PlanAndOutputs = (String, HashMap<String, Value>);
+
 /// Each approval's view, with the arguments it is bound to for those still pending (one lookup
 /// of plan and outputs per run).
 async fn with_arguments(mesh: &Mesh, token: &str, approvals: &[pb::Approval]) -> Result<Vec<Value>, ApiError> {
-    let mut runs: HashMap<String, Option<(String, HashMap<String, Value>)>> = HashMap::new();
+    let mut runs: HashMap<String, Option<PlanAndOutputs>> = HashMap::new();
     let mut out = Vec::with_capacity(approvals.len());
     for a in approvals {
         let mut v = views::approval(a);
@@ -58,7 +61,7 @@ async fn plan_and_outputs(
     token: &str,
     tenant: &str,
     run_id: &str,
-) -> Result<(String, HashMap<String, Value>), ApiError> {
+) -> Result<PlanAndOutputs, ApiError> {
     let stored = mesh
         .ledger(token)?
         .get_run(request(pb::GetLedgerRunRequest { tenant: tenant.into(), run_id: run_id.into() }))
