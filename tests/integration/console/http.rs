@@ -68,10 +68,8 @@ fn complete(raw: &[u8]) -> bool {
     };
     let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
     let body = &raw[split + 4..];
-    if let Some(len) = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse::<usize>().ok())
+    if let Some(len) =
+        head.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse::<usize>().ok())
     {
         return body.len() >= len;
     }

@@ -56,12 +56,7 @@ async fn with_arguments(mesh: &Mesh, token: &str, approvals: &[pb::Approval]) ->
 }
 
 /// The run's plan and the outputs of its completed steps.
-async fn plan_and_outputs(
-    mesh: &Mesh,
-    token: &str,
-    tenant: &str,
-    run_id: &str,
-) -> Result<PlanAndOutputs, ApiError> {
+async fn plan_and_outputs(mesh: &Mesh, token: &str, tenant: &str, run_id: &str) -> Result<PlanAndOutputs, ApiError> {
     let stored = mesh
         .ledger(token)?
         .get_run(request(pb::GetLedgerRunRequest { tenant: tenant.into(), run_id: run_id.into() }))
