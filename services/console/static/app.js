@@ -190,15 +190,18 @@
     document.getElementById("nav").hidden = false;
     document.getElementById("who").hidden = false;
     document.getElementById("who-tenant").textContent = `tenant ${session.tenant}`;
-    const parts = hash.slice(2).split("/").map(decodeURIComponent);
+    // `#/runs/ID?tenant=T`: a run of another tenant than the session's (operators list them all).
+    const [path, query] = hash.slice(2).split("?");
+    const parts = path.split("/").map(decodeURIComponent);
+    const tenant = new URLSearchParams(query || "").get("tenant") || session.tenant;
     for (const a of document.querySelectorAll("nav a")) {
       if (a.dataset.nav === parts[0]) a.setAttribute("aria-current", "page");
       else a.removeAttribute("aria-current");
     }
     main.replaceChildren();
     let view;
-    if (parts[0] === "runs" && parts[1] && parts[2] === "receipts") view = receiptsView(parts[1]);
-    else if (parts[0] === "runs" && parts[1]) view = runView(parts[1]);
+    if (parts[0] === "runs" && parts[1] && parts[2] === "receipts") view = receiptsView(parts[1], tenant);
+    else if (parts[0] === "runs" && parts[1]) view = runView(parts[1], tenant);
     else if (parts[0] === "approvals") view = approvalsView();
     else if (parts[0] === "capabilities") view = capabilitiesView();
     else view = runsView();
@@ -296,7 +299,7 @@
       h("thead", {}, h("tr", {}, h("th", {}, "Run"), h("th", {}, "Status"), h("th", { class: "wide" }, "Tenant"), h("th", { class: "wide" }, "Agent"),
         h("th", {}, "Steps"), h("th", { class: "wide" }, "Created"), h("th", {}, "Updated"))),
       h("tbody", {}, runs.map((r) => h("tr", { "data-run-id": r.run_id },
-        h("td", {}, h("a", { href: `#/runs/${enc(r.run_id)}`, class: "mono" }, r.run_id.slice(0, 13) + "…")),
+        h("td", {}, h("a", { href: runLink(r.run_id, r.tenant), class: "mono" }, r.run_id.slice(0, 13) + "…")),
         h("td", {}, badge(r.status), r.reason ? h("div", { class: "muted" }, r.reason.slice(0, 80)) : null),
         h("td", { class: "wide" }, r.tenant),
         h("td", { class: "wide" }, r.agent || h("span", { class: "muted" }, "—")),
@@ -306,8 +309,11 @@
   }
 
   // ---- one run: status, progress, plan, the DAG, node detail, live events -------------------
-  function runView(runId) {
-    const tenant = session.tenant;
+  /// `#/runs/ID`, with `?tenant=` when the run is not the session tenant's.
+  const runLink = (runId, tenant, tail) =>
+    `#/runs/${enc(runId)}${tail || ""}${tenant && tenant !== session.tenant ? `?tenant=${enc(tenant)}` : ""}`;
+
+  function runView(runId, tenant) {
     let data = null;
     let selected = "frame";
     let lastSeq = 0;
@@ -328,7 +334,7 @@
       h("div", { class: "actions" },
         h("button", { id: "verify", type: "button", onclick: () => verifyRun(tenant, runId, verifyOut) }, "Verify this run"),
         h("button", { id: "export", type: "button", class: "secondary", onclick: () => exportRun(tenant, runId, verifyOut) }, "Export"),
-        h("a", { href: `#/runs/${enc(runId)}/receipts` }, "Receipts")),
+        h("a", { href: runLink(runId, tenant, "/receipts") }, "Receipts")),
       verifyOut,
       h("h2", {}, "Execution graph"),
       h("p", { class: "muted" }, "Tab to a frame, step or attempt and press Enter to open its detail."),
@@ -497,13 +503,12 @@
   }
 
   // ---- receipts ----------------------------------------------------------------------------
-  function receiptsView(runId) {
-    const tenant = session.tenant;
+  function receiptsView(runId, tenant) {
     const out = h("p", { id: "verify-result", role: "status" });
     const body = h("div", {}, state("", "Loading receipts…"));
     main.append(
       h("nav", { class: "muted crumbs", "aria-label": "Breadcrumb" }, h("a", { href: "#/runs" }, "Runs"), " / ",
-        h("a", { href: `#/runs/${enc(runId)}`, class: "mono" }, runId), " / receipts"),
+        h("a", { href: runLink(runId, tenant), class: "mono" }, runId), " / receipts"),
       h("h1", {}, "Receipts"),
       h("div", { class: "actions" },
         h("button", { id: "verify", type: "button", onclick: () => verifyRun(tenant, runId, out) }, "Verify this run"),
