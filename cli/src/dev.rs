@@ -27,6 +27,13 @@ pub struct DevArgs {
     /// Largest plan, in steps (the planner's max_steps).
     #[arg(long)]
     max_steps: Option<usize>,
+    /// Address to serve the web console on, beside the mesh (a free port if the default is
+    /// taken, or if the mesh is not on its default address).
+    #[arg(long, default_value = crate::console::DEFAULT_LISTEN)]
+    console: String,
+    /// Do not serve the web console.
+    #[arg(long)]
+    no_console: bool,
 }
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:7100";
@@ -130,6 +137,27 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
     Ok(DevMesh { shutdown: tx, served })
 }
 
+/// Serves the web console beside the mesh (the default port, or a free one if it is taken);
+/// returns its URL.
+async fn start_console(listen: &str, endpoint: &str) -> anyhow::Result<String> {
+    let listener = match warden_grpc::bind(listen).await {
+        Ok(l) => l,
+        Err(e) if listen == crate::console::DEFAULT_LISTEN => {
+            eprintln!("warden dev: console: {e}; using a free port instead");
+            warden_grpc::bind("127.0.0.1:0").await?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let url = format!("{}/", warden_grpc::endpoint_of(listener.local_addr()?));
+    let mesh = warden_console::MeshEndpoints::single(endpoint);
+    tokio::spawn(async move {
+        if let Err(e) = warden_console::serve(listener, mesh, warden_grpc::shutdown_signal()).await {
+            tracing::error!(error = %e, "console stopped");
+        }
+    });
+    Ok(url)
+}
+
 pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     warden_telemetry::init_tracing("warden-dev");
     let mut base = WardenConfig::load(args.config.as_deref())?;
@@ -147,10 +175,24 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
         Err(e) => return Err(e.into()),
     };
     let endpoint = warden_grpc::endpoint_of(listener.local_addr()?);
+    // The console sits beside the mesh: on 7180 beside the default 7100, and on a free port of
+    // the same host when the mesh was put elsewhere (`--listen 127.0.0.1:0` in tests, say).
+    let console_listen = if args.console == crate::console::DEFAULT_LISTEN && args.listen != DEFAULT_LISTEN {
+        std::net::SocketAddr::new(listener.local_addr()?.ip(), 0).to_string()
+    } else {
+        args.console.clone()
+    };
     let config = dev_config(base, &args.dir, &endpoint);
     config.validate()?;
     let mesh = start(config, listener).await?;
     println!("warden dev: ledger, policy, planner, executor and demo tools serving on {endpoint}");
+    let console = match args.no_console {
+        true => None,
+        false => Some(start_console(&console_listen, &endpoint).await?),
+    };
+    if let Some(url) = &console {
+        println!("console: {url}");
+    }
     println!("warden dev: state in {}", args.dir.display());
     if let Some(plan) = &args.demo {
         let target = Target { endpoint: endpoint.clone(), ledger_endpoint: endpoint.clone(), tenant: "default".into() };
@@ -161,6 +203,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     println!("  export WARDEN_ENDPOINT={endpoint}");
     println!("  cargo run -q -p warden -- run submit --plan examples/hello.plan.json --wait");
     println!("  cargo run -q -p warden -- run tail <RUN_ID> --follow");
+    if let Some(url) = &console {
+        println!("Or open {url} (without [auth] tokens, any token signs in).");
+    }
     let DevMesh { shutdown, served, .. } = mesh;
     tokio::select! {
         _ = warden_grpc::shutdown_signal() => {

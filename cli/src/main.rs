@@ -6,6 +6,7 @@ mod bench_ledger;
 mod bench_planner;
 mod bench_policy;
 mod caps;
+mod console;
 mod dev;
 mod ledger;
 mod mcp;
@@ -59,6 +60,8 @@ enum Command {
     /// Work with ledger exports offline.
     #[command(subcommand)]
     Ledger(ledger::LedgerCommand),
+    /// The web console: runs, the approval inbox, receipts and capabilities (--listen ADDR).
+    Console(console::ConsoleArgs),
     /// Warden as an MCP server: `warden mcp serve` (stdio, or --http ADDR).
     #[command(subcommand)]
     Mcp(mcp::McpCommand),
@@ -113,6 +116,10 @@ async fn async_main() {
         Command::Bench(args) => bench::run(args).await,
         Command::Ledger(cmd) => ledger::run(cmd),
         Command::Mcp(cmd) => mcp::run(&target, policy_endpoint.clone(), cmd).await,
+        Command::Console(args) => {
+            let endpoint = policy_endpoint.clone().unwrap_or_else(|| target.endpoint.clone());
+            console::run(&target, &endpoint, args).await
+        }
         Command::Caps(cmd) => {
             let endpoint = policy_endpoint.unwrap_or_else(|| target.endpoint.clone());
             caps::run(&target, &endpoint, cmd).await

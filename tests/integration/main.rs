@@ -4,6 +4,7 @@
 mod agent;
 mod bad_input;
 mod conformance;
+mod console;
 mod deploy;
 mod faults;
 mod ledger;

@@ -106,7 +106,8 @@ pub(crate) async fn gate(
     })
 }
 
-fn to_proto(a: &ApprovalRow) -> pb::Approval {
+/// The wire form of an approval; `approvers` is who may resolve it (the tenant's list).
+fn to_proto(a: &ApprovalRow, approvers: &[String]) -> pb::Approval {
     let state = match a.state.as_str() {
         "approved" => pb::ApprovalState::Approved,
         "denied" => pb::ApprovalState::Denied,
@@ -126,6 +127,7 @@ fn to_proto(a: &ApprovalRow) -> pb::Approval {
         reason: a.reason.clone(),
         created_at_ms: a.created_at_ms,
         expires_at_ms: a.expires_at_ms,
+        approvers: approvers.to_vec(),
     }
 }
 
@@ -137,6 +139,11 @@ pub struct ApprovalsService {
 impl ApprovalsService {
     pub fn new(policy: PolicyService) -> ApprovalsService {
         ApprovalsService { policy }
+    }
+
+    /// Who may resolve the tenant's approvals (empty: the tenant keeps no list).
+    fn approvers(&self, tenant: &str) -> Vec<String> {
+        self.policy.config().tenants.get(tenant).map(|t| t.approvers.clone()).unwrap_or_default()
     }
 
     async fn owned(&self, tenant: &str, approval_id: &str) -> Result<ApprovalRow, Status> {
@@ -188,7 +195,7 @@ impl ApprovalsService {
         // Approving again changes nothing but makes sure the run is resumed.
         tokio::spawn(resume(self.policy.clone(), now.clone()));
         tracing::info!(approval_id = %now.approval_id, state, approver = %r.approver, "approval resolved");
-        Ok(Response::new(to_proto(&now)))
+        Ok(Response::new(to_proto(&now, &allowed)))
     }
 }
 
@@ -305,7 +312,8 @@ impl pb::approvals_server::Approvals for ApprovalsService {
         } else {
             String::new()
         };
-        let mut approvals: Vec<pb::Approval> = rows.iter().map(to_proto).collect();
+        let approvers = self.approvers(&r.tenant);
+        let mut approvals: Vec<pb::Approval> = rows.iter().map(|a| to_proto(a, &approvers)).collect();
         if r.state == pb::ApprovalState::Expired as i32 {
             approvals.retain(|a| a.state == pb::ApprovalState::Expired as i32);
         }
@@ -315,7 +323,7 @@ impl pb::approvals_server::Approvals for ApprovalsService {
     async fn get(&self, req: Request<pb::GetApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
-        Ok(Response::new(to_proto(&self.owned(&r.tenant, &r.approval_id).await?)))
+        Ok(Response::new(to_proto(&self.owned(&r.tenant, &r.approval_id).await?, &self.approvers(&r.tenant))))
     }
 
     async fn approve(&self, req: Request<pb::ResolveApprovalRequest>) -> Result<Response<pb::Approval>, Status> {
@@ -336,6 +344,7 @@ impl pb::approvals_server::Approvals for ApprovalsService {
         let r = req.into_inner();
         check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let approvers = self.approvers(&r.tenant);
         let store = self.policy.store().clone();
         let mut changes = self.policy.approval_changes();
         tokio::spawn(async move {
@@ -358,7 +367,7 @@ impl pb::approvals_server::Approvals for ApprovalsService {
                             return;
                         }
                     };
-                    for a in rows.iter().map(to_proto) {
+                    for a in rows.iter().map(|a| to_proto(a, &approvers)) {
                         if seen.get(&a.approval_id) != Some(&a.state) {
                             seen.insert(a.approval_id.clone(), a.state);
                             if tx.send(Ok(a)).await.is_err() {

@@ -549,6 +549,7 @@ class Approval(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     CREATED_AT_MS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_MS_FIELD_NUMBER: _builtins.int
+    APPROVERS_FIELD_NUMBER: _builtins.int
     approval_id: _builtins.str
     tenant: _builtins.str
     run_id: _builtins.str
@@ -560,6 +561,12 @@ class Approval(_message.Message):
     reason: _builtins.str
     created_at_ms: _builtins.int
     expires_at_ms: _builtins.int
+    @_builtins.property
+    def approvers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Who may resolve it: the tenant's approver list (`policy.tenants.<t>.approvers`). Empty: the
+        tenant keeps no list, so its own token or an operator resolves it.
+        """
+
     def __init__(
         self,
         *,
@@ -574,10 +581,11 @@ class Approval(_message.Message):
         reason: _builtins.str = ...,
         created_at_ms: _builtins.int = ...,
         expires_at_ms: _builtins.int = ...,
+        approvers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval_id", b"approval_id", "approver", b"approver", "args_sha256", b"args_sha256", "created_at_ms", b"created_at_ms", "expires_at_ms", b"expires_at_ms", "reason", b"reason", "run_id", b"run_id", "state", b"state", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval_id", b"approval_id", "approver", b"approver", "approvers", b"approvers", "args_sha256", b"args_sha256", "created_at_ms", b"created_at_ms", "expires_at_ms", b"expires_at_ms", "reason", b"reason", "run_id", b"run_id", "state", b"state", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
