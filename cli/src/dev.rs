@@ -27,6 +27,10 @@ pub struct DevArgs {
     /// Largest plan, in steps (the planner's max_steps).
     #[arg(long)]
     max_steps: Option<usize>,
+    /// Where to serve Prometheus metrics (`/metrics`), `host:port` or `off`; overrides
+    /// `telemetry.metrics_listen` (default 127.0.0.1:9100, a free port if that one is taken).
+    #[arg(long, env = "WARDEN_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
 }
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:7100";
@@ -129,8 +133,8 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
-    warden_telemetry::init_tracing("warden-dev");
     let mut base = WardenConfig::load(args.config.as_deref())?;
+    let _telemetry = warden_telemetry::init_tracing("warden-dev", &base.telemetry)?;
     if let Some(n) = args.max_steps {
         base.planner.max_steps = n;
     }
@@ -147,8 +151,20 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     let endpoint = warden_grpc::endpoint_of(listener.local_addr()?);
     let config = dev_config(base, &args.dir, &endpoint);
     config.validate()?;
+    let metrics = warden_telemetry::metrics::listen_address(
+        args.metrics_listen.as_deref(),
+        &config.telemetry.metrics_listen,
+        "executor",
+    );
+    let metrics = match metrics {
+        Some(addr) => Some(warden_telemetry::metrics::serve(&addr).await?),
+        None => None,
+    };
     let mesh = start(config, listener).await?;
     println!("warden dev: ledger, policy, planner, executor and demo tools serving on {endpoint}");
+    if let Some(addr) = metrics {
+        println!("warden dev: metrics: {}", warden_telemetry::metrics::url(addr));
+    }
     println!("warden dev: state in {}", args.dir.display());
     if let Some(plan) = &args.demo {
         let target = Target { endpoint: endpoint.clone(), ledger_endpoint: endpoint.clone(), tenant: "default".into() };

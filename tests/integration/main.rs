@@ -9,6 +9,7 @@ mod ledger;
 mod lifecycle;
 mod mcp;
 mod mesh;
+mod observability;
 mod policy;
 mod receipts;
 mod security;

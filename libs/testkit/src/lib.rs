@@ -10,6 +10,7 @@
 #![allow(unsafe_code)] // pre_exec/prctl and getuid, below, are the only unsafe code.
 
 pub mod mesh;
+pub mod otlp;
 pub mod procs;
 pub mod servers;
 

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
 use warden_config::ExecutorConfig;
@@ -195,12 +196,18 @@ impl Executor {
             }
         }
         let this = self.clone();
-        tokio::spawn(async move {
-            if let Err(e) = driver::drive(&this, &run_id).await {
-                tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+        // A child of whatever dispatched it (a resume, an approval), or a trace of its own
+        // (the sweeper).
+        let span = driver::run_span(&run_id);
+        tokio::spawn(
+            async move {
+                if let Err(e) = driver::drive(&this, &run_id).await {
+                    tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+                }
+                this.done_driving(&run_id);
             }
-            this.done_driving(&run_id);
-        });
+            .instrument(span),
+        );
     }
 
     /// Drives a run this replica submitted and holds the lease of (see
@@ -214,12 +221,17 @@ impl Executor {
         let run_id = lease.run_id.clone();
         self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).insert(run_id.clone());
         let this = self.clone();
-        tokio::spawn(async move {
-            if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view).await {
-                tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+        // A child of the SubmitRun request's span, so a client's `traceparent` is the run's parent.
+        let span = driver::run_span(&run_id);
+        tokio::spawn(
+            async move {
+                if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view).await {
+                    tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+                }
+                this.done_driving(&run_id);
             }
-            this.done_driving(&run_id);
-        });
+            .instrument(span),
+        );
     }
 
     /// Re-dispatches every non-terminal run without a live lease, forever.
