@@ -63,7 +63,8 @@ async fn scrape(url: &str) -> prometheus_parse::Scrape {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.to_ascii_lowercase().contains("content-type: text/plain; version=0.0.4"), "{head}");
     // axum answers in chunks when it does not know the length up front.
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.into() };
+    let body =
+        if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.into() };
     prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("Prometheus text format")
 }
 

@@ -43,7 +43,13 @@ pub fn model_call_span_for(operation: &str, system: &str, request_model: &str) -
 
 /// Records what the model answered: the model that answered, the response id and the token
 /// usage.
-pub fn record_response(span: &tracing::Span, response_model: &str, response_id: &str, input_tokens: u64, output_tokens: u64) {
+pub fn record_response(
+    span: &tracing::Span,
+    response_model: &str,
+    response_id: &str,
+    input_tokens: u64,
+    output_tokens: u64,
+) {
     span.record("gen_ai.response.model", response_model);
     span.record("gen_ai.response.id", response_id);
     span.record("gen_ai.usage.input_tokens", input_tokens as i64);
@@ -67,8 +73,8 @@ mod tests {
     fn a_model_call_span_carries_the_genai_attributes() {
         let exporter = InMemorySpanExporter::default();
         let provider = SdkTracerProvider::builder().with_simple_exporter(exporter.clone()).build();
-        let subscriber = tracing_subscriber::registry()
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        let subscriber =
+            tracing_subscriber::registry().with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
         tracing::subscriber::with_default(subscriber, || {
             let span = super::model_call_span("anthropic", "claude-sonnet-4");
             super::record_response(&span, "claude-sonnet-4-20250514", "msg_01", 120, 45);

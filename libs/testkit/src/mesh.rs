@@ -139,7 +139,8 @@ impl ServiceProcess {
         env: Vec<(String, String)>,
         log: PathBuf,
     ) -> anyhow::Result<ServiceProcess> {
-        let mut p = ServiceProcess { name, endpoint: String::new(), metrics_url: String::new(), bin, env, child: None, log };
+        let mut p =
+            ServiceProcess { name, endpoint: String::new(), metrics_url: String::new(), bin, env, child: None, log };
         p.spawn()?;
         Ok(p)
     }

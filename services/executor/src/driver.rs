@@ -7,6 +7,7 @@ use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
+use tracing::Instrument;
 use warden_core::canonical::{args_digest, canonical_json};
 use warden_core::events::{self, RunStatus};
 use warden_core::plan::{Plan, PlanLimits, PlanStep};
@@ -14,7 +15,6 @@ use warden_core::run::{RunView, StepStatus};
 use warden_core::template;
 use warden_grpc::convert::event_from_proto;
 use warden_lease::{LeaseError, RunLease};
-use tracing::Instrument;
 use warden_proto::v1 as pb;
 
 use crate::Executor;
@@ -580,7 +580,9 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                         events::STEP_CANCELLED,
                         &step.id,
                         ctx.step_key(&step.id, 0, "cancelled"),
-                        traced(json!({"reason": format!("the run was cancelled ({})", policy_name(ctx.cancel_policy))})),
+                        traced(
+                            json!({"reason": format!("the run was cancelled ({})", policy_name(ctx.cancel_policy))}),
+                        ),
                     )
                     .await?;
                     warden_telemetry::metrics::step_settled("cancelled");
@@ -1141,7 +1143,8 @@ async fn execute_attempt(
                        "idempotency_key": idempotency_key,
                        "elapsed_us": started.elapsed().as_micros() as u64});
             cite_trace(&mut payload, &invoke_span);
-            let completed = event(events::TOOL_COMPLETED, &step.id, ctx.step_key(&step.id, attempt, "completed"), payload);
+            let completed =
+                event(events::TOOL_COMPLETED, &step.id, ctx.step_key(&step.id, attempt, "completed"), payload);
             let recorded = if entry.spec.idempotent && completed.payload_json.len() <= DEFERRABLE_OUTPUT_BYTES {
                 ctx.defer(completed);
                 Ok(())

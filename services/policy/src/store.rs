@@ -321,9 +321,8 @@ impl PolicyStore {
 
     /// How many approvals wait for a human, every tenant's (the `warden_approvals_pending` gauge).
     pub async fn pending_count(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM approvals WHERE state = 'pending'")
-            .fetch_one(&self.pool)
-            .await?;
+        let n: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM approvals WHERE state = 'pending'").fetch_one(&self.pool).await?;
         Ok(n.max(0) as u64)
     }
 
