@@ -129,7 +129,7 @@ pub fn url(addr: SocketAddr) -> String {
 
 /// `value` when `known` says configuration names it, else `"other"`: a label value a caller
 /// cannot multiply (tenants, models).
-pub fn bounded<'a>(value: &'a str, known: impl FnOnce(&str) -> bool) -> &'a str {
+pub fn bounded(value: &str, known: impl FnOnce(&str) -> bool) -> &str {
     if known(value) { value } else { "other" }
 }
 
