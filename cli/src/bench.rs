@@ -445,9 +445,14 @@ fn tempfile_dir(prefix: &str) -> anyhow::Result<std::path::PathBuf> {
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    // The dev shape's services run in this process and trace like `warden dev` does: with
+    // OTEL_EXPORTER_OTLP_ENDPOINT set, the cost of tracing is in the figures (the production
+    // shape's processes inherit the variables).
+    let telemetry = warden_telemetry::init_tracing_with("warden-bench", &Default::default(), "warn")?;
     println!(
-        "warden bench: build {}; every figure as a client sees it (SubmitRun -> WaitRun)",
-        if cfg!(debug_assertions) { "debug (use --release for real figures)" } else { "release" }
+        "warden bench: build {}; every figure as a client sees it (SubmitRun -> WaitRun); tracing {}",
+        if cfg!(debug_assertions) { "debug (use --release for real figures)" } else { "release" },
+        if telemetry.exporting() { "on (OTLP export)" } else { "off" },
     );
     if matches!(args.suite, Suite::Steps | Suite::All) {
         if matches!(args.shape, Shape::Dev | Shape::Both) {

@@ -20,7 +20,7 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:7180";
 /// Serves the console for the mesh at `target` (`--endpoint`, `--ledger-endpoint`,
 /// `--policy-endpoint`) until Ctrl-C.
 pub async fn run(target: &Target, policy_endpoint: &str, args: ConsoleArgs) -> anyhow::Result<i32> {
-    warden_telemetry::init_tracing("warden-console");
+    let _telemetry = warden_telemetry::init_tracing("warden-console", &Default::default())?;
     let listener = warden_grpc::bind(&args.listen).await?;
     let url = format!("{}/", warden_grpc::endpoint_of(listener.local_addr()?));
     let mesh = MeshEndpoints {

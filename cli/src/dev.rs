@@ -34,6 +34,10 @@ pub struct DevArgs {
     /// Do not serve the web console.
     #[arg(long)]
     no_console: bool,
+    /// Where to serve Prometheus metrics (`/metrics`), `host:port` or `off`; overrides
+    /// `telemetry.metrics_listen` (default 127.0.0.1:9100, a free port if that one is taken).
+    #[arg(long, env = "WARDEN_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
 }
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:7100";
@@ -159,8 +163,8 @@ async fn start_console(listen: &str, endpoint: &str) -> anyhow::Result<String> {
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
-    warden_telemetry::init_tracing("warden-dev");
     let mut base = WardenConfig::load(args.config.as_deref())?;
+    let _telemetry = warden_telemetry::init_tracing("warden-dev", &base.telemetry)?;
     if let Some(n) = args.max_steps {
         base.planner.max_steps = n;
     }
@@ -184,6 +188,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     };
     let config = dev_config(base, &args.dir, &endpoint);
     config.validate()?;
+    let metrics = warden_telemetry::metrics::listen_address(
+        args.metrics_listen.as_deref(),
+        &config.telemetry.metrics_listen,
+        "executor",
+    );
+    let metrics = match metrics {
+        Some(addr) => Some(warden_telemetry::metrics::serve(&addr).await?),
+        None => None,
+    };
     let mesh = start(config, listener).await?;
     println!("warden dev: ledger, policy, planner, executor and demo tools serving on {endpoint}");
     let console = match args.no_console {
@@ -192,6 +205,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<i32> {
     };
     if let Some(url) = &console {
         println!("console: {url}");
+    }
+    if let Some(addr) = metrics {
+        println!("warden dev: metrics: {}", warden_telemetry::metrics::url(addr));
     }
     println!("warden dev: state in {}", args.dir.display());
     if let Some(plan) = &args.demo {

@@ -74,7 +74,7 @@ const STEP: &str = "call";
 
 pub async fn run(target: &Target, policy_endpoint: Option<String>, cmd: McpCommand) -> anyhow::Result<i32> {
     let McpCommand::Serve(args) = cmd;
-    warden_telemetry::init_tracing("warden-mcp-serve");
+    let _telemetry = warden_telemetry::init_tracing("warden-mcp-serve", &Default::default())?;
     // Tokens map HTTP callers; over stdio the caller is this process (--tenant, --token).
     let tokens = match (&args.http, &args.config) {
         (Some(_), Some(path)) => Tokens::new(&warden_config::WardenConfig::load(Some(path))?.auth.tokens),

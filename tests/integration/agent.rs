@@ -164,14 +164,14 @@ async fn goal_runs_execute_and_replay_under_each_policy() {
     };
     let same = replay(pb::ReplayPolicy::Strict).await.expect("strict replay").into_inner();
     assert_eq!((same.outcome.as_str(), same.replayed_calls), ("replayed", 1));
-    assert_eq!(serde_json::from_str::<Value>(&same.plan_json).unwrap()["steps"][0]["tool"], "echo");
+    assert_eq!(serde_json::from_str::<Value>(&same.plan_json).expect("test data")["steps"][0]["tool"], "echo");
     assert_eq!(model.received().len(), 1, "a recorded call is never asked again");
     assert_eq!(trace(&mesh, &run).await["llm_calls"][0]["replayed"], 1);
 
     // The planner now asks with other options: drift.
     let config = mesh.dir.path().join("warden.toml");
-    let text = std::fs::read_to_string(&config).unwrap().replace("temperature = 0.0", "temperature = 0.7");
-    std::fs::write(&config, text).unwrap();
+    let text = std::fs::read_to_string(&config).expect("test data").replace("temperature = 0.0", "temperature = 0.7");
+    std::fs::write(&config, text).expect("test data");
     mesh.planner.restart().expect("restart planner");
     let strict = warden_testkit::eventually(Duration::from_secs(30), || async {
         match replay(pb::ReplayPolicy::Strict).await {
@@ -236,7 +236,7 @@ async fn planning_resumed_after_a_crash_never_asks_again_for_a_recorded_call() {
         .iter()
         .find(|e| e.event_type == "run_started")
         .map(|e| payload(e)["executor"].clone())
-        .unwrap();
+        .expect("test data");
     let i = if driver == "executor-0" { 0 } else { 1 };
     mesh.executors[i].kill();
     let done = settled(&mesh, "acme", &run).await;
@@ -271,14 +271,23 @@ async fn bad_answers_are_repaired_then_fall_back_to_a_direct_response() {
     let failed: Vec<Value> = of_type(&evs, "model_failed").iter().map(|e| payload(e)).collect();
     assert_eq!(failed.len(), 3);
     assert!(failed.iter().all(|f| f["kind"] == "malformed"), "{failed:?}");
-    assert!(failed[0]["error"].as_str().unwrap().contains("empty"));
-    assert!(failed[1]["error"].as_str().unwrap().contains("UTF-8"));
-    assert!(failed[2]["error"].as_str().unwrap().contains("bytes"));
+    assert!(failed[0]["error"].as_str().expect("test data").contains("empty"));
+    assert!(failed[1]["error"].as_str().expect("test data").contains("UTF-8"));
+    assert!(failed[2]["error"].as_str().expect("test data").contains("bytes"));
     assert!(of_type(&evs, "tool_requested").is_empty(), "no tool call");
     let second = &model.received()[1].body["messages"];
-    let repair = second.as_array().unwrap().last().unwrap()["content"].as_str().unwrap();
+    let repair = second.as_array().expect("test data").last().expect("test data")["content"].as_str().expect("test data");
     assert!(repair.contains("not valid JSON"), "the model is shown the exact error: {repair}");
     assert_eq!(payload(of_type(&evs, "plan_created")[0])["source"], "fallback");
+    // Replaying walks the same repair passes from the record: exact, nothing asked.
+    let replayed = mesh
+        .runs()
+        .replay_run(pb::ReplayRunRequest { tenant: "acme".into(), run_id: run.clone(), policy: 1 })
+        .await
+        .expect("strict replay of repaired planning")
+        .into_inner();
+    assert_eq!((replayed.outcome.as_str(), replayed.replayed_calls), ("replayed", 4));
+    assert_eq!(model.received().len(), 4, "nothing asked again");
 }
 
 /// 429 (with Retry-After), 5xx and timeouts are retried; a provider that stays down fails the
@@ -336,13 +345,13 @@ async fn k17(backend: Backend) {
     assert!(refusals[0].contains("shell.exec"), "outside the catalog: {}", refusals[0]);
     assert!(refusals[1].contains("text.upper"), "a tool the tenant's policy denies: {}", refusals[1]);
     let offered = payload(of_type(&evs, "model_requested")[0])["allowed_tools"].clone();
-    assert!(!offered.as_array().unwrap().contains(&json!("text.upper")), "never offered: {offered}");
+    assert!(!offered.as_array().expect("test data").contains(&json!("text.upper")), "never offered: {offered}");
     let denied: Vec<Value> =
         of_type(&evs, "policy_decision").iter().map(|e| payload(e)).filter(|d| d["tool"] == "email.send").collect();
     assert_eq!(denied.len(), 1);
     assert_eq!(denied[0]["outcome"], "deny", "the invariant refused the arguments: {}", denied[0]);
     let ran: Vec<String> =
-        of_type(&evs, "tool_requested").iter().map(|e| payload(e)["tool"].as_str().unwrap().to_string()).collect();
+        of_type(&evs, "tool_requested").iter().map(|e| payload(e)["tool"].as_str().expect("test data").to_string()).collect();
     assert_eq!(ran, vec!["echo"], "only what the policy allowed ran");
     assert_ne!(done.status(), pb::RunStatus::Completed, "a denied step fails the run: {done:?}");
     let outbox = std::fs::read_to_string(mesh.dir.path().join("outbox.jsonl")).unwrap_or_default();
@@ -382,8 +391,8 @@ async fn a_denied_model_call_fails_the_run_with_the_rule_and_asks_nothing() {
 #[tokio::test]
 async fn anthropic_plans_through_a_forced_tool_call_and_the_key_stays_secret() {
     let model = ScriptedModel::start(Reply::anthropic(echo_plan("claude"))).await;
-    let key_file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(key_file.path(), "sk-ant-test-0123456789abcdef\n").unwrap();
+    let key_file = tempfile::NamedTempFile::new().expect("test data");
+    std::fs::write(key_file.path(), "sk-ant-test-0123456789abcdef\n").expect("test data");
     let config = format!(
         "[planner.model]\nprovider = \"anthropic\"\nbase_url = \"{}\"\nmodel = \"claude-test\"\napi_key_file = \"{}\"\n",
         model.base_url,
@@ -397,7 +406,7 @@ async fn anthropic_plans_through_a_forced_tool_call_and_the_key_stays_secret() {
     assert_eq!(got.path, "/v1/messages");
     assert_eq!(got.headers["x-api-key"], "sk-ant-test-0123456789abcdef");
     assert_eq!(got.body["tool_choice"], json!({"type": "tool", "name": "submit_plan"}));
-    assert!(got.body["system"].as_str().unwrap().contains("echo"));
+    assert!(got.body["system"].as_str().expect("test data").contains("echo"));
     let evs = run_events(&mesh, &run).await;
     assert!(evs.iter().all(|e| !e.payload_json.contains("sk-ant-test")), "the key is recorded nowhere");
     assert!(!mesh.logs().contains("sk-ant-test"), "nor logged");
@@ -441,13 +450,13 @@ async fn goals_are_checked_and_redacted_and_planning_is_the_meshs() {
         .run_id;
     settled(&mesh, "acme", &run).await;
     let evs = run_events(&mesh, &run).await;
-    let recorded = payload(&evs[0])["goal"].as_str().unwrap().to_string();
+    let recorded = payload(&evs[0])["goal"].as_str().expect("test data").to_string();
     assert_eq!(recorded, "mail [redacted:email] key [redacted:openai_key]");
     let sent = model.received()[0].body.to_string();
     assert!(!sent.contains("bob@corp") && !sent.contains("sk-abcdef"), "nothing secret left Warden");
 
     let mut planner = warden_proto::v1::planner_client::PlannerClient::new(
-        warden_grpc::channel_with_token(&mesh.planner.endpoint, "acme-token-0123456789").unwrap(),
+        warden_grpc::channel_with_token(&mesh.planner.endpoint, "acme-token-0123456789").expect("test data"),
     );
     let e = planner
         .create_plan(pb::CreatePlanRequest {
@@ -461,7 +470,7 @@ async fn goals_are_checked_and_redacted_and_planning_is_the_meshs() {
         .expect_err("tenants do not plan");
     assert_eq!(e.code(), Code::PermissionDenied);
     let mut policy = warden_proto::v1::policy_client::PolicyClient::new(
-        warden_grpc::channel_with_token(&mesh.policy.endpoint, "acme-token-0123456789").unwrap(),
+        warden_grpc::channel_with_token(&mesh.policy.endpoint, "acme-token-0123456789").expect("test data"),
     );
     let e = policy
         .authorize(pb::AuthorizeRequest {
@@ -506,6 +515,6 @@ async fn without_a_model_a_goal_run_says_how_to_configure_one() {
         .ledger()
         .list_runs(pb::ListLedgerRunsRequest { tenant: "acme".into(), ..Default::default() })
         .await
-        .unwrap();
+        .expect("test data");
     assert!(listed.into_inner().runs.is_empty(), "nothing written");
 }

@@ -1,7 +1,8 @@
 //! The Kubernetes manifests and the image stay in step with the code: the mounted
 //! configuration validates, every `WARDEN_SECTION__KEY` a container sets names a real key,
 //! every command is a binary the image ships, and container ports, probes and Services agree
-//! with the configured listen addresses.
+//! with the configured listen addresses; every pod is annotated for Prometheus scraping on its
+//! metrics port and exports traces to the in-cluster collector.
 
 use std::collections::BTreeSet;
 
@@ -76,9 +77,14 @@ fn the_manifests_match_the_configuration_and_the_image() {
             assert_eq!(c["ports"][0]["containerPort"], port, "{name}: container port");
             assert_eq!(c["readinessProbe"]["grpc"]["port"], port, "{name}: readiness probe");
             assert_eq!(c["livenessProbe"]["grpc"]["port"], port, "{name}: liveness probe");
+            observable(name, d, c, &config);
             // Every variable names a real key: apply a value of the right kind and extract.
             for env in c["env"].as_array().into_iter().flatten() {
                 let var = env["name"].as_str().expect("env name");
+                // OpenTelemetry's own variables (checked above), and the pod name they cite.
+                if var.starts_with("OTEL_") || var == "POD_NAME" {
+                    continue;
+                }
                 let (section, key) = var
                     .strip_prefix("WARDEN_")
                     .and_then(|k| k.split_once("__"))
@@ -107,6 +113,49 @@ fn the_manifests_match_the_configuration_and_the_image() {
             .find(|s| s["kind"] == "Service" && s["metadata"]["name"] == host)
             .unwrap_or_else(|| panic!("{endpoint}: no Service {host}"));
         assert_eq!(service["spec"]["ports"][0]["port"].to_string(), port, "{endpoint}");
+    }
+}
+
+/// A pod is seen from outside: Prometheus scrapes the metrics port the configuration serves
+/// (annotations and a named container port agree with `telemetry.metrics_listen`), and traces
+/// go to the collector with the deployment's service name.
+fn observable(name: &str, deployment: &Value, container: &Value, config: &WardenConfig) {
+    let metrics: std::net::SocketAddr = config.telemetry.metrics_listen.parse().expect("telemetry.metrics_listen");
+    assert!(metrics.ip().is_unspecified(), "{name}: metrics must be reachable from the pod network");
+    let annotations = &deployment["spec"]["template"]["metadata"]["annotations"];
+    assert_eq!(annotations["prometheus.io/scrape"], "true", "{name}: scrape annotation");
+    assert_eq!(annotations["prometheus.io/port"], metrics.port().to_string(), "{name}: scrape port");
+    assert_eq!(annotations["prometheus.io/path"], "/metrics", "{name}: scrape path");
+    let ports = container["ports"].as_array().expect("ports");
+    assert!(
+        ports.iter().any(|p| p["name"] == "metrics" && p["containerPort"] == metrics.port()),
+        "{name}: a container port named metrics on {}",
+        metrics.port()
+    );
+    let env = |var: &str| {
+        container["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["name"] == var)
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("{name}: {var} is not set"))
+            .to_string()
+    };
+    let endpoint = env("OTEL_EXPORTER_OTLP_ENDPOINT");
+    assert!(endpoint.starts_with("http://") || endpoint.starts_with("https://"), "{name}: {endpoint}");
+    assert!(matches!(env("OTEL_EXPORTER_OTLP_PROTOCOL").as_str(), "grpc" | "http/protobuf"), "{name}: protocol");
+    assert_eq!(env("OTEL_SERVICE_NAME"), name, "{name}: service name");
+    let attributes = env("OTEL_RESOURCE_ATTRIBUTES");
+    assert!(
+        attributes.split(',').all(|kv| kv.split_once('=').is_some_and(|(k, v)| !k.is_empty() && !v.is_empty())),
+        "{name}: OTEL_RESOURCE_ATTRIBUTES is key=value pairs: {attributes}"
+    );
+    if attributes.contains("$(POD_NAME)") {
+        assert!(
+            container["env"].as_array().into_iter().flatten().any(|e| e["name"] == "POD_NAME"),
+            "{name}: POD_NAME is cited but not defined"
+        );
     }
 }
 

@@ -11,6 +11,7 @@ mod ledger;
 mod lifecycle;
 mod mcp;
 mod mesh;
+mod observability;
 mod policy;
 mod receipts;
 mod scripted_model;

@@ -107,17 +107,17 @@ impl ScriptedModel {
             let s = s.clone();
             async move {
                 let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                s.received.lock().unwrap().push(Received { path: uri.path().to_string(), body, headers });
-                let reply = s.queue.lock().unwrap().pop_front().unwrap_or_else(|| s.default.lock().unwrap().clone());
+                s.received.lock().expect("test data").push(Received { path: uri.path().to_string(), body, headers });
+                let reply = s.queue.lock().expect("test data").pop_front().unwrap_or_else(|| s.default.lock().expect("test data").clone());
                 if let Some(gate) = &reply.hold {
                     gate.notified().await;
                 }
                 if let Some(d) = reply.delay {
                     tokio::time::sleep(d).await;
                 }
-                let mut resp: Response = (StatusCode::from_u16(reply.status).unwrap(), reply.body).into_response();
+                let mut resp: Response = (StatusCode::from_u16(reply.status).expect("test data"), reply.body).into_response();
                 for (k, v) in reply.headers {
-                    resp.headers_mut().insert(k, v.parse().unwrap());
+                    resp.headers_mut().insert(k, v.parse().expect("test data"));
                 }
                 resp
             }
@@ -125,8 +125,8 @@ impl ScriptedModel {
         let app = axum::Router::new()
             .route("/v1/chat/completions", axum::routing::post(handler.clone()))
             .route("/v1/messages", axum::routing::post(handler));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("test data");
+        let addr = listener.local_addr().expect("test data");
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
@@ -134,15 +134,15 @@ impl ScriptedModel {
     }
 
     pub fn push(&self, reply: Reply) {
-        self.state.queue.lock().unwrap().push_back(reply);
+        self.state.queue.lock().expect("test data").push_back(reply);
     }
 
     pub fn set_default(&self, reply: Reply) {
-        *self.state.default.lock().unwrap() = reply;
+        *self.state.default.lock().expect("test data") = reply;
     }
 
     pub fn received(&self) -> Vec<Received> {
-        self.state.received.lock().unwrap().clone()
+        self.state.received.lock().expect("test data").clone()
     }
 
     /// `[planner.model]` lines for an OpenAI-compatible provider at this server.

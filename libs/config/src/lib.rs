@@ -33,6 +33,26 @@ pub struct WardenConfig {
     pub executor: ExecutorConfig,
     pub tools: ToolsConfig,
     pub auth: AuthConfig,
+    pub telemetry: TelemetryConfig,
+}
+
+/// Traces and metrics (see `warden_telemetry`). The standard `OTEL_*` environment variables
+/// (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+/// `OTEL_TRACES_SAMPLER`, `OTEL_BSP_*`) are honoured; a key set here takes precedence over
+/// the variable it stands for.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// OTLP collector base URL (`http://otel-collector:4318`, or `:4317` with `grpc`). Empty:
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`; with neither set, no trace is exported.
+    pub otlp_endpoint: String,
+    /// `grpc` or `http/protobuf`. Empty: `OTEL_EXPORTER_OTLP_PROTOCOL`, else `http/protobuf`.
+    pub otlp_protocol: String,
+    /// Where this process serves Prometheus metrics (`/metrics`). Empty: the binary's own
+    /// default (executor and `warden dev` 127.0.0.1:9100, ledger :9101, policy :9102, planner
+    /// :9103, demo tools :9105, MCP host :9106); `off`: none. Per process, `--metrics-listen`
+    /// or `WARDEN_METRICS_LISTEN` override it.
+    pub metrics_listen: String,
 }
 
 /// Caller authentication (see `warden_grpc::auth`). No tokens: not authenticated.
@@ -573,6 +593,19 @@ impl WardenConfig {
             }
         }
         self.planner.validate()?;
+        if !matches!(self.telemetry.otlp_protocol.as_str(), "" | "grpc" | "http/protobuf") {
+            return Err(invalid("telemetry.otlp_protocol", "must be grpc or http/protobuf"));
+        }
+        let otlp = &self.telemetry.otlp_endpoint;
+        if !(otlp.is_empty() || otlp.starts_with("http://") || otlp.starts_with("https://")) {
+            return Err(invalid("telemetry.otlp_endpoint", format!("'{otlp}' must be an http:// or https:// URL")));
+        }
+        let metrics = &self.telemetry.metrics_listen;
+        if !(metrics.is_empty() || metrics == "off") {
+            metrics.parse::<SocketAddr>().map_err(|e| {
+                invalid("telemetry.metrics_listen", format!("'{metrics}' is not host:port or off ({e})"))
+            })?;
+        }
         let pdb = &self.policy.database_url;
         if !(pdb.starts_with("sqlite:") || pdb.starts_with("postgres://") || pdb.starts_with("postgresql://")) {
             return Err(invalid("policy.database_url", "must start with sqlite:, postgres:// or postgresql://"));

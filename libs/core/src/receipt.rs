@@ -32,7 +32,8 @@ pub struct Receipt {
     pub hash: String,
 }
 
-/// W3C-sized trace id of a run (32 hex chars), stable for the run's whole life.
+/// W3C-sized trace id of a run (32 hex chars), stable for the run's whole life: what a
+/// receipt cites when its outcome names no trace (the executor exported none).
 pub fn trace_id(run_id: &str) -> String {
     sha256_hex(run_id)[..32].to_string()
 }
@@ -44,6 +45,16 @@ pub fn span_id(run_id: &str, step_id: &str, attempt: u32) -> String {
 
 fn text(p: &Value, k: &str) -> String {
     p.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
+}
+
+/// The W3C ids an outcome names (`trace_id`, `span_id`: the tool call's span, recorded by the
+/// executor when it exports traces), if both are well-formed and not all zeros.
+fn cited_trace(p: &Value) -> Option<(String, String)> {
+    let w3c = |s: &str, len: usize| {
+        s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) && s.bytes().any(|b| b != b'0')
+    };
+    let (t, s) = (text(p, "trace_id"), text(p, "span_id"));
+    (w3c(&t, 32) && w3c(&s, 16)).then_some((t, s))
 }
 
 fn attempt_of(p: &Value) -> u32 {
@@ -97,6 +108,9 @@ pub fn receipt_for(event: &ChainedEvent, capability_id: &str) -> Option<Receipt>
         cap = capability_id.to_string();
     }
     let receipt_id = receipt_id(&b.run_id, &b.event_type, &b.step_id, p)?;
+    // SPEC-KERN-01 §5: the trace the call belonged to; without one, ids derived from the call.
+    let (trace_id, span_id) =
+        cited_trace(p).unwrap_or_else(|| (trace_id(&b.run_id), span_id(&b.run_id, &b.step_id, attempt)));
     let action_type = match b.event_type.as_str() {
         events::TX_COMMITTED => "commit_tx".to_string(),
         events::TX_ROLLED_BACK => "rollback_tx".to_string(),
@@ -108,8 +122,8 @@ pub fn receipt_for(event: &ChainedEvent, capability_id: &str) -> Option<Receipt>
         step_id: b.step_id.clone(),
         attempt,
         seq: b.seq,
-        trace_id: trace_id(&b.run_id),
-        span_id: span_id(&b.run_id, &b.step_id, attempt),
+        trace_id,
+        span_id,
         job_id: b.run_id.clone(),
         tx_id,
         capability_id: cap,
@@ -174,6 +188,18 @@ mod tests {
         }
         assert!(receipt_for(&ev(events::TOOL_REQUESTED, json!({})), "").is_none());
         assert!(receipt_for(&ev(events::POLICY_DECISION, json!({})), "").is_none());
+    }
+
+    #[test]
+    fn a_receipt_cites_the_trace_its_outcome_names() {
+        let (t, s) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+        let p = json!({"tool": "echo", "attempt": 1, "trace_id": t, "span_id": s});
+        let r = receipt_for(&ev(events::TOOL_COMPLETED, p), "").expect("receipt");
+        assert_eq!((r.trace_id.as_str(), r.span_id.as_str()), (t, s));
+        // Malformed or absent ids: the ids derived from the call.
+        let p = json!({"tool": "echo", "trace_id": "nope", "span_id": s});
+        let r = receipt_for(&ev(events::TOOL_COMPLETED, p), "").expect("receipt");
+        assert_eq!(r.trace_id, trace_id("r"));
     }
 
     #[test]

@@ -29,7 +29,9 @@ fn client_token() -> Option<String> {
     CLIENT_TOKEN.read().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
-/// Adds the bearer token to every request of a client.
+/// Adds the bearer token, and the caller's W3C trace context (`traceparent`, `tracestate`)
+/// when the process exports traces, to every request of a client: every Warden channel
+/// propagates the trace.
 #[derive(Clone, Default)]
 pub struct Bearer(Option<MetadataValue<Ascii>>);
 
@@ -56,6 +58,7 @@ impl Interceptor for Bearer {
         if let Some(v) = &self.0 {
             request.metadata_mut().insert("authorization", v.clone());
         }
+        warden_telemetry::context::inject(request.metadata_mut());
         Ok(request)
     }
 }

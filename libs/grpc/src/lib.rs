@@ -62,7 +62,13 @@ pub async fn serve(
     // Agents' steps are latency-bound request/response calls: no Nagle delay (set on the
     // incoming stream, which owns the accepted sockets).
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    Server::builder().add_routes(routes).serve_with_incoming_shutdown(incoming, shutdown).await?;
+    Server::builder()
+        // Outermost, so the span and the RED metrics cover everything a request meets,
+        // authentication refusals included; the caller's trace context becomes its parent.
+        .layer(warden_telemetry::grpc::ServerLayer)
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
     Ok(())
 }
 

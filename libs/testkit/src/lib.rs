@@ -11,6 +11,7 @@
 
 pub mod mesh;
 pub mod model;
+pub mod otlp;
 pub mod procs;
 pub mod servers;
 

@@ -57,6 +57,8 @@ pub struct MeshOptions {
     /// Tool hosts beyond the demo host (e.g. `warden-mcp`), served to the planner and the
     /// executors after it.
     pub extra_hosts: Vec<ExtraHost>,
+    /// Environment every service process gets (e.g. `OTEL_EXPORTER_OTLP_ENDPOINT`).
+    pub env: Vec<(String, String)>,
 }
 
 /// A tool host process beyond the demo host, started after the ledger and the policy.
@@ -100,6 +102,7 @@ impl Default for MeshOptions {
             auth_tokens: Vec::new(),
             service_token: String::new(),
             extra_hosts: Vec::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -124,6 +127,8 @@ fn binary(name: &str) -> anyhow::Result<PathBuf> {
 pub struct ServiceProcess {
     pub name: &'static str,
     pub endpoint: String,
+    /// Its Prometheus endpoint (`http://…/metrics`), as announced.
+    pub metrics_url: String,
     bin: PathBuf,
     env: Vec<(String, String)>,
     child: Option<Child>,
@@ -137,7 +142,8 @@ impl ServiceProcess {
         env: Vec<(String, String)>,
         log: PathBuf,
     ) -> anyhow::Result<ServiceProcess> {
-        let mut p = ServiceProcess { name, endpoint: String::new(), bin, env, child: None, log };
+        let mut p =
+            ServiceProcess { name, endpoint: String::new(), metrics_url: String::new(), bin, env, child: None, log };
         p.spawn()?;
         Ok(p)
     }
@@ -151,9 +157,14 @@ impl ServiceProcess {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut lines = BufReader::new(stdout).lines();
+            let mut metrics = String::new();
             for line in lines.by_ref().map_while(Result::ok) {
+                // The metrics endpoint is announced first, the gRPC address last.
+                if let Some(rest) = line.strip_prefix("WARDEN_METRICS ") {
+                    metrics = rest.split_whitespace().nth(1).unwrap_or_default().to_string();
+                }
                 if let Some(rest) = line.strip_prefix("WARDEN_LISTENING ") {
-                    let _ = tx.send(rest.split_whitespace().nth(1).unwrap_or_default().to_string());
+                    let _ = tx.send((rest.split_whitespace().nth(1).unwrap_or_default().to_string(), metrics));
                     break;
                 }
             }
@@ -161,8 +172,9 @@ impl ServiceProcess {
             for _ in lines {}
         });
         match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(endpoint) => {
+            Ok((endpoint, metrics)) => {
                 self.endpoint = endpoint;
+                self.metrics_url = metrics;
                 self.child = Some(child);
                 Ok(())
             }
@@ -343,7 +355,12 @@ impl Mesh {
         let config = dir.path().join("warden.toml");
         std::fs::write(&config, toml_config(&opts, dir.path(), &database_url))?;
         let base = |extra: &[(&str, &str)]| {
-            let mut env = vec![("WARDEN_CONFIG".to_string(), config.display().to_string())];
+            let mut env = vec![
+                ("WARDEN_CONFIG".to_string(), config.display().to_string()),
+                // Every process serves its metrics on a free port, announced on stdout.
+                ("WARDEN_METRICS_LISTEN".to_string(), "127.0.0.1:0".to_string()),
+            ];
+            env.extend(opts.env.iter().cloned());
             env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
             env
         };

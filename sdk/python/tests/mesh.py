@@ -213,7 +213,8 @@ retry_backoff_base_ms = 10
 outbox_path = "{root / "outbox.jsonl"}"
 """
     )
-    base = {"WARDEN_CONFIG": str(config), "RUST_LOG": "warn"}
+    # Metrics on free ports: the services' default ports would collide between meshes.
+    base = {"WARDEN_CONFIG": str(config), "RUST_LOG": "warn", "WARDEN_METRICS_LISTEN": "127.0.0.1:0"}
 
     def service(name: str, bin_name: str, **env: str) -> Service:
         s = Service(name, [str(binary(bin_name))], {**base, **env}, root / f"{name}.log")

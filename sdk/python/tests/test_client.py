@@ -17,7 +17,6 @@ from warden_sdk import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    Unimplemented,
     status_name,
 )
 from warden_sdk.v1 import common_pb2, policy_pb2, runs_pb2
@@ -38,12 +37,14 @@ def test_submit_is_idempotent_per_key_and_wait_returns_the_settled_run(client: C
     assert first.run_id in {r.run_id for r in listed.runs}
 
 
-def test_a_bad_plan_is_refused_naming_the_field_and_a_goal_is_unimplemented(client: Client) -> None:
+def test_a_bad_plan_is_refused_naming_the_field_and_a_goal_needs_a_model(client: Client) -> None:
     with pytest.raises(InvalidArgument) as e:
         client.submit({"steps": [{"id": "b", "tool": "echo", "params": {}, "depends_on": ["nope"]}]})
     assert any(v.field.startswith("plan_json.steps") for v in e.value.field_violations), e.value
-    with pytest.raises(Unimplemented):
+    # The test mesh configures no model: a goal run says how to configure one.
+    with pytest.raises(FailedPrecondition) as g:
         client.submit(goal="book a flight")
+    assert "[planner.model]" in str(g.value)
     with pytest.raises(ValueError):
         client.submit()
     with pytest.raises(NotFound):

@@ -7,6 +7,7 @@ use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
+use tracing::Instrument;
 use warden_core::canonical::{args_digest, canonical_json};
 use warden_core::events::{self, RunStatus};
 use warden_core::plan::{Plan, PlanLimits, PlanStep};
@@ -17,6 +18,52 @@ use warden_lease::{LeaseError, RunLease};
 use warden_proto::v1 as pb;
 
 use crate::Executor;
+
+/// The span a run is driven in (its steps' spans are its children). Its parent is the span
+/// current where the run is dispatched: the SubmitRun request's, whose parent is the client's
+/// `traceparent` when it sent one.
+pub(crate) fn run_span(run_id: &str) -> tracing::Span {
+    let span = tracing::info_span!(
+        "run",
+        run_id = %run_id,
+        run.status = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+    );
+    warden_telemetry::context::record_trace_id(&span);
+    span
+}
+
+/// Adds the W3C ids of `span` to an outcome's payload (unless it names some already): the
+/// receipt the ledger derives from the outcome cites them (SPEC-KERN-01 §5), so an auditor
+/// can go from a receipt to its trace. Nothing is added when the process exports no traces.
+fn cite_trace(payload: &mut Value, span: &tracing::Span) {
+    if let Some(p) = payload.as_object_mut()
+        && !p.contains_key("trace_id")
+        && let Some(ids) = warden_telemetry::context::ids(span)
+    {
+        p.insert("trace_id".into(), Value::String(ids.trace_id));
+        p.insert("span_id".into(), Value::String(ids.span_id));
+    }
+}
+
+/// `payload` citing the current span (see [`cite_trace`]).
+fn traced(mut payload: Value) -> Value {
+    cite_trace(&mut payload, &tracing::Span::current());
+    payload
+}
+
+/// The `warden_runs_total` status of a run event.
+fn run_status_label(event_type: &str) -> &'static str {
+    match event_type {
+        events::RUN_COMPLETED => "completed",
+        events::RUN_FAILED => "failed",
+        events::RUN_CANCELLED => "cancelled",
+        events::RUN_EMPTY_PLAN => "empty_plan",
+        events::RUN_BLOCKED => "blocked",
+        events::RUN_REQUIRES_RECONCILIATION => "requires_reconciliation",
+        _ => "other",
+    }
+}
 
 /// Timeout when a tool declares none (seed 000 §7).
 pub const FALLBACK_TIMEOUT: Duration = Duration::from_secs(60);
@@ -53,6 +100,20 @@ enum StepOutcome {
         retry_of: String,
         backoff: Duration,
     },
+}
+
+impl StepOutcome {
+    /// The `warden_steps_total` / `warden_attempts_total` outcome label.
+    fn label(&self) -> &'static str {
+        match self {
+            StepOutcome::Completed(_) => "completed",
+            StepOutcome::Failed(_) => "failed",
+            StepOutcome::Unknown(_) => "unknown",
+            StepOutcome::Blocked { .. } => "blocked",
+            StepOutcome::Cancelled => "cancelled",
+            StepOutcome::Retry { .. } => "retry",
+        }
+    }
 }
 
 /// Attempts a tool's declared retry policy allows (seed 000: NONE 1, STANDARD 3, AGGRESSIVE 5).
@@ -178,6 +239,14 @@ impl RunCtx {
         if events.is_empty() {
             return Ok(Vec::new());
         }
+        let span = tracing::info_span!("ledger.append", otel.kind = "client", events = events.len());
+        self.append_group_traced(events).instrument(span).await
+    }
+
+    async fn append_group_traced(
+        &self,
+        events: Vec<pb::EventInput>,
+    ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
         let req = pb::AppendEventsRequest {
             tenant: self.tenant.clone(),
             run_id: self.run_id.clone(),
@@ -224,6 +293,7 @@ impl RunCtx {
         payload: Value,
     ) -> Result<StepOutcome, DriveError> {
         let reason = payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
+        let payload = traced(payload);
         let mut events: Vec<pb::EventInput> = decision.into_iter().collect();
         events.push(event(event_type, step_id, self.step_key(step_id, attempt, "failed"), payload));
         self.append_all(events).await?;
@@ -244,14 +314,25 @@ impl RunCtx {
         let key = self.step_key(step_id, 0, "cancelled");
         let reason = format!("{reason} ({})", policy_name(self.cancel_policy));
         let mut events: Vec<pb::EventInput> = decision.into_iter().collect();
-        events.push(event(events::STEP_CANCELLED, step_id, key, json!({"reason": reason})));
+        events.push(event(events::STEP_CANCELLED, step_id, key, traced(json!({"reason": reason}))));
         self.append_all(events).await?;
         Ok(StepOutcome::Cancelled)
     }
 
     fn step_key(&self, step_id: &str, attempt: u32, what: &str) -> String {
-        format!("{}:{step_id}:{attempt}:{what}", self.run_id)
+        let key = format!("{}:{step_id}:{attempt}:{what}", self.run_id);
+        // Keys are per run; a long run id (a fork's) with a long step id would pass the id
+        // limit: the run's part is then a digest of it.
+        if key.len() <= warden_core::ids::MAX_ID_LEN {
+            return key;
+        }
+        format!("{}:{step_id}:{attempt}:{what}", short_run(&self.run_id))
     }
+}
+
+/// A run id's 16-hex-digit digest, standing for it in keys that would otherwise be too long.
+fn short_run(run_id: &str) -> String {
+    warden_core::canonical::sha256_hex(run_id.as_bytes())[..16].to_string()
 }
 
 /// How a cancel policy reads in a step's reason (and so in its receipt).
@@ -313,6 +394,7 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
     let Some(lease) = ex.inner.leases.acquire(run_id, &ex.inner.lease_owner, ttl, run.max_epoch).await? else {
         return Ok(()); // another replica drives it
     };
+    warden_telemetry::metrics::lease_acquired(run.max_epoch > 0);
     with_lease(ex, &run.tenant, lease, None).await
 }
 
@@ -490,12 +572,16 @@ async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb
         replay_policy: view.replay_policy,
         ..Default::default()
     };
-    let planned = within_grace(ctx, "planner", || {
+    let planning = within_grace(ctx, "planner", || {
         let mut planner = ctx.ex.inner.planner.clone();
         let req = req.clone();
         async move { planner.create_plan(req).await }
-    })
-    .await;
+    });
+    // A lost lease stops waiting (the planner's own writes are fenced by the epoch).
+    let planned = tokio::select! {
+        p = planning => p,
+        _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+    };
     let failed = |kind: &str, reason: String| json!({"reason": reason, "kind": kind});
     let planned = match planned {
         Ok(p) => p,
@@ -560,6 +646,9 @@ async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb
 async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), DriveError> {
     ctx.append(event_type, "", event_type.to_string(), payload).await?;
     tracing::info!(run_id = %ctx.run_id, outcome = event_type, "run finished");
+    let status = run_status_label(event_type);
+    warden_telemetry::metrics::run_reached(status);
+    tracing::Span::current().record("run.status", status);
     Ok(())
 }
 
@@ -599,9 +688,12 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                         events::STEP_CANCELLED,
                         &step.id,
                         ctx.step_key(&step.id, 0, "cancelled"),
-                        json!({"reason": format!("the run was cancelled ({})", policy_name(ctx.cancel_policy))}),
+                        traced(
+                            json!({"reason": format!("the run was cancelled ({})", policy_name(ctx.cancel_policy))}),
+                        ),
                     )
                     .await?;
+                    warden_telemetry::metrics::step_settled("cancelled");
                     status.insert(step.id.clone(), StepStatus::Cancelled);
                 }
             }
@@ -623,9 +715,10 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                     events::STEP_CANCELLED,
                     &step.id,
                     ctx.step_key(&step.id, 0, "cancelled"),
-                    json!({"reason": reason}),
+                    traced(json!({"reason": reason})),
                 )
                 .await?;
+                warden_telemetry::metrics::step_settled("cancelled");
                 status.insert(step.id.clone(), StepStatus::Cancelled);
             }
         }
@@ -648,10 +741,14 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                 Ok(args) => {
                     let (c, s) = (ctx.clone(), step.clone());
                     let from = resume.get(&step.id).cloned().unwrap_or_default();
-                    running.spawn(async move {
-                        let id = s.id.clone();
-                        (id, execute_step(&c, &s, args, from).await)
-                    });
+                    let span = tracing::info_span!("step", step_id = %s.id, tool = %s.tool);
+                    running.spawn(
+                        async move {
+                            let id = s.id.clone();
+                            (id, execute_step(&c, &s, args, from).await)
+                        }
+                        .instrument(span),
+                    );
                 }
                 Err(e) => {
                     let reason = format!("template resolution failed: {e}");
@@ -659,9 +756,10 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
                         events::STEP_FAILED,
                         &step.id,
                         ctx.step_key(&step.id, 1, "failed"),
-                        json!({"kind": "template", "reason": reason}),
+                        traced(json!({"kind": "template", "reason": reason})),
                     )
                     .await?;
+                    warden_telemetry::metrics::step_settled("failed");
                     first_failure.get_or_insert(format!("step '{}' failed: {reason}", step.id));
                     status.insert(step.id.clone(), StepStatus::Failed);
                 }
@@ -703,7 +801,9 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         let Some(joined) = joined else { continue };
         let (step_id, outcome) =
             joined.map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
-        match outcome? {
+        let outcome = outcome?;
+        warden_telemetry::metrics::step_settled(outcome.label());
+        match outcome {
             StepOutcome::Completed(out) => {
                 outputs.insert(step_id.clone(), out);
                 status.insert(step_id, StepStatus::Completed);
@@ -750,6 +850,8 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         let key = format!("run_blocked:{decision_id}:{}", ctx.epoch);
         ctx.append(events::RUN_BLOCKED, "", key, payload).await?;
         tracing::info!(run_id = %ctx.run_id, step_id = %step_id, "run blocked on an approval");
+        warden_telemetry::metrics::run_reached("blocked");
+        tracing::Span::current().record("run.status", "blocked");
         return Ok(());
     }
     if let Some((step_id, why)) = reconcile {
@@ -780,7 +882,12 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value, from: Resume) 
                 _ = ctx.cancel.cancelled() => {}
             }
         }
-        let outcome = execute_attempt(ctx, step, args.clone(), attempt, retry_of.as_deref(), asked_before).await?;
+        let span = tracing::info_span!("attempt", attempt, outcome = tracing::field::Empty);
+        let outcome = execute_attempt(ctx, step, args.clone(), attempt, retry_of.as_deref(), asked_before)
+            .instrument(span.clone())
+            .await?;
+        warden_telemetry::metrics::attempt_settled(outcome.label());
+        span.record("outcome", outcome.label());
         asked_before = false;
         match outcome {
             StepOutcome::Retry { retry_of: first, backoff } => {
@@ -917,7 +1024,10 @@ async fn execute_attempt(
     asked_before: bool,
 ) -> Result<StepOutcome, DriveError> {
     let started = std::time::Instant::now();
-    let idempotency_key = format!("{}:{}:{attempt}", ctx.run_id, step.id);
+    let idempotency_key = match format!("{}:{}:{attempt}", ctx.run_id, step.id) {
+        k if k.len() <= warden_core::ids::MAX_ID_LEN => k,
+        _ => format!("{}:{}:{attempt}", short_run(&ctx.run_id), step.id),
+    };
     let fail = |kind: &str, reason: String, extra: Value| {
         let mut payload = json!({"kind": kind, "reason": reason, "attempt": attempt, "tool": step.tool});
         if let (Some(p), Value::Object(x)) = (payload.as_object_mut(), extra) {
@@ -944,6 +1054,13 @@ async fn execute_attempt(
     // K01/K19: without a recorded allow decision and its signed authorization, nothing runs.
     // Authorize is idempotent per call: a policy restart or a store blip is waited out (within
     // the outage grace), not turned into a failure; nothing runs meanwhile.
+    let authorize_span = tracing::info_span!(
+        "policy.authorize",
+        otel.kind = "client",
+        tool = %step.tool,
+        rule_id = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    );
     let authorized = within_grace(ctx, "policy", || {
         let mut policy = ctx.ex.inner.policy.clone();
         let req = pb::AuthorizeRequest {
@@ -964,6 +1081,7 @@ async fn execute_attempt(
         };
         async move { policy.authorize(req).await }
     })
+    .instrument(authorize_span.clone())
     .await;
     let authorized = match authorized {
         Ok(r) => r,
@@ -980,6 +1098,14 @@ async fn execute_attempt(
         }
     };
     let decision = authorized.decision.unwrap_or_default();
+    authorize_span.record("rule_id", decision.rule_id.as_str());
+    let outcome = match decision.outcome() {
+        pb::Outcome::Allow => "allow",
+        pb::Outcome::Deny => "deny",
+        pb::Outcome::ApprovalRequired => "approval_required",
+        _ => "unspecified",
+    };
+    authorize_span.record("outcome", outcome);
     let record = decision_event(&step.id, &decision.decision_id, &authorized.decision_event_json);
     // A call requested before (its outcome unknown) may have acted: a decision that no longer
     // allows asking again cannot make it a failure or a cancellation — an operator settles it.
@@ -1046,6 +1172,16 @@ async fn execute_attempt(
     // outcome), backing off between asks; otherwise, or if it stays unknown, an operator must
     // reconcile the step. A host that could not be reached at all was never asked: that is
     // waited out within the outage grace, then a failure — never an unknown outcome.
+    // The tool call's span: its W3C ids are the ones the call's receipt cites.
+    let invoke_span = tracing::info_span!(
+        "tool.invoke",
+        otel.kind = "client",
+        tool = %step.tool,
+        attempt,
+        rpc.system = "grpc",
+        rpc.service = "warden.v1.ToolHost",
+        rpc.method = "Invoke",
+    );
     let tries = if entry.spec.idempotent { UNKNOWN_OUTCOME_TRIES } else { 1 };
     let grace = Duration::from_millis(ctx.ex.inner.config.outage_grace_ms);
     let since = tokio::time::Instant::now();
@@ -1057,7 +1193,7 @@ async fn execute_attempt(
             return Err(DriveError::LeaseLost);
         }
         let mut host = ctx.ex.inner.catalog.host(entry.host);
-        match tokio::time::timeout(timeout, host.invoke(request.clone())).await {
+        match tokio::time::timeout(timeout, host.invoke(request.clone()).instrument(invoke_span.clone())).await {
             Err(_) => {
                 asked += 1;
                 unknown = format!("no answer within {}s (the tool's timeout_sec)", timeout.as_secs());
@@ -1088,7 +1224,10 @@ async fn execute_attempt(
     }
     let answer = match answer {
         None => return Ok(StepOutcome::Unknown(unknown)),
-        Some(Err(not_sent)) => return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, not_sent).await,
+        Some(Err(mut not_sent)) => {
+            cite_trace(&mut not_sent, &invoke_span);
+            return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, not_sent).await;
+        }
         Some(Ok(answer)) => answer,
     };
     let outcome = match answer {
@@ -1112,14 +1251,12 @@ async fn execute_attempt(
     };
     match outcome {
         Ok((output, replayed)) => {
-            let completed = event(
-                events::TOOL_COMPLETED,
-                &step.id,
-                ctx.step_key(&step.id, attempt, "completed"),
-                json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed,
+            let mut payload = json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed,
                        "idempotency_key": idempotency_key,
-                       "elapsed_us": started.elapsed().as_micros() as u64}),
-            );
+                       "elapsed_us": started.elapsed().as_micros() as u64});
+            cite_trace(&mut payload, &invoke_span);
+            let completed =
+                event(events::TOOL_COMPLETED, &step.id, ctx.step_key(&step.id, attempt, "completed"), payload);
             let recorded = if entry.spec.idempotent && completed.payload_json.len() <= DEFERRABLE_OUTPUT_BYTES {
                 ctx.defer(completed);
                 Ok(())
@@ -1138,18 +1275,15 @@ async fn execute_attempt(
                 // The ledger will not take this output (too large, say): the step fails.
                 Err(DriveError::Ledger(s)) if s.code() == Code::InvalidArgument => {
                     let reason = format!("the ledger refused the tool's output: {}", s.message());
-                    ctx.step_failed(
-                        events::TOOL_FAILED,
-                        &step.id,
-                        attempt,
-                        failed("output_rejected", reason, json!({})),
-                    )
-                    .await
+                    let mut payload = failed("output_rejected", reason, json!({}));
+                    cite_trace(&mut payload, &invoke_span);
+                    ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await
                 }
                 Err(e) => Err(e),
             }
         }
         Err(mut payload) => {
+            cite_trace(&mut payload, &invoke_span);
             let retryable = payload.get("retryable") == Some(&Value::Bool(true));
             if !retryable || attempt >= max_attempts(entry.spec.retry_policy) {
                 return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await;

@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
+use tracing::Instrument;
 use warden_config::ExecutorConfig;
 use warden_grpc::auth::{Ch, Tokens};
 use warden_grpc::catalog::ToolCatalog;
@@ -196,12 +197,18 @@ impl Executor {
             }
         }
         let this = self.clone();
-        tokio::spawn(async move {
-            if let Err(e) = driver::drive(&this, &run_id).await {
-                tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+        // A child of whatever dispatched it (a resume, an approval), or a trace of its own
+        // (the sweeper).
+        let span = driver::run_span(&run_id);
+        tokio::spawn(
+            async move {
+                if let Err(e) = driver::drive(&this, &run_id).await {
+                    tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+                }
+                this.done_driving(&run_id);
             }
-            this.done_driving(&run_id);
-        });
+            .instrument(span),
+        );
     }
 
     /// Drives a run this replica submitted and holds the lease of (see
@@ -215,12 +222,17 @@ impl Executor {
         let run_id = lease.run_id.clone();
         self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).insert(run_id.clone());
         let this = self.clone();
-        tokio::spawn(async move {
-            if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view).await {
-                tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+        // A child of the SubmitRun request's span, so a client's `traceparent` is the run's parent.
+        let span = driver::run_span(&run_id);
+        tokio::spawn(
+            async move {
+                if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view).await {
+                    tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+                }
+                this.done_driving(&run_id);
             }
-            this.done_driving(&run_id);
-        });
+            .instrument(span),
+        );
     }
 
     /// Re-dispatches every non-terminal run without a live lease, forever.

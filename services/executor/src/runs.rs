@@ -154,6 +154,9 @@ impl Runs for RunsService {
             .acquire(&run_id, &self.ex.inner.lease_owner, ttl, 0)
             .await
             .map_err(|e| Status::unavailable(format!("lease store: {e}")))?;
+        if lease.is_some() {
+            warden_telemetry::metrics::lease_acquired(false);
+        }
         let created = self
             .ex
             .inner
@@ -226,6 +229,9 @@ impl Runs for RunsService {
             None => {}
         }
         tracing::info!(run_id = %run.run_id, tenant = %run.tenant, deduplicated = created.deduplicated, "run submitted");
+        if !created.deduplicated {
+            warden_telemetry::metrics::run_submitted();
+        }
         Ok(Response::new(pb::SubmitRunResponse {
             run_id: run.run_id,
             status: status as i32,

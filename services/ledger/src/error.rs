@@ -83,7 +83,10 @@ impl From<LedgerError> for Status {
         match e {
             LedgerError::NotFound(_) => Status::not_found(e.to_string()),
             LedgerError::InvalidArgument { field, reason } => warden_grpc::invalid_field(field, reason),
-            LedgerError::Fenced { .. } => warden_grpc::fenced(e.to_string()),
+            LedgerError::Fenced { .. } => {
+                warden_telemetry::metrics::fencing_refused();
+                warden_grpc::fenced(e.to_string())
+            }
             LedgerError::Precondition(_) => Status::failed_precondition(e.to_string()),
             LedgerError::Unavailable(_) => Status::unavailable(e.to_string()),
             LedgerError::Internal(_) => Status::internal(e.to_string()),

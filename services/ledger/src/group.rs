@@ -4,6 +4,7 @@
 //! flush) for many events. Under light load a batch is a single event: no added latency.
 
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 use warden_core::chain::ChainedEvent;
 
 use crate::error::LedgerError;
@@ -15,9 +16,13 @@ pub type GroupResult = Result<Vec<(ChainedEvent, bool)>, LedgerError>;
 
 type Reply = oneshot::Sender<GroupResult>;
 
+/// A group waiting for its lane: its events, who to answer, and the span of the request that
+/// brought it (the batch it is committed in is traced under the first one, linked to the rest).
+type Job = (Vec<OwnedEvent>, Reply, tracing::Span);
+
 #[derive(Clone)]
 pub struct GroupCommit {
-    lanes: Vec<mpsc::Sender<(Vec<OwnedEvent>, Reply)>>,
+    lanes: Vec<mpsc::Sender<Job>>,
 }
 
 impl GroupCommit {
@@ -26,7 +31,7 @@ impl GroupCommit {
     pub fn start(store: LedgerStore, lanes: usize, max_batch: usize) -> GroupCommit {
         let lanes = (0..lanes.max(1))
             .map(|_| {
-                let (tx, mut rx) = mpsc::channel::<(Vec<OwnedEvent>, Reply)>(max_batch * 8);
+                let (tx, mut rx) = mpsc::channel::<Job>(max_batch * 8);
                 let store = store.clone();
                 tokio::spawn(async move {
                     while let Some(first) = rx.recv().await {
@@ -41,8 +46,20 @@ impl GroupCommit {
                                 Err(_) => break,
                             }
                         }
-                        let (groups, replies): (Vec<Vec<OwnedEvent>>, Vec<Reply>) = jobs.into_iter().unzip();
-                        let results = store.append_groups(groups).await;
+                        let span = tracing::info_span!(
+                            parent: &jobs[0].2,
+                            "ledger.batch_commit",
+                            batch.events = events,
+                            batch.groups = jobs.len(),
+                        );
+                        for (_, _, other) in &jobs[1..] {
+                            warden_telemetry::context::link(&span, other);
+                        }
+                        let (groups, replies): (Vec<Vec<OwnedEvent>>, Vec<Reply>) =
+                            jobs.into_iter().map(|(g, r, _)| (g, r)).unzip();
+                        let started = std::time::Instant::now();
+                        let results = store.append_groups(groups).instrument(span).await;
+                        warden_telemetry::metrics::ledger_batch_committed(events, started.elapsed());
                         for (reply, result) in replies.into_iter().zip(results) {
                             // A caller that went away still had its event written (or not):
                             // its retry, with the same key, finds out which.
@@ -68,7 +85,11 @@ impl GroupCommit {
         let h = first.run_id.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
         let lane = &self.lanes[(h % self.lanes.len() as u64) as usize];
         let (tx, rx) = oneshot::channel();
-        lane.send((events, tx)).await.map_err(|_| LedgerError::Unavailable("ledger writer stopped".into()))?;
-        rx.await.map_err(|_| LedgerError::Unavailable("ledger writer stopped".into()))?
+        let started = std::time::Instant::now();
+        let job = (events, tx, tracing::Span::current());
+        lane.send(job).await.map_err(|_| LedgerError::Unavailable("ledger writer stopped".into()))?;
+        let result = rx.await.map_err(|_| LedgerError::Unavailable("ledger writer stopped".into()))?;
+        warden_telemetry::metrics::ledger_appended(started.elapsed());
+        result
     }
 }

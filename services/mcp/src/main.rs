@@ -12,12 +12,17 @@ struct Args {
     /// override it.
     #[arg(long, env = "WARDEN_CONFIG")]
     config: Option<std::path::PathBuf>,
+    /// Where to serve Prometheus metrics (`/metrics`), `host:port` or `off` (default
+    /// 127.0.0.1:9106). Traces follow the `OTEL_*` variables.
+    #[arg(long, env = "WARDEN_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    warden_telemetry::init_tracing("warden-mcp");
+    let _telemetry = warden_telemetry::init_tracing("warden-mcp", &Default::default())?;
+    warden_telemetry::metrics::start("mcp", args.metrics_listen.as_deref(), "").await?;
     let loaded = warden_mcp::config::Loaded::load(args.config.as_deref())?;
     // Before any client is built: each channel captures the token it presents when created.
     warden_grpc::auth::set_client_token(&loaded.token);

@@ -51,6 +51,7 @@ pub struct PlannerService {
     /// The default model (key "") and tenants' own.
     models: Arc<HashMap<String, ModelClient>>,
     prices: Arc<std::collections::BTreeMap<String, warden_config::ModelPrice>>,
+    known_tenants: Arc<std::collections::BTreeSet<String>>,
 }
 
 impl PlannerService {
@@ -73,6 +74,7 @@ impl PlannerService {
             policy: PolicyClient::new(warden_grpc::channel(&config.policy_endpoint)?),
             models: Arc::new(models),
             prices: Arc::new(config.prices.clone()),
+            known_tenants: Arc::new(config.tenants.keys().cloned().collect()),
         })
     }
 
@@ -106,7 +108,9 @@ impl PlannerService {
                 })
                 .await?
                 .into_inner();
-            if d.outcome() != pb::Outcome::Deny {
+            // Without arguments Cedar may be unable to build a tool's context: that is not a
+            // refusal of the tool (its arguments are judged when the step is authorized).
+            if d.outcome() != pb::Outcome::Deny || d.rule_id == "cedar_context" {
                 allowed.push(AllowedTool::from_spec(&catalog[name].spec));
             }
         }
@@ -182,6 +186,7 @@ impl Planner for PlannerService {
             prices: &self.prices,
             max_steps: self.max_steps,
             round: 0,
+            known_tenants: &self.known_tenants,
         };
         let ask = planning::Ask {
             tenant: &r.tenant,

@@ -143,7 +143,11 @@ impl ModelClient {
     }
 
     async fn send(&self, url: &str, body: &Value) -> Result<Value, Attempt> {
-        let mut rb = self.http.post(url).header("content-type", "application/json").body(body.to_string());
+        let mut trace = reqwest::header::HeaderMap::new();
+        // W3C trace context of the model call's span (nothing when tracing is off).
+        warden_telemetry::context::inject_http(&mut trace);
+        let mut rb =
+            self.http.post(url).headers(trace).header("content-type", "application/json").body(body.to_string());
         if let Some(key) = &self.api_key {
             rb = match self.config.provider.as_str() {
                 "anthropic" => rb.header("x-api-key", key),

@@ -72,6 +72,8 @@ pub struct Planning<'a> {
     pub prices: &'a std::collections::BTreeMap<String, warden_config::ModelPrice>,
     pub max_steps: usize,
     pub round: u32,
+    /// Tenants configuration names (metric labels; any other is "other").
+    pub known_tenants: &'a std::collections::BTreeSet<String>,
 }
 
 impl Planning<'_> {
@@ -284,30 +286,36 @@ impl Planning<'_> {
         });
         self.append_batch(ask, batch).await?;
         let started = std::time::Instant::now();
-        let span = tracing::info_span!(
-            "gen_ai.chat",
-            otel.kind = "client",
-            gen_ai.operation.name = "chat",
-            gen_ai.system = self.model.provider(),
-            gen_ai.request.model = %self.model.config.model,
-            gen_ai.response.model = tracing::field::Empty,
-            gen_ai.response.id = tracing::field::Empty,
-            gen_ai.usage.input_tokens = tracing::field::Empty,
-            gen_ai.usage.output_tokens = tracing::field::Empty,
-            run_id = %ask.run_id,
-            step_key = %step_key,
-        );
+        let span = warden_telemetry::genai::model_call_span(self.model.provider(), &self.model.config.model);
         let call = ModelRequest { messages: messages.to_vec(), schema: offer.response_schema(self.max_steps) };
         let reply = tracing::Instrument::instrument(self.model.complete(&call), span.clone()).await;
         let latency_ms = started.elapsed().as_millis() as u64;
         match reply {
             Ok(reply) => {
-                span.record("gen_ai.response.model", reply.model.as_str());
-                span.record("gen_ai.response.id", reply.response_id.as_str());
-                span.record("gen_ai.usage.input_tokens", reply.input_tokens);
-                span.record("gen_ai.usage.output_tokens", reply.output_tokens);
+                warden_telemetry::genai::record_response(
+                    &span,
+                    &reply.model,
+                    &reply.response_id,
+                    reply.input_tokens,
+                    reply.output_tokens,
+                );
                 let cost = self.cost(&reply);
-                let validated = crate::schema::parse_and_validate(&reply.text, offer, validators, self.max_steps);
+                // Labels stay bounded: a tenant or model configuration does not name is "other".
+                let tenant = warden_telemetry::metrics::bounded(ask.tenant, |t| self.known_tenants.contains(t));
+                let model =
+                    warden_telemetry::metrics::bounded(&self.model.config.model, |m| m == self.model.config.model);
+                warden_telemetry::metrics::model_usage(tenant, model, reply.input_tokens, reply.output_tokens, cost);
+                // An answer too long to record is refused unread (no plan is that long), and
+                // errors are bounded: everything shown to the model again is on the record.
+                let validated = if reply.text.len() > MAX_RECORDED_OUTPUT {
+                    Err(format!(
+                        "the answer is {} bytes, over the {MAX_RECORDED_OUTPUT} bytes a plan may take",
+                        reply.text.len()
+                    ))
+                } else {
+                    crate::schema::parse_and_validate(&reply.text, offer, validators, self.max_steps)
+                        .map_err(|e| prefix(&e, MAX_ERROR_BYTES).to_string())
+                };
                 let mut payload = json!({
                     "step_key": step_key,
                     "attempt": attempt,
@@ -338,23 +346,31 @@ impl Planning<'_> {
                 self.record_cost(ask, &step_id, attempt, cost).await;
                 Ok(Live::Answer(match validated {
                     Ok(plan) => Recalled::Plan(plan),
-                    Err(error) => Recalled::Refused { raw: reply.text, error },
+                    Err(error) => Recalled::Refused { raw: truncate(&reply.text).to_string(), error },
                 }))
             }
             Err(e) => {
-                let payload = json!({
+                warden_telemetry::genai::record_error(&span, e.kind());
+                let repair_error = match &e {
+                    ModelError::Malformed(why) => format!("the provider's answer could not be read: {why}"),
+                    _ => String::new(),
+                };
+                let mut payload = json!({
                     "step_key": step_key,
                     "attempt": attempt,
                     "kind": e.kind(),
-                    "error": e.to_string(),
+                    "error": prefix(&e.to_string(), MAX_ERROR_BYTES),
                     "latency_ms": latency_ms,
                 });
+                if !repair_error.is_empty() {
+                    payload["repair_error"] = json!(prefix(&repair_error, MAX_ERROR_BYTES));
+                }
                 self.append(ask, events::MODEL_FAILED, step_key, payload, &format!("model_failed:{step_key}:{try_no}"))
                     .await?;
                 Ok(match e {
-                    ModelError::Malformed(why) => Live::Answer(Recalled::Refused {
-                        raw: String::new(),
-                        error: format!("the provider's answer could not be read: {why}"),
+                    ModelError::Malformed(_) => Live::Answer(Recalled::Refused {
+                        raw: NO_READABLE_ANSWER.to_string(),
+                        error: prefix(&repair_error, MAX_ERROR_BYTES).to_string(),
                     }),
                     other => Live::Unavailable(other.to_string()),
                 })
@@ -479,11 +495,11 @@ impl Recalled {
         if let Some(plan) = answer.get("parsed_plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {
             return Recalled::Plan(plan);
         }
-        let error = match answer.get("validation_error").and_then(Value::as_str) {
-            Some(e) => e.to_string(),
-            None => format!("the provider's answer could not be read: {}", text("error")),
-        };
-        Recalled::Refused { raw: text("raw_output"), error }
+        // Exactly what the live call showed the model: its (bounded) answer and error.
+        match answer.get("validation_error").and_then(Value::as_str) {
+            Some(e) => Recalled::Refused { raw: text("raw_output"), error: e.to_string() },
+            None => Recalled::Refused { raw: NO_READABLE_ANSWER.to_string(), error: text("repair_error") },
+        }
     }
 }
 
@@ -509,7 +525,7 @@ fn differences(before: &Value, now: &Value) -> Vec<String> {
         if !same(Some(&b), Some(&n)) {
             let show = |v: &Value| {
                 let s = canonical_json(v);
-                if s.len() > 120 { format!("{}…", &s[..s.floor_char_boundary(117)]) } else { s }
+                if s.len() > 120 { format!("{}…", prefix(&s, 117)) } else { s }
             };
             out.push(format!("{key}: recorded {} ≠ now {}", show(&b), show(&n)));
         }
@@ -518,5 +534,20 @@ fn differences(before: &Value, now: &Value) -> Vec<String> {
 }
 
 fn truncate(s: &str) -> &str {
-    &s[..s.floor_char_boundary(MAX_RECORDED_OUTPUT)]
+    prefix(s, MAX_RECORDED_OUTPUT)
 }
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
+fn prefix(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// What stands in the conversation for an answer that could not be read.
+const NO_READABLE_ANSWER: &str = "(no readable answer)";
+
+/// Longest error shown to the model and recorded.
+const MAX_ERROR_BYTES: usize = 2048;

@@ -163,7 +163,7 @@ fn drop_null_optionals(params: &mut Value, schema: &Value) {
         .map(|r| r.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
     if let Some(map) = params.as_object_mut() {
-        map.retain(|k, v| !(v.is_null() && !required.contains(&k.as_str())));
+        map.retain(|k, v| !v.is_null() || required.contains(&k.as_str()));
     }
 }
 
@@ -216,6 +216,9 @@ pub fn parse_and_validate(
         }
     }
     let plan = Plan::parse(&value.to_string()).map_err(|e| format!("{}: {e}", e.field()))?;
+    if plan.direct_response.is_some() && !plan.steps.is_empty() {
+        return Err("direct_response: answer directly (no steps) or plan steps (direct_response null), not both".into());
+    }
     let known: BTreeMap<&str, ()> = offer.tools.iter().map(|t| (t.name.as_str(), ())).collect();
     let is_known = |t: &str| known.contains_key(t);
     plan.validate(&PlanLimits { max_steps, known_tool: &is_known }).map_err(|e| format!("{}: {e}", e.field()))?;

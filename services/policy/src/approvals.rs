@@ -208,6 +208,10 @@ pub async fn expire_approvals(policy: PolicyService, every: Duration) {
     loop {
         tokio::time::sleep(every).await;
         let now = now_ms();
+        // The shared store's count, so every replica reports the same figure.
+        if let Ok(n) = policy.store().pending_count().await {
+            warden_telemetry::metrics::approvals_pending(n);
+        }
         let due = match policy.store().expired_pending(now, PAGE).await {
             Ok(due) => due,
             Err(e) => {

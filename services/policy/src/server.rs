@@ -641,6 +641,9 @@ impl PolicyService {
 
 #[tonic::async_trait]
 impl pb::policy_server::Policy for PolicyService {
+    #[tracing::instrument(name = "authorize", skip_all, fields(
+        tool = %req.get_ref().tool, rule_id = tracing::field::Empty, outcome = tracing::field::Empty,
+    ))]
     async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
@@ -738,6 +741,10 @@ impl pb::policy_server::Policy for PolicyService {
         let ledger_seq = recorded?;
         let decision = self.decision(&r, &checked, ledger_seq, &rule);
         tracing::info!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, outcome = rule.verdict.as_str(), rule_id = %rule.rule_id, "policy decision");
+        warden_telemetry::metrics::policy_decision(rule.verdict.as_str(), &rule.rule_id);
+        let span = tracing::Span::current();
+        span.record("rule_id", rule.rule_id.as_str());
+        span.record("outcome", rule.verdict.as_str());
         let authorization = (rule.verdict == Verdict::Allow).then(|| {
             let now = now_ms();
             let signed = sign(

@@ -319,6 +319,13 @@ impl PolicyStore {
         rows.iter().map(approval).collect()
     }
 
+    /// How many approvals wait for a human, every tenant's (the `warden_approvals_pending` gauge).
+    pub async fn pending_count(&self) -> Result<u64, StoreError> {
+        let n: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM approvals WHERE state = 'pending'").fetch_one(&self.pool).await?;
+        Ok(n.max(0) as u64)
+    }
+
     /// Marks a pending approval whose time ran out `expired`; whether this call did (replicas
     /// race for it, one wins).
     pub async fn mark_expired(&self, approval_id: &str, now_ms: i64) -> Result<bool, StoreError> {

@@ -68,7 +68,8 @@ pub fn check_duplicate(existing: &ChainedEvent, new: &NewEvent<'_>) -> Result<()
 /// the repeat would be handed the request's acknowledgement, and a stale executor must not
 /// invoke a tool (its successor may already have settled the call otherwise).
 pub fn check_stale_repeat(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerError> {
-    if new.event_type == events::TOOL_REQUESTED && new.epoch < head.max_epoch {
+    // A model request too: the repeat would let a stale planner call the model.
+    if matches!(new.event_type, events::TOOL_REQUESTED | events::MODEL_REQUESTED) && new.epoch < head.max_epoch {
         return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch: head.max_epoch });
     }
     Ok(())
