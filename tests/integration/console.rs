@@ -1,6 +1,7 @@
-//! The console against a real mesh: its API's security answers (no browser), and the approval
+//! The console against a real mesh: its API's security answers (no browser), the approval
 //! flow end to end in headless Chromium — a run waits for a person, the person sees it in the
-//! inbox, approves it by keyboard, watches the run complete in the DAG view and verifies it.
+//! inbox, approves it by keyboard, watches the run complete in the DAG view and verifies it —
+//! and a goal run's planning round, with the model call it made, in the DAG view.
 //! Screenshots of each page are saved under `target/console-screenshots/` for a person to look
 //! at (they are not committed).
 
@@ -15,6 +16,7 @@ use warden_proto::v1 as pb;
 use warden_proto::v1::approvals_client::ApprovalsClient;
 use warden_testkit::{Mesh, MeshOptions};
 
+use crate::scripted_model::{Reply, ScriptedModel};
 use crate::*;
 
 const OPS: &str = "ops-token-console-0123456789";
@@ -277,4 +279,92 @@ async fn console_in_a_browser_approves_a_waiting_run_and_verifies_it() {
     b.goto(&format!("{url}/#/runs")).await.expect("runs");
     b.wait_text("main", "the outage", |t| t.contains("unreachable")).await.expect("mesh down is shown");
     b.screenshot("11-mesh-down.png").await.expect("screenshot");
+}
+
+/// Signs `b` in to the console at `url` as `token` for `tenant`, and waits for the runs page.
+async fn sign_in(b: &browser::Browser, url: &str, token: &str, tenant: &str) {
+    b.goto(&format!("{url}/")).await.expect("open the console");
+    b.type_into("#token", token).await.expect("token");
+    b.clear("#tenant").await.expect("clear");
+    b.type_into("#tenant", tenant).await.expect("tenant");
+    b.click("#sign-in").await.expect("sign in");
+    b.wait_text("main", "the runs page", |t| t.contains("Runs")).await.expect("signed in");
+}
+
+/// A goal run planned through a scripted model (120 input and 30 output tokens, priced at 2 and
+/// 10 per million): the run page shows the goal, draws the planning round as a node before the
+/// steps with an edge to the root step, and the round's detail, opened with the keyboard, lists
+/// the model call with its tokens and cost. The attempt's detail no longer claims a model.
+#[tokio::test]
+async fn console_in_a_browser_shows_a_goal_runs_planning_and_its_model_call() {
+    let plan = json!({"reasoning": "echo it", "direct_response": null,
+                      "steps": [{"id": "say", "tool": "echo", "params": {"text": "hello"}, "depends_on": []}]});
+    let model = ScriptedModel::start(Reply::plan(plan)).await;
+    let tools = ["echo", "kv.*", "email.send", "model.call"].map(String::from).to_vec();
+    let opts =
+        MeshOptions { tenants: vec![("acme".into(), tools)], planner_extra: model.openai_config(""), ..options() };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let run_id = mesh
+        .runs_as(ACME)
+        .submit_run(pb::SubmitRunRequest { tenant: "acme".into(), goal: "Say hello.".into(), ..Default::default() })
+        .await
+        .unwrap_or_else(|s| panic!("submit failed: {s:?}\n{}", mesh.logs()))
+        .into_inner()
+        .run_id;
+    let done = settled(&mesh, "acme", &run_id).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{done:?}\n{}", mesh.logs());
+    assert_eq!(model.received().len(), 1, "the model was asked once");
+
+    let (url, _stop) = console_for(endpoints(&mesh)).await;
+    let b = browser::Browser::start(&screenshots()).await.expect("start headless Chromium");
+    sign_in(&b, &url, ALICE, "acme").await;
+    b.goto(&format!("{url}/#/runs/{run_id}")).await.expect("run page");
+    b.wait_text("#run-status", "completed", |t| t == "completed").await.expect("the run is shown");
+    b.wait_text("#run-goal", "the goal", |t| t == "Say hello.").await.expect("the goal is shown");
+    let label = b
+        .eval(
+            "const e = document.querySelector(arguments[0]); return e ? e.getAttribute('aria-label') : ''",
+            json!(["[data-node=\"plan:0\"]"]),
+        )
+        .await
+        .expect("label");
+    assert!(label.as_str().is_some_and(|l| l.starts_with("Planning: model")), "the round's label: {label}");
+    b.element("[data-edge=\"plan:0->say\"]").await.expect("an edge from the planning round to the root step");
+    let drawn = b.eval("return document.querySelector(arguments[0]).textContent", json!(["[data-node=\"plan:0\"]"]));
+    let drawn = drawn.await.expect("the node's text");
+    assert!(drawn.as_str().is_some_and(|t| t.contains("plan") && t.contains("model · 1 step")), "{drawn}");
+
+    // Tab-and-Enter on the planning round opens its detail: the model call, tokens and cost.
+    b.press("[data-node=\"plan:0\"]", browser::ENTER).await.expect("open the planning round by keyboard");
+    let detail = b
+        .wait_text("#node-detail", "the model call's tokens and cost", |t| {
+            t.contains("120 in · 30 out") && t.contains("0.00054")
+        })
+        .await
+        .expect("the model call");
+    for shown in ["Planning", "model", "plan:r0:a1", "openai / scripted-model", "ok", "ms", "never", "1 step: say"] {
+        assert!(detail.contains(shown), "the detail shows {shown:?}: {detail}");
+    }
+    assert!(
+        b.eval("return document.activeElement.getAttribute('data-node')", json!([])).await.expect("focus")
+            == json!("plan:0"),
+        "the focus stays on the node"
+    );
+    b.screenshot("12-goal-run-planning.png").await.expect("screenshot");
+
+    // The step's attempt is a tool call; its detail says nothing of a model.
+    b.click("[data-node=\"attempt:say:1\"]").await.expect("open the attempt");
+    let attempt =
+        b.wait_text("#node-detail", "the attempt", |t| t.contains("Attempt 1 of say")).await.expect("attempt");
+    assert!(!attempt.contains("Model call"), "no model section on a tool attempt: {attempt}");
+    b.press("[data-node=\"frame\"]", browser::ENTER).await.expect("open the frame");
+    b.wait_text("#node-detail", "the run's model totals", |t| t.contains("Model calls") && t.contains("0.00054"))
+        .await
+        .expect("frame totals");
+
+    // Narrow: the detail stacks below the DAG, which scrolls sideways.
+    b.resize(420, 800).await.expect("resize");
+    b.press("[data-node=\"plan:0\"]", browser::ENTER).await.expect("open the planning round");
+    b.wait_text("#node-detail", "the model call", |t| t.contains("120 in · 30 out")).await.expect("narrow detail");
+    b.screenshot("13-goal-run-planning-narrow.png").await.expect("screenshot");
 }

@@ -337,7 +337,7 @@
         h("a", { href: runLink(runId, tenant, "/receipts") }, "Receipts")),
       verifyOut,
       h("h2", {}, "Execution graph"),
-      h("p", { class: "muted" }, "Tab to a frame, step or attempt and press Enter to open its detail."),
+      h("p", { class: "muted" }, "Tab to the frame, a planning round, a step or an attempt and press Enter to open its detail."),
       h("div", { class: "run-layout" }, dag, detail),
       h("h2", {}, "Plan"), h("div", { id: "plan" }),
       h("h2", {}, "Live events"), events);
@@ -363,11 +363,14 @@
     function renderHead() {
       const r = data.run;
       const p = data.progress || {};
+      // A goal run's goal, as recorded by its `run_submitted` (redacted at submission).
+      const goal = (data.ledger && data.ledger.goal) || "";
       head.replaceChildren(facts([
         ["Status", h("span", { id: "run-status" }, badge(r.status))],
         r.reason ? ["Reason", r.reason] : null,
         ["Tenant", r.tenant],
         ["Agent", r.agent || "—"],
+        goal ? ["Goal", h("span", { id: "run-goal", class: "break" }, goal)] : null,
         ["Progress", h("span", {}, h("progress", { max: 100, value: p.percent || 0, "aria-label": "progress" }), ` ${p.percent || 0}%`,
           p.current_stage ? ` · now: ${p.current_stage}` : "")],
         ["Created", time(r.created_at_ms)],
@@ -424,12 +427,16 @@
   function nodeDetail(data, key) {
     const trace = data.trace || {};
     if (!key || key === "frame") {
+      const calls = trace.llm_calls || [];
+      const t = window.WardenDag.totals(calls);
       return h("div", {}, h("h2", {}, "Frame: root"),
         facts([["Run status", badge(trace.status)], ["Reason", trace.reason || "—"], ["Started", time(trace.started_at_ms)],
-          ["Ended", time(trace.ended_at_ms)], ["Steps", String((trace.steps || []).length)]]),
+          ["Ended", time(trace.ended_at_ms)], ["Steps", String((trace.steps || []).length)],
+          calls.length ? ["Model calls", `${calls.length} · ${t.input} in · ${t.output} out tokens · cost ${window.WardenDag.money(t.cost)}`] : null]),
         h("h3", {}, "Run events"), h("ol", { class: "events" }, (trace.run_events || []).map((e) => h("li", {}, `#${e.seq} ${e.event_type} `, time(e.timestamp_ms)))));
     }
     const [kind, stepId, n] = key.split(":");
+    if (kind === "plan") return planDetail(data, key);
     const st = (trace.steps || []).find((x) => x.step_id === stepId);
     if (!st) return state("", "This node is not in the trace yet.");
     const args = (data.args || {})[stepId] || {};
@@ -447,8 +454,6 @@
     if (!at) return state("", "This attempt is not recorded yet.");
     const receipt = (data.receipts || []).find((r) => r.step_id === stepId && String(r.attempt) === n);
     const d = at.decision;
-    const model = at.output && typeof at.output === "object" ? (at.output.usage || at.output.model_call || null) : null;
-    const cost = at.output && typeof at.output === "object" && typeof at.output.cost === "number" ? at.output.cost : null;
     return h("div", {}, h("h2", {}, `Attempt ${at.attempt} of ${st.step_id}`),
       facts([["Outcome", badge(at.outcome)], ["Requested", time(at.requested_at_ms)], ["Ended", time(at.ended_at_ms)],
         at.error ? ["Error", at.error] : null, at.reconciled_by ? ["Reconciled by", at.reconciled_by] : null]),
@@ -463,10 +468,47 @@
       receipt ? facts([["Receipt", h("span", { class: "mono break" }, receipt.receipt_id)], ["Status", badge(receipt.status)],
         ["Action", receipt.action_type], ["Capability", receipt.capability_id || "—"], ["Seq", String(receipt.seq)],
         ["Hash", h("span", { class: "mono break" }, receipt.hash)]])
-        : h("p", { class: "muted" }, "No receipt yet (one is written when the call ends)."),
-      h("h3", {}, "Model call"),
-      model ? json(model) : h("p", { class: "muted" }, "This attempt called a tool, not a model."),
-      cost !== null ? facts([["Cost", String(cost)]]) : null);
+        : h("p", { class: "muted" }, "No receipt yet (one is written when the call ends)."));
+  }
+
+  /// A planning round of a goal run (`plan:N`): where its plan came from and every model call
+  /// it made, with tokens, cost, latency, the answer's validation error and its replays.
+  function planDetail(data, key) {
+    const trace = data.trace || {};
+    const dag = window.WardenDag;
+    const groups = dag.rounds(trace);
+    const g = groups.find((x) => x.key === key);
+    if (!g) return state("", "This planning round is not in the trace yet.");
+    const r = g.round;
+    const t = dag.totals(g.calls);
+    const planned = g.steps.map((i) => (trace.steps || [])[i]).filter(Boolean).map((st) => st.step_id);
+    return h("div", {}, h("h2", {}, groups.length > 1 ? `Planning round ${g.index}` : "Planning"),
+      r ? facts([
+        ["Source", h("span", { class: `badge src-${r.source}` }, r.source || "—")],
+        ["Plan", r.direct_response ? "a direct response, no steps" : `${r.steps} ${r.steps === 1 ? "step" : "steps"}${planned.length ? `: ${planned.join(", ")}` : ""}`],
+        r.reason ? ["Reason", r.reason] : null,
+        ["Ledger seq", String(r.seq)],
+      ]) : facts([["Source", ["completed", "failed", "cancelled", "empty_plan"].includes(trace.status)
+        ? h("span", { class: "badge s-failed" }, "no plan recorded") : h("span", { class: "badge s-running" }, "planning…")],
+        ["Run status", badge(trace.status)], trace.reason ? ["Reason", trace.reason] : null]),
+      h("h3", {}, "Model calls"),
+      g.calls.length ? [
+        h("p", { class: "muted", id: "plan-totals" }, `${g.calls.length} ${g.calls.length === 1 ? "call" : "calls"} · ${t.input} in · ${t.output} out tokens · cost ${dag.money(t.cost)}`),
+        h("ol", { class: "calls" }, g.calls.map((c) => h("li", { class: "call", "data-call-seq": c.seq },
+          facts([
+            ["Call", h("code", { class: "break" }, c.step_key)],
+            ["Model", `${c.provider} / ${c.model}`],
+            ["Outcome", badge(c.outcome)],
+            ["Tokens", c.outcome === "pending" ? "—" : `${c.input_tokens} in · ${c.output_tokens} out`],
+            ["Cost", c.outcome === "pending" ? "—" : dag.money(c.cost)],
+            ["Latency", c.outcome === "pending" ? "—" : `${c.latency_ms} ms`],
+            c.validation_error ? ["Validation error", h("span", { class: "error" }, c.validation_error)] : null,
+            c.error ? ["Error", h("span", { class: "error" }, c.error)] : null,
+            ["Replayed", c.replayed ? `${c.replayed} ${c.replayed === 1 ? "time" : "times"}${c.replayed_with_drift ? ", with drift" : ""}` : "never"],
+            ["Ledger seq", String(c.seq)],
+          ]))))]
+        : h("p", { class: "muted" }, r && r.source === "replay" ? "Answered from the record: no model was asked."
+          : "No model call was recorded for this round."));
   }
 
   function decisionsList(evs) {

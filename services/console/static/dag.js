@@ -1,7 +1,8 @@
 // The execution DAG of a run, drawn as SVG from its trace (Runs.GetTrace): the run's frame,
-// one node per step (never overwritten) placed in columns by dependency depth, each step's
-// attempts inside it with the decision each ran under, and the plan's edges. Every frame, step
-// and attempt is focusable and opens its detail (Enter or Space, or a click).
+// a goal run's planning rounds (each with the model calls it made) before the steps, one node
+// per step (never overwritten) placed in columns by dependency depth, each step's attempts
+// inside it with the decision each ran under, and the plan's edges. Every frame, planning
+// round, step and attempt is focusable and opens its detail (Enter or Space, or a click).
 "use strict";
 
 (function () {
@@ -47,6 +48,54 @@
     return depth;
   }
 
+  /// A goal run's planning rounds: one per `plan_created` (in `plan_rounds`), each with the
+  /// model calls recorded before it and after the round before; calls after the last round are
+  /// a round still planning (or one that ended the run), with `round` null. Each group has its
+  /// node key (`plan:N`), its calls and the indexes in `trace.steps` of the steps it planned
+  /// (rounds append their steps in order, after an explicit plan's).
+  function rounds(trace) {
+    const rs = ((trace && trace.plan_rounds) || []).slice().sort((a, b) => a.seq - b.seq);
+    const calls = ((trace && trace.llm_calls) || []).slice().sort((a, b) => a.seq - b.seq);
+    const steps = (trace && trace.steps) || [];
+    const groups = rs.map((r, i) => ({ key: `plan:${i}`, index: i, round: r, calls: [], steps: [] }));
+    const open = { key: `plan:${rs.length}`, index: rs.length, round: null, calls: [], steps: [] };
+    for (const c of calls) {
+      const g = groups.find((x) => x.round.seq > c.seq);
+      (g || open).calls.push(c);
+    }
+    let at = Math.max(0, steps.length - rs.reduce((n, r) => n + (Number(r.steps) || 0), 0));
+    for (const g of groups) {
+      for (let k = 0; k < (Number(g.round.steps) || 0) && at < steps.length; k++) g.steps.push(at++);
+    }
+    if (open.calls.length) groups.push(open);
+    return groups;
+  }
+
+  /// Sums of a group's calls: tokens in and out, cost, and how many were answered from the record.
+  function totals(calls) {
+    return calls.reduce((t, c) => ({
+      input: t.input + (Number(c.input_tokens) || 0),
+      output: t.output + (Number(c.output_tokens) || 0),
+      cost: t.cost + (Number(c.cost) || 0),
+      replayed: t.replayed + (Number(c.replayed) || 0),
+    }), { input: 0, output: 0, cost: 0, replayed: 0 });
+  }
+
+  /// A cost as recorded, without float noise (0.00054, not 0.0005399999999999999).
+  function money(n) {
+    return String(Number((Number(n) || 0).toPrecision(12)));
+  }
+
+  /// The state a planning round is drawn in.
+  function roundStatus(g, runStatus) {
+    if (!g.round) {
+      const last = g.calls[g.calls.length - 1];
+      if (["failed", "cancelled"].includes(runStatus)) return "failed";
+      return last && last.outcome === "failed" ? "blocked" : "running";
+    }
+    return g.round.source === "fallback" ? "blocked" : "completed";
+  }
+
   function focusable(el, label, key, onSelect) {
     el.setAttribute("tabindex", "0");
     el.setAttribute("role", "button");
@@ -65,16 +114,27 @@
   function draw(container, trace, selected, onSelect) {
     const steps = (trace && trace.steps) || [];
     const edges = (trace && trace.edges) || [];
+    const plans = rounds(trace);
     const depth = depths(steps, edges);
-    const columns = [];
+    // Planning rounds take the first column; the steps follow.
+    const shift = plans.length ? 1 : 0;
+    const columns = plans.length ? [[]] : [];
     for (const st of steps) {
-      const d = depth.get(st.step_id) || 0;
+      const d = (depth.get(st.step_id) || 0) + shift;
       (columns[d] = columns[d] || []).push(st);
     }
     const pos = new Map();
+    const planPos = new Map();
     let height = 0;
     columns.forEach((col, c) => {
       let y = PAD + 22;
+      if (c === 0 && shift) {
+        for (const g of plans) {
+          const h = HEAD + Math.max(1, g.calls.length) * ROW + 8;
+          planPos.set(g.key, { x: PAD, y, h });
+          y += h + GAP_Y;
+        }
+      }
       for (const st of col || []) {
         const h = HEAD + Math.max(1, (st.attempts || []).length) * ROW + 8;
         pos.set(st.step_id, { x: PAD + c * (W + GAP_X), y, h });
@@ -87,7 +147,7 @@
 
     const svg = s("svg", {
       class: "dag", width, height, viewBox: `0 0 ${width} ${height}`, role: "group",
-      "aria-label": `Execution graph: ${steps.length} steps`,
+      "aria-label": `Execution graph: ${plans.length ? `${plans.length} planning ${plans.length === 1 ? "round" : "rounds"}, ` : ""}${steps.length} steps`,
     });
     svg.append(s("defs", {}, s("marker", {
       id: "arrow", viewBox: "0 0 10 10", refX: 10, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse",
@@ -99,16 +159,54 @@
     if (selected === "frame") frame.setAttribute("aria-pressed", "true");
     svg.append(frame);
 
-    for (const e of edges) {
-      const a = pos.get(e.from);
-      const b = pos.get(e.to);
-      if (!a || !b) continue;
+    const edge = (a, b, name) => {
       const x1 = a.x + W, y1 = a.y + HEAD / 2, x2 = b.x, y2 = b.y + HEAD / 2;
       const mid = (x1 + x2) / 2;
       svg.append(s("path", {
         class: "edge", d: `M${x1} ${y1} C${mid} ${y1} ${mid} ${y2} ${x2} ${y2}`, "marker-end": "url(#arrow)",
-        "data-edge": `${e.from}->${e.to}`,
+        "data-edge": name,
       }));
+    };
+    for (const e of edges) {
+      const a = pos.get(e.from);
+      const b = pos.get(e.to);
+      if (a && b) edge(a, b, `${e.from}->${e.to}`);
+    }
+    // Each planning round points at the steps it planned that wait on nothing.
+    const dependent = new Set(edges.filter((e) => pos.has(e.from)).map((e) => e.to));
+    for (const g of plans) {
+      for (const i of g.steps) {
+        const st = steps[i];
+        if (st && !dependent.has(st.step_id) && pos.has(st.step_id)) edge(planPos.get(g.key), pos.get(st.step_id), `${g.key}->${st.step_id}`);
+      }
+    }
+
+    for (const g of plans) {
+      const p = planPos.get(g.key);
+      const status = roundStatus(g, trace.status);
+      const ended = ["completed", "failed", "cancelled", "empty_plan"].includes(trace.status);
+      const source = g.round ? g.round.source || "model" : ended ? "no plan" : "planning…";
+      const t = totals(g.calls);
+      const what = !g.round ? `${g.calls.length} ${g.calls.length === 1 ? "call" : "calls"}`
+        : g.round.direct_response ? "direct response" : `${g.round.steps} ${g.round.steps === 1 ? "step" : "steps"}`;
+      const gg = s("g", { class: `node plan ${status}`, transform: `translate(${p.x} ${p.y})` });
+      const head = focusable(s("g", {}),
+        `Planning${plans.length > 1 ? ` round ${g.index}` : ""}: ${source}, ${what}, ${g.calls.length} model ${g.calls.length === 1 ? "call" : "calls"}, ${t.input} input and ${t.output} output tokens, cost ${money(t.cost)}`,
+        g.key, onSelect);
+      head.append(s("rect", { class: "box", width: W, height: p.h, rx: 8 }));
+      head.append(s("text", { class: "title", x: 12, y: 20 }, plans.length > 1 ? `plan · round ${g.index}` : "plan"));
+      head.append(s("text", { class: "sub", x: 12, y: 37 }, clip(`${source} · ${what}`, 32)));
+      if (selected === g.key) head.setAttribute("aria-pressed", "true");
+      gg.append(head);
+      if (!g.calls.length) gg.append(s("text", { class: "sub", x: 14, y: HEAD + 16 }, "no model call"));
+      g.calls.forEach((c, i) => {
+        const row = s("g", { class: `call ${c.outcome || "pending"}`, transform: `translate(10 ${HEAD + i * ROW})` });
+        row.append(s("rect", { width: W - 20, height: ROW - 4, rx: 5 }));
+        const tokens = c.outcome === "pending" ? "asking…" : `${c.input_tokens}+${c.output_tokens} tok · ${money(c.cost)}`;
+        row.append(s("text", { x: 10, y: 15 }, clip(`${c.outcome}${c.replayed ? " ↺" : ""} · ${tokens}`, 30)));
+        gg.append(row);
+      });
+      svg.append(gg);
     }
 
     for (const st of steps) {
@@ -152,5 +250,5 @@
     return evs.length ? evs[evs.length - 1].outcome : null;
   }
 
-  window.WardenDag = { draw, depths };
+  window.WardenDag = { draw, depths, rounds, totals, money };
 })();

@@ -203,6 +203,28 @@ impl Browser {
         self.act(css, "value", json!({"text": text})).await
     }
 
+    /// Gives the element matching `css` the keyboard focus (as Tab would) and presses `key` on
+    /// it, as a person's keyboard does: for elements that take no text, such as the DAG's nodes.
+    pub async fn press(&self, css: &str, key: &str) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        let focus = "const e = document.querySelector(arguments[0]); if (!e) return false; \
+                     e.focus(); return document.activeElement === e;";
+        loop {
+            self.element(css).await?;
+            // The page may redraw between finding and focusing: focus again until it holds.
+            if self.eval(focus, json!([css])).await?.as_bool() == Some(true) {
+                break;
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "'{css}' never took the focus");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let keys = json!({"actions": [{"type": "key", "id": "keyboard", "actions": [
+            {"type": "keyDown", "value": key}, {"type": "keyUp", "value": key},
+        ]}]});
+        self.cmd("POST", "/actions", keys).await?;
+        self.cmd("DELETE", "/actions", Value::Null).await.map(|_| ())
+    }
+
     pub async fn clear(&self, css: &str) -> anyhow::Result<()> {
         self.act(css, "clear", json!({})).await
     }
