@@ -58,6 +58,14 @@ pub async fn fork(ex: &Executor, tenant: &str, parent: &str, hash: &str) -> Resu
         .await?
         .into_inner();
     let run = created.run.ok_or_else(|| Status::internal("ledger returned no run"))?;
+    // The fork id is also its submission key: a run submitted earlier under that key is not
+    // this fork.
+    if run.run_id != id {
+        return Err(Status::failed_precondition(format!(
+            "idempotency key '{id}' is taken by run '{}'; the fork was not created",
+            run.run_id
+        )));
+    }
     tracing::info!(parent = %parent, fork = %run.run_id, "planning drifted; forked");
     ex.dispatch(run.run_id.clone());
     Ok(run.run_id)

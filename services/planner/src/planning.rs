@@ -323,6 +323,7 @@ impl Planning<'_> {
                     "raw_output_sha256": sha256_hex(reply.text.as_bytes()),
                     "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens},
                     "cost": cost,
+                    "api_mode_used": self.model.api_mode(),
                     "response_id": reply.response_id,
                     "response_model": reply.model,
                     "finish_reason": reply.finish_reason,
