@@ -132,6 +132,20 @@ impl StepNode {
     }
 }
 
+/// One node per step of `plan` and its dependency edges.
+fn add_plan(t: &mut RunTrace, plan: &Plan) {
+    for s in &plan.steps {
+        t.steps.push(StepNode {
+            step_id: s.id.clone(),
+            tool: s.tool.clone(),
+            input_params: s.params.clone(),
+            status: "pending".into(),
+            ..StepNode::default()
+        });
+        t.edges.extend(s.depends_on.iter().map(|d| Edge { from: d.clone(), to: s.id.clone(), kind: "depends_on" }));
+    }
+}
+
 /// Folds a model event into `llm_calls`; true when `e` was one.
 fn model_event(t: &mut RunTrace, e: &TraceEvent<'_>) -> bool {
     let p = e.payload;
@@ -184,20 +198,7 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
         if e.event_type == events::RUN_SUBMITTED
             && let Some(plan) = p.get("plan").and_then(|v| serde_json::from_value::<Plan>(v.clone()).ok())
         {
-            for s in &plan.steps {
-                t.steps.push(StepNode {
-                    step_id: s.id.clone(),
-                    tool: s.tool.clone(),
-                    input_params: s.params.clone(),
-                    status: "pending".into(),
-                    ..StepNode::default()
-                });
-                t.edges.extend(s.depends_on.iter().map(|d| Edge {
-                    from: d.clone(),
-                    to: s.id.clone(),
-                    kind: "depends_on",
-                }));
-            }
+            add_plan(&mut t, &plan);
         }
         if e.event_type == events::RUN_STARTED && t.started_at_ms.is_none() {
             t.started_at_ms = Some(e.timestamp_ms);
@@ -212,20 +213,7 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
                 "seq": e.seq, "round": t.plan_rounds.len(), "source": text(p, "source"), "steps": plan.steps.len(),
                 "direct_response": plan.direct_response.is_some(), "reason": text(p, "reason"),
             }));
-            for s in &plan.steps {
-                t.steps.push(StepNode {
-                    step_id: s.id.clone(),
-                    tool: s.tool.clone(),
-                    input_params: s.params.clone(),
-                    status: "pending".into(),
-                    ..StepNode::default()
-                });
-                t.edges.extend(s.depends_on.iter().map(|d| Edge {
-                    from: d.clone(),
-                    to: s.id.clone(),
-                    kind: "depends_on",
-                }));
-            }
+            add_plan(&mut t, &plan);
         }
         let node = (!e.step_id.is_empty()).then(|| t.steps.iter_mut().find(|s| s.step_id == e.step_id)).flatten();
         let Some(node) = node else {
