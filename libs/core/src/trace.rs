@@ -375,4 +375,45 @@ mod tests {
         let outcomes: Vec<(u32, &str)> = t.steps[0].attempts.iter().map(|x| (x.attempt, x.outcome.as_str())).collect();
         assert_eq!(outcomes, [(1, "error"), (2, "cancelled")]);
     }
+
+    #[test]
+    fn model_calls_and_plan_rounds_of_a_goal_run() {
+        let raw = [
+            (events::RUN_SUBMITTED, "", json!({"goal": "say hi"})),
+            (events::MODEL_REQUESTED, "plan-r0", json!({"step_key": "plan:r0:a1", "provider": "openai", "model": "m"})),
+            (
+                events::MODEL_COMPLETED,
+                "plan-r0",
+                json!({"step_key": "plan:r0:a1", "usage": {"input_tokens": 7, "output_tokens": 3}, "cost": 0.5, "latency_ms": 40, "validation_error": "bad"}),
+            ),
+            (events::MODEL_REQUESTED, "plan-r0", json!({"step_key": "plan:r0:a2", "provider": "openai", "model": "m"})),
+            (
+                events::MODEL_COMPLETED,
+                "plan-r0",
+                json!({"step_key": "plan:r0:a2", "usage": {"input_tokens": 9, "output_tokens": 4}}),
+            ),
+            (events::PLAN_CREATED, "", json!({"source": "model", "plan": {"steps": [{"id": "a", "tool": "echo"}]}})),
+            (events::MODEL_REPLAYED, "plan-r0", json!({"step_key": "plan:r0:a2"})),
+        ];
+        let evs: Vec<TraceEvent<'_>> = raw
+            .iter()
+            .enumerate()
+            .map(|(i, (t, s, p))| TraceEvent {
+                seq: i as u64 + 1,
+                event_type: t,
+                step_id: s,
+                payload: p,
+                timestamp_ms: 0,
+            })
+            .collect();
+        let t = build("r", &evs);
+        let calls: Vec<(&str, &str, u64, u32)> =
+            t.llm_calls.iter().map(|c| (c.step_key.as_str(), c.outcome.as_str(), c.input_tokens, c.replayed)).collect();
+        assert_eq!(calls, [("plan:r0:a1", "ok", 7, 0), ("plan:r0:a2", "ok", 9, 1)]);
+        assert_eq!(t.llm_calls[0].validation_error.as_deref(), Some("bad"));
+        assert_eq!(t.plan_rounds.len(), 1);
+        assert_eq!(t.plan_rounds[0]["source"], "model");
+        assert_eq!(t.steps.len(), 1, "the plan's steps become nodes");
+        assert!(t.steps.iter().all(|s| s.step_id != "plan-r0"), "model events are no step");
+    }
 }
