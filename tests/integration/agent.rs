@@ -276,7 +276,8 @@ async fn bad_answers_are_repaired_then_fall_back_to_a_direct_response() {
     assert!(failed[2]["error"].as_str().expect("test data").contains("bytes"));
     assert!(of_type(&evs, "tool_requested").is_empty(), "no tool call");
     let second = &model.received()[1].body["messages"];
-    let repair = second.as_array().expect("test data").last().expect("test data")["content"].as_str().expect("test data");
+    let repair =
+        second.as_array().expect("test data").last().expect("test data")["content"].as_str().expect("test data");
     assert!(repair.contains("not valid JSON"), "the model is shown the exact error: {repair}");
     assert_eq!(payload(of_type(&evs, "plan_created")[0])["source"], "fallback");
     // Replaying walks the same repair passes from the record: exact, nothing asked.
@@ -350,8 +351,10 @@ async fn k17(backend: Backend) {
         of_type(&evs, "policy_decision").iter().map(|e| payload(e)).filter(|d| d["tool"] == "email.send").collect();
     assert_eq!(denied.len(), 1);
     assert_eq!(denied[0]["outcome"], "deny", "the invariant refused the arguments: {}", denied[0]);
-    let ran: Vec<String> =
-        of_type(&evs, "tool_requested").iter().map(|e| payload(e)["tool"].as_str().expect("test data").to_string()).collect();
+    let ran: Vec<String> = of_type(&evs, "tool_requested")
+        .iter()
+        .map(|e| payload(e)["tool"].as_str().expect("test data").to_string())
+        .collect();
     assert_eq!(ran, vec!["echo"], "only what the policy allowed ran");
     assert_ne!(done.status(), pb::RunStatus::Completed, "a denied step fails the run: {done:?}");
     let outbox = std::fs::read_to_string(mesh.dir.path().join("outbox.jsonl")).unwrap_or_default();

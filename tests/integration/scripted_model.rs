@@ -108,14 +108,20 @@ impl ScriptedModel {
             async move {
                 let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 s.received.lock().expect("test data").push(Received { path: uri.path().to_string(), body, headers });
-                let reply = s.queue.lock().expect("test data").pop_front().unwrap_or_else(|| s.default.lock().expect("test data").clone());
+                let reply = s
+                    .queue
+                    .lock()
+                    .expect("test data")
+                    .pop_front()
+                    .unwrap_or_else(|| s.default.lock().expect("test data").clone());
                 if let Some(gate) = &reply.hold {
                     gate.notified().await;
                 }
                 if let Some(d) = reply.delay {
                     tokio::time::sleep(d).await;
                 }
-                let mut resp: Response = (StatusCode::from_u16(reply.status).expect("test data"), reply.body).into_response();
+                let mut resp: Response =
+                    (StatusCode::from_u16(reply.status).expect("test data"), reply.body).into_response();
                 for (k, v) in reply.headers {
                     resp.headers_mut().insert(k, v.parse().expect("test data"));
                 }
