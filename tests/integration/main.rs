@@ -146,13 +146,8 @@ pub async fn submit(mesh: &Mesh, tenant: &str, plan: &str) -> String {
 /// Waits for a run to settle; the bound only guards against a hung test, it is not a
 /// performance assertion.
 pub async fn settled(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
-    settled_within(mesh, tenant, run_id, Duration::from_secs(90)).await
-}
-
-/// [`settled`] with another bound (a real model's answers take their time on a busy machine).
-pub async fn settled_within(mesh: &Mesh, tenant: &str, run_id: &str, bound: Duration) -> pb::Run {
     let mut runs = mesh.runs();
-    let run = warden_testkit::eventually(bound, || {
+    let run = warden_testkit::eventually(Duration::from_secs(90), || {
         let mut runs = runs.clone();
         async move {
             let run = runs
@@ -168,6 +163,16 @@ pub async fn settled_within(mesh: &Mesh, tenant: &str, run_id: &str, bound: Dura
     .await;
     let _ = &mut runs;
     run.unwrap_or_else(|| panic!("run {run_id} did not settle\n{}", mesh.logs()))
+}
+
+/// Waits for a run's end the way a client does: `Runs.WaitRun`, which the driving executor
+/// answers when the run stops (its timeout only guards against a hung test).
+pub async fn ended(mesh: &Mesh, tenant: &str, run_id: &str) -> pb::Run {
+    let req = pb::WaitRunRequest { tenant: tenant.into(), run_id: run_id.into(), timeout_ms: 3_600_000 };
+    let run = mesh.runs().wait_run(req).await.unwrap_or_else(|s| panic!("WaitRun failed: {s:?}")).into_inner();
+    let done = warden_grpc::convert::status_from_proto(run.status()).is_some_and(|s| s.is_terminal());
+    assert!(done, "run {run_id} stopped {:?} without ending\n{}", run.status(), mesh.logs());
+    run
 }
 
 pub async fn events(ledger: &mut LedgerClient<Ch>, tenant: &str, run_id: &str) -> Vec<pb::Event> {

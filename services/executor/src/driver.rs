@@ -320,19 +320,18 @@ impl RunCtx {
     }
 
     fn step_key(&self, step_id: &str, attempt: u32, what: &str) -> String {
-        let key = format!("{}:{step_id}:{attempt}:{what}", self.run_id);
-        // Keys are per run; a long run id (a fork's) with a long step id would pass the id
-        // limit: the run's part is then a digest of it.
-        if key.len() <= warden_core::ids::MAX_ID_LEN {
-            return key;
-        }
-        format!("{}:{step_id}:{attempt}:{what}", short_run(&self.run_id))
+        run_key(&self.run_id, &format!("{step_id}:{attempt}:{what}"))
     }
 }
 
-/// A run id's 16-hex-digit digest, standing for it in keys that would otherwise be too long.
-fn short_run(run_id: &str) -> String {
-    warden_core::canonical::sha256_hex(run_id.as_bytes())[..16].to_string()
+/// `{run_id}:{rest}`: a key scoped to the run. Keys are per run; a long run id (a fork's)
+/// with a long step id would pass the id limit: the run's part is then a 16-hex-digit digest.
+fn run_key(run_id: &str, rest: &str) -> String {
+    let key = format!("{run_id}:{rest}");
+    if key.len() <= warden_core::ids::MAX_ID_LEN {
+        return key;
+    }
+    format!("{}:{rest}", &warden_core::canonical::sha256_hex(run_id.as_bytes())[..16])
 }
 
 /// How a cancel policy reads in a step's reason (and so in its receipt).
@@ -1024,10 +1023,7 @@ async fn execute_attempt(
     asked_before: bool,
 ) -> Result<StepOutcome, DriveError> {
     let started = std::time::Instant::now();
-    let idempotency_key = match format!("{}:{}:{attempt}", ctx.run_id, step.id) {
-        k if k.len() <= warden_core::ids::MAX_ID_LEN => k,
-        _ => format!("{}:{}:{attempt}", short_run(&ctx.run_id), step.id),
-    };
+    let idempotency_key = run_key(&ctx.run_id, &format!("{}:{attempt}", step.id));
     let fail = |kind: &str, reason: String, extra: Value| {
         let mut payload = json!({"kind": kind, "reason": reason, "attempt": attempt, "tool": step.tool});
         if let (Some(p), Value::Object(x)) = (payload.as_object_mut(), extra) {

@@ -163,11 +163,19 @@ impl Planner for PlannerService {
         }
         let policy = pb::ReplayPolicy::try_from(r.replay_policy)
             .map_err(|_| invalid_field("replay_policy", format!("{} is not a replay policy", r.replay_policy)))?;
-        let checked = self.redactor.check(&r.goal)?;
+        // A submission's goal is bounded and redacted here once; planning takes the goal as the
+        // run recorded it (already redacted: doing it again could only lengthen it).
+        let checked = if r.check_only {
+            Some(self.redactor.check(&r.goal)?)
+        } else if r.goal.trim().is_empty() {
+            return Err(invalid_field("goal", "must not be empty"));
+        } else {
+            None
+        };
         let Some(model) = self.model_for(&r.tenant) else {
             return Err(Status::failed_precondition(NO_MODEL));
         };
-        if r.check_only {
+        if let Some(checked) = checked {
             return Ok(Response::new(pb::CreatePlanResponse {
                 goal: checked.text,
                 redacted: checked.redacted,
@@ -192,7 +200,7 @@ impl Planner for PlannerService {
             tenant: &r.tenant,
             run_id: &r.run_id,
             agent: &r.agent,
-            goal: &checked.text,
+            goal: &r.goal,
             epoch: r.epoch,
             policy: match policy {
                 pb::ReplayPolicy::Unspecified => pb::ReplayPolicy::Strict,
@@ -210,7 +218,7 @@ impl Planner for PlannerService {
             replayed_calls: out.replayed_calls,
             differences: out.differences,
             fork_hash: out.fork_hash,
-            redacted: checked.redacted,
+            redacted: Vec::new(),
             rule_id: out.rule_id,
             reason: out.reason,
         }))

@@ -104,7 +104,7 @@ impl Planning<'_> {
                                     "replayed_with_drift:{step_key}:{}",
                                     &sha256_hex(canonical_json(&request))[..16]
                                 );
-                                self.append(ask, events::REPLAYED_WITH_DRIFT, &step_key, payload, &key).await?;
+                                self.append(ask, events::REPLAYED_WITH_DRIFT, payload, &key).await?;
                                 out.differences.extend(differences);
                             }
                             pb::ReplayPolicy::ForkOnDrift => {
@@ -128,7 +128,7 @@ impl Planning<'_> {
                     } else {
                         let payload = json!({"step_key": step_key, "of_seq": rec.seq});
                         let key = format!("model_replayed:{step_key}:{}", ask.epoch);
-                        self.append(ask, events::MODEL_REPLAYED, &step_key, payload, &key).await?;
+                        self.append(ask, events::MODEL_REPLAYED, payload, &key).await?;
                     }
                     out.replayed_calls += 1;
                     Recalled::from_record(&answer)
@@ -336,14 +336,8 @@ impl Planning<'_> {
                     Ok(plan) => payload["parsed_plan"] = serde_json::to_value(plan).unwrap_or_default(),
                     Err(e) => payload["validation_error"] = json!(e),
                 }
-                self.append(
-                    ask,
-                    events::MODEL_COMPLETED,
-                    step_key,
-                    payload,
-                    &format!("model_completed:{step_key}:{try_no}"),
-                )
-                .await?;
+                self.append(ask, events::MODEL_COMPLETED, payload, &format!("model_completed:{step_key}:{try_no}"))
+                    .await?;
                 self.record_cost(ask, &step_id, attempt, cost).await;
                 Ok(Live::Answer(match validated {
                     Ok(plan) => Recalled::Plan(plan),
@@ -366,8 +360,7 @@ impl Planning<'_> {
                 if !repair_error.is_empty() {
                     payload["repair_error"] = json!(prefix(&repair_error, MAX_ERROR_BYTES));
                 }
-                self.append(ask, events::MODEL_FAILED, step_key, payload, &format!("model_failed:{step_key}:{try_no}"))
-                    .await?;
+                self.append(ask, events::MODEL_FAILED, payload, &format!("model_failed:{step_key}:{try_no}")).await?;
                 Ok(match e {
                     ModelError::Malformed(_) => Live::Answer(Recalled::Refused {
                         raw: NO_READABLE_ANSWER.to_string(),
@@ -442,15 +435,8 @@ impl Planning<'_> {
         Ok(out)
     }
 
-    async fn append(
-        &self,
-        ask: &Ask<'_>,
-        event_type: &str,
-        step_key: &str,
-        payload: Value,
-        key: &str,
-    ) -> Result<(), Status> {
-        let _ = step_key;
+    /// Appends one model event under the round's planner step id.
+    async fn append(&self, ask: &Ask<'_>, event_type: &str, payload: Value, key: &str) -> Result<(), Status> {
         self.append_batch(
             ask,
             vec![pb::EventInput {
