@@ -258,6 +258,7 @@ fn run_json(run: &pb::Run) -> serde_json::Value {
         "tenant": run.tenant,
         "status": status_name(run.status),
         "reason": run.reason,
+        "waiting_for": run.waiting_for,
         "direct_response": run.direct_response,
         "last_seq": run.last_seq,
         "created_at_ms": run.created_at_ms,
@@ -277,6 +278,9 @@ fn print_status(run: &pb::Run) {
     println!("status   {}", status_name(run.status));
     if !run.reason.is_empty() {
         println!("reason   {}", run.reason);
+    }
+    if !run.waiting_for.is_empty() {
+        println!("waiting  for {} (an outage, within the outage grace)", run.waiting_for.join(", "));
     }
     if !run.direct_response.is_empty() {
         println!("response {}", run.direct_response);

@@ -31,19 +31,96 @@ fn assert_no_outage_recorded(evs: &[pb::Event]) {
     }
 }
 
+/// While the policy service is down nothing runs, and the run says what it waits for
+/// (`waiting_for: policy`, recorded as `run_waiting`); once it is back the run goes on.
 #[tokio::test]
 async fn a_policy_restart_within_the_grace_fails_no_run() {
     let mut mesh = mesh_with(Backend::Sqlite, graceful()).await;
     mesh.policy.kill();
     let ids: Vec<String> = futures_join(&mesh, 3).await;
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    let wait = first_event(&mesh, "acme", &ids[0], |e| e.event_type == "run_waiting").await;
+    assert_eq!(payload(&wait)["on"], json!("policy"), "{wait:?}");
+    let run = mesh.runs().get_run(pb::GetRunRequest { tenant: "acme".into(), run_id: ids[0].clone() }).await;
+    let run = run.expect("GetRun").into_inner();
+    assert_eq!(run.status(), pb::RunStatus::Active);
+    assert_eq!(run.waiting_for, vec!["policy".to_string()], "the run says what it waits for");
+    let evs = events(&mut mesh.ledger(), "acme", &ids[0]).await;
+    assert!(!evs.iter().any(|e| e.event_type == "tool_requested"), "nothing runs while policy is down");
     mesh.policy.restart().expect("restart the policy service");
     for id in &ids {
         let run = settled(&mesh, "acme", id).await;
         assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+        assert!(run.waiting_for.is_empty(), "{:?}", run.waiting_for);
         let evs = events(&mut mesh.ledger(), "acme", id).await;
         assert_no_outage_recorded(&evs);
         assert!(verify(&mut mesh.ledger(), "acme", id).await.valid);
+    }
+}
+
+/// Redis is killed (every lease, liveness key and rate window gone with it) and restarted
+/// under two executors mid-batch: the runs are picked up again, each effect happens once, no
+/// outage is recorded as a decision, every chain verifies.
+#[tokio::test]
+async fn a_redis_restart_loses_no_run_and_repeats_no_effect() {
+    let redis = std::sync::Arc::new(
+        tokio::task::spawn_blocking(warden_testkit::servers::start_private_redis)
+            .await
+            .expect("join")
+            .expect("a private Redis"),
+    );
+    let mut opts = graceful();
+    opts.executors = 2;
+    opts.redis_url = redis.url.clone();
+    opts.rate_rules = vec![("acme".into(), 100_000)];
+    let mesh = mesh_with(Backend::Postgres, opts).await;
+    let ids = submit_mixed(&mesh, 6).await;
+    first_event(&mesh, "acme", &ids[0], |e| e.event_type == "tool_requested").await;
+    let r = redis.clone();
+    tokio::task::spawn_blocking(move || r.restart(Duration::from_millis(300))).await.expect("join").expect("restart");
+    assert_batch_whole(&mesh, &ids).await;
+}
+
+/// `n` runs of five steps mixing a slow no-op, an e-mail (one per run, told apart by its
+/// subject: run `i` sends "run i"), a key write and echoes.
+async fn submit_mixed(mesh: &warden_testkit::Mesh, n: usize) -> Vec<String> {
+    submit_mixed_from(mesh, 0, n).await
+}
+
+/// Runs `first..first + n` of [`submit_mixed`].
+async fn submit_mixed_from(mesh: &warden_testkit::Mesh, first: usize, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for i in first..first + n {
+        let p = plan(&[
+            ("a", "echo", json!({"n": i}), &[]),
+            ("wait", "sleep", json!({"ms": 200}), &["a"]),
+            (
+                "mail",
+                "email.send",
+                json!({"to": "ops@example.com", "subject": format!("run {i}"), "body": "hi"}),
+                &["wait"],
+            ),
+            ("put", "kv.put", json!({"key": format!("k{i}"), "value": i}), &["mail"]),
+            ("last", "echo", json!({"v": "{{put.output}}"}), &["put"]),
+        ]);
+        ids.push(submit(mesh, "acme", &p).await);
+    }
+    ids
+}
+
+/// Every run of [`submit_mixed`] completed, sent its one e-mail once, recorded no outage as a
+/// decision or a failure, and its chain verifies.
+async fn assert_batch_whole(mesh: &warden_testkit::Mesh, ids: &[String]) {
+    for id in ids {
+        let run = settled(mesh, "acme", id).await;
+        assert_eq!(run.status(), pb::RunStatus::Completed, "{id}: {}\n{}", run.reason, mesh.logs());
+        let evs = events(&mut mesh.ledger(), "acme", id).await;
+        assert_no_outage_recorded(&evs);
+        assert!(verify(&mut mesh.ledger(), "acme", id).await.valid, "{id}");
+    }
+    let outbox = mesh.outbox();
+    for i in 0..ids.len() {
+        let sent = outbox.iter().filter(|m| m["subject"] == json!(format!("run {i}"))).count();
+        assert_eq!(sent, 1, "run {i}'s e-mail went out {sent} times: {outbox:?}");
     }
 }
 
@@ -178,4 +255,72 @@ async fn a_postgres_restart_within_the_grace_fails_no_run() {
     let evs = events(&mut mesh.ledger(), "acme", &id).await;
     assert_no_outage_recorded(&evs);
     assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}
+
+/// Fault injection at batch scale, the production shape: PostgreSQL and Redis of the test's
+/// own, two executors, runs mixing a slow no-op, an e-mail, a key write and echoes. A wave of
+/// runs is submitted before each fault, and the fault comes once the wave is under way:
+/// SIGKILL of either executor, of the ledger and of the policy service; a rolling restart of
+/// the tool host (SIGTERM: calls in flight finish first — a host killed in the middle of an
+/// external effect leaves an outcome only an operator can establish, see
+/// `a_tool_host_restart_mid_call_needs_no_operator` for the idempotent case); Redis killed
+/// (every key gone) and PostgreSQL restarted under the ledger and the policy store. Every run
+/// completes, every e-mail goes out once, no outage is recorded as a decision or a failure,
+/// every chain verifies.
+#[tokio::test]
+async fn a_batch_rides_out_faults_of_every_service() {
+    let (pg, redis) = tokio::task::spawn_blocking(|| {
+        (
+            warden_testkit::servers::start_private_postgres(true).expect("a private PostgreSQL"),
+            warden_testkit::servers::start_private_redis().expect("a private Redis"),
+        )
+    })
+    .await
+    .expect("join");
+    let (pg, redis) = (std::sync::Arc::new(pg), std::sync::Arc::new(redis));
+    let mut opts = graceful();
+    opts.executors = 2;
+    opts.database_url = pg.create_database().await.expect("ledger database");
+    opts.policy_database_url = pg.create_database().await.expect("policy database");
+    opts.redis_url = redis.url.clone();
+    opts.rate_rules = vec![("acme".into(), 100_000)];
+    let mut mesh = warden_testkit::Mesh::start(opts).await.expect("mesh");
+    let faults = ["executor-0", "ledger", "policy", "tools", "redis", "postgres", "executor-1"];
+    let mut ids: Vec<String> = Vec::new();
+    for fault in faults {
+        let wave = submit_mixed_from(&mesh, ids.len(), 3).await;
+        first_event(&mesh, "acme", &wave[0], |e| e.event_type == "tool_requested" && e.step_id == "wait").await;
+        match fault {
+            "executor-0" | "executor-1" => {
+                let ex = &mut mesh.executors[if fault == "executor-0" { 0 } else { 1 }];
+                ex.kill();
+                ex.restart().expect("restart the executor");
+            }
+            "ledger" => {
+                mesh.ledger.kill();
+                mesh.ledger.restart().expect("restart the ledger");
+            }
+            "policy" => {
+                mesh.policy.kill();
+                mesh.policy.restart().expect("restart the policy service");
+            }
+            "tools" => {
+                mesh.tools.terminate();
+                mesh.tools.restart().expect("restart the tool host");
+            }
+            "redis" => {
+                let r = redis.clone();
+                tokio::task::spawn_blocking(move || r.restart(Duration::from_millis(100)))
+                    .await
+                    .expect("join")
+                    .expect("restart Redis");
+            }
+            _ => {
+                let p = pg.clone();
+                tokio::task::spawn_blocking(move || p.restart()).await.expect("join").expect("restart PostgreSQL");
+            }
+        }
+        ids.extend(wave);
+    }
+    assert_batch_whole(&mesh, &ids).await;
 }

@@ -23,6 +23,10 @@ pub const RUN_RESUMED: &str = "run_resumed";
 /// Someone asked to cancel the run; the executor driving it applies the run's cancel policy
 /// and ends it `run_cancelled`. Changes no status by itself.
 pub const RUN_CANCEL_REQUESTED: &str = "run_cancel_requested";
+/// The run's driver is waiting out an outage of a service it needs (`on`: `policy`,
+/// `planner` or `tool_host`) within its outage grace; nothing of the step runs meanwhile.
+/// The step's next event ends the wait. Changes no status by itself.
+pub const RUN_WAITING: &str = "run_waiting";
 /// A goal run's plan, as planning produced it (model, replay or fallback). Sets the run's
 /// plan once; a run submitted with a plan never takes one.
 pub const PLAN_CREATED: &str = "plan_created";
@@ -69,6 +73,7 @@ pub const KNOWN: &[&str] = &[
     RUN_SUMMARY,
     RUN_RESUMED,
     RUN_CANCEL_REQUESTED,
+    RUN_WAITING,
     TX_PROPOSED,
     TX_COMMITTED,
     TX_ROLLED_BACK,

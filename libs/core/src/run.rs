@@ -1,7 +1,7 @@
 //! The fold of a run's events into its current state: what the executor rebuilds after a
 //! takeover (completed outputs are reused, never re-executed) and what `GetRun` reports.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde_json::Value;
 
@@ -69,6 +69,9 @@ pub struct RunView {
     pub reason: String,
     pub steps: Vec<StepView>,
     pub last_seq: u64,
+    /// Outages the driver is waiting out, by the step (or planning round) that waits: what
+    /// each `run_waiting` said, until that step's next event (or the run's end).
+    pub waiting: BTreeMap<String, String>,
 }
 
 impl Default for RunView {
@@ -84,6 +87,7 @@ impl Default for RunView {
             reason: String::new(),
             steps: Vec::new(),
             last_seq: 0,
+            waiting: BTreeMap::new(),
         }
     }
 }
@@ -99,6 +103,21 @@ impl RunView {
         if let Some(st) = events::status_after(event_type) {
             self.status = st;
             self.reason = str_field(payload, "reason").unwrap_or_default().to_string();
+            // A new driver (or the run's end) has waited for nothing yet.
+            self.waiting.clear();
+        }
+        if event_type == events::RUN_WAITING {
+            let on = str_field(payload, "on").unwrap_or("a service").to_string();
+            self.waiting.insert(step_id.to_string(), on);
+            return;
+        }
+        // Whatever the waiting step (or planning round) records next ends its wait; a late
+        // record of a decision, which the policy writes on its own, says nothing of the driver.
+        if event_type != events::POLICY_DECISION {
+            self.waiting.remove(step_id);
+        }
+        if event_type == events::PLAN_CREATED {
+            self.waiting.clear();
         }
         if event_type == events::RUN_CANCEL_REQUESTED {
             self.cancel_requested.get_or_insert_with(|| str_field(payload, "reason").unwrap_or_default().to_string());
@@ -191,12 +210,48 @@ impl RunView {
     pub fn step(&self, id: &str) -> Option<&StepView> {
         self.steps.iter().find(|s| s.id == id)
     }
+
+    /// What the run is waiting out, each service once (`policy`, `tool_host`, …; empty: none).
+    pub fn waiting_for(&self) -> Vec<String> {
+        let mut on: Vec<String> = self.waiting.values().cloned().collect();
+        on.sort();
+        on.dedup();
+        on
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A run of two echo steps `a` and `b`, submitted and started (seq 1 and 2).
+    fn started_two_step_run() -> RunView {
+        let mut v = RunView::default();
+        let plan = json!({"plan": {"steps": [{"id": "a", "tool": "echo"}, {"id": "b", "tool": "echo"}]}});
+        v.apply(1, events::RUN_SUBMITTED, "", &plan);
+        v.apply(2, events::RUN_STARTED, "", &json!({}));
+        v
+    }
+
+    #[test]
+    fn a_wait_lasts_until_the_waiting_step_records_again() {
+        let mut v = started_two_step_run();
+        v.apply(3, events::RUN_WAITING, "a", &json!({"on": "policy"}));
+        v.apply(4, events::RUN_WAITING, "b", &json!({"on": "policy"}));
+        assert_eq!(v.waiting_for(), vec!["policy".to_string()], "each service once");
+        v.apply(5, events::POLICY_DECISION, "a", &json!({}));
+        assert_eq!(v.waiting_for().len(), 1, "the policy's own record of a decision ends no wait");
+        v.apply(6, events::TOOL_REQUESTED, "a", &json!({"attempt": 1}));
+        assert_eq!(v.waiting.len(), 1, "b still waits");
+        v.apply(7, events::RUN_WAITING, "a", &json!({"on": "tool_host"}));
+        assert_eq!(v.waiting_for(), vec!["policy".to_string(), "tool_host".to_string()]);
+        v.apply(8, events::RUN_STARTED, "", &json!({}));
+        assert!(v.waiting_for().is_empty(), "a new driver has waited for nothing yet");
+        v.apply(9, events::RUN_WAITING, "b", &json!({"on": "policy"}));
+        v.apply(10, events::RUN_FAILED, "", &json!({"reason": "x"}));
+        assert!(v.waiting_for().is_empty());
+    }
 
     #[test]
     fn a_driver_resumes_a_step_at_the_right_attempt() {
@@ -219,14 +274,7 @@ mod tests {
 
     #[test]
     fn fold_tracks_steps_and_unknown_outcomes() {
-        let mut v = RunView::default();
-        v.apply(
-            1,
-            events::RUN_SUBMITTED,
-            "",
-            &json!({"plan": {"steps": [{"id": "a", "tool": "echo"}, {"id": "b", "tool": "echo"}]}}),
-        );
-        v.apply(2, events::RUN_STARTED, "", &json!({}));
+        let mut v = started_two_step_run();
         v.apply(3, events::TOOL_REQUESTED, "a", &json!({"attempt": 1, "idempotency_key": "k"}));
         v.apply(4, events::TOOL_COMPLETED, "a", &json!({"output": {"x": 1}}));
         v.apply(5, events::TOOL_REQUESTED, "b", &json!({"attempt": 1}));

@@ -171,6 +171,20 @@ fn instance_id() -> String {
 /// The default log filter (`RUST_LOG` replaces it).
 const DEFAULT_FILTER: &str = "info,h2=warn,hyper=warn,sqlx=warn,tower=warn";
 
+/// Log lines on stderr at `env_filter`'s levels. Without export this layer enables no span,
+/// so no span exists at all; with export it shows the spans around each line, whose
+/// `trace_id` field ties the line to its trace.
+fn log_layer<S>(env_filter: EnvFilter, exporting: bool) -> impl Layer<S> + Send + Sync
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .with_filter(env_filter.and(filter_fn(move |m| exporting || !m.is_span())))
+}
+
 /// Installs the process's subscriber (a second call, as when several services share one
 /// process, changes nothing and exports nothing more) and, when an OTLP endpoint is set
 /// (`telemetry.otlp_endpoint` or `OTEL_EXPORTER_OTLP_ENDPOINT`), the OpenTelemetry layer and
@@ -197,13 +211,6 @@ pub fn init_tracing_with(
     };
     let exporting = provider.is_some();
     let env_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    // Without export the fmt layer enables no span, so no span exists at all; with export it
-    // shows the spans around each line, whose `trace_id` field ties the line to its trace.
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .with_filter(env_filter.and(filter_fn(move |m| exporting || !m.is_span())));
     // Warden's own spans only, at info and above: library internals (h2, sqlx, tower) would
     // multiply the spans per request without telling an operator more.
     let otel = provider.as_ref().map(|p| {
@@ -215,7 +222,14 @@ pub fn init_tracing_with(
                 m.is_span() && m.target().starts_with("warden") && *m.level() <= tracing::Level::INFO
             }))
     });
-    let installed = Registry::default().with(otel).with(fmt).try_init().is_ok();
+    // Two subscriber types rather than `.with(Option<layer>)`: a `None` layer answers
+    // `Interest::always()` for every callsite, which would make the registry create every
+    // span on the write path even with tracing off (measured: about a quarter more CPU per
+    // step in every service).
+    let installed = match otel {
+        Some(otel) => Registry::default().with(otel).with(log_layer(env_filter, true)).try_init().is_ok(),
+        None => Registry::default().with(log_layer(env_filter, false)).try_init().is_ok(),
+    };
     if !installed {
         // Another service of this process set tracing up first; its guard owns the export.
         if let Some(p) = provider {

@@ -13,6 +13,8 @@ use crate::procs::{apt_install, find_binary, free_port, is_root, spawn_tied};
 pub struct Redis {
     pub url: String,
     _child: Option<Mutex<Child>>,
+    /// The binary and port of a server this process started (to start it again).
+    launch: Option<(PathBuf, u16)>,
 }
 
 pub struct Postgres {
@@ -38,8 +40,13 @@ pub fn postgres() -> &'static Postgres {
 
 pub fn start_redis() -> anyhow::Result<Redis> {
     if let Ok(url) = std::env::var("REDIS_URL") {
-        return Ok(Redis { url, _child: None });
+        return Ok(Redis { url, _child: None, launch: None });
     }
+    start_private_redis()
+}
+
+/// Always a Redis of our own (never `REDIS_URL`): for tests that kill and restart it.
+pub fn start_private_redis() -> anyhow::Result<Redis> {
     let bin = match find_binary("redis-server", &[]) {
         Some(b) => b,
         None => {
@@ -50,39 +57,71 @@ pub fn start_redis() -> anyhow::Result<Redis> {
     let mut last = None;
     for _ in 0..5 {
         let port = free_port()?;
-        let mut cmd = Command::new(&bin);
-        cmd.args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "no",
-            "--protected-mode",
-            "no",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-        let mut child = spawn_tied(cmd, libc::SIGTERM)?;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            // Alive after the ping: the answer came from our server, not one that won the port.
-            if redis_ping(port) && matches!(child.try_wait(), Ok(None)) {
-                return Ok(Redis { url: format!("redis://127.0.0.1:{port}"), _child: Some(Mutex::new(child)) });
+        match spawn_redis(&bin, port) {
+            Ok(child) => {
+                return Ok(Redis {
+                    url: format!("redis://127.0.0.1:{port}"),
+                    _child: Some(Mutex::new(child)),
+                    launch: Some((bin, port)),
+                });
             }
-            if let Ok(Some(status)) = child.try_wait() {
-                last = Some(format!("redis-server exited with {status}"));
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+            Err(e) => last = Some(e),
         }
-        let _ = child.kill();
     }
-    anyhow::bail!("redis-server did not start: {}", last.unwrap_or_else(|| "timed out".into()))
+    anyhow::bail!("redis-server did not start: {:#}", last.unwrap_or_else(|| anyhow::anyhow!("timed out")))
+}
+
+/// A `redis-server` on `port` that keeps nothing on disk, once it answers.
+fn spawn_redis(bin: &Path, port: u16) -> anyhow::Result<Child> {
+    let mut cmd = Command::new(bin);
+    cmd.args([
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--daemonize",
+        "no",
+        "--protected-mode",
+        "no",
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    let mut child = spawn_tied(cmd, libc::SIGTERM)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        // Alive after the ping: the answer came from our server, not one that won the port.
+        if redis_ping(port) && matches!(child.try_wait(), Ok(None)) {
+            return Ok(child);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            anyhow::bail!("redis-server exited with {status}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    anyhow::bail!("redis-server did not answer on port {port}")
+}
+
+impl Redis {
+    /// Kills the server (SIGKILL: every key is gone, as Redis keeps nothing on disk here),
+    /// leaves it down for `down`, and starts it again on the same port. Only for a server
+    /// this process started.
+    pub fn restart(&self, down: Duration) -> anyhow::Result<()> {
+        let (Some(child), Some((bin, port))) = (&self._child, &self.launch) else {
+            anyhow::bail!("only a private Redis can be restarted");
+        };
+        let mut child = child.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = child.kill();
+        let _ = child.wait();
+        std::thread::sleep(down);
+        *child = spawn_redis(bin, *port)?;
+        Ok(())
+    }
 }
 
 fn redis_ping(port: u16) -> bool {

@@ -248,6 +248,21 @@ async def test_outputs_are_validated_against_the_return_annotation(host: ToolHos
 # --- refusals: the function never runs --------------------------------------------------------
 
 
+async def test_a_call_started_but_never_recorded_is_in_doubt_and_not_run_again(
+    authority: LocalAuthority, tmp_path: Path
+) -> None:
+    req = authority.request("mail.send", {"to": "ops@example.com"})
+    host = authority.host(TOOLS, state_path=tmp_path / "t.db")
+    # What a host that stopped mid-call leaves behind: the call marked started, no outcome.
+    assert await host.store.mark_started(req.tenant, req.idempotency_key, 1)
+    e = await refused(host, req)
+    assert e.code == grpc.StatusCode.UNKNOWN and e.message.startswith("in doubt"), e
+    assert CALLS == [], "a call that may have acted is never run again"
+    assert all(t.spec().detects_in_doubt for t in host.tools.values())
+    # An idempotent tool is not marked: running it again is harmless.
+    assert output(await host.invoke(authority.request("math.add", {"a": 1}))) == 1
+
+
 async def refused(host: ToolHost, req: toolhost_pb2.InvokeRequest) -> InvokeRefused:
     with pytest.raises(InvokeRefused) as e:
         await host.invoke(req)

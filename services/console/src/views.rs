@@ -47,6 +47,7 @@ pub fn run(r: &pb::Run) -> Value {
         "agent": r.agent,
         "status": status_name(r.status),
         "reason": r.reason,
+        "waiting_for": r.waiting_for,
         "direct_response": r.direct_response,
         "created_at_ms": r.created_at_ms,
         "updated_at_ms": r.updated_at_ms,

@@ -368,6 +368,7 @@
       head.replaceChildren(facts([
         ["Status", h("span", { id: "run-status" }, badge(r.status))],
         r.reason ? ["Reason", r.reason] : null,
+        (r.waiting_for || []).length ? ["Waiting for", h("span", { id: "run-waiting" }, `${r.waiting_for.join(", ")} (an outage, within the outage grace)`)] : null,
         ["Tenant", r.tenant],
         ["Agent", r.agent || "—"],
         goal ? ["Goal", h("span", { id: "run-goal", class: "break" }, goal)] : null,

@@ -319,6 +319,42 @@ impl RunCtx {
         Ok(StepOutcome::Cancelled)
     }
 
+    /// Says on the record that `step_id`'s attempt waits out an outage of `on` (`run_waiting`;
+    /// `GetRun` reports it as `waiting_for` until the step's next event). Appending also
+    /// records the outcomes still waiting, so they need not wait out the outage. Best effort:
+    /// a ledger that cannot take it now changes nothing about the wait.
+    async fn record_wait(&self, on: &str, (step_id, attempt): (&str, u32), error: &str) {
+        let key = self.step_key(step_id, attempt, &format!("waiting:{on}"));
+        let payload = json!({"on": on, "attempt": attempt, "error": error});
+        let appended = tokio::time::timeout(
+            Duration::from_secs(5),
+            self.append_group_once(vec![event(events::RUN_WAITING, step_id, key, payload)]),
+        )
+        .await;
+        if !matches!(appended, Ok(Ok(_))) {
+            tracing::debug!(run_id = %self.run_id, on, "the wait could not be recorded");
+        }
+    }
+
+    /// One try at appending `events` after what is deferred (no waiting out a ledger outage).
+    async fn append_group_once(&self, events: Vec<pb::EventInput>) -> Result<(), Status> {
+        let _turn = self.appending.lock().await;
+        let mut all: Vec<pb::EventInput> = self.deferred.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let n = all.len();
+        all.extend(events);
+        let req = pb::AppendEventsRequest {
+            tenant: self.tenant.clone(),
+            run_id: self.run_id.clone(),
+            epoch: self.epoch,
+            events: all,
+        };
+        self.ex.inner.ledger.clone().append_events(req).await?;
+        // Recorded: the outcomes taken no longer wait (the first `n`: steps may have deferred
+        // more meanwhile).
+        self.deferred.lock().unwrap_or_else(|p| p.into_inner()).drain(..n);
+        Ok(())
+    }
+
     fn step_key(&self, step_id: &str, attempt: u32, what: &str) -> String {
         run_key(&self.run_id, &format!("{step_id}:{attempt}:{what}"))
     }
@@ -547,13 +583,16 @@ async fn drive_view(ctx: &RunCtx, mut view: RunView) -> Result<(), DriveError> {
     }
     let tools = ctx.ex.inner.catalog.tools().await.map_err(DriveError::Ledger)?;
     // Unknown outcomes (tool_requested with no result) from an earlier holder.
+    // A tool that is idempotent, or whose host tells a call in doubt from one it finished
+    // (it then replays the outcome), is asked again under the same key; any other goes to an
+    // operator.
     for s in view.steps.iter().filter(|s| s.outcome_unknown) {
-        let idempotent = tools.get(&s.tool).is_some_and(|t| t.spec.idempotent);
-        if !idempotent {
+        let asked_again = tools.get(&s.tool).is_some_and(|t| t.spec.idempotent || t.spec.detects_in_doubt);
+        if !asked_again {
             let reason = format!("step '{}' ({}) may or may not have run and the tool is not idempotent", s.id, s.tool);
             return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": s.id})).await;
         }
-        tracing::info!(run_id = %ctx.run_id, step_id = %s.id, "re-invoking idempotent step with an unknown outcome");
+        tracing::info!(run_id = %ctx.run_id, step_id = %s.id, "asking again a call whose outcome is unknown");
     }
     run_dag(ctx, &plan, view).await
 }
@@ -571,7 +610,8 @@ async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb
         replay_policy: view.replay_policy,
         ..Default::default()
     };
-    let planning = within_grace(ctx, "planner", || {
+    let round = warden_core::plan::planner_step(0);
+    let planning = within_grace(ctx, "planner", (&round, 1), || {
         let mut planner = ctx.ex.inner.planner.clone();
         let req = req.clone();
         async move { planner.create_plan(req).await }
@@ -902,7 +942,9 @@ async fn execute_step(ctx: &RunCtx, step: &PlanStep, args: Value, from: Resume) 
 /// Calls `call` until it answers, retrying UNAVAILABLE and transport failures (the callee is
 /// restarting, its store had a blip) with jittered exponential backoff for up to the executor's
 /// outage grace. Only idempotent calls go through here. Stops early when the lease is lost.
-async fn within_grace<T, F, Fut>(ctx: &RunCtx, what: &str, mut call: F) -> Result<T, Status>
+/// The first retry records that `waiter` (a step's attempt, or a planning round) waits on
+/// `what` (see [`RunCtx::record_wait`]).
+async fn within_grace<T, F, Fut>(ctx: &RunCtx, what: &str, waiter: (&str, u32), mut call: F) -> Result<T, Status>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
@@ -910,17 +952,28 @@ where
     let grace = Duration::from_millis(ctx.ex.inner.config.outage_grace_ms);
     let started = tokio::time::Instant::now();
     let mut backoff = Duration::from_millis(20);
+    let mut said = false;
     loop {
         match call().await {
             Ok(r) => return Ok(r.into_inner()),
             Err(s) if transient(&s) && started.elapsed() < grace && !ctx.lost.is_cancelled() => {
                 tracing::debug!(run_id = %ctx.run_id, callee = what, error = %s, "waiting out an outage");
+                if !said {
+                    said = true;
+                    ctx.record_wait(what, waiter, s.message()).await;
+                }
                 tokio::time::sleep(jittered(backoff)).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }
             Err(s) => return Err(s),
         }
     }
+}
+
+/// A host's answer that the call is in doubt: it was started before and its outcome never
+/// recorded (see `ToolSpec.detects_in_doubt`).
+fn in_doubt(s: &Status) -> bool {
+    s.code() == Code::Unknown && s.message().starts_with("in doubt") && std::error::Error::source(s).is_none()
 }
 
 /// A call that never reached its callee: the connection was not established, so nothing was
@@ -941,10 +994,19 @@ fn never_sent(s: &Status) -> bool {
     text.contains("connecterror") || text.contains("connection refused")
 }
 
-/// An error that says nothing was decided or done: the callee could not be reached, or said
-/// it cannot answer now.
+/// An error of an idempotent call that asking again may cure: the callee could not be
+/// reached, said it cannot answer now, or the connection broke off under the call (a callee
+/// killed mid-request: the client's own transport error, whatever code tonic gives it).
 fn transient(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::ResourceExhausted | Code::Aborted)
+    matches!(s.code(), Code::Unavailable | Code::ResourceExhausted | Code::Aborted) || broke_off(s)
+}
+
+/// The client's transport failed under the call: a status the callee sent has no source
+/// error, one the client made of a broken connection (reset, broken pipe, stream closed)
+/// carries the transport error.
+fn broke_off(s: &Status) -> bool {
+    matches!(s.code(), Code::Unknown | Code::Cancelled | Code::Internal | Code::Unavailable)
+        && std::error::Error::source(s).is_some()
 }
 
 /// `d` scaled by a factor in [0.5, 1.5), so callers that failed together do not retry together.
@@ -1057,7 +1119,7 @@ async fn execute_attempt(
         rule_id = tracing::field::Empty,
         outcome = tracing::field::Empty,
     );
-    let authorized = within_grace(ctx, "policy", || {
+    let authorized = within_grace(ctx, "policy", (&step.id, attempt), || {
         let mut policy = ctx.ex.inner.policy.clone();
         let req = pb::AuthorizeRequest {
             tenant: ctx.tenant.clone(),
@@ -1178,11 +1240,14 @@ async fn execute_attempt(
         rpc.service = "warden.v1.ToolHost",
         rpc.method = "Invoke",
     );
-    let tries = if entry.spec.idempotent { UNKNOWN_OUTCOME_TRIES } else { 1 };
+    // Asking again is safe when the tool is idempotent, or when its host tells a call in
+    // doubt from one it finished (it replays the outcome, or says it is in doubt).
+    let tries = if entry.spec.idempotent || entry.spec.detects_in_doubt { UNKNOWN_OUTCOME_TRIES } else { 1 };
     let grace = Duration::from_millis(ctx.ex.inner.config.outage_grace_ms);
     let since = tokio::time::Instant::now();
     let mut backoff = Duration::from_millis(50);
     let (mut answer, mut unknown, mut asked) = (None, String::new(), 0);
+    let mut said_waiting = false;
     loop {
         // A holder that lost its lease invokes nothing more: its successor settles the call.
         if ctx.lost.is_cancelled() {
@@ -1200,6 +1265,16 @@ async fn execute_attempt(
                     answer = Some(Err(failed("tool_host_unavailable", reason, json!({}))));
                     break;
                 }
+                if !said_waiting {
+                    said_waiting = true;
+                    ctx.record_wait("tool_host", (&step.id, attempt), s.message()).await;
+                }
+            }
+            // The host itself says the call may have acted without a recorded outcome: asking
+            // again cannot tell more; an operator establishes what happened.
+            Ok(Err(s)) if in_doubt(&s) => {
+                unknown = format!("the tool host says: {}", s.message());
+                break;
             }
             Ok(Err(s))
                 if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) =>
@@ -1294,5 +1369,21 @@ async fn execute_attempt(
             ctx.append(events::TOOL_FAILED, &step.id, key, payload).await?;
             Ok(StepOutcome::Retry { retry_of: first, backoff })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_broken_under_a_call_is_transient_and_a_callees_own_error_is_not() {
+        let broken = Status::from_error(Box::new(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "broken pipe")));
+        assert_eq!(broken.code(), Code::Unknown);
+        assert!(transient(&broken), "a policy killed mid-request is waited out");
+        assert!(!transient(&Status::unknown("the callee's own unknown error")));
+        assert!(!transient(&Status::internal("a bug in the callee")));
+        assert!(transient(&Status::unavailable("store blip")));
+        assert!(!transient(&Status::invalid_argument("bad")));
     }
 }

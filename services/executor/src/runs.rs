@@ -327,6 +327,7 @@ impl Runs for RunsService {
             .await?
             .into_inner();
         let (view, _) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
+        let waiting_for = view.waiting_for();
         let steps = view
             .steps
             .iter()
@@ -349,6 +350,7 @@ impl Runs for RunsService {
             created_at_ms: run.created_at_ms,
             updated_at_ms: run.updated_at_ms,
             last_seq: run.last_seq,
+            waiting_for,
             agent: view.agent,
         }))
     }
@@ -383,8 +385,9 @@ impl Runs for RunsService {
                 created_at_ms: l.created_at_ms,
                 updated_at_ms: l.updated_at_ms,
                 last_seq: l.last_seq,
-                // A summary: steps and agent come from the run's events (GetRun).
+                // A summary: steps, agent and waits come from the run's events (GetRun).
                 agent: String::new(),
+                waiting_for: Vec::new(),
             })
             .collect();
         Ok(Response::new(pb::ListRunsResponse { runs, next_page_token: page.next_page_token }))

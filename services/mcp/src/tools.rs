@@ -87,6 +87,9 @@ pub fn from_mcp(server: &McpServerConfig, tool: &rmcp::model::Tool) -> Option<Mc
         read_only: effect == Effect::ReadOnly,
         version: "mcp".into(),
         retry_policy: pb::RetryPolicy::None as i32,
+        // This bridge keeps no durable mark of calls started, so a call whose answer was
+        // lost goes to an operator unless the tool is a read.
+        detects_in_doubt: false,
     };
     Some(McpTool { name: tool.name.to_string(), spec, schema_problem })
 }

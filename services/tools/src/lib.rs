@@ -234,6 +234,23 @@ impl ToolHostService {
         if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
             return call.replay(first);
         }
+        // A tool that is not idempotent is marked started before it acts. A mark without an
+        // outcome is a call that may have acted (this host stopped mid-call, or could not
+        // record the outcome): it is in doubt, and is never run again.
+        if !call.tool.idempotent() {
+            let first = self
+                .state
+                .mark_started(&r.tenant, &r.idempotency_key, now_ms())
+                .await
+                .map_err(|e| state_unavailable(e, "calls unmarkable; nothing was done"))?;
+            if !first {
+                tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, "call in doubt");
+                return Err(Status::unknown(
+                    "in doubt: this call was started before and its outcome was never recorded (the host \
+                     stopped mid-call); it may have acted, so it is not run again",
+                ));
+            }
+        }
         let ctx = tools::CallContext {
             tenant: &r.tenant,
             run_id: &r.run_id,
@@ -440,6 +457,29 @@ mod tests {
         assert_eq!(again.outcome, first.outcome);
         assert_eq!(outbox(dir.path()).len(), 1, "the email went out once");
         assert!(dir.path().join("tools.db").is_file(), "state kept beside the outbox by default");
+    }
+
+    /// A host that stopped between marking a call started and recording its outcome cannot
+    /// know whether the e-mail went out: a repeat of that call is answered "in doubt" and
+    /// sends nothing; a call never started runs.
+    #[tokio::test]
+    async fn a_call_started_but_never_recorded_is_in_doubt_and_not_run_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = host(dir.path());
+        // What a host that died mid-call leaves: the mark, no outcome.
+        assert!(host.state.mark_started("acme", "run1:s1:1", 1).await.expect("mark"));
+        let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+        let e = host
+            .invoke(Request::new(call("acme", "run1:s1:1", "email.send", mail.clone())))
+            .await
+            .expect_err("in doubt");
+        assert_eq!(e.code(), tonic::Code::Unknown, "{e:?}");
+        assert!(e.message().starts_with("in doubt"), "{e:?}");
+        assert!(outbox(dir.path()).is_empty(), "nothing was sent again");
+        let fresh = invoke(&host, call("acme", "run1:s2:1", "email.send", mail)).await;
+        assert!(!fresh.replayed);
+        assert_eq!(outbox(dir.path()).len(), 1, "a call never started runs");
+        assert!(tools::specs().iter().all(|t| t.detects_in_doubt));
     }
 
     #[tokio::test]

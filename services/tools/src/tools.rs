@@ -33,6 +33,13 @@ const SCHEMA: &[&str] = &[
         recorded_at_ms INTEGER NOT NULL,
         PRIMARY KEY (tenant, idempotency_key)
     ) WITHOUT ROWID",
+    // Calls of non-idempotent tools, marked before they act (see `ToolState::mark_started`).
+    "CREATE TABLE IF NOT EXISTS started (
+        tenant TEXT NOT NULL,
+        idempotency_key TEXT NOT NULL,
+        started_at_ms INTEGER NOT NULL,
+        PRIMARY KEY (tenant, idempotency_key)
+    ) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS kv (
         tenant TEXT NOT NULL,
         key TEXT NOT NULL,
@@ -161,6 +168,24 @@ impl ToolState {
             Ok(Recorded { tool, args_sha256, outcome: stored.into() })
         })
         .transpose()
+    }
+
+    /// Marks a call of `key` started, durably, before a tool that is not idempotent acts;
+    /// `false` when it was marked before — by a call of this host that then could not record
+    /// its outcome, or by a host process that stopped mid-call: that call may have acted, and
+    /// nobody knows whether it did.
+    pub async fn mark_started(&self, tenant: &str, key: &str, now_ms: i64) -> Result<bool, StateError> {
+        let inserted = sqlx::query(
+            "INSERT INTO started (tenant, idempotency_key, started_at_ms) VALUES (?, ?, ?)
+             ON CONFLICT (tenant, idempotency_key) DO NOTHING",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(now_ms)
+        .execute(self.db().await?)
+        .await?
+        .rows_affected();
+        Ok(inserted == 1)
     }
 
     /// Records `recorded` as the outcome of `key` unless one is there already, and returns
@@ -336,6 +361,8 @@ impl Tool {
             input_schema_json: schema.to_string(),
             timeout_sec: 10,
             idempotent: self.idempotent(),
+            // Non-idempotent calls are marked started before they act (`ToolState::mark_started`).
+            detects_in_doubt: true,
             consequential,
             read_only,
             version: "1".into(),

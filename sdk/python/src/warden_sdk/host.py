@@ -199,6 +199,8 @@ class ToolDefinition:
             read_only=self.effect is Effect.READ_ONLY,
             version=self.version,
             retry_policy=self.retry.value,
+            # Calls of tools that are not idempotent are marked started before they act.
+            detects_in_doubt=True,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -669,6 +671,24 @@ class ToolHost:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
+    async def _mark_started(self, call: _Call) -> None:
+        """Marks a call of a tool that is not idempotent started before it acts. A mark
+        without an outcome is a call that may have acted (the host stopped mid-call, or could
+        not record the outcome): it is in doubt, answered UNKNOWN, and never run again."""
+        r = call.request
+        try:
+            first = await self.store.mark_started(r.tenant, r.idempotency_key, self._clock())
+        except StateError as e:
+            log.warning("calls unmarkable; nothing was done: %s", e)
+            raise InvokeRefused(grpc.StatusCode.UNAVAILABLE, f"calls unmarkable; nothing was done: {e}") from None
+        if not first:
+            log.warning("call in doubt: run %s step %s tool %s", r.run_id, r.step_id, r.tool)
+            raise InvokeRefused(
+                grpc.StatusCode.UNKNOWN,
+                "in doubt: this call was started before and its outcome was never recorded (the host stopped "
+                "mid-call); it may have acted, so it is not run again",
+            )
+
     async def _run_once(self, call: _Call) -> toolhost_pb2.InvokeResponse:
         """Runs ``call`` unless its key has an outcome, and records the outcome before
         answering. Calls with one key take turns, so the tool runs at most once per key."""
@@ -678,6 +698,8 @@ class ToolHost:
             first = await self._stored(call)
             if first is not None:
                 return self._replay(call, first)
+            if not call.tool.idempotent:
+                await self._mark_started(call)
             outcome = await self._execute(call)
             ours = RecordedOutcome(tool=r.tool, args_sha256=call.args_sha256, outcome=outcome)
             try:

@@ -37,6 +37,16 @@ CREATE TABLE IF NOT EXISTS outcomes (
 ) WITHOUT ROWID
 """
 
+# Calls of tools that are not idempotent, marked before they act (see OutcomeStore.mark_started).
+_STARTED_SCHEMA = """
+CREATE TABLE IF NOT EXISTS started (
+    tenant TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    started_at_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, idempotency_key)
+) WITHOUT ROWID
+"""
+
 
 class StateError(Exception):
     """The state file cannot be used (unopenable, unwritable, or a stored row unreadable)."""
@@ -113,6 +123,7 @@ class OutcomeStore:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
                 conn.execute(_SCHEMA)
+                conn.execute(_STARTED_SCHEMA)
             except (sqlite3.Error, OSError) as e:
                 raise StateError(f"tool host state '{self.path}' cannot be used: {e}") from e
             self._conn = conn
@@ -163,6 +174,25 @@ class OutcomeStore:
         if first is None:
             raise StateError(f"outcome of key '{key}' vanished after a conflict")
         return first, False
+
+    def _mark(self, tenant: str, key: str, now_ms: int) -> bool:
+        with self._lock:
+            try:
+                cur = self._db().execute(
+                    "INSERT INTO started (tenant, idempotency_key, started_at_ms) VALUES (?, ?, ?)"
+                    " ON CONFLICT (tenant, idempotency_key) DO NOTHING",
+                    (tenant, key, now_ms),
+                )
+                return cur.rowcount == 1
+            except sqlite3.Error as e:
+                raise StateError(f"tool host state is unavailable: {e}") from e
+
+    async def mark_started(self, tenant: str, key: str, now_ms: int) -> bool:
+        """Marks a call of ``key`` started, durably, before a tool that is not idempotent
+        acts; ``False`` when it was marked before — by a call that then could not record its
+        outcome, or by a host process that stopped mid-call: that call may have acted, and
+        nobody knows whether it did."""
+        return await asyncio.to_thread(self._mark, tenant, key, now_ms)
 
     async def get(self, tenant: str, key: str) -> RecordedOutcome | None:
         """The outcome first recorded for ``key`` of ``tenant``, if any."""

@@ -241,6 +241,7 @@ class ToolSpec(_message.Message):
     READ_ONLY_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     RETRY_POLICY_FIELD_NUMBER: _builtins.int
+    DETECTS_IN_DOUBT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     description: _builtins.str
     input_schema_json: _builtins.str
@@ -255,6 +256,14 @@ class ToolSpec(_message.Message):
     """Reads only; no external side effect."""
     version: _builtins.str
     retry_policy: Global___RetryPolicy.ValueType
+    detects_in_doubt: _builtins.bool
+    """The host tells a call it may have acted on from one it never ran: it durably marks a
+    call of a non-idempotent tool started before acting, and answers a repeat of a call
+    marked started but without a recorded outcome (the host stopped mid-call) with UNKNOWN
+    ("in doubt") instead of acting again; a repeat of a finished call gets its first outcome.
+    An executor taking over such a call asks the host again under the same key instead of
+    handing it straight to an operator.
+    """
     def __init__(
         self,
         *,
@@ -267,10 +276,11 @@ class ToolSpec(_message.Message):
         read_only: _builtins.bool = ...,
         version: _builtins.str = ...,
         retry_policy: Global___RetryPolicy.ValueType = ...,
+        detects_in_doubt: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consequential", b"consequential", "description", b"description", "idempotent", b"idempotent", "input_schema_json", b"input_schema_json", "name", b"name", "read_only", b"read_only", "retry_policy", b"retry_policy", "timeout_sec", b"timeout_sec", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consequential", b"consequential", "description", b"description", "detects_in_doubt", b"detects_in_doubt", "idempotent", b"idempotent", "input_schema_json", b"input_schema_json", "name", b"name", "read_only", b"read_only", "retry_policy", b"retry_policy", "timeout_sec", b"timeout_sec", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -290,6 +290,7 @@ class Run(_message.Message):
     UPDATED_AT_MS_FIELD_NUMBER: _builtins.int
     LAST_SEQ_FIELD_NUMBER: _builtins.int
     AGENT_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     tenant: _builtins.str
     status: _common_pb2.RunStatus.ValueType
@@ -303,6 +304,13 @@ class Run(_message.Message):
     """The agent the run acts for (empty: the tenant itself)."""
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepState]: ...
+    @_builtins.property
+    def waiting_for(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What an active run's driver is waiting out within its outage grace, each once:
+        "policy", "planner" or "tool_host" (recorded as `run_waiting`; nothing of the waiting
+        step runs meanwhile). Empty when it waits for nothing.
+        """
+
     def __init__(
         self,
         *,
@@ -316,10 +324,11 @@ class Run(_message.Message):
         updated_at_ms: _builtins.int = ...,
         last_seq: _builtins.int = ...,
         agent: _builtins.str = ...,
+        waiting_for: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "created_at_ms", b"created_at_ms", "direct_response", b"direct_response", "last_seq", b"last_seq", "reason", b"reason", "run_id", b"run_id", "status", b"status", "steps", b"steps", "tenant", b"tenant", "updated_at_ms", b"updated_at_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "created_at_ms", b"created_at_ms", "direct_response", b"direct_response", "last_seq", b"last_seq", "reason", b"reason", "run_id", b"run_id", "status", b"status", "steps", b"steps", "tenant", b"tenant", "updated_at_ms", b"updated_at_ms", "waiting_for", b"waiting_for"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
