@@ -552,7 +552,7 @@ fn rules_of(evs: &[pb::Event], step: &str) -> Vec<String> {
         .collect()
 }
 
-async fn approve_pending(mesh: &warden_testkit::Mesh, run_id: &str, approve: bool) -> usize {
+pub(crate) async fn approve_pending(mesh: &warden_testkit::Mesh, run_id: &str, approve: bool) -> usize {
     let mut approvals = warden_proto::v1::approvals_client::ApprovalsClient::new(mesh.policy.channel());
     // The run blocks once its approval is recorded; then the approval is listed.
     first_event(mesh, "acme", run_id, |e| e.event_type == "run_blocked").await;

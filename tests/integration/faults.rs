@@ -50,11 +50,42 @@ async fn a_policy_restart_within_the_grace_fails_no_run() {
     for id in &ids {
         let run = settled(&mesh, "acme", id).await;
         assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
-        assert!(run.waiting_for.is_empty(), "{:?}", run.waiting_for);
         let evs = events(&mut mesh.ledger(), "acme", id).await;
         assert_no_outage_recorded(&evs);
         assert!(verify(&mut mesh.ledger(), "acme", id).await.valid);
     }
+}
+
+/// A host that stopped in the middle of an e-mail leaves the call marked started with no
+/// outcome. Asked under that key, it says the call is in doubt, and the executor hands it to
+/// an operator at once: nothing is sent again, nothing is recorded as a failure. (The call
+/// waits for an approval first, so the test knows its key and can leave the host's mark.)
+#[tokio::test]
+async fn a_call_the_host_says_is_in_doubt_goes_to_an_operator_and_is_not_sent_again() {
+    let mut opts = graceful();
+    opts.approval_rules = vec![("acme".into(), vec!["email.send".into()], vec!["alice".into()])];
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mail = json!({"to": "ops@example.com", "subject": "in doubt", "body": "b"});
+    let id = submit(&mesh, "acme", &plan(&[("mail", "email.send", mail, &[])])).await;
+    // What the host's own state file holds after it stopped mid-call: the mark, no outcome.
+    let state = format!("sqlite://{}", mesh.dir.path().join("tools.db").display());
+    let mut db = <sqlx::SqliteConnection as sqlx::Connection>::connect(&state).await.expect("tools.db");
+    sqlx::query("INSERT INTO started (tenant, idempotency_key, started_at_ms) VALUES ('acme', ?, 1)")
+        .bind(format!("{id}:mail:1"))
+        .execute(&mut db)
+        .await
+        .expect("mark the call started");
+    drop(db);
+    crate::conformance::approve_pending(&mesh, &id, true).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::RequiresReconciliation, "{}\n{}", run.reason, mesh.logs());
+    assert!(run.reason.contains("in doubt"), "{}", run.reason);
+    assert!(mesh.outbox().is_empty(), "the e-mail was not sent again");
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let requested = evs.iter().find(|e| e.event_type == "tool_requested").expect("the call was requested");
+    assert_eq!(payload(requested)["idempotency_key"], json!(format!("{id}:mail:1")), "the key the mark was left for");
+    assert!(!evs.iter().any(|e| matches!(e.event_type.as_str(), "tool_failed" | "step_failed")), "no failure recorded");
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
 }
 
 /// Redis is killed (every lease, liveness key and rate window gone with it) and restarted

@@ -324,7 +324,8 @@ impl RunCtx {
     /// records the outcomes still waiting, so they need not wait out the outage. Best effort:
     /// a ledger that cannot take it now changes nothing about the wait.
     async fn record_wait(&self, on: &str, (step_id, attempt): (&str, u32), error: &str) {
-        let key = self.step_key(step_id, attempt, &format!("waiting:{on}"));
+        // One wait per driver (epoch): a successor's wait is a new one.
+        let key = self.step_key(step_id, attempt, &format!("waiting:{on}:e{}", self.epoch));
         let payload = json!({"on": on, "attempt": attempt, "error": error});
         let appended = tokio::time::timeout(
             Duration::from_secs(5),
@@ -1261,6 +1262,16 @@ async fn execute_attempt(
             }
             Ok(Err(s)) if never_sent(&s) => {
                 if since.elapsed() >= grace || ctx.lost.is_cancelled() {
+                    // An earlier ask (this driver's or its predecessor's) may have reached the
+                    // host before it went away: that call's outcome is unknown, not a failure.
+                    if asked > 0 || asked_before {
+                        unknown = format!(
+                            "the call was asked before and the tool host stayed unreachable for {} ms: {}",
+                            grace.as_millis(),
+                            s.message()
+                        );
+                        break;
+                    }
                     let reason = format!("tool host unreachable for {} ms: {}", grace.as_millis(), s.message());
                     answer = Some(Err(failed("tool_host_unavailable", reason, json!({}))));
                     break;
@@ -1295,6 +1306,14 @@ async fn execute_attempt(
     }
     let answer = match answer {
         None => return Ok(StepOutcome::Unknown(unknown)),
+        // A refusal of a repeat says nothing about the earlier ask, which may have acted.
+        Some(Ok(Err(s))) if asked > 0 || asked_before => {
+            return Ok(StepOutcome::Unknown(format!(
+                "the call was asked before; asked again, the tool host answers {:?}: {}",
+                s.code(),
+                s.message()
+            )));
+        }
         Some(Err(mut not_sent)) => {
             cite_trace(&mut not_sent, &invoke_span);
             return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, not_sent).await;

@@ -147,13 +147,15 @@ impl Runs for RunsService {
         // from the plan in hand without reading anything back.
         let run_id = uuid::Uuid::now_v7().to_string();
         let ttl = std::time::Duration::from_millis(self.ex.inner.config.lease_ttl_ms);
-        let lease = self
-            .ex
-            .inner
-            .leases
-            .acquire(&run_id, &self.ex.inner.lease_owner, ttl, 0)
-            .await
-            .map_err(|e| Status::unavailable(format!("lease store: {e}")))?;
+        // A lease store that cannot answer (Redis restarting) does not refuse the submission:
+        // the run is recorded pending, and is driven once a lease can be taken (the sweeper).
+        let lease = match self.ex.inner.leases.acquire(&run_id, &self.ex.inner.lease_owner, ttl, 0).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(run_id = %run_id, error = %e, "no lease at submission; the run waits for the sweeper");
+                None
+            }
+        };
         if lease.is_some() {
             warden_telemetry::metrics::lease_acquired(false);
         }
@@ -186,8 +188,8 @@ impl Runs for RunsService {
             }
         };
         let run = created.run.ok_or_else(|| Status::internal("ledger returned no run"))?;
-        // Deduplicated (an earlier submission's run), or no lease (cannot happen for a fresh
-        // id; then the usual path drives it): this lease is not needed.
+        // Deduplicated (an earlier submission's run), or no lease (the lease store did not
+        // answer; then the usual path drives it): this lease is not needed.
         let fresh = match lease {
             Some(l) if !created.deduplicated && run.run_id == run_id => Some(l),
             Some(l) => {

@@ -229,7 +229,8 @@ impl ToolHostService {
         let r = &call.request;
         let ticket = self.in_flight.ticket((r.tenant.clone(), r.idempotency_key.clone()));
         let _turn = ticket.turn().await;
-        // A call that held the turn before this one has recorded its outcome by now.
+        // A call that held the turn before this one has recorded its outcome by now (or, in
+        // doubt, left its started mark).
         let recorded = self.state.outcome(&r.tenant, &r.idempotency_key).await;
         if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
             return call.replay(first);
@@ -297,10 +298,7 @@ impl ToolHost for ToolHostService {
         let digest = args_digest(&args);
         self.verify(&r, &digest).await?;
         let call = Call { request: r, tool, args, args_sha256: digest };
-        let recorded = self.state.outcome(&call.request.tenant, &call.request.idempotency_key).await;
-        if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
-            return call.replay(first);
-        }
+        // The recorded outcome, if any, is read once, in turn with other calls of the key.
         // On its own task: a caller that hangs up (a timeout) must not stop the tool between
         // its effect and the recording of its outcome.
         let service = self.clone();

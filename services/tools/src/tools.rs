@@ -174,7 +174,13 @@ impl ToolState {
     /// `false` when it was marked before — by a call of this host that then could not record
     /// its outcome, or by a host process that stopped mid-call: that call may have acted, and
     /// nobody knows whether it did.
+    ///
+    /// Unlike outcomes, the mark is synced to disk before this returns (`synchronous=FULL`
+    /// for its commit): lost to an OS crash, it would let a repeat act a second time, where a
+    /// lost outcome only leaves the call in doubt.
     pub async fn mark_started(&self, tenant: &str, key: &str, now_ms: i64) -> Result<bool, StateError> {
+        let mut conn = self.db().await?.acquire().await?;
+        sqlx::query("PRAGMA synchronous = FULL").execute(&mut *conn).await?;
         let inserted = sqlx::query(
             "INSERT INTO started (tenant, idempotency_key, started_at_ms) VALUES (?, ?, ?)
              ON CONFLICT (tenant, idempotency_key) DO NOTHING",
@@ -182,10 +188,11 @@ impl ToolState {
         .bind(tenant)
         .bind(key)
         .bind(now_ms)
-        .execute(self.db().await?)
-        .await?
-        .rows_affected();
-        Ok(inserted == 1)
+        .execute(&mut *conn)
+        .await;
+        // Back to the pool's setting for outcomes (a connection left on FULL is only slower).
+        let _ = sqlx::query("PRAGMA synchronous = NORMAL").execute(&mut *conn).await;
+        Ok(inserted?.rows_affected() == 1)
     }
 
     /// Records `recorded` as the outcome of `key` unless one is there already, and returns

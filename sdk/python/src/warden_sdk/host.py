@@ -661,9 +661,7 @@ class ToolHost:
             request=r,
         )
         call = _Call(request=r, tool=definition, args=args, args_sha256=digest, context=context)
-        first = await self._stored(call)
-        if first is not None:
-            return self._replay(call, first)
+        # The recorded outcome, if any, is read once, in turn with other calls of the key.
         # On its own task: a caller that hangs up (a timeout) must not stop the tool between
         # its effect and the recording of its outcome.
         task = asyncio.ensure_future(self._run_once(call))

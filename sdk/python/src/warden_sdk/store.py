@@ -178,11 +178,18 @@ class OutcomeStore:
     def _mark(self, tenant: str, key: str, now_ms: int) -> bool:
         with self._lock:
             try:
-                cur = self._db().execute(
-                    "INSERT INTO started (tenant, idempotency_key, started_at_ms) VALUES (?, ?, ?)"
-                    " ON CONFLICT (tenant, idempotency_key) DO NOTHING",
-                    (tenant, key, now_ms),
-                )
+                db = self._db()
+                # Synced before returning, unlike outcomes: a mark lost to an OS crash would
+                # let a repeat act twice, where a lost outcome only leaves the call in doubt.
+                db.execute("PRAGMA synchronous=FULL")
+                try:
+                    cur = db.execute(
+                        "INSERT INTO started (tenant, idempotency_key, started_at_ms) VALUES (?, ?, ?)"
+                        " ON CONFLICT (tenant, idempotency_key) DO NOTHING",
+                        (tenant, key, now_ms),
+                    )
+                finally:
+                    db.execute("PRAGMA synchronous=NORMAL")
                 return cur.rowcount == 1
             except sqlite3.Error as e:
                 raise StateError(f"tool host state is unavailable: {e}") from e
