@@ -8,7 +8,6 @@
 //! `tool_failed`. A sweeper picks up every non-terminal run without a live lease, so no run
 //! is lost between submit and completion.
 
-mod args;
 pub mod driver;
 pub mod replay;
 pub mod runs;
@@ -60,8 +59,6 @@ pub(crate) struct Inner {
     /// Fires when this replica shuts down: its drivers start nothing new, let the steps in
     /// flight settle, record what waits, and release their leases for another replica.
     pub handoff: CancellationToken,
-    /// Tools' compiled input schemas (arguments are checked before policy is asked).
-    pub input_schemas: args::InputSchemas,
 }
 
 /// How long a shutting-down replica lets the steps in flight settle before it leaves.
@@ -98,7 +95,6 @@ impl Executor {
                 cancels: Mutex::default(),
                 stopped_driving: Mutex::default(),
                 handoff: CancellationToken::new(),
-                input_schemas: Default::default(),
             }),
         })
     }
