@@ -279,3 +279,47 @@ async fn transactions_stage_commit_and_roll_back_on_sqlite() {
 async fn transactions_stage_commit_and_roll_back_on_postgres() {
     transactions(Backend::Postgres).await;
 }
+
+/// The step pipeline (seed 000 §4.1): arguments resolved from an earlier step's output are
+/// checked against the tool's declared input schema before policy is asked. A mismatch fails
+/// the step naming the field; no decision is made, nothing is requested, nothing is sent.
+#[tokio::test]
+async fn resolved_arguments_that_break_the_tools_input_schema_never_reach_policy_or_the_tool() {
+    let mesh = mesh_on(Backend::Sqlite).await;
+    let p = plan(&[
+        ("a", "echo", json!({"v": {"x": 1}}), &[]),
+        ("mail", "email.send", json!({"to": "{{a.output.v}}", "subject": "s", "body": "b"}), &["a"]),
+    ]);
+    let id = submit(&mesh, "acme", &p).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed, "{}", run.reason);
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let failed = evs.iter().find(|e| e.event_type == "step_failed" && e.step_id == "mail").expect("the step failed");
+    let p = payload(failed);
+    assert_eq!(p["kind"], json!("invalid_arguments"), "{p}");
+    assert_eq!(p["field"], json!("params/to"), "{p}");
+    assert!(
+        !evs.iter()
+            .any(|e| e.step_id == "mail" && matches!(e.event_type.as_str(), "policy_decision" | "tool_requested")),
+        "policy was not asked and nothing was requested"
+    );
+    assert!(mesh.outbox().is_empty());
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}
+
+/// Literal params are checked against the tool's input schema at submission: a plan that
+/// cannot run is refused whole, naming the field, and nothing is recorded.
+#[tokio::test]
+async fn a_plan_whose_literal_params_break_the_input_schema_is_refused_at_submission() {
+    let mesh = mesh_on(Backend::Sqlite).await;
+    let p = plan(&[
+        ("a", "echo", json!({"v": 1}), &[]),
+        ("mail", "email.send", json!({"to": 5, "subject": "s", "body": "b"}), &["a"]),
+    ]);
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: p, ..Default::default() };
+    let e = mesh.runs().submit_run(req).await.expect_err("refused");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert_field_violation(&e, "steps[1].params/to");
+    let runs = mesh.runs().list_runs(pb::ListRunsRequest { tenant: "acme".into(), ..Default::default() }).await;
+    assert!(runs.expect("list").into_inner().runs.is_empty(), "nothing was recorded");
+}

@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod catalog;
+pub mod input_schema;
 pub mod keyfile;
 pub mod launch;
 

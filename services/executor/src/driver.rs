@@ -1109,6 +1109,15 @@ async fn execute_attempt(
         let p = fail("unknown_tool", format!("no tool host serves '{}'", step.tool), json!({}));
         return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     };
+    // The step pipeline: resolved arguments must match the tool's declared input schema
+    // before policy is asked or the tool invoked (literal params were checked at submission). A call asked before is not checked again
+    // (it may have acted; its host's schema may have changed since).
+    if !asked_before
+        && let Err(refused) = ctx.ex.inner.input_schemas.check(&step.tool, &entry.spec.input_schema_json, &args)
+    {
+        let p = fail("invalid_arguments", refused.reason, json!({"field": refused.field}));
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+    }
     let args_json = canonical_json(&args);
     // K01/K19: without a recorded allow decision and its signed authorization, nothing runs.
     // Authorize is idempotent per call: a policy restart or a store blip is waited out (within

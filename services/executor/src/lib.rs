@@ -59,6 +59,8 @@ pub(crate) struct Inner {
     /// Fires when this replica shuts down: its drivers start nothing new, let the steps in
     /// flight settle, record what waits, and release their leases for another replica.
     pub handoff: CancellationToken,
+    /// Tools' compiled input schemas (arguments are checked before policy is asked).
+    pub input_schemas: warden_grpc::input_schema::InputSchemas,
 }
 
 /// How long a shutting-down replica lets the steps in flight settle before it leaves.
@@ -95,6 +97,7 @@ impl Executor {
                 cancels: Mutex::default(),
                 stopped_driving: Mutex::default(),
                 handoff: CancellationToken::new(),
+                input_schemas: Default::default(),
             }),
         })
     }

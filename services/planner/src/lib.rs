@@ -52,6 +52,8 @@ pub struct PlannerService {
     models: Arc<HashMap<String, ModelClient>>,
     prices: Arc<std::collections::BTreeMap<String, warden_config::ModelPrice>>,
     known_tenants: Arc<std::collections::BTreeSet<String>>,
+    /// Tools' compiled input schemas, for the literal params of submitted plans.
+    input_schemas: Arc<warden_grpc::input_schema::InputSchemas>,
 }
 
 impl PlannerService {
@@ -75,6 +77,7 @@ impl PlannerService {
             models: Arc::new(models),
             prices: Arc::new(config.prices.clone()),
             known_tenants: Arc::new(config.tenants.keys().cloned().collect()),
+            input_schemas: Arc::default(),
         })
     }
 
@@ -130,6 +133,18 @@ impl PlannerService {
         let known = |t: &str| catalog.contains_key(t);
         plan.validate(&PlanLimits { max_steps: self.max_steps, known_tool: &known })
             .map_err(|e| invalid_field(e.field(), e.to_string()))?;
+        // Literal params against the tool's input schema now, so a plan that cannot run is
+        // refused before anything of it runs; a step with templates is checked by the
+        // executor once its values are known.
+        for (i, step) in plan.steps.iter().enumerate() {
+            if step.params.to_string().contains("{{") {
+                continue;
+            }
+            let Some(entry) = catalog.get(&step.tool) else { continue };
+            if let Err(refused) = self.input_schemas.check(&step.tool, &entry.spec.input_schema_json, &step.params) {
+                return Err(invalid_field(format!("steps[{i}].{}", refused.field), refused.reason));
+            }
+        }
         let canonical = warden_core::canonical_json(&plan);
         Ok((plan, canonical))
     }
