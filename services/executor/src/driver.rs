@@ -125,6 +125,9 @@ fn max_attempts(policy: i32) -> u32 {
     }
 }
 
+/// Most of a callee's error a `run_waiting` event keeps.
+const MAX_WAIT_ERROR_BYTES: usize = 512;
+
 /// How often an idempotent tool is asked before an unknown outcome goes to an operator.
 const UNKNOWN_OUTCOME_TRIES: usize = 3;
 
@@ -326,6 +329,8 @@ impl RunCtx {
     async fn record_wait(&self, on: &str, (step_id, attempt): (&str, u32), error: &str) {
         // One wait per driver (epoch): a successor's wait is a new one.
         let key = self.step_key(step_id, attempt, &format!("waiting:{on}:e{}", self.epoch));
+        // What the callee said, bounded: a host's status message is its own to size.
+        let error = &error[..error.floor_char_boundary(MAX_WAIT_ERROR_BYTES)];
         let payload = json!({"on": on, "attempt": attempt, "error": error});
         let appended = tokio::time::timeout(
             Duration::from_secs(5),
@@ -588,7 +593,7 @@ async fn drive_view(ctx: &RunCtx, mut view: RunView) -> Result<(), DriveError> {
     // (it then replays the outcome), is asked again under the same key; any other goes to an
     // operator.
     for s in view.steps.iter().filter(|s| s.outcome_unknown) {
-        let asked_again = tools.get(&s.tool).is_some_and(|t| t.spec.idempotent || t.spec.detects_in_doubt);
+        let asked_again = tools.get(&s.tool).is_some_and(|t| may_ask_again(&t.spec));
         if !asked_again {
             let reason = format!("step '{}' ({}) may or may not have run and the tool is not idempotent", s.id, s.tool);
             return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": s.id})).await;
@@ -971,6 +976,13 @@ where
     }
 }
 
+/// Whether a call of this tool whose answer was lost may be asked again under its key: the
+/// tool is idempotent, or its host tells a call in doubt from one it finished (it replays the
+/// outcome, or says it is in doubt, and never acts twice).
+fn may_ask_again(spec: &pb::ToolSpec) -> bool {
+    spec.idempotent || spec.detects_in_doubt
+}
+
 /// A host's answer that the call is in doubt: it was started before and its outcome never
 /// recorded (see `ToolSpec.detects_in_doubt`).
 fn in_doubt(s: &Status) -> bool {
@@ -1110,8 +1122,9 @@ async fn execute_attempt(
         return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     };
     // The step pipeline: resolved arguments must match the tool's declared input schema
-    // before policy is asked or the tool invoked (literal params were checked at submission). A call asked before is not checked again
-    // (it may have acted; its host's schema may have changed since).
+    // before policy is asked or the tool invoked (literal params were checked at submission).
+    // A call asked before is not checked again (it may have acted; its host's schema may have
+    // changed since).
     if !asked_before
         && let Err(refused) = ctx.ex.inner.input_schemas.check(&step.tool, &entry.spec.input_schema_json, &args)
     {
@@ -1250,9 +1263,7 @@ async fn execute_attempt(
         rpc.service = "warden.v1.ToolHost",
         rpc.method = "Invoke",
     );
-    // Asking again is safe when the tool is idempotent, or when its host tells a call in
-    // doubt from one it finished (it replays the outcome, or says it is in doubt).
-    let tries = if entry.spec.idempotent || entry.spec.detects_in_doubt { UNKNOWN_OUTCOME_TRIES } else { 1 };
+    let tries = if may_ask_again(&entry.spec) { UNKNOWN_OUTCOME_TRIES } else { 1 };
     let grace = Duration::from_millis(ctx.ex.inner.config.outage_grace_ms);
     let since = tokio::time::Instant::now();
     let mut backoff = Duration::from_millis(50);

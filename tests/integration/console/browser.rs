@@ -1,7 +1,9 @@
 //! Headless Chromium driven over W3C WebDriver (Debian's `chromium` and `chromium-driver`,
 //! installed with apt-get when missing, as the harness installs Redis and PostgreSQL).
 //!
-//! Every wait polls the page for a condition under one overall deadline — never a fixed sleep.
+//! Every wait is on an event: Chromium and chromedriver say when they listen, and the page
+//! waits are scripts that resolve on the DOM mutation that meets their condition (a
+//! MutationObserver), bounded by WebDriver's script timeout as a guard against a hang.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -15,8 +17,8 @@ use warden_testkit::procs::{apt_install, find_binary, free_port, spawn_tied};
 
 use super::http;
 
-/// How long one wait for the page may take at most: a guard against a hang, not a latency bound.
-pub const DEADLINE: Duration = Duration::from_secs(45);
+/// How long one wait may take at most: a guard against a hang, not a latency bound.
+const HANG_GUARD: Duration = Duration::from_secs(45);
 const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
 /// WebDriver's key code for Enter.
 pub const ENTER: &str = "\u{E007}";
@@ -46,10 +48,43 @@ pub struct Browser {
     shots: PathBuf,
 }
 
-/// Spawns `cmd` tied to this process, so it cannot outlive a test that is killed.
-fn spawn(mut cmd: Command, what: &str) -> anyhow::Result<Child> {
+/// Which of a child's output streams says it is ready.
+#[derive(Clone, Copy)]
+enum Says {
+    Stdout,
+    Stderr,
+}
+
+/// Spawns `cmd` tied to this process (so it cannot outlive a test that is killed) and waits
+/// for the line of `stream` containing `ready`; the rest of the stream is drained so the
+/// child never blocks on a full pipe. `false` when the stream ended (or the guard passed)
+/// without it.
+async fn spawn_until(mut cmd: Command, what: &str, stream: Says, ready: &'static str) -> anyhow::Result<(Child, bool)> {
     cmd.stdout(Stdio::null()).stderr(Stdio::null()).stdin(Stdio::null());
-    spawn_tied(cmd, libc::SIGKILL).with_context(|| format!("starting {what}"))
+    match stream {
+        Says::Stdout => cmd.stdout(Stdio::piped()),
+        Says::Stderr => cmd.stderr(Stdio::piped()),
+    };
+    let mut child = spawn_tied(cmd, libc::SIGKILL).with_context(|| format!("starting {what}"))?;
+    let out: Box<dyn std::io::Read + Send> = match stream {
+        Says::Stdout => Box::new(child.stdout.take().context("no stdout")?),
+        Says::Stderr => Box::new(child.stderr.take().context("no stderr")?),
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut tx = Some(tx);
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if line.contains(ready)
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(());
+            }
+        }
+    });
+    let said = matches!(tokio::time::timeout(HANG_GUARD, rx).await, Ok(Ok(())));
+    Ok((child, said))
 }
 
 fn stop(child: &mut Child) {
@@ -83,14 +118,8 @@ impl Browser {
                 &format!("--user-data-dir={}", profile.path().display()),
                 "about:blank",
             ]);
-            let mut chromium = spawn(cmd, "chromium")?;
-            let devtools = format!("http://127.0.0.1:{debug_port}/json/version");
-            let up = warden_testkit::eventually(Duration::from_secs(30), || {
-                let url = devtools.clone();
-                async move { http::request("GET", &url, &[], "").await.ok().filter(|r| r.status == 200) }
-            })
-            .await;
-            if up.is_none() {
+            let (mut chromium, up) = spawn_until(cmd, "chromium", Says::Stderr, "DevTools listening on").await?;
+            if !up {
                 stop(&mut chromium);
                 last = Some(anyhow::anyhow!("chromium did not open its debugging port {debug_port}"));
                 continue;
@@ -98,17 +127,10 @@ impl Browser {
             let port = free_port()?;
             let mut cmd = Command::new(&chromedriver);
             cmd.arg(format!("--port={port}"));
-            let mut driver = spawn(cmd, "chromedriver")?;
+            let (mut driver, ready) =
+                spawn_until(cmd, "chromedriver", Says::Stdout, "was started successfully").await?;
             let base = format!("http://127.0.0.1:{port}");
-            let ready = warden_testkit::eventually(Duration::from_secs(20), || {
-                let url = format!("{base}/status");
-                async move {
-                    let r = http::request("GET", &url, &[], "").await.ok()?;
-                    r.json()["value"]["ready"].as_bool().filter(|r| *r)
-                }
-            })
-            .await;
-            if ready.is_none() {
+            if !ready {
                 stop(&mut driver);
                 stop(&mut chromium);
                 last = Some(anyhow::anyhow!("chromedriver did not become ready on port {port}"));
@@ -123,6 +145,8 @@ impl Browser {
                     let session = v["sessionId"].as_str().context("no session id")?.to_string();
                     std::fs::create_dir_all(shots)?;
                     let b = Browser { chromium, driver, base, session, _profile: profile, shots: shots.to_path_buf() };
+                    // The page waits are scripts; this bounds each (a guard against a hang).
+                    b.cmd("POST", "/timeouts", json!({"script": HANG_GUARD.as_millis() as u64})).await?;
                     // The viewport itself is 1280×800 (a headless window's size includes its frame).
                     b.resize(1280, 800).await?;
                     return Ok(b);
@@ -164,26 +188,45 @@ impl Browser {
         Ok(found.as_array().and_then(|a| a.first()).and_then(|e| e[ELEMENT].as_str()).map(str::to_string))
     }
 
+    /// Waits in the page until `condition` (a JavaScript expression over `arg`) holds: checked
+    /// at once, then on every DOM mutation. `false` when the page went away under the wait (a
+    /// navigation); an error when the script timeout passed.
+    async fn until(&self, condition: &str, arg: Value) -> anyhow::Result<bool> {
+        let script = format!(
+            "const arg = arguments[0], done = arguments[arguments.length - 1]; \
+             const holds = () => {{ try {{ return !!({condition}); }} catch (e) {{ return false; }} }}; \
+             if (holds()) return done(true); \
+             const seen = new MutationObserver(() => {{ if (holds()) {{ seen.disconnect(); done(true); }} }}); \
+             seen.observe(document, {{subtree: true, childList: true, characterData: true, attributes: true}});"
+        );
+        match self.cmd("POST", "/execute/async", json!({"script": script, "args": [arg]})).await {
+            Ok(v) => Ok(v.as_bool() == Some(true)),
+            Err(e) if e.to_string().contains("script timeout") => Err(e),
+            // The document was replaced under the script: the caller looks again.
+            Err(_) => Ok(false),
+        }
+    }
+
     /// Waits for an element matching `css` and returns its id.
     pub async fn element(&self, css: &str) -> anyhow::Result<String> {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
+        let guard = tokio::time::Instant::now() + HANG_GUARD;
         loop {
             if let Some(id) = self.find(css).await? {
                 return Ok(id);
             }
+            let appeared = self.until("document.querySelector(arg)", json!(css)).await;
             anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
+                appeared.is_ok() && tokio::time::Instant::now() < guard,
                 "no element '{css}' appeared\n{}",
                 self.page_text().await
             );
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
     /// Does `what` to the element matching `css`, finding it again if the page redrew it in
     /// between (the live views do).
     async fn act(&self, css: &str, what: &str, body: Value) -> anyhow::Result<()> {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
+        let deadline = tokio::time::Instant::now() + HANG_GUARD;
         loop {
             let id = self.element(css).await?;
             match self.cmd("POST", &format!("/element/{id}/{what}"), body.clone()).await {
@@ -206,17 +249,17 @@ impl Browser {
     /// Gives the element matching `css` the keyboard focus (as Tab would) and presses `key` on
     /// it, as a person's keyboard does: for elements that take no text, such as the DAG's nodes.
     pub async fn press(&self, css: &str, key: &str) -> anyhow::Result<()> {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        let focus = "const e = document.querySelector(arguments[0]); if (!e) return false; \
-                     e.focus(); return document.activeElement === e;";
+        // The page may redraw between finding and focusing: the focus is given in the page,
+        // again on every mutation, until it holds.
+        let focused = "(() => { const e = document.querySelector(arg); if (!e) return false; \
+                       e.focus(); return document.activeElement === e; })()";
+        let deadline = tokio::time::Instant::now() + HANG_GUARD;
         loop {
             self.element(css).await?;
-            // The page may redraw between finding and focusing: focus again until it holds.
-            if self.eval(focus, json!([css])).await?.as_bool() == Some(true) {
+            if self.until(focused, json!(css)).await? {
                 break;
             }
             anyhow::ensure!(tokio::time::Instant::now() < deadline, "'{css}' never took the focus");
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let keys = json!({"actions": [{"type": "key", "id": "keyboard", "actions": [
             {"type": "keyDown", "value": key}, {"type": "keyUp", "value": key},
@@ -237,19 +280,22 @@ impl Browser {
     }
 
     /// Waits until the text of `css` satisfies `want`; returns that text.
+    /// Each time the text is not yet what is wanted, waits in the page for it to change.
     pub async fn wait_text(&self, css: &str, what: &str, want: impl Fn(&str) -> bool) -> anyhow::Result<String> {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
+        let deadline = tokio::time::Instant::now() + HANG_GUARD;
+        let changed = "(() => { const e = document.querySelector(arg[0]); \
+                       return (e ? e.innerText : '') !== arg[1]; })()";
         loop {
             let t = self.text(css).await?;
             if want(&t) {
                 return Ok(t);
             }
+            let moved = self.until(changed, json!([css, t])).await;
             anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
+                moved.is_ok() && tokio::time::Instant::now() < deadline,
                 "'{css}' never showed {what}; it shows {t:?}\n{}",
                 self.page_text().await
             );
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
