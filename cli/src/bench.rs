@@ -181,11 +181,13 @@ impl Counters {
         if let Some(url) = &self.db
             && let Ok(mut c) = <sqlx::PgConnection as sqlx::Connection>::connect(url).await
         {
-            // Explicit transactions (pg_stat_database's counters are flushed too lazily to
-            // read between workloads); the services commit only through BEGIN … COMMIT.
+            // Transactions (pg_stat_database's counters are flushed too lazily to read between
+            // workloads): the services commit through BEGIN … COMMIT, and the ledger's batch
+            // write of runs it holds in memory is one statement committed on its own.
             commits = sqlx::query_scalar::<_, i64>(
                 "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
-                 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) AND query ILIKE 'COMMIT%'",
+                 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                   AND (query ILIKE 'COMMIT%' OR query ILIKE 'WITH h (%')",
             )
             .fetch_one(&mut c)
             .await

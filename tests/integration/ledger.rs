@@ -411,3 +411,44 @@ async fn a_slow_stream_consumer_gets_every_event_in_order() {
     }
     assert_eq!(expected, 3002, "run_submitted plus 3000 events");
 }
+
+/// Two ledger processes on one database (replicas behind a load balancer): each keeps the runs
+/// it appended to in memory, so each must notice the other's appends before it writes. Appends
+/// alternate between them; every one lands in order, a repeat through the other replica gets
+/// the first answer, and fencing holds against a stale in-memory epoch.
+async fn two_ledger_replicas_share_a_run(backend: Backend) {
+    let Fixture { mesh, ledger: mut a, run_id } = fixture(backend).await;
+    let replica = mesh.another_ledger().expect("second ledger");
+    let mut b = LedgerClient::new(replica.channel());
+    for i in 0..12u64 {
+        let l = if i % 2 == 0 { &mut a } else { &mut b };
+        let appended = l.append_event(note(&run_id, &format!("k{i}"))).await.expect("append").into_inner();
+        assert_eq!(appended.event.expect("event").seq, i + 2, "append {i} lands right after the other replica's");
+    }
+    // A repeat through the replica that did not write it: the first answer, nothing new.
+    let again = a.append_event(note(&run_id, "k1")).await.expect("repeat").into_inner();
+    assert!(again.deduplicated);
+    assert_eq!(again.event.expect("event").seq, 3);
+    // B moves the run to epoch 5; A, which last saw epoch 1, must refuse epoch 1 from now on.
+    b.append_event(pb::AppendEventRequest { epoch: 5, ..note(&run_id, "taken-over") }).await.expect("epoch 5");
+    let e = a.append_event(note(&run_id, "stale")).await.expect_err("a stale epoch");
+    assert!(warden_grpc::is_fenced(&e), "{e:?}");
+    a.append_event(pb::AppendEventRequest { epoch: 5, ..note(&run_id, "after") }).await.expect("epoch 5 through A");
+    let evs = events(&mut a, "acme", &run_id).await;
+    assert_eq!(evs.len(), 15, "run_submitted, 12 notes, the takeover and one more; nothing doubled");
+    for (i, e) in evs.iter().enumerate() {
+        assert_eq!(e.seq, i as u64 + 1);
+    }
+    assert!(verify(&mut a, "acme", &run_id).await.valid);
+    assert!(verify(&mut b, "acme", &run_id).await.valid);
+}
+
+#[tokio::test]
+async fn two_ledger_replicas_share_a_run_on_sqlite() {
+    two_ledger_replicas_share_a_run(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn two_ledger_replicas_share_a_run_on_postgres() {
+    two_ledger_replicas_share_a_run(Backend::Postgres).await;
+}

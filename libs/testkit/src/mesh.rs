@@ -461,6 +461,16 @@ impl Mesh {
         })
     }
 
+    /// Another ledger process on the same database and signing key (a replica, as behind a
+    /// load balancer), on a port of its own.
+    pub fn another_ledger(&self) -> anyhow::Result<ServiceProcess> {
+        let mut env = self.ledger.env.clone();
+        env.retain(|(k, _)| k != "WARDEN_LEDGER__LISTEN");
+        env.push(("WARDEN_LEDGER__LISTEN".into(), "127.0.0.1:0".into()));
+        let log = self.ledger.log.with_file_name("ledger-replica.log");
+        ServiceProcess::start("ledger-replica", self.ledger.bin.clone(), env, log)
+    }
+
     /// The front door of the first executor that is still running.
     pub fn runs(&self) -> RunsClient<Ch> {
         self.runs_as(&self.token)

@@ -14,6 +14,10 @@ pub enum LedgerError {
     Precondition(String),
     #[error("storage unavailable: {0}")]
     Unavailable(String),
+    /// A batch decided on a run state another writer had moved past: it wrote nothing, and is
+    /// appended again from the stored heads (answered UNAVAILABLE, retryable, if it escapes).
+    #[error("{0}")]
+    Moved(String),
     #[error("internal ledger error: {0}")]
     Internal(String),
 }
@@ -40,6 +44,7 @@ impl LedgerError {
             LedgerError::Fenced { epoch, max_epoch } => LedgerError::Fenced { epoch: *epoch, max_epoch: *max_epoch },
             LedgerError::Precondition(m) => LedgerError::Precondition(m.clone()),
             LedgerError::Unavailable(m) => LedgerError::Unavailable(m.clone()),
+            LedgerError::Moved(m) => LedgerError::Moved(m.clone()),
             LedgerError::Internal(m) => LedgerError::Internal(m.clone()),
         }
     }
@@ -88,7 +93,7 @@ impl From<LedgerError> for Status {
                 warden_grpc::fenced(e.to_string())
             }
             LedgerError::Precondition(_) => Status::failed_precondition(e.to_string()),
-            LedgerError::Unavailable(_) => Status::unavailable(e.to_string()),
+            LedgerError::Unavailable(_) | LedgerError::Moved(_) => Status::unavailable(e.to_string()),
             LedgerError::Internal(_) => Status::internal(e.to_string()),
         }
     }

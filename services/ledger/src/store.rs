@@ -5,6 +5,7 @@
 //! PostgreSQL and the write lock in SQLite), so `seq` is contiguous under concurrent writers
 //! and the idempotency and fencing checks see every committed event.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ use crate::error::LedgerError;
 mod batch;
 mod checks;
 pub mod derived;
+mod hot;
 
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("migrations/postgres");
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("migrations/sqlite");
@@ -139,6 +141,8 @@ pub struct LedgerStore {
     backend: Backend,
     /// Signs every run's chain head as it moves.
     key: Arc<SigningKey>,
+    /// Runs appended to lately, whole, so their appends read nothing.
+    hot: Arc<hot::HotRuns>,
 }
 
 const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
@@ -220,6 +224,11 @@ impl LedgerStore {
         let options = AnyConnectOptions::from_str(&url)
             .map_err(|e| LedgerError::invalid("ledger.database_url", e.to_string()))?;
         let pool = AnyPoolOptions::new()
+            // No round trip to ping the database before every statement: a connection that
+            // died (a database restart) fails its next statement with a connection error, is
+            // dropped by the pool, and the append is tried once more on a fresh connection
+            // (`append_groups`); readers answer UNAVAILABLE once, which callers retry.
+            .test_before_acquire(false)
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))
             .after_connect(move |conn, _| {
@@ -243,7 +252,7 @@ impl LedgerStore {
             Backend::Postgres => &POSTGRES_MIGRATIONS,
         };
         migrator.run(&pool).await.map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
-        Ok(LedgerStore { pool, backend, key: Arc::new(key) })
+        Ok(LedgerStore { pool, backend, key: Arc::new(key), hot: Default::default() })
     }
 
     pub fn verifying_key(&self) -> ed25519_dalek::VerifyingKey {
@@ -426,6 +435,23 @@ impl LedgerStore {
         }
         batch::insert_events(&mut tx, &chain).await?;
         tx.commit().await?;
+        let mut state = hot::RunState::new(
+            checks::RunHead {
+                run_id: new.run_id.to_string(),
+                tenant: new.tenant.to_string(),
+                status: status.as_str().to_string(),
+                reason: String::new(),
+                last_seq,
+                head_hash: head_hash.clone(),
+                max_epoch,
+                updated_at_ms: new.now_ms,
+            },
+            true,
+        );
+        for e in chain {
+            state.remember(e);
+        }
+        self.hot.put([state]);
         let run = RunRow {
             run_id: new.run_id.to_string(),
             tenant: new.tenant.to_string(),
@@ -507,6 +533,7 @@ impl LedgerStore {
 
     /// Appends one event in its own transaction; returns it and whether it was a duplicate.
     pub async fn append(&self, new: NewEvent<'_>) -> Result<(ChainedEvent, bool), LedgerError> {
+        self.hot.forget(new.run_id);
         let mut tx = self.begin_write().await?;
         let appended = self.append_in(&mut tx, new).await?;
         tx.commit().await?;
@@ -515,12 +542,27 @@ impl LedgerStore {
 
     /// Appends groups of events in one database transaction (group commit), one commit for
     /// all; each group is all or nothing (a refused event wrote nothing: every check precedes
-    /// the writes), and the other groups go on. If the transaction itself fails (storage
-    /// trouble, or an event the database will not take), every group is appended again on its
-    /// own, so each gets its own answer — refusals included, since they may have depended on
-    /// events of the failed transaction.
+    /// the writes), and the other groups go on. A batch decided on a run state another writer
+    /// had moved past wrote nothing and runs again, reading its runs under their lock. If the
+    /// transaction itself fails (storage trouble, or an event the database will not take),
+    /// every group is appended again on its own, so each gets its own answer — refusals
+    /// included, since they may have depended on events of the failed transaction.
     pub async fn append_groups(&self, groups: Vec<Vec<OwnedEvent>>) -> Vec<crate::group::GroupResult> {
-        match self.try_groups(&groups).await {
+        let first = match self.try_groups(&groups).await {
+            Err(LedgerError::Moved(why)) => {
+                tracing::debug!(%why, "appending again from the stored heads");
+                self.try_groups(&groups).await
+            }
+            // A pooled connection the database dropped (it restarted) fails its first
+            // statement; the pool has let it go, so once more on another. Whatever the failed
+            // attempt committed or not, the retry's idempotency keys find out.
+            Err(LedgerError::Unavailable(why)) if self.backend == Backend::Postgres => {
+                tracing::debug!(%why, "appending again on another connection");
+                self.try_groups(&groups).await
+            }
+            r => r,
+        };
+        match first {
             Ok(results) => results,
             Err(e) if groups.len() == 1 => vec![Err(e)],
             Err(e) => {
@@ -538,15 +580,48 @@ impl LedgerStore {
         }
     }
 
+    /// A batch's states are taken out of memory for its length and put back only once it
+    /// committed: on any error they are dropped, and the runs' next appends read them.
     async fn try_groups(&self, groups: &[Vec<OwnedEvent>]) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
         let derived_alone = |g: &Vec<OwnedEvent>| g.len() == 1 && derived::has_effects(&g[0].event_type);
+        if !groups.iter().any(derived_alone) {
+            if groups.iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
+                // The RPCs never form these; refuse rather than skip their effects.
+                return Err(LedgerError::invalid("events", "summaries and transactions are appended on their own"));
+            }
+            if let Some(mut states) = self.hot.take_all(&batch::runs_of(groups)) {
+                batch::drop_repeats(&mut states, groups);
+                if batch::runs_of(groups).iter().all(|r| states.contains_key(*r))
+                    && let decided = batch::decide_groups(states, groups)
+                    // A refusal writes nothing that a moved head could refuse in turn, so it
+                    // is decided again on the stored heads below.
+                    && decided.results.iter().all(Result::is_ok)
+                {
+                    // Every run in memory: nothing to read.
+                    if self.backend == Backend::Postgres && decided.fits_one_statement() {
+                        batch::write_one_statement(self, &decided).await?;
+                    } else if !decided.touched.is_empty() {
+                        let mut tx = self.begin_write().await?;
+                        batch::write(self, &mut tx, &decided).await?;
+                        tx.commit().await?;
+                    }
+                    self.hot.put(decided.states.into_values());
+                    return Ok(decided.results);
+                }
+            }
+        }
         let mut tx = self.begin_write().await?;
         let mut results = Vec::with_capacity(groups.len());
+        let mut states_after: HashMap<String, hot::RunState> = HashMap::new();
+        let mut derived_runs = Vec::new();
         let mut i = 0;
         while i < groups.len() {
             if derived_alone(&groups[i]) {
                 // Summaries and transactions read state that earlier events may change: each
                 // is appended on its own, reading as it goes.
+                let run = groups[i][0].run_id.as_str();
+                self.hot.forget(run);
+                derived_runs.push(run);
                 match self.append_in(&mut tx, groups[i][0].borrowed()).await {
                     Err(e) if !e.is_refusal() => return Err(e),
                     r => results.push(r.map(|a| vec![a])),
@@ -555,14 +630,27 @@ impl LedgerStore {
                 continue;
             }
             let end = (i..groups.len()).find(|&k| derived_alone(&groups[k])).unwrap_or(groups.len());
-            if groups[i..end].iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
-                // The RPCs never form these; refuse rather than skip their effects.
+            let segment = &groups[i..end];
+            if segment.iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
                 return Err(LedgerError::invalid("events", "summaries and transactions are appended on their own"));
             }
-            results.extend(batch::append_plain(self, &mut tx, &groups[i..end]).await?);
+            // Everything here is decided on heads read under their row lock (what memory
+            // held of these runs is dropped): a run an earlier segment of this transaction
+            // wrote is read with those writes.
+            let _ = self.hot.take_some(&batch::runs_of(segment));
+            let mut states = HashMap::new();
+            batch::load_states(self, &mut tx, &mut states, segment).await?;
+            let decided = batch::decide_groups(states, segment);
+            batch::write(self, &mut tx, &decided).await?;
+            results.extend(decided.results);
+            states_after.extend(decided.states);
             i = end;
         }
         tx.commit().await?;
+        for run in derived_runs {
+            states_after.remove(run);
+        }
+        self.hot.put(states_after.into_values());
         Ok(results)
     }
 
@@ -622,8 +710,9 @@ impl LedgerStore {
         if let Some(r) = receipt_for(&event, &capability_id) {
             batch::insert_receipts(tx, &[r]).await?;
         }
-        head.advance(&event);
-        batch::write_head(self, tx, head).await?;
+        let mut state = hot::RunState::new(head.clone(), false);
+        state.head.advance(&event);
+        batch::write_head(self, tx, &state).await?;
         Ok((event, false))
     }
 

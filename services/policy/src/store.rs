@@ -115,6 +115,8 @@ impl PolicyStore {
         let options = AnyConnectOptions::from_str(&url)
             .map_err(|e| StoreError::Unavailable(format!("policy.database_url: {e}")))?;
         let pool = AnyPoolOptions::new()
+            // A SQLite connection is a file handle in this process: nothing to ping.
+            .test_before_acquire(!sqlite)
             .max_connections(8)
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options)

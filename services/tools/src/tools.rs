@@ -119,7 +119,9 @@ impl ToolState {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(10));
+        // No ping before each use: a SQLite connection is a file handle in this process.
         let pool = SqlitePoolOptions::new()
+            .test_before_acquire(false)
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(10))
             .connect_lazy_with(options);

@@ -1,7 +1,9 @@
-//! The batched append path: a whole group-commit batch of plain events (no derived effects)
-//! in a handful of statements — lock the batch's runs, read every idempotency key and cited
-//! decision at once, decide each event in memory in order, then write all events, all
-//! receipts and each run's new head. Every refusal is decided before the first write.
+//! The batched append path: a whole group-commit batch of plain events (no derived effects).
+//! Each run's state — head, events by key, receipts — comes from the ledger's memory
+//! ([`super::hot`]) or is read under the run's row lock; every event is then decided in memory
+//! in order, every refusal before the first write; then the heads (each on condition of the
+//! stored `last_seq` it was decided against), the events and the receipts are written: one
+//! statement on PostgreSQL when every run was in memory, a few in one transaction otherwise.
 
 use std::collections::{HashMap, HashSet};
 
@@ -10,6 +12,7 @@ use warden_core::chain::{ChainedEvent, EventBody, link};
 use warden_core::receipt::{Receipt, receipt_for, receipt_id};
 
 use super::checks::{self, RunHead};
+use super::hot::{self, RunState};
 use super::{Backend, EVENT_COLUMNS, LedgerStore, OwnedEvent, event_from_row};
 use crate::error::LedgerError;
 use crate::group::GroupResult;
@@ -104,6 +107,34 @@ pub async fn existing_receipts(tx: &mut Tx<'_>, ids: &[String]) -> Result<HashSe
     Ok(found)
 }
 
+type Query<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments<'q>>;
+
+/// An `events` row's ten values, in column order.
+fn bind_event<'q>(q: Query<'q>, e: &'q ChainedEvent) -> Query<'q> {
+    q.bind(&e.body.run_id)
+        .bind(e.body.seq as i64)
+        .bind(&e.body.event_type)
+        .bind(warden_core::canonical_json(&e.body.payload))
+        .bind(&e.body.step_id)
+        .bind(e.body.epoch as i64)
+        .bind(&e.body.idempotency_key)
+        .bind(e.body.timestamp_ms)
+        .bind(&e.prev_hash)
+        .bind(&e.hash)
+}
+
+/// A `receipts` row's eight values, in column order.
+fn bind_receipt<'q>(q: Query<'q>, r: &'q Receipt) -> Query<'q> {
+    q.bind(&r.receipt_id)
+        .bind(&r.run_id)
+        .bind(&r.step_id)
+        .bind(r.attempt as i64)
+        .bind(r.seq as i64)
+        .bind(warden_core::canonical_json(r))
+        .bind(&r.status)
+        .bind(&r.hash)
+}
+
 pub async fn insert_events(tx: &mut Tx<'_>, events: &[ChainedEvent]) -> Result<(), LedgerError> {
     for chunk in events.chunks(ROWS) {
         let sql = format!(
@@ -112,17 +143,7 @@ pub async fn insert_events(tx: &mut Tx<'_>, events: &[ChainedEvent]) -> Result<(
         );
         let mut q = sqlx::query(&sql);
         for e in chunk {
-            q = q
-                .bind(&e.body.run_id)
-                .bind(e.body.seq as i64)
-                .bind(&e.body.event_type)
-                .bind(warden_core::canonical_json(&e.body.payload))
-                .bind(&e.body.step_id)
-                .bind(e.body.epoch as i64)
-                .bind(&e.body.idempotency_key)
-                .bind(e.body.timestamp_ms)
-                .bind(&e.prev_hash)
-                .bind(&e.hash);
+            q = bind_event(q, e);
         }
         q.execute(&mut **tx).await?;
     }
@@ -137,15 +158,7 @@ pub async fn insert_receipts(tx: &mut Tx<'_>, receipts: &[Receipt]) -> Result<()
         );
         let mut q = sqlx::query(&sql);
         for r in chunk {
-            q = q
-                .bind(&r.receipt_id)
-                .bind(&r.run_id)
-                .bind(&r.step_id)
-                .bind(r.attempt as i64)
-                .bind(r.seq as i64)
-                .bind(warden_core::canonical_json(r))
-                .bind(&r.status)
-                .bind(&r.hash);
+            q = bind_receipt(q, r);
         }
         // Checked before writing; a violation here is a race the database caught, and the
         // transaction is unusable: storage trouble, never a refusal.
@@ -154,13 +167,15 @@ pub async fn insert_receipts(tx: &mut Tx<'_>, receipts: &[Receipt]) -> Result<()
     Ok(())
 }
 
-/// Writes a run's new head, signed once for however many events the batch added.
-pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, h: &RunHead) -> Result<(), LedgerError> {
+/// Writes a run's new head, signed once for however many events the batch added, on condition
+/// that the stored head is still the one the batch was decided against.
+pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, st: &RunState) -> Result<(), LedgerError> {
+    let h = &st.head;
     let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
-    sqlx::query(
+    let written = sqlx::query(
         "UPDATE runs SET last_seq = $2, head_hash = $3, max_epoch = $4, status = $5, reason = $6, updated_at_ms = $7,
              head_signature = $8, head_key_id = $9
-         WHERE run_id = $1",
+         WHERE run_id = $1 AND last_seq = $10",
     )
     .bind(&h.run_id)
     .bind(h.last_seq as i64)
@@ -171,48 +186,148 @@ pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, h: &RunHead) -> Re
     .bind(h.updated_at_ms)
     .bind(&signature)
     .bind(&key_id)
+    .bind(st.stored_seq as i64)
     .execute(&mut **tx)
     .await?;
+    if written.rows_affected() != 1 {
+        return Err(moved(&h.run_id));
+    }
     Ok(())
 }
 
-/// Appends groups of events without derived effects, each group all or nothing: a refused
-/// event leaves its whole group out (and the in-memory state as it was before the group), and
-/// the other groups go on. `Err` only for storage trouble.
-pub async fn append_plain(
+fn moved(run_id: &str) -> LedgerError {
+    LedgerError::Moved(format!("run '{run_id}' moved on under another writer; append again"))
+}
+
+/// The distinct runs of a batch.
+pub fn runs_of(groups: &[Vec<OwnedEvent>]) -> Vec<&str> {
+    let mut ids: Vec<&str> = groups.iter().flatten().map(|e| e.run_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// Drops the states of runs the batch repeats an event of: a repeat writes nothing, so no
+/// conditional head write would catch a state another writer moved past, and its answer (a
+/// request's acknowledgement included) must be decided on the stored head.
+pub fn drop_repeats(states: &mut HashMap<String, RunState>, groups: &[Vec<OwnedEvent>]) {
+    for e in groups.iter().flatten() {
+        if states.get(&e.run_id).is_some_and(|s| s.events.contains_key(&e.idempotency_key)) {
+            states.remove(&e.run_id);
+        }
+    }
+}
+
+/// Reads the states of the batch's runs that `states` lacks, under their row lock: a run
+/// short enough is read whole (and can be kept in memory after the commit), a longer one only
+/// for the keys and receipts this batch needs.
+pub async fn load_states(
     store: &LedgerStore,
     tx: &mut Tx<'_>,
+    states: &mut HashMap<String, RunState>,
     groups: &[Vec<OwnedEvent>],
-) -> Result<Vec<GroupResult>, LedgerError> {
-    let run_ids: Vec<String> = groups.iter().flatten().map(|e| e.run_id.clone()).collect();
-    let mut heads = lock_heads(store, tx, &run_ids).await?;
+) -> Result<(), LedgerError> {
+    let cold: Vec<String> =
+        runs_of(groups).into_iter().filter(|r| !states.contains_key(*r)).map(str::to_string).collect();
+    if cold.is_empty() {
+        return Ok(());
+    }
+    let heads = lock_heads(store, tx, &cold).await?;
+    let (short, long): (Vec<RunHead>, Vec<RunHead>) =
+        heads.into_values().partition(|h| h.last_seq <= hot::MAX_RUN_EVENTS);
+    let short_ids: Vec<String> = short.iter().map(|h| h.run_id.clone()).collect();
+    for h in short {
+        states.insert(h.run_id.clone(), RunState::new(h, true));
+    }
+    for h in long {
+        states.insert(h.run_id.clone(), RunState::new(h, false));
+    }
+    for chunk in short_ids.chunks(ROWS) {
+        let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id IN ({list})");
+        let mut q = sqlx::query(&sql);
+        for id in chunk {
+            q = q.bind(id.as_str());
+        }
+        for r in q.fetch_all(&mut **tx).await? {
+            let e = event_from_row(&r)?;
+            if let Some(st) = states.get_mut(&e.body.run_id) {
+                st.remember(e);
+            }
+        }
+        let sql = format!("SELECT run_id, receipt_id FROM receipts WHERE run_id IN ({list})");
+        let mut q = sqlx::query(&sql);
+        for id in chunk {
+            q = q.bind(id.as_str());
+        }
+        for r in q.fetch_all(&mut **tx).await? {
+            let run: String = r.try_get(0)?;
+            if let Some(st) = states.get_mut(&run) {
+                st.receipts.insert(r.try_get(1)?);
+            }
+        }
+    }
+    // Long runs: the keys and receipts this batch needs, as before runs were kept in memory.
     let mut keys = Vec::new();
     let mut receipt_ids = Vec::new();
-    for e in groups.iter().flatten() {
+    for e in groups.iter().flatten().filter(|e| states.get(&e.run_id).is_some_and(|s| !s.whole)) {
         keys.push((e.run_id.clone(), e.idempotency_key.clone()));
         if let Ok(Some(k)) = checks::cited_decision_key(&e.borrowed()) {
             keys.push((e.run_id.clone(), k));
         }
         receipt_ids.extend(receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload));
     }
-    let mut known = find_events(tx, &keys).await?;
-    let mut receipts_taken = existing_receipts(tx, &receipt_ids).await?;
+    for (_, e) in find_events(tx, &keys).await? {
+        if let Some(st) = states.get_mut(&e.body.run_id) {
+            st.remember(e);
+        }
+    }
+    let taken = existing_receipts(tx, &receipt_ids).await?;
+    for e in groups.iter().flatten() {
+        if let (Some(id), Some(st)) =
+            (receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload), states.get_mut(&e.run_id))
+            && taken.contains(&id)
+        {
+            st.receipts.insert(id);
+        }
+    }
+    Ok(())
+}
+
+/// What a batch decided, before anything is written.
+pub struct Decided {
+    /// The answer for each group, in order.
+    pub results: Vec<GroupResult>,
+    pub events: Vec<ChainedEvent>,
+    pub receipts: Vec<Receipt>,
+    /// The batch's runs as they stand once it is written.
+    pub states: HashMap<String, RunState>,
+    /// Runs whose head moves.
+    pub touched: Vec<String>,
+}
+
+/// Decides every group in memory against the runs' states, each group all or nothing: a
+/// refused event leaves its whole group out (and the states as they were before the group),
+/// and the other groups go on.
+pub fn decide_groups(mut states: HashMap<String, RunState>, groups: &[Vec<OwnedEvent>]) -> Decided {
     let mut results = Vec::with_capacity(groups.len());
     let (mut new_events, mut new_receipts, mut touched) = (Vec::new(), Vec::new(), Vec::<String>::new());
     for group in groups {
-        // What this group added, to undo if one of its events is refused.
+        // Heads before the group, to put back if one of its events is refused.
         let saved_heads: HashMap<String, RunHead> =
-            group.iter().filter_map(|e| heads.get(&e.run_id).map(|h| (e.run_id.clone(), h.clone()))).collect();
+            group.iter().filter_map(|e| states.get(&e.run_id).map(|s| (e.run_id.clone(), s.head.clone()))).collect();
         let (mut added, mut appended, mut refused) = (Vec::new(), Vec::new(), None);
         for e in group {
-            match decide(&mut heads, &known, &receipts_taken, e) {
+            match decide(&mut states, e) {
                 Ok((event, true, _)) => appended.push((event, true)),
                 Ok((event, false, capability_id)) => {
                     let receipt = receipt_for(&event, &capability_id);
-                    if let Some(r) = &receipt {
-                        receipts_taken.insert(r.receipt_id.clone());
+                    if let Some(st) = states.get_mut(&e.run_id) {
+                        if let Some(r) = &receipt {
+                            st.receipts.insert(r.receipt_id.clone());
+                        }
+                        st.remember(event.clone());
                     }
-                    known.insert((event.body.run_id.clone(), event.body.idempotency_key.clone()), event.clone());
                     added.push((event.clone(), receipt));
                     appended.push((event, false));
                 }
@@ -235,50 +350,147 @@ pub async fn append_plain(
             }
             Some(err) => {
                 for (event, receipt) in added {
-                    known.remove(&(event.body.run_id.clone(), event.body.idempotency_key.clone()));
-                    if let Some(r) = receipt {
-                        receipts_taken.remove(&r.receipt_id);
+                    if let Some(st) = states.get_mut(&event.body.run_id) {
+                        st.forget(&event.body.idempotency_key);
+                        if let Some(r) = receipt {
+                            st.receipts.remove(&r.receipt_id);
+                        }
                     }
                 }
-                heads.extend(saved_heads);
+                for (run, head) in saved_heads {
+                    if let Some(st) = states.get_mut(&run) {
+                        st.head = head;
+                    }
+                }
                 results.push(Err(err));
             }
         }
     }
-    insert_events(tx, &new_events).await?;
-    insert_receipts(tx, &new_receipts).await?;
-    for run in &touched {
-        if let Some(h) = heads.get(run) {
-            write_head(store, tx, h).await?;
-        }
-    }
-    Ok(results)
+    Decided { results, events: new_events, receipts: new_receipts, states, touched }
 }
 
-/// One event against the heads and what is known so far: the existing event of its key (a
-/// retry), or the new event chained onto its run's head (advanced), with the capability of the
-/// allow it cites.
-fn decide(
-    heads: &mut HashMap<String, RunHead>,
-    known: &HashMap<(String, String), ChainedEvent>,
-    receipts_taken: &HashSet<String>,
-    e: &OwnedEvent,
-) -> Result<(ChainedEvent, bool, String), LedgerError> {
+/// Writes what a batch decided inside `tx`.
+pub async fn write(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<(), LedgerError> {
+    // Heads first: a head another writer moved refuses the batch before anything is written.
+    for run in &d.touched {
+        if let Some(st) = d.states.get(run) {
+            write_head(store, tx, st).await?;
+        }
+    }
+    insert_events(tx, &d.events).await?;
+    insert_receipts(tx, &d.receipts).await
+}
+
+/// PostgreSQL: the most parameters one whole-batch statement may bind.
+const MAX_STATEMENT_PARAMS: usize = 30_000;
+
+impl Decided {
+    /// Whether [`write_one_statement`] can take the batch.
+    pub fn fits_one_statement(&self) -> bool {
+        self.touched.len() * 10 + self.events.len() * 10 + self.receipts.len() * 8 <= MAX_STATEMENT_PARAMS
+    }
+}
+
+/// `($n::type, …)` for one row, numbering from `*next`.
+fn typed_row(types: &[&str], next: &mut usize) -> String {
+    let cells: Vec<String> = types
+        .iter()
+        .map(|t| {
+            *next += 1;
+            format!("${}::{t}", *next)
+        })
+        .collect();
+    format!("({})", cells.join(", "))
+}
+
+/// PostgreSQL, all runs' states in memory: the whole batch in ONE statement, committed on its
+/// own (no BEGIN, no COMMIT round trips). Data-modifying CTEs: the heads are updated on
+/// condition of their stored `last_seq` (fencing and chain order were decided against exactly
+/// that head), and the events and receipts are inserted only if every head matched; a head
+/// another writer moved writes nothing at all (`Moved`). Unique keys on `(run_id, seq)`,
+/// `(run_id, idempotency_key)` and `receipt_id` still hold: a violation fails the statement
+/// whole.
+pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(), LedgerError> {
+    if d.touched.is_empty() {
+        return Ok(());
+    }
+    const HEAD: [&str; 10] = ["text", "bigint", "bigint", "text", "bigint", "text", "text", "bigint", "text", "text"];
+    const EVENT: [&str; 10] = ["text", "bigint", "text", "text", "text", "bigint", "text", "bigint", "text", "text"];
+    const RECEIPT: [&str; 8] = ["text", "text", "text", "bigint", "bigint", "text", "text", "text"];
+    let mut next = 0;
+    let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
+    let head_rows: Vec<String> = heads.iter().map(|_| typed_row(&HEAD, &mut next)).collect();
+    let event_rows: Vec<String> = d.events.iter().map(|_| typed_row(&EVENT, &mut next)).collect();
+    let receipt_rows: Vec<String> = d.receipts.iter().map(|_| typed_row(&RECEIPT, &mut next)).collect();
+    let mut sql = format!(
+        "WITH h (run_id, prev_seq, last_seq, head_hash, max_epoch, status, reason, updated_at_ms, head_signature, head_key_id)
+           AS (VALUES {}),
+         u AS (UPDATE runs AS r SET last_seq = h.last_seq, head_hash = h.head_hash, max_epoch = h.max_epoch,
+                 status = h.status, reason = h.reason, updated_at_ms = h.updated_at_ms,
+                 head_signature = h.head_signature, head_key_id = h.head_key_id
+               FROM h WHERE r.run_id = h.run_id AND r.last_seq = h.prev_seq RETURNING r.run_id),
+         ok AS (SELECT count(*) = {} AS whole FROM u),
+         e AS (INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash)
+               SELECT v.* FROM (VALUES {}) AS v WHERE (SELECT whole FROM ok))",
+        head_rows.join(", "),
+        heads.len(),
+        event_rows.join(", "),
+    );
+    if !d.receipts.is_empty() {
+        sql.push_str(&format!(
+            ", rc AS (INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash)
+               SELECT v.* FROM (VALUES {}) AS v WHERE (SELECT whole FROM ok))",
+            receipt_rows.join(", ")
+        ));
+    }
+    sql.push_str(" SELECT whole FROM ok");
+    let mut q = sqlx::query(&sql);
+    for st in &heads {
+        let h = &st.head;
+        let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
+        q = q
+            .bind(h.run_id.clone())
+            .bind(st.stored_seq as i64)
+            .bind(h.last_seq as i64)
+            .bind(h.head_hash.clone())
+            .bind(h.max_epoch as i64)
+            .bind(h.status.clone())
+            .bind(h.reason.clone())
+            .bind(h.updated_at_ms)
+            .bind(signature)
+            .bind(key_id);
+    }
+    for e in &d.events {
+        q = bind_event(q, e);
+    }
+    for r in &d.receipts {
+        q = bind_receipt(q, r);
+    }
+    let whole: bool = q.fetch_one(store.pool()).await?.try_get(0)?;
+    if !whole {
+        return Err(moved(&d.touched.join(", ")));
+    }
+    Ok(())
+}
+
+/// One event against its run's state: the existing event of its key (a retry), or the new
+/// event chained onto the run's head (advanced), with the capability of the allow it cites.
+fn decide(states: &mut HashMap<String, RunState>, e: &OwnedEvent) -> Result<(ChainedEvent, bool, String), LedgerError> {
     let new = e.borrowed();
-    let head = heads.get_mut(&e.run_id).ok_or_else(|| LedgerError::NotFound(format!("run '{}'", e.run_id)))?;
-    checks::check_tenant(head, &new)?;
-    if let Some(existing) = known.get(&(e.run_id.clone(), e.idempotency_key.clone())) {
+    let st = states.get_mut(&e.run_id).ok_or_else(|| LedgerError::NotFound(format!("run '{}'", e.run_id)))?;
+    checks::check_tenant(&st.head, &new)?;
+    if let Some(existing) = st.events.get(&e.idempotency_key) {
         checks::check_duplicate(existing, &new)?;
-        checks::check_stale_repeat(head, &new)?;
+        checks::check_stale_repeat(&st.head, &new)?;
         return Ok((existing.clone(), true, String::new()));
     }
-    checks::check_writable(head, &new)?;
+    checks::check_writable(&st.head, &new)?;
     let capability_id = match checks::cited_decision_key(&new)? {
-        Some(k) => checks::check_allow(known.get(&(e.run_id.clone(), k)), &new)?,
+        Some(k) => checks::check_allow(st.events.get(&k), &new)?,
         None => String::new(),
     };
     if let Some(id) = receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload)
-        && receipts_taken.contains(&id)
+        && st.receipts.contains(&id)
     {
         return Err(LedgerError::Precondition(format!(
             "step '{}' already has an outcome for this attempt (receipt {id})",
@@ -288,16 +500,16 @@ fn decide(
     let event = link(
         EventBody {
             run_id: e.run_id.clone(),
-            seq: head.last_seq + 1,
+            seq: st.head.last_seq + 1,
             event_type: e.event_type.clone(),
-            payload: e.payload.clone(),
+            payload: new.payload,
             step_id: e.step_id.clone(),
             epoch: e.epoch,
             idempotency_key: e.idempotency_key.clone(),
             timestamp_ms: e.now_ms,
         },
-        &head.head_hash,
+        &st.head.head_hash,
     );
-    head.advance(&event);
+    st.head.advance(&event);
     Ok((event, false, capability_id))
 }
