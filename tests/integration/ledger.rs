@@ -441,6 +441,33 @@ async fn two_ledger_replicas_share_a_run(backend: Backend) {
     }
     assert!(verify(&mut a, "acme", &run_id).await.valid);
     assert!(verify(&mut b, "acme", &run_id).await.valid);
+
+    // Many runs at once: half written through A alone, half through both in turn. A's write
+    // lanes batch runs of both kinds together while B moves some of them, and a batch with one
+    // moved run must write nothing for any of its runs.
+    let mut runs = Vec::new();
+    for _ in 0..12 {
+        runs.push(empty_run(&mut a, "acme").await);
+    }
+    let mut writers = Vec::new();
+    for (n, run) in runs.iter().enumerate() {
+        let (mut a, mut b, run) = (mesh.ledger(), LedgerClient::new(replica.channel()), run.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0..20usize {
+                let l = if n % 2 == 0 && i % 2 == 1 { &mut b } else { &mut a };
+                l.append_event(note(&run, &format!("m{i}"))).await.expect("append");
+            }
+        }));
+    }
+    for w in writers {
+        w.await.expect("writer");
+    }
+    for run in &runs {
+        let evs = events(&mut b, "acme", run).await;
+        let seqs: Vec<u64> = evs.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, (1..=21).collect::<Vec<u64>>(), "run {run}: contiguous, nothing lost or doubled");
+        assert!(verify(&mut a, "acme", run).await.valid, "run {run}");
+    }
 }
 
 #[tokio::test]

@@ -18,6 +18,10 @@ pub enum LedgerError {
     /// appended again from the stored heads (answered UNAVAILABLE, retryable, if it escapes).
     #[error("{0}")]
     Moved(String),
+    /// The database connection broke (the database restarted, or a peer dropped the socket):
+    /// the pool lets the connection go, and an append is tried again on another.
+    #[error("storage unavailable: {0}")]
+    Disconnected(String),
     #[error("internal ledger error: {0}")]
     Internal(String),
 }
@@ -45,6 +49,7 @@ impl LedgerError {
             LedgerError::Precondition(m) => LedgerError::Precondition(m.clone()),
             LedgerError::Unavailable(m) => LedgerError::Unavailable(m.clone()),
             LedgerError::Moved(m) => LedgerError::Moved(m.clone()),
+            LedgerError::Disconnected(m) => LedgerError::Disconnected(m.clone()),
             LedgerError::Internal(m) => LedgerError::Internal(m.clone()),
         }
     }
@@ -57,22 +62,20 @@ impl LedgerError {
 impl From<sqlx::Error> for LedgerError {
     fn from(e: sqlx::Error) -> LedgerError {
         match &e {
-            sqlx::Error::Io(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::Tls(_) => LedgerError::Unavailable(e.to_string()),
+            sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) => {
+                LedgerError::Disconnected(e.to_string())
+            }
+            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
+                LedgerError::Unavailable(e.to_string())
+            }
             sqlx::Error::Database(d) => {
                 let code = d.code().unwrap_or_default();
-                // 08xxx connection exceptions, 57xxx operator intervention (shutdown),
+                // 08xxx connection exceptions and 57P01–57P03 (the server shut down or is
+                // restarting): this connection is gone. Other 57xxx operator intervention,
                 // 40001/40P01 serialization and deadlock (retryable), SQLite 5/6 busy/locked.
-                if code.starts_with("08")
-                    || code.starts_with("57")
-                    || code == "40001"
-                    || code == "40P01"
-                    || sqlite_busy(&code)
-                {
+                if code.starts_with("08") || code.starts_with("57P") {
+                    LedgerError::Disconnected(e.to_string())
+                } else if code.starts_with("57") || code == "40001" || code == "40P01" || sqlite_busy(&code) {
                     LedgerError::Unavailable(e.to_string())
                 } else {
                     LedgerError::Internal(e.to_string())
@@ -93,7 +96,9 @@ impl From<LedgerError> for Status {
                 warden_grpc::fenced(e.to_string())
             }
             LedgerError::Precondition(_) => Status::failed_precondition(e.to_string()),
-            LedgerError::Unavailable(_) | LedgerError::Moved(_) => Status::unavailable(e.to_string()),
+            LedgerError::Unavailable(_) | LedgerError::Moved(_) | LedgerError::Disconnected(_) => {
+                Status::unavailable(e.to_string())
+            }
             LedgerError::Internal(_) => Status::internal(e.to_string()),
         }
     }

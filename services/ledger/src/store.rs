@@ -224,11 +224,20 @@ impl LedgerStore {
         let options = AnyConnectOptions::from_str(&url)
             .map_err(|e| LedgerError::invalid("ledger.database_url", e.to_string()))?;
         let pool = AnyPoolOptions::new()
-            // No round trip to ping the database before every statement: a connection that
-            // died (a database restart) fails its next statement with a connection error, is
-            // dropped by the pool, and the append is tried once more on a fresh connection
-            // (`append_groups`); readers answer UNAVAILABLE once, which callers retry.
+            // No round trip to ping the database before every statement, only before using a
+            // connection idle long enough for the database or a proxy to have closed it. One
+            // that died anyway (a database restart) fails its statement with a connection
+            // error and is let go; appends are tried again on another (`try_groups_again`),
+            // readers answer UNAVAILABLE, which callers retry.
             .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > Duration::from_secs(30) {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            })
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))
             .after_connect(move |conn, _| {
@@ -451,7 +460,7 @@ impl LedgerStore {
         for e in chain {
             state.remember(e);
         }
-        self.hot.put([state]);
+        self.hot.put_new(state);
         let run = RunRow {
             run_id: new.run_id.to_string(),
             tenant: new.tenant.to_string(),
@@ -548,20 +557,7 @@ impl LedgerStore {
     /// every group is appended again on its own, so each gets its own answer — refusals
     /// included, since they may have depended on events of the failed transaction.
     pub async fn append_groups(&self, groups: Vec<Vec<OwnedEvent>>) -> Vec<crate::group::GroupResult> {
-        let first = match self.try_groups(&groups).await {
-            Err(LedgerError::Moved(why)) => {
-                tracing::debug!(%why, "appending again from the stored heads");
-                self.try_groups(&groups).await
-            }
-            // A pooled connection the database dropped (it restarted) fails its first
-            // statement; the pool has let it go, so once more on another. Whatever the failed
-            // attempt committed or not, the retry's idempotency keys find out.
-            Err(LedgerError::Unavailable(why)) if self.backend == Backend::Postgres => {
-                tracing::debug!(%why, "appending again on another connection");
-                self.try_groups(&groups).await
-            }
-            r => r,
-        };
+        let first = self.try_groups_again(&groups).await;
         match first {
             Ok(results) => results,
             Err(e) if groups.len() == 1 => vec![Err(e)],
@@ -569,13 +565,38 @@ impl LedgerStore {
                 tracing::warn!(groups = groups.len(), error = %e, "batch failed; appending its groups one by one");
                 let mut results = Vec::with_capacity(groups.len());
                 for g in &groups {
-                    let one = match self.try_groups(std::slice::from_ref(g)).await {
+                    let one = match self.try_groups_again(std::slice::from_ref(g)).await {
                         Ok(mut r) => r.pop().unwrap_or_else(|| Err(LedgerError::Internal("no answer".into()))),
                         Err(e) => Err(e),
                     };
                     results.push(one);
                 }
                 results
+            }
+        }
+    }
+
+    /// [`Self::try_groups`], again while the answer is that it must be: a batch decided on a
+    /// head another writer moved (it wrote nothing; decided again on stored heads), or a
+    /// connection the database dropped, e.g. when it restarted (the pool lets each such
+    /// connection go, so at most as many times as the pool holds, plus one). Whatever a broken
+    /// attempt committed or not, the retry's idempotency keys find out.
+    async fn try_groups_again(
+        &self,
+        groups: &[Vec<OwnedEvent>],
+    ) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
+        let (mut moved, mut dropped) = (false, 0);
+        loop {
+            match self.try_groups(groups).await {
+                Err(LedgerError::Moved(why)) if !moved => {
+                    tracing::debug!(%why, "appending again from the stored heads");
+                    moved = true;
+                }
+                Err(LedgerError::Disconnected(why)) if dropped <= self.pool.options().get_max_connections() => {
+                    tracing::debug!(%why, "appending again on another connection");
+                    dropped += 1;
+                }
+                r => return r,
             }
         }
     }

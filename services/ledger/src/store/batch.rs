@@ -233,8 +233,21 @@ pub async fn load_states(
         return Ok(());
     }
     let heads = lock_heads(store, tx, &cold).await?;
-    let (short, long): (Vec<RunHead>, Vec<RunHead>) =
-        heads.into_values().partition(|h| h.last_seq <= hot::MAX_RUN_EVENTS);
+    let (mut short, mut long): (Vec<RunHead>, Vec<RunHead>) =
+        heads.into_values().partition(|h| h.last_seq <= hot::MAX_RUN_EVENTS && !store.hot.is_unkept(&h.run_id));
+    // Read whole only what fits in memory: the payloads' size first (a run of few but large
+    // events is looked up by key, and marked so its next appends do not ask again).
+    if !short.is_empty() {
+        let sizes = payload_sizes(tx, &short.iter().map(|h| h.run_id.clone()).collect::<Vec<_>>()).await?;
+        let (fits, large): (Vec<RunHead>, Vec<RunHead>) = short
+            .into_iter()
+            .partition(|h| sizes.get(&h.run_id).copied().unwrap_or(0) <= (hot::MAX_RUN_BYTES / 4) as i64);
+        for h in &large {
+            store.hot.mark_unkept(&h.run_id);
+        }
+        short = fits;
+        long.extend(large);
+    }
     let short_ids: Vec<String> = short.iter().map(|h| h.run_id.clone()).collect();
     for h in short {
         states.insert(h.run_id.clone(), RunState::new(h, true));
@@ -292,6 +305,26 @@ pub async fn load_states(
         }
     }
     Ok(())
+}
+
+/// The size of each run's stored payloads, in characters.
+async fn payload_sizes(tx: &mut Tx<'_>, run_ids: &[String]) -> Result<HashMap<String, i64>, LedgerError> {
+    let mut sizes = HashMap::new();
+    for chunk in run_ids.chunks(ROWS) {
+        let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+        let sql = format!(
+            "SELECT run_id, CAST(COALESCE(SUM(LENGTH(payload_json)), 0) AS BIGINT) FROM events
+             WHERE run_id IN ({list}) GROUP BY run_id"
+        );
+        let mut q = sqlx::query(&sql);
+        for id in chunk {
+            q = q.bind(id.as_str());
+        }
+        for r in q.fetch_all(&mut **tx).await? {
+            sizes.insert(r.try_get::<String, _>(0)?, r.try_get::<i64, _>(1)?);
+        }
+    }
+    Ok(sizes)
 }
 
 /// What a batch decided, before anything is written.
@@ -404,12 +437,13 @@ fn typed_row(types: &[&str], next: &mut usize) -> String {
 }
 
 /// PostgreSQL, all runs' states in memory: the whole batch in ONE statement, committed on its
-/// own (no BEGIN, no COMMIT round trips). Data-modifying CTEs: the heads are updated on
-/// condition of their stored `last_seq` (fencing and chain order were decided against exactly
-/// that head), and the events and receipts are inserted only if every head matched; a head
-/// another writer moved writes nothing at all (`Moved`). Unique keys on `(run_id, seq)`,
-/// `(run_id, idempotency_key)` and `receipt_id` still hold: a violation fails the statement
-/// whole.
+/// own (no BEGIN, no COMMIT round trips). Data-modifying CTEs: `l` locks, in run id order (no
+/// deadlock with `lock_heads` or another replica), the heads whose stored `last_seq` is still
+/// the one the batch was decided against; only if every head is there are they updated (`u`),
+/// and only if every head was updated are the events and receipts inserted. So a head another
+/// writer moved writes nothing at all, for any run of the batch (`Moved`). Unique keys on
+/// `(run_id, seq)`, `(run_id, idempotency_key)` and `receipt_id` still hold: a violation fails
+/// the statement whole.
 pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(), LedgerError> {
     if d.touched.is_empty() {
         return Ok(());
@@ -424,26 +458,30 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
     let receipt_rows: Vec<String> = d.receipts.iter().map(|_| typed_row(&RECEIPT, &mut next)).collect();
     let mut sql = format!(
         "WITH h (run_id, prev_seq, last_seq, head_hash, max_epoch, status, reason, updated_at_ms, head_signature, head_key_id)
-           AS (VALUES {}),
+           AS (VALUES {rows}),
+         l AS (SELECT r.run_id FROM runs AS r JOIN h ON r.run_id = h.run_id AND r.last_seq = h.prev_seq
+               ORDER BY r.run_id FOR UPDATE OF r),
+         ok AS (SELECT count(*) = {n} AS whole FROM l),
          u AS (UPDATE runs AS r SET last_seq = h.last_seq, head_hash = h.head_hash, max_epoch = h.max_epoch,
                  status = h.status, reason = h.reason, updated_at_ms = h.updated_at_ms,
                  head_signature = h.head_signature, head_key_id = h.head_key_id
-               FROM h WHERE r.run_id = h.run_id AND r.last_seq = h.prev_seq RETURNING r.run_id),
-         ok AS (SELECT count(*) = {} AS whole FROM u),
+               FROM h WHERE r.run_id = h.run_id AND r.last_seq = h.prev_seq AND (SELECT whole FROM ok)
+               RETURNING r.run_id),
          e AS (INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash)
-               SELECT v.* FROM (VALUES {}) AS v WHERE (SELECT whole FROM ok))",
-        head_rows.join(", "),
-        heads.len(),
-        event_rows.join(", "),
+               SELECT v.* FROM (VALUES {events}) AS v WHERE (SELECT count(*) FROM u) = {n})",
+        rows = head_rows.join(", "),
+        n = heads.len(),
+        events = event_rows.join(", "),
     );
     if !d.receipts.is_empty() {
         sql.push_str(&format!(
             ", rc AS (INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash)
-               SELECT v.* FROM (VALUES {}) AS v WHERE (SELECT whole FROM ok))",
-            receipt_rows.join(", ")
+               SELECT v.* FROM (VALUES {}) AS v WHERE (SELECT count(*) FROM u) = {})",
+            receipt_rows.join(", "),
+            heads.len()
         ));
     }
-    sql.push_str(" SELECT whole FROM ok");
+    sql.push_str(&format!(" SELECT count(*) = {} FROM u", heads.len()));
     let mut q = sqlx::query(&sql);
     for st in &heads {
         let h = &st.head;

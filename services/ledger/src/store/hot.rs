@@ -10,9 +10,9 @@
 //! outside the batch path — fails that condition: the batch writes nothing, the entry is
 //! dropped, and the batch runs again reading the run under its row lock.
 //!
-//! Bounded: a run over [`MAX_RUN_EVENTS`] events or [`MAX_RUN_BYTES`] is not kept (its appends
-//! read what they need, as before), a run that ended is dropped, and past [`MAX_RUNS`] runs or
-//! [`MAX_BYTES`] in all the least recently used are evicted.
+//! Bounded: a run over [`MAX_RUN_EVENTS`] events or [`MAX_RUN_BYTES`] is not kept, nor read
+//! whole (its appends look up what they need, as before); a run that ended is dropped; and past
+//! [`MAX_RUNS`] runs or [`MAX_BYTES`] in all the least recently used are evicted.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -62,11 +62,12 @@ impl RunState {
         }
     }
 
+    fn ended(&self) -> bool {
+        RunStatus::parse(&self.head.status).is_some_and(RunStatus::is_terminal)
+    }
+
     fn keepable(&self) -> bool {
-        self.whole
-            && self.head.last_seq <= MAX_RUN_EVENTS
-            && self.bytes <= MAX_RUN_BYTES
-            && !RunStatus::parse(&self.head.status).is_some_and(RunStatus::is_terminal)
+        self.whole && self.head.last_seq <= MAX_RUN_EVENTS && self.bytes <= MAX_RUN_BYTES && !self.ended()
     }
 }
 
@@ -80,6 +81,9 @@ struct Inner {
     runs: HashMap<String, (u64, RunState)>,
     tick: u64,
     bytes: usize,
+    /// Runs found too large to keep: their appends look up only what they need instead of
+    /// reading the whole run each time. Forgotten wholesale past [`MAX_RUNS`] entries.
+    unkept: HashSet<String>,
 }
 
 impl Inner {
@@ -112,6 +116,28 @@ impl HotRuns {
         run_ids.iter().filter_map(|r| inner.remove(r).map(|s| (r.to_string(), s))).collect()
     }
 
+    /// Whether the run was found too large to keep (see [`HotRuns::mark_unkept`]).
+    pub fn is_unkept(&self, run_id: &str) -> bool {
+        self.lock().unkept.contains(run_id)
+    }
+
+    /// Marks a run too large to keep.
+    pub fn mark_unkept(&self, run_id: &str) {
+        let mut inner = self.lock();
+        if inner.unkept.len() >= MAX_RUNS {
+            inner.unkept.clear();
+        }
+        inner.unkept.insert(run_id.to_string());
+    }
+
+    /// Keeps a new run's state unless the run is there already (a lane's later state wins).
+    pub fn put_new(&self, state: RunState) {
+        if self.lock().runs.contains_key(&state.head.run_id) {
+            return;
+        }
+        self.put([state]);
+    }
+
     /// Drops a run (its next append reads it from the database).
     pub fn forget(&self, run_id: &str) {
         self.lock().remove(run_id);
@@ -124,6 +150,12 @@ impl HotRuns {
         for mut state in states {
             inner.remove(&state.head.run_id);
             if !state.keepable() {
+                if state.whole && !state.ended() {
+                    if inner.unkept.len() >= MAX_RUNS {
+                        inner.unkept.clear();
+                    }
+                    inner.unkept.insert(state.head.run_id.clone());
+                }
                 continue;
             }
             state.stored_seq = state.head.last_seq;
@@ -198,6 +230,7 @@ mod tests {
             RunState::new(head("d", MAX_RUN_EVENTS + 1, "active"), true),
         ]);
         assert_eq!(hot.len(), 1);
+        assert!(hot.is_unkept("d") && !hot.is_unkept("c") && !hot.is_unkept("b"), "only a live whole run is too large");
         assert!(hot.take_all(&["a", "b"]).is_none());
         assert_eq!(hot.len(), 1, "a refused take leaves everything in place");
         let taken = hot.take_all(&["a"]).expect("a is hot");
