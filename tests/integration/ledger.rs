@@ -420,6 +420,17 @@ async fn two_ledger_replicas_share_a_run(backend: Backend) {
     let Fixture { mesh, ledger: mut a, run_id } = fixture(backend).await;
     let replica = mesh.another_ledger().expect("second ledger");
     let mut b = LedgerClient::new(replica.channel());
+    // A follower on A: A's own appends reach it from memory, B's only from the database.
+    let mut follow = a
+        .stream_events(pb::StreamEventsRequest {
+            tenant: "acme".into(),
+            run_id: run_id.clone(),
+            since_seq: 0,
+            follow: true,
+        })
+        .await
+        .expect("stream")
+        .into_inner();
     for i in 0..12u64 {
         let l = if i % 2 == 0 { &mut a } else { &mut b };
         let appended = l.append_event(note(&run_id, &format!("k{i}"))).await.expect("append").into_inner();
@@ -434,8 +445,20 @@ async fn two_ledger_replicas_share_a_run(backend: Backend) {
     let e = a.append_event(note(&run_id, "stale")).await.expect_err("a stale epoch");
     assert!(warden_grpc::is_fenced(&e), "{e:?}");
     a.append_event(pb::AppendEventRequest { epoch: 5, ..note(&run_id, "after") }).await.expect("epoch 5 through A");
+    let done = pb::AppendEventRequest {
+        event_type: "run_completed".into(),
+        payload_json: r#"{"reason":""}"#.into(),
+        epoch: 5,
+        ..note(&run_id, "done")
+    };
+    b.append_event(done).await.expect("completed through B");
+    let mut followed = Vec::new();
+    while let Some(e) = follow.message().await.expect("followed") {
+        followed.push(e.seq);
+    }
+    assert_eq!(followed, (1..=16).collect::<Vec<u64>>(), "the follower saw every event once, in order, to the end");
     let evs = events(&mut a, "acme", &run_id).await;
-    assert_eq!(evs.len(), 15, "run_submitted, 12 notes, the takeover and one more; nothing doubled");
+    assert_eq!(evs.len(), 16, "run_submitted, 12 notes, the takeover, one more and the end; nothing doubled");
     for (i, e) in evs.iter().enumerate() {
         assert_eq!(e.seq, i as u64 + 1);
     }

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tokio::sync::Notify;
+use tokio::sync::broadcast;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use warden_core::chain::{ChainBreak, ChainVerifier, ChainedEvent};
@@ -30,6 +30,9 @@ const STREAM_BUFFER: usize = 256;
 /// How often a follower re-reads without a local notification (appends made by another
 /// ledger replica).
 const FOLLOW_POLL: Duration = Duration::from_millis(500);
+/// Events published to a run's followers that a slow follower may fall behind by before it
+/// reads the rest from the database.
+const FOLLOW_BUFFER: usize = 256;
 
 /// Most events one `AppendEvents` call may carry.
 pub const MAX_EVENTS_PER_APPEND: usize = 64;
@@ -78,7 +81,9 @@ pub struct LedgerService {
     policy: Option<warden_proto::v1::policy_client::PolicyClient<warden_grpc::auth::Ch>>,
     store: LedgerStore,
     max_payload_bytes: usize,
-    followers: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    /// Runs being followed: each event is published to their followers as it commits, so a
+    /// follower that has caught up reads nothing more from the database.
+    followers: Arc<Mutex<HashMap<String, broadcast::Sender<Arc<ChainedEvent>>>>>,
     /// Appends go through group commit.
     writer: GroupCommit,
     recent: Arc<Mutex<RecentDecisions>>,
@@ -230,23 +235,27 @@ impl LedgerService {
         &self.store
     }
 
-    /// Drops the run's notifier once no stream holds it any more.
+    /// Drops the run's feed once no stream follows it any more.
     fn unfollow(&self, run_id: &str) {
         let mut f = self.followers.lock().unwrap_or_else(|p| p.into_inner());
-        if f.get(run_id).is_some_and(|n| Arc::strong_count(n) == 1) {
+        if f.get(run_id).is_some_and(|feed| feed.receiver_count() == 0) {
             f.remove(run_id);
         }
     }
 
-    fn follower(&self, run_id: &str) -> Arc<Notify> {
+    /// The run's feed of committed events, from now on.
+    fn follower(&self, run_id: &str) -> broadcast::Receiver<Arc<ChainedEvent>> {
         let mut f = self.followers.lock().unwrap_or_else(|p| p.into_inner());
-        f.entry(run_id.to_string()).or_default().clone()
+        f.entry(run_id.to_string()).or_insert_with(|| broadcast::channel(FOLLOW_BUFFER).0).subscribe()
     }
 
-    fn notify(&self, run_id: &str) {
+    /// Publishes committed events to the run's followers, if it has any.
+    fn publish<'a>(&self, run_id: &str, committed: impl IntoIterator<Item = &'a ChainedEvent>) {
         let f = self.followers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = f.get(run_id) {
-            n.notify_waiters();
+        if let Some(feed) = f.get(run_id) {
+            for e in committed {
+                let _ = feed.send(Arc::new(e.clone()));
+            }
         }
     }
 
@@ -325,7 +334,7 @@ impl LedgerService {
             })
             .await?;
         if !appended.1 {
-            self.notify(run_id);
+            self.publish(run_id, [&appended.0]);
         }
         Ok(appended)
     }
@@ -676,9 +685,7 @@ impl Ledger for LedgerService {
             });
         }
         let appended = self.writer.append_group(group).await?;
-        if appended.iter().any(|(_, dup)| !dup) {
-            self.notify(&r.run_id);
-        }
+        self.publish(&r.run_id, appended.iter().filter(|(_, dup)| !dup).map(|(e, _)| e));
         self.remember_decisions(&r.tenant, appended.iter().map(|(e, _)| e));
         Ok(Response::new(pb::AppendEventsResponse {
             appended: appended.iter().map(|(e, dup)| self.appended(&r.tenant, e, *dup)).collect(),
@@ -731,12 +738,11 @@ impl Ledger for LedgerService {
         let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
         let this = self.clone();
         tokio::spawn(async move {
-            let notify = this.follower(&run.run_id);
+            // Subscribed before the first read, so nothing committed in between is missed.
+            let mut feed = this.follower(&run.run_id);
             let mut since = r.since_seq;
             let stream = async {
                 loop {
-                    // Register interest before reading so an append in between is not missed.
-                    let notified = notify.notified();
                     let page = match this.store.events(&run.run_id, since, PAGE).await {
                         Ok(p) => p,
                         Err(e) => {
@@ -777,15 +783,37 @@ impl Ledger for LedgerService {
                             _ => {}
                         }
                     }
-                    tokio::select! {
-                        _ = notified => {}
-                        _ = tokio::time::sleep(FOLLOW_POLL) => {}
-                        _ = tx.closed() => return,
+                    // Caught up: follow from memory, in order, until something is missing — a
+                    // gap (events committed out of order by concurrent appends, or written by
+                    // another replica), a follower fallen behind the feed, or a quiet spell —
+                    // then read from the database again.
+                    loop {
+                        tokio::select! {
+                            got = feed.recv() => match got {
+                                Ok(e) if e.body.seq <= since => {}
+                                Ok(e) if e.body.seq == since + 1 => {
+                                    since = e.body.seq;
+                                    if tx.send(Ok(event_to_proto(&e))).await.is_err() {
+                                        return;
+                                    }
+                                    if events::status_after(&e.body.event_type).is_some_and(RunStatus::is_terminal) {
+                                        return;
+                                    }
+                                }
+                                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => break,
+                                Err(broadcast::error::RecvError::Closed) => {
+                                    feed = this.follower(&run.run_id);
+                                    break;
+                                }
+                            },
+                            _ = tokio::time::sleep(FOLLOW_POLL) => break,
+                            _ = tx.closed() => return,
+                        }
                     }
                 }
             };
             stream.await;
-            drop(notify);
+            drop(feed);
             this.unfollow(&run.run_id);
         });
         Ok(Response::new(ReceiverStream::new(rx)))
