@@ -3,11 +3,14 @@
 //! its previous batch was committing as one database transaction — one commit (one WAL
 //! flush) for many events. Under light load a batch is a single event: no added latency.
 
+use std::sync::Arc;
+
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 use warden_core::chain::ChainedEvent;
 
 use crate::error::LedgerError;
+use crate::follow::Followers;
 use crate::store::{LedgerStore, OwnedEvent};
 
 /// The answer for a group: every event of it appended (or found already appended), or the
@@ -27,12 +30,13 @@ pub struct GroupCommit {
 
 impl GroupCommit {
     /// Starts `lanes` writers (one database connection each when busy), batching up to
-    /// `max_batch` events per commit.
-    pub fn start(store: LedgerStore, lanes: usize, max_batch: usize) -> GroupCommit {
+    /// `max_batch` events per commit. Each commit's new events are published to the runs'
+    /// `followers` before anyone is answered.
+    pub fn start(store: LedgerStore, lanes: usize, max_batch: usize, followers: Arc<Followers>) -> GroupCommit {
         let lanes = (0..lanes.max(1))
             .map(|_| {
                 let (tx, mut rx) = mpsc::channel::<Job>(max_batch * 8);
-                let store = store.clone();
+                let (store, followers) = (store.clone(), followers.clone());
                 tokio::spawn(async move {
                     while let Some(first) = rx.recv().await {
                         let mut events = first.0.len();
@@ -60,6 +64,13 @@ impl GroupCommit {
                         let started = std::time::Instant::now();
                         let results = store.append_groups(groups).instrument(span).await;
                         warden_telemetry::metrics::ledger_batch_committed(events, started.elapsed());
+                        // In commit order per run (a run's groups are in this lane, in order).
+                        for appended in results.iter().flatten() {
+                            if let Some((first, _)) = appended.iter().find(|(_, repeat)| !repeat) {
+                                let fresh = appended.iter().filter(|(_, repeat)| !repeat).map(|(e, _)| e);
+                                followers.publish(&first.body.run_id, fresh);
+                            }
+                        }
                         for (reply, result) in replies.into_iter().zip(results) {
                             // A caller that went away still had its event written (or not):
                             // its retry, with the same key, finds out which.

@@ -4,6 +4,7 @@
 //! no recorded allow decision, and deduplicates retried appends by idempotency key.
 
 pub mod error;
+pub mod follow;
 pub mod group;
 pub mod server;
 pub mod store;

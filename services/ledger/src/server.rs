@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tokio::sync::broadcast;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use warden_core::chain::{ChainBreak, ChainVerifier, ChainedEvent};
@@ -20,6 +19,7 @@ use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_server::Ledger;
 
 use crate::error::LedgerError;
+use crate::follow::{Feed, Followers};
 use crate::group::GroupCommit;
 use crate::store::{LedgerStore, NewRun, OwnedEvent, RunRow, SummaryRow};
 
@@ -27,12 +27,9 @@ use crate::store::{LedgerStore, NewRun, OwnedEvent, RunRow, SummaryRow};
 const PAGE: u32 = 1000;
 /// Events buffered per stream before the server waits for a slow consumer.
 const STREAM_BUFFER: usize = 256;
-/// How often a follower re-reads without a local notification (appends made by another
-/// ledger replica).
+/// How long a caught-up follower waits for a published event before it reads the database
+/// (events another ledger replica appended are never published here).
 const FOLLOW_POLL: Duration = Duration::from_millis(500);
-/// Events published to a run's followers that a slow follower may fall behind by before it
-/// reads the rest from the database.
-const FOLLOW_BUFFER: usize = 256;
 
 /// Most events one `AppendEvents` call may carry.
 pub const MAX_EVENTS_PER_APPEND: usize = 64;
@@ -81,9 +78,9 @@ pub struct LedgerService {
     policy: Option<warden_proto::v1::policy_client::PolicyClient<warden_grpc::auth::Ch>>,
     store: LedgerStore,
     max_payload_bytes: usize,
-    /// Runs being followed: each event is published to their followers as it commits, so a
-    /// follower that has caught up reads nothing more from the database.
-    followers: Arc<Mutex<HashMap<String, broadcast::Sender<Arc<ChainedEvent>>>>>,
+    /// Runs being followed: the write lanes publish each event as it commits, so a follower
+    /// that has caught up reads nothing more from the database.
+    followers: Arc<Followers>,
     /// Appends go through group commit.
     writer: GroupCommit,
     recent: Arc<Mutex<RecentDecisions>>,
@@ -131,13 +128,14 @@ impl LedgerService {
         let policy = (!policy_endpoint.is_empty())
             .then(|| warden_grpc::channel(policy_endpoint).map(warden_proto::v1::policy_client::PolicyClient::new))
             .transpose()?;
+        let followers = Arc::new(Followers::default());
         Ok(LedgerService {
             policy_keys: Default::default(),
             policy,
-            writer: GroupCommit::start(store.clone(), lanes, max_batch),
+            writer: GroupCommit::start(store.clone(), lanes, max_batch, followers.clone()),
             store,
             max_payload_bytes,
-            followers: Default::default(),
+            followers,
             recent: Default::default(),
         })
     }
@@ -235,30 +233,6 @@ impl LedgerService {
         &self.store
     }
 
-    /// Drops the run's feed once no stream follows it any more.
-    fn unfollow(&self, run_id: &str) {
-        let mut f = self.followers.lock().unwrap_or_else(|p| p.into_inner());
-        if f.get(run_id).is_some_and(|feed| feed.receiver_count() == 0) {
-            f.remove(run_id);
-        }
-    }
-
-    /// The run's feed of committed events, from now on.
-    fn follower(&self, run_id: &str) -> broadcast::Receiver<Arc<ChainedEvent>> {
-        let mut f = self.followers.lock().unwrap_or_else(|p| p.into_inner());
-        f.entry(run_id.to_string()).or_insert_with(|| broadcast::channel(FOLLOW_BUFFER).0).subscribe()
-    }
-
-    /// Publishes committed events to the run's followers, if it has any.
-    fn publish<'a>(&self, run_id: &str, committed: impl IntoIterator<Item = &'a ChainedEvent>) {
-        let f = self.followers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(feed) = f.get(run_id) {
-            for e in committed {
-                let _ = feed.send(Arc::new(e.clone()));
-            }
-        }
-    }
-
     /// What a caller that is not the mesh may write: never above the run's current epoch (only
     /// lease holders raise it, or a tenant could fence out the executor driving the run), and
     /// for an agent's token only to its own agent's runs (the agent is fixed at submission).
@@ -303,7 +277,7 @@ impl LedgerService {
         Ok(v)
     }
 
-    /// Appends one event for the RPCs: serialized per run, followers notified.
+    /// Appends one event for the RPCs (serialized per run; the lane publishes it to followers).
     #[allow(clippy::too_many_arguments)]
     async fn append(
         &self,
@@ -333,9 +307,6 @@ impl LedgerService {
                 now_ms: now_ms(),
             })
             .await?;
-        if !appended.1 {
-            self.publish(run_id, [&appended.0]);
-        }
         Ok(appended)
     }
 
@@ -685,7 +656,6 @@ impl Ledger for LedgerService {
             });
         }
         let appended = self.writer.append_group(group).await?;
-        self.publish(&r.run_id, appended.iter().filter(|(_, dup)| !dup).map(|(e, _)| e));
         self.remember_decisions(&r.tenant, appended.iter().map(|(e, _)| e));
         Ok(Response::new(pb::AppendEventsResponse {
             appended: appended.iter().map(|(e, dup)| self.appended(&r.tenant, e, *dup)).collect(),
@@ -738,8 +708,9 @@ impl Ledger for LedgerService {
         let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
         let this = self.clone();
         tokio::spawn(async move {
-            // Subscribed before the first read, so nothing committed in between is missed.
-            let mut feed = this.follower(&run.run_id);
+            // Subscribed once caught up (then read once more, so nothing committed in between
+            // is missed): a stream that only reads, or is still catching up, holds no feed.
+            let mut feed: Option<Feed> = None;
             let mut since = r.since_seq;
             let stream = async {
                 loop {
@@ -783,13 +754,17 @@ impl Ledger for LedgerService {
                             _ => {}
                         }
                     }
+                    let Some(live) = feed.as_mut() else {
+                        feed = Some(this.followers.follow(&run.run_id));
+                        continue;
+                    };
                     // Caught up: follow from memory, in order, until something is missing — a
-                    // gap (events committed out of order by concurrent appends, or written by
-                    // another replica), a follower fallen behind the feed, or a quiet spell —
-                    // then read from the database again.
+                    // gap (events another replica wrote, never published here), a follower
+                    // fallen behind the feed, or a quiet spell — then read the database again.
+                    // (The feed cannot close: its sender stays while this receiver exists.)
                     loop {
                         tokio::select! {
-                            got = feed.recv() => match got {
+                            got = live.recv() => match got {
                                 Ok(e) if e.body.seq <= since => {}
                                 Ok(e) if e.body.seq == since + 1 => {
                                     since = e.body.seq;
@@ -800,11 +775,7 @@ impl Ledger for LedgerService {
                                         return;
                                     }
                                 }
-                                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => break,
-                                Err(broadcast::error::RecvError::Closed) => {
-                                    feed = this.follower(&run.run_id);
-                                    break;
-                                }
+                                Ok(_) | Err(_) => break,
                             },
                             _ = tokio::time::sleep(FOLLOW_POLL) => break,
                             _ = tx.closed() => return,
@@ -813,8 +784,9 @@ impl Ledger for LedgerService {
                 }
             };
             stream.await;
-            drop(feed);
-            this.unfollow(&run.run_id);
+            if feed.take().is_some() {
+                this.followers.unfollow(&run.run_id);
+            }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
