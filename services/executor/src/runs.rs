@@ -275,14 +275,25 @@ impl Runs for RunsService {
                 .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
                 .await?
                 .into_inner();
-            let settled = matches!(now.status(), pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation)
-                || warden_grpc::convert::status_from_proto(now.status()).is_some_and(|s| s.is_terminal());
-            if settled || tokio::time::Instant::now() >= deadline {
+            if settled(now.status()) || tokio::time::Instant::now() >= deadline {
                 break;
             }
             if let Some(woken) = woken {
                 tokio::select! {
-                    _ = woken => continue,
+                    _ = woken => {
+                        // The driver stopped: most often the run settled, so the answer itself
+                        // is read (one read fewer than looking first); a run handed off or
+                        // still going is waited for again.
+                        let run = self.get_run(Request::new(pb::GetRunRequest {
+                            tenant: r.tenant.clone(),
+                            run_id: r.run_id.clone(),
+                        }))
+                        .await?;
+                        if settled(run.get_ref().status()) {
+                            return Ok(run);
+                        }
+                        continue;
+                    }
                     _ = tokio::time::sleep_until(deadline) => break,
                     // This replica is leaving: answer now; the client asks another.
                     _ = self.ex.inner.handoff.cancelled() => break,
@@ -602,4 +613,11 @@ impl Runs for RunsService {
         let get = pb::GetRunRequest { tenant: r.tenant, run_id: r.run_id };
         self.get_run(Request::new(get)).await
     }
+}
+
+/// Whether a run waits for nobody but an operator, an approver or nothing at all: what
+/// `WaitRun` waits for.
+fn settled(status: pb::RunStatus) -> bool {
+    matches!(status, pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation)
+        || warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal())
 }
