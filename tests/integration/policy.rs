@@ -664,28 +664,33 @@ async fn rotated_keys_keep_earlier_authorizations_verifiable() {
 }
 
 /// K15: budgets only grow; once the run's calls or cost reach the limit, every further call
-/// is denied and the run stops scheduling.
-#[tokio::test]
-async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling() {
+/// is denied — a step no failure reaches included — and the run stops scheduling.
+async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling(backend: Backend) {
     let opts = MeshOptions {
         tenants: vec![("acme".into(), vec!["echo".into()])],
         budget_rules: vec![("acme".into(), 3, 10.0)],
         ..MeshOptions::default()
     };
-    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mesh = mesh_with(backend, opts).await;
     let chain: Vec<(&str, &str, serde_json::Value, &[&str])> = vec![
         ("a", "echo", json!({"cost": 6}), &[]),
         ("b", "echo", json!({"cost": 6}), &["a"]),
         ("c", "echo", json!({"cost": 1}), &["b"]),
         ("d", "echo", json!({}), &["c"]),
+        // Ready with `c`, depending on nothing that failed: only the breach can stop it.
+        ("e", "echo", json!({}), &["b"]),
     ];
     let id = submit(&mesh, "acme", &plan(&chain)).await;
     let run = settled(&mesh, "acme", &id).await;
     assert_eq!(run.status(), pb::RunStatus::Failed);
-    let st = |s: &str| run.steps.iter().find(|x| x.id == s).expect("step").status();
+    let step = |s: &str| run.steps.iter().find(|x| x.id == s).expect("step").clone();
+    let st = |s: &str| step(s).status();
     assert_eq!((st("a"), st("b")), (pb::StepStatus::Completed, pb::StepStatus::Completed));
     assert_eq!(st("c"), pb::StepStatus::Denied, "12 spent of 10: the next call is denied");
     assert_eq!(st("d"), pb::StepStatus::Cancelled);
+    assert!(step("d").error.contains("dependency 'c'"), "d is the cascade: {}", step("d").error);
+    assert_eq!(st("e"), pb::StepStatus::Denied, "the breach stops a step no failure reaches");
+    assert!(step("e").error.contains("run_budget_exhausted"), "{}", step("e").error);
     assert!(run.reason.contains("run_budget_exhausted"), "{}", run.reason);
 
     let e = mesh
@@ -712,6 +717,16 @@ async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling() {
     let run = settled(&mesh, "acme", &id).await;
     assert!(run.reason.contains("run_call_limit"), "{}", run.reason);
     assert_eq!(run.steps.iter().filter(|s| s.status() == pb::StepStatus::Completed).count(), 3);
+}
+
+#[tokio::test]
+async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling_on_sqlite() {
+    k15_budgets_are_monotonic_and_a_breach_stops_scheduling(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k15_budgets_are_monotonic_and_a_breach_stops_scheduling_on_postgres() {
+    k15_budgets_are_monotonic_and_a_breach_stops_scheduling(Backend::Postgres).await;
 }
 
 /// The steps the rate test asks for: three rounds of three.
