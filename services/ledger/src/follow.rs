@@ -41,10 +41,13 @@ impl Followers {
         }
     }
 
-    /// Publishes committed events of one run, in order, if anyone follows it.
-    pub fn publish<'a>(&self, run_id: &str, committed: impl IntoIterator<Item = &'a ChainedEvent>) {
-        let Some(feed) = self.lock().get(run_id).cloned() else { return };
-        for e in committed {
+    /// Publishes what one group appended (events of one run, in order) if anyone follows the
+    /// run; repeats of earlier events were published when they were first committed.
+    pub fn publish(&self, appended: &[(ChainedEvent, bool)]) {
+        let mut fresh = appended.iter().filter(|(_, repeat)| !repeat).map(|(e, _)| e).peekable();
+        let Some(first) = fresh.peek() else { return };
+        let Some(feed) = self.lock().get(&first.body.run_id).cloned() else { return };
+        for e in fresh {
             if feed.receiver_count() == 0 {
                 return;
             }
@@ -75,12 +78,12 @@ mod tests {
     #[test]
     fn a_feed_lives_while_followed_and_carries_events_in_order() {
         let followers = Followers::default();
-        followers.publish("r", [&event(1)]);
+        followers.publish(&[(event(1), false)]);
         let mut feed = followers.follow("r");
-        followers.publish("r", [&event(2), &event(3)]);
+        followers.publish(&[(event(2), false), (event(1), true), (event(3), false)]);
         assert_eq!(feed.try_recv().expect("2").body.seq, 2);
         assert_eq!(feed.try_recv().expect("3").body.seq, 3);
-        assert!(feed.try_recv().is_err(), "nothing from before the follow");
+        assert!(feed.try_recv().is_err(), "nothing from before the follow, no repeat");
         followers.unfollow("r");
         assert_eq!(followers.lock().len(), 1, "still followed");
         drop(feed);

@@ -66,10 +66,7 @@ impl GroupCommit {
                         warden_telemetry::metrics::ledger_batch_committed(events, started.elapsed());
                         // In commit order per run (a run's groups are in this lane, in order).
                         for appended in results.iter().flatten() {
-                            if let Some((first, _)) = appended.iter().find(|(_, repeat)| !repeat) {
-                                let fresh = appended.iter().filter(|(_, repeat)| !repeat).map(|(e, _)| e);
-                                followers.publish(&first.body.run_id, fresh);
-                            }
+                            followers.publish(appended);
                         }
                         for (reply, result) in replies.into_iter().zip(results) {
                             // A caller that went away still had its event written (or not):

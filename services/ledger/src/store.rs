@@ -557,8 +557,7 @@ impl LedgerStore {
     /// every group is appended again on its own, so each gets its own answer — refusals
     /// included, since they may have depended on events of the failed transaction.
     pub async fn append_groups(&self, groups: Vec<Vec<OwnedEvent>>) -> Vec<crate::group::GroupResult> {
-        let first = self.try_groups_again(&groups).await;
-        match first {
+        match self.try_groups_again(&groups).await {
             Ok(results) => results,
             Err(e) if groups.len() == 1 => vec![Err(e)],
             Err(e) => {
@@ -605,14 +604,13 @@ impl LedgerStore {
     /// committed: on any error they are dropped, and the runs' next appends read them.
     async fn try_groups(&self, groups: &[Vec<OwnedEvent>]) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
         let derived_alone = |g: &Vec<OwnedEvent>| g.len() == 1 && derived::has_effects(&g[0].event_type);
-        if !groups.iter().any(derived_alone) {
-            if groups.iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
-                // The RPCs never form these; refuse rather than skip their effects.
-                return Err(LedgerError::invalid("events", "summaries and transactions are appended on their own"));
-            }
-            if let Some(mut states) = self.hot.take_all(&batch::runs_of(groups)) {
+        // Only plain events are decided from memory; the rest goes the way below (which
+        // refuses a group mixing derived events with others).
+        if !groups.iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
+            let runs = batch::runs_of(groups);
+            if let Some(mut states) = self.hot.take_all(&runs) {
                 batch::drop_repeats(&mut states, groups);
-                if batch::runs_of(groups).iter().all(|r| states.contains_key(*r))
+                if runs.iter().all(|r| states.contains_key(*r))
                     && let decided = batch::decide_groups(states, groups)
                     // A refusal writes nothing that a moved head could refuse in turn, so it
                     // is decided again on the stored heads below.
@@ -653,14 +651,16 @@ impl LedgerStore {
             let end = (i..groups.len()).find(|&k| derived_alone(&groups[k])).unwrap_or(groups.len());
             let segment = &groups[i..end];
             if segment.iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
+                // The RPCs never form these; refuse rather than skip their effects.
                 return Err(LedgerError::invalid("events", "summaries and transactions are appended on their own"));
             }
             // Everything here is decided on heads read under their row lock (what memory
             // held of these runs is dropped): a run an earlier segment of this transaction
             // wrote is read with those writes.
-            let _ = self.hot.take_some(&batch::runs_of(segment));
-            let mut states = HashMap::new();
-            batch::load_states(self, &mut tx, &mut states, segment).await?;
+            for run in batch::runs_of(segment) {
+                self.hot.forget(run);
+            }
+            let states = batch::load_states(self, &mut tx, segment).await?;
             let decided = batch::decide_groups(states, segment);
             batch::write(self, &mut tx, &decided).await?;
             results.extend(decided.results);
@@ -682,9 +682,11 @@ impl LedgerStore {
         new: NewEvent<'_>,
     ) -> Result<(ChainedEvent, bool), LedgerError> {
         let mut heads = batch::lock_heads(self, tx, &[new.run_id.to_string()]).await?;
-        let Some(head) = heads.get_mut(new.run_id) else {
+        let Some(head) = heads.remove(new.run_id) else {
             return Err(LedgerError::NotFound(format!("run '{}'", new.run_id)));
         };
+        let mut state = hot::RunState::new(head, false);
+        let head = &state.head;
         checks::check_tenant(head, &new)?;
         let own_key = (new.run_id.to_string(), new.idempotency_key.to_string());
         let mut keys = vec![own_key.clone()];
@@ -731,7 +733,6 @@ impl LedgerStore {
         if let Some(r) = receipt_for(&event, &capability_id) {
             batch::insert_receipts(tx, &[r]).await?;
         }
-        let mut state = hot::RunState::new(head.clone(), false);
         state.head.advance(&event);
         batch::write_head(self, tx, &state).await?;
         Ok((event, false))

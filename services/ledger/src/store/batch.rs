@@ -31,6 +31,19 @@ fn marks(rows: usize, cols: usize, from: usize) -> String {
         .join(", ")
 }
 
+/// `$1, …, $n`: the list of an `IN (…)` over `n` bound values.
+fn placeholders(n: usize) -> String {
+    (1..=n).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ")
+}
+
+/// `q` with each of `ids` bound, in order.
+fn bind_ids<'q, S: AsRef<str>>(mut q: Query<'q>, ids: &'q [S]) -> Query<'q> {
+    for id in ids {
+        q = q.bind(id.as_ref());
+    }
+    q
+}
+
 /// Locks the runs (in id order, so concurrent batches cannot deadlock) and reads their heads.
 pub async fn lock_heads(
     store: &LedgerStore,
@@ -42,17 +55,13 @@ pub async fn lock_heads(
     ids.dedup();
     let mut heads = HashMap::new();
     for chunk in ids.chunks(ROWS) {
-        let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+        let list = placeholders(chunk.len());
         let lock = if store.backend == Backend::Postgres { " FOR UPDATE" } else { "" };
         let sql = format!(
             "SELECT run_id, tenant, status, reason, last_seq, head_hash, max_epoch, updated_at_ms FROM runs
              WHERE run_id IN ({list}) ORDER BY run_id{lock}"
         );
-        let mut q = sqlx::query(&sql);
-        for id in chunk {
-            q = q.bind(id.as_str());
-        }
-        for r in q.fetch_all(&mut **tx).await? {
+        for r in bind_ids(sqlx::query(&sql), chunk).fetch_all(&mut **tx).await? {
             let head = RunHead {
                 run_id: r.try_get("run_id")?,
                 tenant: r.try_get("tenant")?,
@@ -94,13 +103,9 @@ pub async fn find_events(
 pub async fn existing_receipts(tx: &mut Tx<'_>, ids: &[String]) -> Result<HashSet<String>, LedgerError> {
     let mut found = HashSet::new();
     for chunk in ids.chunks(ROWS) {
-        let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+        let list = placeholders(chunk.len());
         let sql = format!("SELECT receipt_id FROM receipts WHERE receipt_id IN ({list})");
-        let mut q = sqlx::query(&sql);
-        for id in chunk {
-            q = q.bind(id.as_str());
-        }
-        for r in q.fetch_all(&mut **tx).await? {
+        for r in bind_ids(sqlx::query(&sql), chunk).fetch_all(&mut **tx).await? {
             found.insert(r.try_get::<String, _>(0)?);
         }
     }
@@ -218,21 +223,17 @@ pub fn drop_repeats(states: &mut HashMap<String, RunState>, groups: &[Vec<OwnedE
     }
 }
 
-/// Reads the states of the batch's runs that `states` lacks, under their row lock: a run
-/// short enough is read whole (and can be kept in memory after the commit), a longer one only
-/// for the keys and receipts this batch needs.
+/// Reads the states of the batch's runs under their row lock: a run short enough is read
+/// whole (and can be kept in memory after the commit), a longer one only for the keys and
+/// receipts this batch needs.
 pub async fn load_states(
     store: &LedgerStore,
     tx: &mut Tx<'_>,
-    states: &mut HashMap<String, RunState>,
     groups: &[Vec<OwnedEvent>],
-) -> Result<(), LedgerError> {
-    let cold: Vec<String> =
-        runs_of(groups).into_iter().filter(|r| !states.contains_key(*r)).map(str::to_string).collect();
-    if cold.is_empty() {
-        return Ok(());
-    }
-    let heads = lock_heads(store, tx, &cold).await?;
+) -> Result<HashMap<String, RunState>, LedgerError> {
+    let mut states = HashMap::new();
+    let runs: Vec<String> = runs_of(groups).into_iter().map(str::to_string).collect();
+    let heads = lock_heads(store, tx, &runs).await?;
     let (mut short, mut long): (Vec<RunHead>, Vec<RunHead>) =
         heads.into_values().partition(|h| h.last_seq <= hot::MAX_RUN_EVENTS && !store.hot.is_unkept(&h.run_id));
     // Read whole only what fits in memory: the payloads' size first (a run of few but large
@@ -256,24 +257,16 @@ pub async fn load_states(
         states.insert(h.run_id.clone(), RunState::new(h, false));
     }
     for chunk in short_ids.chunks(ROWS) {
-        let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+        let list = placeholders(chunk.len());
         let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id IN ({list})");
-        let mut q = sqlx::query(&sql);
-        for id in chunk {
-            q = q.bind(id.as_str());
-        }
-        for r in q.fetch_all(&mut **tx).await? {
+        for r in bind_ids(sqlx::query(&sql), chunk).fetch_all(&mut **tx).await? {
             let e = event_from_row(&r)?;
             if let Some(st) = states.get_mut(&e.body.run_id) {
                 st.remember(e);
             }
         }
         let sql = format!("SELECT run_id, receipt_id FROM receipts WHERE run_id IN ({list})");
-        let mut q = sqlx::query(&sql);
-        for id in chunk {
-            q = q.bind(id.as_str());
-        }
-        for r in q.fetch_all(&mut **tx).await? {
+        for r in bind_ids(sqlx::query(&sql), chunk).fetch_all(&mut **tx).await? {
             let run: String = r.try_get(0)?;
             if let Some(st) = states.get_mut(&run) {
                 st.receipts.insert(r.try_get(1)?);
@@ -304,23 +297,19 @@ pub async fn load_states(
             st.receipts.insert(id);
         }
     }
-    Ok(())
+    Ok(states)
 }
 
 /// The size of each run's stored payloads, in characters.
 async fn payload_sizes(tx: &mut Tx<'_>, run_ids: &[String]) -> Result<HashMap<String, i64>, LedgerError> {
     let mut sizes = HashMap::new();
     for chunk in run_ids.chunks(ROWS) {
-        let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+        let list = placeholders(chunk.len());
         let sql = format!(
             "SELECT run_id, CAST(COALESCE(SUM(LENGTH(payload_json)), 0) AS BIGINT) FROM events
              WHERE run_id IN ({list}) GROUP BY run_id"
         );
-        let mut q = sqlx::query(&sql);
-        for id in chunk {
-            q = q.bind(id.as_str());
-        }
-        for r in q.fetch_all(&mut **tx).await? {
+        for r in bind_ids(sqlx::query(&sql), chunk).fetch_all(&mut **tx).await? {
             sizes.insert(r.try_get::<String, _>(0)?, r.try_get::<i64, _>(1)?);
         }
     }

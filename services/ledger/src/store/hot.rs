@@ -110,12 +110,6 @@ impl HotRuns {
         Some(run_ids.iter().filter_map(|r| inner.remove(r).map(|s| (r.to_string(), s))).collect())
     }
 
-    /// Takes out whichever of these runs are there.
-    pub fn take_some(&self, run_ids: &[&str]) -> HashMap<String, RunState> {
-        let mut inner = self.lock();
-        run_ids.iter().filter_map(|r| inner.remove(r).map(|s| (r.to_string(), s))).collect()
-    }
-
     /// Whether the run was found too large to keep (see [`HotRuns::mark_unkept`]).
     pub fn is_unkept(&self, run_id: &str) -> bool {
         self.lock().unkept.contains(run_id)
@@ -239,7 +233,7 @@ mod tests {
         let mut a = taken.into_values().next().unwrap();
         a.head.last_seq = 5;
         hot.put([a]);
-        assert_eq!(hot.take_some(&["a", "z"])["a"].stored_seq, 5, "the committed head is the next condition");
+        assert_eq!(hot.take_all(&["a"]).expect("a")["a"].stored_seq, 5, "the committed head is the next condition");
     }
 
     #[test]
@@ -249,7 +243,7 @@ mod tests {
             hot.put([RunState::new(head(&format!("r{i}"), 2, "active"), true)]);
         }
         assert!(hot.len() <= MAX_RUNS / 8 * 7);
-        assert!(hot.take_some(&["r0"]).is_empty());
-        assert!(!hot.take_some(&[&format!("r{MAX_RUNS}")]).is_empty());
+        assert!(hot.take_all(&["r0"]).is_none());
+        assert!(hot.take_all(&[&format!("r{MAX_RUNS}")]).is_some());
     }
 }
