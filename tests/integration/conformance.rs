@@ -427,19 +427,24 @@ async fn step_running(mesh: &warden_testkit::Mesh, run_id: &str, step: &str) {
 }
 
 /// K16: cancellation follows the run's declared cancel policy. A step whose tool is already
-/// working finishes and is recorded (an effect that started cannot be un-started); nothing
-/// starts after the request; a run blocked on an approval ends without its call; cancelling
-/// again changes nothing; a run that ended otherwise cannot be cancelled.
-#[tokio::test]
-async fn k16_cancellation_follows_the_declared_cancel_policy() {
+/// working finishes and is recorded under either policy (an effect that started cannot be
+/// un-started); nothing starts after the request. The policies part where a call is authorized
+/// and requested but no host has received it yet (its host is down when the cancel lands):
+/// `immediate` never sends it — the step is cancelled with a `cancelled` receipt citing its
+/// allow — while `after_tool_call` lets that call go out once the host is back, records it,
+/// and stops. A run blocked on an approval ends without its call; cancelling again changes
+/// nothing; a run that ended otherwise cannot be cancelled.
+async fn k16_cancellation(backend: Backend) {
     use tonic::Code;
     let mut opts = MeshOptions {
         approval_rules: vec![("acme".into(), vec!["email.send".into()], vec!["alice".into()])],
+        // Long enough for a host outage to span the cancel and the host's return.
+        outage_grace_ms: 60_000,
         ..MeshOptions::default()
     };
     opts.tenants[0].1.push("sleep".into());
-    let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let submit_with = |plan_json: String, policy: pb::CancelPolicy| {
+    let mut mesh = mesh_with(backend, opts).await;
+    let submit_with = |mesh: &warden_testkit::Mesh, plan_json: String, policy: pb::CancelPolicy| {
         let req = pb::SubmitRunRequest {
             tenant: "acme".into(),
             plan_json,
@@ -449,18 +454,17 @@ async fn k16_cancellation_follows_the_declared_cancel_policy() {
         let mut runs = mesh.runs();
         async move { runs.submit_run(req).await.expect("submit").into_inner().run_id }
     };
-    let cancel = |run_id: &str| {
+    let cancel = |mesh: &warden_testkit::Mesh, run_id: &str| {
         let req = pb::CancelRunRequest { tenant: "acme".into(), run_id: run_id.into(), reason: "operator stop".into() };
         let mut runs = mesh.runs();
         async move { runs.cancel_run(req).await.map(|r| r.into_inner().status()) }
     };
-    for (policy, name) in
-        [(pb::CancelPolicy::Immediate, "immediate"), (pb::CancelPolicy::AfterToolCall, "after_tool_call")]
-    {
+    let policies = [(pb::CancelPolicy::Immediate, "immediate"), (pb::CancelPolicy::AfterToolCall, "after_tool_call")];
+    for (policy, name) in policies {
         let work = plan(&[("nap", "sleep", json!({"ms": 4000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
-        let id = submit_with(work, policy).await;
+        let id = submit_with(&mesh, work, policy).await;
         step_running(&mesh, &id, "nap").await;
-        assert_eq!(cancel(&id).await.expect("cancel"), pb::RunStatus::Active);
+        assert_eq!(cancel(&mesh, &id).await.expect("cancel"), pb::RunStatus::Active);
         let run = settled(&mesh, "acme", &id).await;
         assert_eq!(run.status(), pb::RunStatus::Cancelled, "{name}: {}", run.reason);
         assert!(run.reason.contains("operator stop"), "{}", run.reason);
@@ -473,24 +477,82 @@ async fn k16_cancellation_follows_the_declared_cancel_policy() {
             receipts.iter().map(|r| (r.step_id.as_str(), r.status.as_str())).collect();
         statuses.sort();
         assert_eq!(statuses, [("after", "cancelled"), ("nap", "ok")], "{name}: one receipt per call");
-        assert_eq!(cancel(&id).await.expect("again"), pb::RunStatus::Cancelled, "cancelling twice changes nothing");
+        assert_eq!(
+            cancel(&mesh, &id).await.expect("again"),
+            pb::RunStatus::Cancelled,
+            "cancelling twice changes nothing"
+        );
         let evs = events(&mut mesh.ledger(), "acme", &id).await;
         assert_eq!(evs.iter().filter(|e| e.event_type == "run_cancel_requested").count(), 1);
         assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
     }
 
-    let mail = plan(&[("mail", "email.send", json!({"to": "ops@example.com", "subject": "s", "body": "b"}), &[])]);
-    let id = submit_with(mail, pb::CancelPolicy::Immediate).await;
+    // Authorized and requested, not yet invoked: the mail's approval comes while its host is
+    // down, so the executor holds the call (waiting out the outage) when the cancel lands.
+    let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+    for (policy, name) in policies {
+        let p = plan(&[("mail", "email.send", mail.clone(), &[]), ("after", "echo", json!({"n": 2}), &["mail"])]);
+        let id = submit_with(&mesh, p, policy).await;
+        first_event(&mesh, "acme", &id, |e| e.event_type == "run_blocked").await;
+        mesh.tools.kill();
+        approve_pending(&mesh, &id, true).await;
+        first_event(&mesh, "acme", &id, |e| e.event_type == "run_waiting" && e.step_id == "mail").await;
+        let evs = events(&mut mesh.ledger(), "acme", &id).await;
+        assert!(evs.iter().any(|e| e.event_type == "tool_requested" && e.step_id == "mail"), "{name}: requested");
+        assert_eq!(cancel(&mesh, &id).await.expect("cancel"), pb::RunStatus::Active);
+        if policy == pb::CancelPolicy::AfterToolCall {
+            mesh.tools.restart().expect("the tool host comes back");
+        }
+        let run = settled(&mesh, "acme", &id).await;
+        assert_eq!(run.status(), pb::RunStatus::Cancelled, "{name}: {}", run.reason);
+        let step = |sid: &str| run.steps.iter().find(|s| s.id == sid).expect("step").clone();
+        let receipts = receipts_of(&mesh, "acme", &id, "").await;
+        let mut statuses: Vec<(&str, &str)> =
+            receipts.iter().map(|r| (r.step_id.as_str(), r.status.as_str())).collect();
+        statuses.sort();
+        if policy == pb::CancelPolicy::Immediate {
+            assert_eq!(step("mail").status(), pb::StepStatus::Cancelled, "{name}: the call was never sent");
+            assert_eq!(statuses, [("after", "cancelled"), ("mail", "cancelled")]);
+            let evs = events(&mut mesh.ledger(), "acme", &id).await;
+            let allow = evs
+                .iter()
+                .find(|e| e.event_type == "policy_decision" && e.step_id == "mail" && payload(e)["outcome"] == "allow")
+                .map(|e| payload(e)["decision_id"].clone())
+                .expect("the call's allow");
+            let cancelled = receipts.iter().find(|r| r.step_id == "mail").expect("receipt");
+            assert_eq!(json!(cancelled.policy_decision), allow, "the cancelled call's receipt cites its allow");
+            mesh.tools.restart().expect("the tool host comes back");
+            assert!(mesh.outbox().is_empty(), "{name}: no mail went out");
+        } else {
+            assert_eq!(step("mail").status(), pb::StepStatus::Completed, "{name}: the call went out");
+            assert_eq!(statuses, [("after", "cancelled"), ("mail", "ok")]);
+            assert_eq!(mesh.outbox().len(), 1, "{name}: exactly one mail");
+        }
+        assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+    }
+
+    let mail = plan(&[("mail", "email.send", mail, &[])]);
+    let id = submit_with(&mesh, mail, pb::CancelPolicy::Immediate).await;
     first_event(&mesh, "acme", &id, |e| e.event_type == "run_blocked").await;
-    assert_eq!(cancel(&id).await.expect("cancel"), pb::RunStatus::Blocked);
+    assert_eq!(cancel(&mesh, &id).await.expect("cancel"), pb::RunStatus::Blocked);
     let run = settled(&mesh, "acme", &id).await;
     assert_eq!(run.status(), pb::RunStatus::Cancelled, "{}", run.reason);
-    assert!(mesh.outbox().is_empty(), "the gated mail never went out");
+    assert_eq!(mesh.outbox().len(), 1, "the gated mail never went out");
 
     let done = submit(&mesh, "acme", &plan(&[("only", "echo", json!({"n": 2}), &[])])).await;
     assert_eq!(settled(&mesh, "acme", &done).await.status(), pb::RunStatus::Completed);
-    assert_eq!(cancel(&done).await.expect_err("ended").code(), Code::FailedPrecondition);
-    assert_eq!(cancel("no-such-run").await.expect_err("unknown").code(), Code::NotFound);
+    assert_eq!(cancel(&mesh, &done).await.expect_err("ended").code(), Code::FailedPrecondition);
+    assert_eq!(cancel(&mesh, "no-such-run").await.expect_err("unknown").code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn k16_cancellation_follows_the_declared_cancel_policy_on_sqlite() {
+    k16_cancellation(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k16_cancellation_follows_the_declared_cancel_policy_on_postgres() {
+    k16_cancellation(Backend::Postgres).await;
 }
 
 /// K16 across replicas: a cancellation that reaches an executor other than the one driving
@@ -518,11 +580,28 @@ async fn k16_a_cancel_reaching_another_replica_stops_the_run() {
 /// K08: a step's timeout comes only from its tool's declaration. A plan cannot set one (an
 /// unknown step field is refused), and a tool that outlives its declared `timeout_sec` leaves
 /// its outcome unknown once the (idempotent) re-asks run out: the run waits for an operator.
-#[tokio::test]
-async fn k08_the_timeout_comes_only_from_the_tool_declaration() {
-    let mut opts = MeshOptions { tools_extra: "timeout_secs = { sleep = 1 }".into(), ..MeshOptions::default() };
+/// A tool that declares none gets the 60 s fallback: its request records the 60,000 ms the
+/// executor applies (the same value it waits with), while a declaring tool's records its own.
+async fn k08_timeouts(backend: Backend) {
+    let mut opts = MeshOptions {
+        tools_extra: "timeout_secs = { sleep = 1, \"text.upper\" = 0 }".into(),
+        ..MeshOptions::default()
+    };
     opts.tenants[0].1.push("sleep".into());
-    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mesh = mesh_with(backend, opts).await;
+    // `text.upper` declares no timeout, `echo` the demo host's 10 s.
+    let undeclared =
+        submit(&mesh, "acme", &plan(&[("up", "text.upper", json!({"text": "x"}), &[]), ("e", "echo", json!({}), &[])]))
+            .await;
+    assert_eq!(settled(&mesh, "acme", &undeclared).await.status(), pb::RunStatus::Completed);
+    let evs = events(&mut mesh.ledger(), "acme", &undeclared).await;
+    let timeout_of = |sid: &str| {
+        let e = evs.iter().find(|e| e.event_type == "tool_requested" && e.step_id == sid).expect("requested");
+        payload(e)["timeout_ms"].clone()
+    };
+    assert_eq!(timeout_of("up"), json!(60_000), "no declaration: the 60 s fallback");
+    assert_eq!(timeout_of("e"), json!(10_000), "the declared 10 s");
+
     let with_timeout = json!({"steps": [{"id": "nap", "tool": "sleep", "params": {"ms": 10}, "timeout_sec": 30}]});
     let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: with_timeout.to_string(), ..Default::default() };
     let e = mesh.runs().submit_run(req).await.expect_err("a plan cannot carry a timeout");
@@ -532,6 +611,16 @@ async fn k08_the_timeout_comes_only_from_the_tool_declaration() {
     let run = settled(&mesh, "acme", &id).await;
     assert_eq!(run.status(), pb::RunStatus::RequiresReconciliation, "{}", run.reason);
     assert!(run.reason.contains("no answer within 1s"), "the declared 1 s applied: {}", run.reason);
+}
+
+#[tokio::test]
+async fn k08_the_timeout_comes_only_from_the_tool_declaration_on_sqlite() {
+    k08_timeouts(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k08_the_timeout_comes_only_from_the_tool_declaration_on_postgres() {
+    k08_timeouts(Backend::Postgres).await;
 }
 
 fn retrying_mesh_options() -> MeshOptions {

@@ -2,6 +2,7 @@
 //! on both backends.
 
 use serde_json::json;
+use warden_core::canonical::canonical_json;
 use warden_proto::v1 as pb;
 
 use crate::*;
@@ -322,4 +323,55 @@ async fn a_plan_whose_literal_params_break_the_input_schema_is_refused_at_submis
     assert_field_violation(&e, "steps[1].params/to");
     let runs = mesh.runs().list_runs(pb::ListRunsRequest { tenant: "acme".into(), ..Default::default() }).await;
     assert!(runs.expect("list").into_inner().runs.is_empty(), "nothing was recorded");
+}
+
+/// The step pipeline's output half (seed 000 §9, §10): an output that breaks the tool's
+/// declared output schema, or matches an output rule (a leaked credential), is recorded as
+/// `"[Output sanitized]"` with the reason, its digest and size; the step keeps its status and
+/// its receipt, and a later step templates from the sanitized value only. No outcome on record
+/// carries what was withheld.
+#[tokio::test]
+async fn an_output_off_its_schema_or_leaking_a_credential_is_sanitized_and_the_step_completes() {
+    let opts = MeshOptions {
+        tools_extra: r#"output_schemas = { echo = '{"type": "object", "required": ["message"]}' }"#.into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let secret = "sk-abcdefghijklmnopqrstuvwx0123";
+    let p = plan(&[
+        ("fine", "echo", json!({"message": "hi"}), &[]),
+        ("shapeless", "echo", json!({"note": "no message here"}), &[]),
+        ("leaky", "echo", json!({"message": format!("the key is {secret}")}), &[]),
+        ("after", "text.upper", json!({"text": "{{leaky.output}}"}), &["leaky"]),
+    ]);
+    let id = submit(&mesh, "acme", &p).await;
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+    let step = |sid: &str| run.steps.iter().find(|s| s.id == sid).expect("step").clone();
+    assert_eq!(step("fine").output_json, json!({"message": "hi"}).to_string());
+    for sid in ["shapeless", "leaky"] {
+        assert_eq!(step(sid).status(), pb::StepStatus::Completed, "{sid}: the status is preserved");
+        assert_eq!(step(sid).output_json, json!("[Output sanitized]").to_string(), "{sid}");
+    }
+    assert_eq!(step("after").output_json, json!({"text": "[OUTPUT SANITIZED]"}).to_string());
+
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let sanitized = |sid: &str| {
+        let done = evs.iter().find(|e| e.event_type == "tool_completed" && e.step_id == sid).expect("completed");
+        payload(done)["sanitized"].clone()
+    };
+    assert_eq!(sanitized("fine"), Value::Null);
+    let shapeless = sanitized("shapeless");
+    assert_eq!(shapeless["rule"], "output_schema", "{shapeless}");
+    assert_eq!(shapeless["field"], "output/message", "{shapeless}");
+    let leaky = sanitized("leaky");
+    assert_eq!(leaky["rule"], "output_rule:openai_key", "{leaky}");
+    let withheld = canonical_json(&json!({"message": format!("the key is {secret}")}));
+    assert_eq!(leaky["output_sha256"], json!(warden_core::canonical::sha256_hex(withheld.as_bytes())));
+    assert_eq!(leaky["output_bytes"], json!(withheld.len()));
+    let outcomes = evs.iter().filter(|e| e.event_type == "tool_completed");
+    assert!(outcomes.clone().count() == 4 && outcomes.clone().all(|e| !e.payload_json.contains(secret)));
+    let receipts = receipts_of(&mesh, "acme", &id, "").await;
+    assert_eq!(receipts.iter().filter(|r| r.status == "ok").count(), 4, "one ok receipt per call");
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
 }

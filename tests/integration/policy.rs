@@ -143,14 +143,15 @@ fn resolve(id: &str, approver: &str) -> pb::ResolveApprovalRequest {
 
 /// K18: approvals bind to the argument digest; the run waits in `blocked` holding no
 /// executor; approvals survive a policy restart; approving twice changes nothing; only
-/// listed approvers may approve; a denial is never retried.
-#[tokio::test]
-async fn k18_approvals_bind_to_the_argument_digest_and_wait_durably() {
+/// listed approvers may approve; a denial is never retried. The same run and step asking
+/// with changed arguments gets no allow from the approval of the first ones: a new approval
+/// is requested, and the approved arguments stay allowed.
+async fn k18(backend: Backend) {
     let opts = MeshOptions {
         approval_rules: vec![("acme".into(), vec!["email.send".into()], vec!["alice".into()])],
         ..MeshOptions::default()
     };
-    let mut mesh = mesh_with(Backend::Postgres, opts).await;
+    let mut mesh = mesh_with(backend, opts).await;
 
     let id = submit(&mesh, "acme", &mail("ops@example.com")).await;
     let blocked = wait_status(&mesh, &id, pb::RunStatus::Blocked).await;
@@ -195,6 +196,48 @@ async fn k18_approvals_bind_to_the_argument_digest_and_wait_durably() {
     assert_eq!(mesh.outbox().len(), 1, "the denied mail never went out");
     let e = approvals_client(&mesh).approve(resolve(&fresh[0].approval_id, "alice")).await.expect_err("already denied");
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+
+    // The same run and step, the arguments changed after the approval.
+    let run = planned_run(&mesh, "acme", &[("m", "email.send")]).await;
+    let mail_to = |to: &str| json!({"to": to, "subject": "s", "body": "b"});
+    let ask = |args: serde_json::Value, key: &str| {
+        let mut req = authorize(&run, "m", "email.send", args);
+        req.idempotency_key = format!("{run}:m:{key}");
+        let mut policy = mesh.policy();
+        async move { policy.authorize(req).await.expect("authorize").into_inner().decision.expect("decision") }
+    };
+    let first = ask(mail_to("ops@example.com"), "1").await;
+    assert_eq!(first.outcome(), pb::Outcome::ApprovalRequired);
+    let asked = pending(&mesh).await;
+    let asked = asked.iter().find(|a| a.run_id == run).expect("an approval for the run");
+    approvals_client(&mesh).approve(resolve(&asked.approval_id, "alice")).await.expect("approve");
+    let allowed = ask(mail_to("ops@example.com"), "1").await;
+    assert_eq!((allowed.outcome(), allowed.rule_id.as_str()), (pb::Outcome::Allow, "approval_gate"));
+    let changed = ask(mail_to("attacker@example.com"), "2").await;
+    assert_eq!(changed.outcome(), pb::Outcome::ApprovalRequired, "changed arguments: {}", changed.reason);
+    let renewed = pending(&mesh).await;
+    let renewed: Vec<_> = renewed.iter().filter(|a| a.run_id == run).collect();
+    assert_eq!(renewed.len(), 1, "a new approval, for the new arguments");
+    assert_ne!(renewed[0].approval_id, asked.approval_id);
+    assert_eq!(renewed[0].args_sha256, warden_core::canonical::args_digest(&mail_to("attacker@example.com")));
+    assert_eq!(renewed[0].step_id, "m");
+    // Reusing the approved call's key for other arguments is no way around it either.
+    let mut req = authorize(&run, "m", "email.send", mail_to("attacker@example.com"));
+    req.idempotency_key = format!("{run}:m:1");
+    match mesh.policy().authorize(req).await {
+        Ok(r) => assert_ne!(r.into_inner().decision.expect("decision").outcome(), pb::Outcome::Allow),
+        Err(e) => assert!(matches!(e.code(), tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition), "{e:?}"),
+    }
+}
+
+#[tokio::test]
+async fn k18_approvals_bind_to_the_argument_digest_and_wait_durably_on_sqlite() {
+    k18(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k18_approvals_bind_to_the_argument_digest_and_wait_durably_on_postgres() {
+    k18(Backend::Postgres).await;
 }
 
 /// `Approvals.Watch`: the tenant's approvals as they are, then each change — a new request, a

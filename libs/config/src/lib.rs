@@ -474,6 +474,20 @@ pub struct ExecutorConfig {
     /// replica that dies is taken over by another within about this plus `sweep_interval_ms`,
     /// well inside the lease TTL.
     pub liveness_ttl_ms: u64,
+    /// The step pipeline's output rules (seed 000 §10): name → regular expression. A tool
+    /// output whose JSON text matches one is recorded as `"[Output sanitized]"` with the rule's
+    /// name (the step keeps its status), so what a tool leaks never reaches the ledger, the
+    /// next step or the planner. Defaults: credentials (API keys, AWS access keys, bearer
+    /// tokens, private keys); an empty pattern turns a default off.
+    pub output_rules: BTreeMap<String, String>,
+}
+
+/// Default output rules (see [`ExecutorConfig::output_rules`]): the credential patterns of
+/// [`default_redactions`], not its personal-data ones (an e-mail address in a tool's output is
+/// usually its point).
+pub fn default_output_rules() -> BTreeMap<String, String> {
+    let credentials = ["openai_key", "aws_access_key", "bearer_token", "private_key"];
+    default_redactions().into_iter().filter(|(k, _)| credentials.contains(&k.as_str())).collect()
 }
 
 impl Default for ExecutorConfig {
@@ -493,6 +507,7 @@ impl Default for ExecutorConfig {
             retry_backoff_base_ms: 1_000,
             outage_grace_ms: 30_000,
             liveness_ttl_ms: 1_000,
+            output_rules: default_output_rules(),
         }
     }
 }
@@ -515,6 +530,10 @@ pub struct ToolsConfig {
     /// The `timeout_sec` the host declares for a tool, by name (default 10 for every demo tool;
     /// 0 declares none, so executors fall back to 60 s).
     pub timeout_secs: BTreeMap<String, u32>,
+    /// An output JSON Schema the host declares for a tool, by name, in place of the tool's own
+    /// (the demo tools declare one where their output has a fixed shape). Executors check
+    /// every output against it (see `ToolSpec.output_schema_json`).
+    pub output_schemas: BTreeMap<String, String>,
 }
 
 impl Default for ToolsConfig {
@@ -526,6 +545,7 @@ impl Default for ToolsConfig {
             outbox_path: ".warden/outbox.jsonl".into(),
             state_path: String::new(),
             timeout_secs: BTreeMap::new(),
+            output_schemas: BTreeMap::new(),
         }
     }
 }
@@ -593,6 +613,19 @@ impl WardenConfig {
             }
         }
         self.planner.validate()?;
+        for (name, pattern) in &self.executor.output_rules {
+            if !pattern.is_empty() {
+                regex::Regex::new(pattern).map_err(|e| {
+                    invalid(&format!("executor.output_rules.{name}"), format!("not a regular expression: {e}"))
+                })?;
+            }
+        }
+        for (tool, schema) in &self.tools.output_schemas {
+            let key = format!("tools.output_schemas.{tool}");
+            let schema: serde_json::Value =
+                serde_json::from_str(schema).map_err(|e| invalid(&key, format!("not JSON: {e}")))?;
+            jsonschema::validator_for(&schema).map_err(|e| invalid(&key, format!("not JSON Schema: {e}")))?;
+        }
         if !matches!(self.telemetry.otlp_protocol.as_str(), "" | "grpc" | "http/protobuf") {
             return Err(invalid("telemetry.otlp_protocol", "must be grpc or http/protobuf"));
         }
@@ -712,6 +745,9 @@ mod tests {
             ("[planner.model]\nprovider = \"openai\"\nbase_url = \"http://x\"\nmodel = \"\"\n", "planner.model.model"),
             ("[planner.prices.gpt]\ninput_per_mtok = -1.0\n", "planner.prices.gpt.input_per_mtok"),
             ("[planner.redact]\nbroken = \"(\"\n", "planner.redact.broken"),
+            ("[executor.output_rules]\nbroken = \"(\"\n", "executor.output_rules.broken"),
+            ("[tools.output_schemas]\necho = \"{\"\n", "tools.output_schemas.echo"),
+            ("[tools.output_schemas]\necho = '{\"type\": 12}'\n", "tools.output_schemas.echo"),
             (
                 "[planner.tenants.acme.model]\nprovider = \"anthropic\"\nbase_url = \"https://a\"\nmodel = \"m\"\nrepair_attempts = 9\n",
                 "planner.tenants.acme.model.repair_attempts",

@@ -4,9 +4,9 @@
 
 pub mod auth;
 pub mod catalog;
-pub mod input_schema;
 pub mod keyfile;
 pub mod launch;
+pub mod tool_schema;
 
 use std::future::Future;
 use std::net::SocketAddr;

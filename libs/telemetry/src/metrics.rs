@@ -32,6 +32,7 @@ pub const LEDGER_BATCH_EVENTS: &str = "warden_ledger_batch_events";
 pub const LEDGER_COMMIT_DURATION: &str = "warden_ledger_batch_commit_duration_seconds";
 pub const MODEL_TOKENS: &str = "warden_model_tokens_total";
 pub const MODEL_COST: &str = "warden_model_cost_usd";
+pub const OUTPUTS_SANITIZED: &str = "warden_outputs_sanitized_total";
 
 /// Every metric with its help text: described at install, listed in the README.
 pub const ALL: &[(&str, &str)] = &[
@@ -51,6 +52,7 @@ pub const ALL: &[(&str, &str)] = &[
     (LEDGER_COMMIT_DURATION, "time to commit one ledger batch"),
     (MODEL_TOKENS, "model tokens, by tenant, model and type (input, output)"),
     (MODEL_COST, "model cost in US dollars since the process started, by tenant and model (only grows)"),
+    (OUTPUTS_SANITIZED, "tool outputs withheld by the step pipeline, by rule (output_schema or output_rule:<name>)"),
 ];
 
 /// Latency buckets, in seconds: sub-millisecond appends to multi-second tool calls.
@@ -152,6 +154,12 @@ pub fn run_reached(status: &'static str) {
 
 pub fn step_settled(outcome: &'static str) {
     metrics::counter!(STEPS, "outcome" => outcome).increment(1);
+}
+
+/// A tool output withheld; `rule` is bounded by configuration (`output_schema` or a
+/// configured output rule's name).
+pub fn output_sanitized(rule: &str) {
+    metrics::counter!(OUTPUTS_SANITIZED, "rule" => rule.to_string()).increment(1);
 }
 
 pub fn attempt_settled(outcome: &'static str) {

@@ -1126,7 +1126,7 @@ async fn execute_attempt(
     // A call asked before is not checked again (it may have acted; its host's schema may have
     // changed since).
     if !asked_before
-        && let Err(refused) = ctx.ex.inner.input_schemas.check(&step.tool, &entry.spec.input_schema_json, &args)
+        && let Err(refused) = ctx.ex.inner.tool_schemas.check(&step.tool, &entry.spec.input_schema_json, &args)
     {
         let p = fail("invalid_arguments", refused.reason, json!({"field": refused.field}));
         return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
@@ -1213,6 +1213,12 @@ async fn execute_attempt(
     if ctx.cancel.is_cancelled() && ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before {
         return ctx.step_cancelled_after(record, &step.id, "the run was cancelled before the tool was invoked").await;
     }
+    // K08: the timeout comes only from the tool's declaration (the 60 s fallback when it
+    // declares none); the request records the one that applies.
+    let timeout = match entry.spec.timeout_sec {
+        0 => FALLBACK_TIMEOUT,
+        s => Duration::from_secs(s as u64),
+    };
     // One transaction: the outcomes waiting, the policy's signed decision and the request.
     // The ledger acknowledges the durable request; the tool host acts only with that proof.
     let mut batch: Vec<pb::EventInput> = record.into_iter().collect();
@@ -1221,14 +1227,10 @@ async fn execute_attempt(
         &step.id,
         ctx.step_key(&step.id, attempt, "requested"),
         json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "args": args,
-               "args_sha256": args_digest(&args), "idempotency_key": idempotency_key}),
+               "args_sha256": args_digest(&args), "idempotency_key": idempotency_key,
+               "timeout_ms": timeout.as_millis() as u64}),
     ));
     let request_ack = ctx.append_all(batch).await?.pop().and_then(|a| a.request_ack);
-    // K08: the timeout comes only from the tool's declaration.
-    let timeout = match entry.spec.timeout_sec {
-        0 => FALLBACK_TIMEOUT,
-        s => Duration::from_secs(s as u64),
-    };
     let request = pb::InvokeRequest {
         tenant: ctx.tenant.clone(),
         run_id: ctx.run_id.clone(),
@@ -1269,10 +1271,22 @@ async fn execute_attempt(
     let mut backoff = Duration::from_millis(50);
     let (mut answer, mut unknown, mut asked) = (None, String::new(), 0);
     let mut said_waiting = false;
+    // Immediate cancellation reaches a call that is authorized and requested but that no host
+    // has received yet (its host was unreachable so far): it is never sent.
+    let cancels_unsent = ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before;
     loop {
         // A holder that lost its lease invokes nothing more: its successor settles the call.
         if ctx.lost.is_cancelled() {
             return Err(DriveError::LeaseLost);
+        }
+        if cancels_unsent && asked == 0 && ctx.cancel.is_cancelled() {
+            let reason =
+                format!("the run was cancelled before the tool was invoked ({})", policy_name(ctx.cancel_policy));
+            let payload =
+                json!({"reason": reason, "decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool});
+            let key = ctx.step_key(&step.id, 0, "cancelled");
+            ctx.append_all(vec![event(events::STEP_CANCELLED, &step.id, key, traced(payload))]).await?;
+            return Ok(StepOutcome::Cancelled);
         }
         let mut host = ctx.ex.inner.catalog.host(entry.host);
         match tokio::time::timeout(timeout, host.invoke(request.clone()).instrument(invoke_span.clone())).await {
@@ -1321,7 +1335,11 @@ async fn execute_attempt(
         if asked >= tries {
             break;
         }
-        tokio::time::sleep(jittered(backoff)).await;
+        tokio::select! {
+            _ = tokio::time::sleep(jittered(backoff)) => {}
+            // Checked at the top of the loop.
+            _ = ctx.cancel.cancelled(), if cancels_unsent && asked == 0 => {}
+        }
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
     let answer = match answer {
@@ -1361,9 +1379,30 @@ async fn execute_attempt(
     };
     match outcome {
         Ok((output, replayed)) => {
+            // The output half of the pipeline: what fails the output rules or the declared
+            // output schema is withheld; the step completes all the same (seed 000 §9).
+            let inner = &ctx.ex.inner;
+            let withheld = crate::output::vet(
+                &inner.output_rules,
+                &inner.tool_schemas,
+                &step.tool,
+                &entry.spec.output_schema_json,
+                &output,
+            );
+            let output = match &withheld {
+                Some(why) => {
+                    tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, rule = %why.rule, "tool output sanitized");
+                    warden_telemetry::metrics::output_sanitized(&why.rule);
+                    Value::String(crate::output::SANITIZED.into())
+                }
+                None => output,
+            };
             let mut payload = json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed,
                        "idempotency_key": idempotency_key,
                        "elapsed_us": started.elapsed().as_micros() as u64});
+            if let Some(why) = &withheld {
+                payload["sanitized"] = why.to_json();
+            }
             cite_trace(&mut payload, &invoke_span);
             let completed =
                 event(events::TOOL_COMPLETED, &step.id, ctx.step_key(&step.id, attempt, "completed"), payload);

@@ -9,6 +9,7 @@
 //! is lost between submit and completion.
 
 pub mod driver;
+pub mod output;
 pub mod replay;
 pub mod runs;
 
@@ -59,8 +60,11 @@ pub(crate) struct Inner {
     /// Fires when this replica shuts down: its drivers start nothing new, let the steps in
     /// flight settle, record what waits, and release their leases for another replica.
     pub handoff: CancellationToken,
-    /// Tools' compiled input schemas (arguments are checked before policy is asked).
-    pub input_schemas: warden_grpc::input_schema::InputSchemas,
+    /// Tools' compiled input and output schemas (arguments are checked before policy is
+    /// asked, outputs before they are recorded).
+    pub tool_schemas: warden_grpc::tool_schema::ToolSchemas,
+    /// The configured output rules every output is vetted against.
+    pub output_rules: output::OutputRules,
 }
 
 /// How long a shutting-down replica lets the steps in flight settle before it leaves.
@@ -97,7 +101,8 @@ impl Executor {
                 cancels: Mutex::default(),
                 stopped_driving: Mutex::default(),
                 handoff: CancellationToken::new(),
-                input_schemas: Default::default(),
+                tool_schemas: Default::default(),
+                output_rules: output::OutputRules::new(&config.output_rules)?,
             }),
         })
     }

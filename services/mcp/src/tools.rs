@@ -90,8 +90,26 @@ pub fn from_mcp(server: &McpServerConfig, tool: &rmcp::model::Tool) -> Option<Mc
         // This bridge keeps no durable mark of calls started, so a call whose answer was
         // lost goes to an operator unless the tool is a read.
         detects_in_doubt: false,
+        output_schema_json: output_schema(tool).map(|s| warden_core::canonical_json(&s)).unwrap_or_default(),
     };
     Some(McpTool { name: tool.name.to_string(), spec, schema_problem })
+}
+
+/// The output schema of a listed tool as Warden checks it: a step's output is the MCP result
+/// (`text`, `content`, `structuredContent`), and an MCP `outputSchema` describes its
+/// `structuredContent`, which a tool declaring one must return (MCP 2025-06-18, "Output
+/// Schema"). A declared schema that is not JSON Schema is left out (the executor would not
+/// check it either).
+pub fn output_schema(tool: &rmcp::model::Tool) -> Option<Value> {
+    let declared = Value::Object((*tool.output_schema.clone()?).clone());
+    if subschema_problem(&declared, "#", 0).is_some() {
+        return None;
+    }
+    Some(serde_json::json!({
+        "type": "object",
+        "required": ["structuredContent"],
+        "properties": {"structuredContent": declared},
+    }))
 }
 
 const TYPES: [&str; 7] = ["null", "boolean", "object", "array", "number", "string", "integer"];

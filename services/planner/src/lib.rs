@@ -53,7 +53,7 @@ pub struct PlannerService {
     prices: Arc<std::collections::BTreeMap<String, warden_config::ModelPrice>>,
     known_tenants: Arc<std::collections::BTreeSet<String>>,
     /// Tools' compiled input schemas, for the literal params of submitted plans.
-    input_schemas: Arc<warden_grpc::input_schema::InputSchemas>,
+    input_schemas: Arc<warden_grpc::tool_schema::ToolSchemas>,
 }
 
 impl PlannerService {

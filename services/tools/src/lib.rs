@@ -133,7 +133,7 @@ pub struct ToolHostService {
     ledger_keys: warden_grpc::keyfile::KeyRing,
     ledger: LedgerClient<warden_grpc::auth::Ch>,
     in_flight: Arc<InFlight>,
-    /// What `ListTools` declares (timeouts as configured).
+    /// What `ListTools` declares (timeouts and output schemas as configured).
     specs: Arc<Vec<pb::ToolSpec>>,
 }
 
@@ -154,6 +154,9 @@ impl ToolHostService {
                     .map(|mut s| {
                         if let Some(t) = config.timeout_secs.get(&s.name) {
                             s.timeout_sec = *t;
+                        }
+                        if let Some(schema) = config.output_schemas.get(&s.name) {
+                            s.output_schema_json = schema.clone();
                         }
                         s
                     })

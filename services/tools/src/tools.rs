@@ -368,6 +368,7 @@ impl Tool {
             name: self.name().into(),
             description: description.into(),
             input_schema_json: schema.to_string(),
+            output_schema_json: self.output_schema().map(|s| s.to_string()).unwrap_or_default(),
             timeout_sec: 10,
             idempotent: self.idempotent(),
             // Non-idempotent calls are marked started before they act (`ToolState::mark_started`).
@@ -379,6 +380,29 @@ impl Tool {
                 Tool::Flaky => pb::RetryPolicy::Standard,
                 _ => pb::RetryPolicy::None,
             } as i32,
+        }
+    }
+
+    /// The output schema the tool declares where its output has a fixed shape (`echo` returns
+    /// whatever it is given, `fail` returns nothing).
+    fn output_schema(self) -> Option<Value> {
+        let object = |required: &[&str], properties: Value| json!({"type": "object", "required": required, "properties": properties, "additionalProperties": false});
+        match self {
+            Tool::Echo | Tool::Fail => None,
+            Tool::Upper => Some(object(&["text"], json!({"text": {"type": "string"}}))),
+            Tool::KvPut => Some(object(&["key", "previous"], json!({"key": {"type": "string"}, "previous": {}}))),
+            Tool::KvGet => Some(object(
+                &["key", "found", "value"],
+                json!({"key": {"type": "string"}, "found": {"type": "boolean"}, "value": {}}),
+            )),
+            Tool::EmailSend => {
+                Some(object(&["message_id", "to"], json!({"message_id": {"type": "string"}, "to": {"type": "string"}})))
+            }
+            Tool::Sleep => Some(object(&["slept_ms"], json!({"slept_ms": {"type": "integer", "minimum": 0}}))),
+            Tool::Flaky => Some(object(
+                &["succeeded_on_attempt"],
+                json!({"succeeded_on_attempt": {"type": "integer", "minimum": 1}}),
+            )),
         }
     }
 

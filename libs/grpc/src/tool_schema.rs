@@ -1,16 +1,18 @@
-//! The step pipeline's argument check (seed 000 §4.1): a call's arguments against the input
-//! JSON Schema its tool declares. The planner checks a plan's literal params at submission;
-//! the executor checks resolved arguments (templated values are known only then) before
-//! policy is asked and before the tool is invoked.
+//! The step pipeline's schema checks (seed 000 §4.1): a call's arguments against the input
+//! JSON Schema its tool declares, and its output against the declared output schema. The
+//! planner checks a plan's literal params at submission; the executor checks resolved
+//! arguments (templated values are known only then) before policy is asked and before the tool
+//! is invoked, and every output before it is recorded.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
-/// Compiled input schemas by tool, compiled anew when a host declares another schema.
+/// Compiled input and output schemas by tool, compiled anew when a host declares another
+/// schema.
 #[derive(Default)]
-pub struct InputSchemas {
+pub struct ToolSchemas {
     compiled: Mutex<HashMap<String, (String, Arc<Option<jsonschema::Validator>>)>>,
 }
 
@@ -22,17 +24,30 @@ pub struct Refused {
     pub reason: String,
 }
 
-impl InputSchemas {
+impl ToolSchemas {
     /// Checks `args` against `schema_json`, the input schema `tool` declares. A declaration
     /// this validator cannot compile (an unknown `$schema`, a remote `$ref`, an old draft's
     /// forms) is not checked here: the host, which declared it, still validates its calls.
     pub fn check(&self, tool: &str, schema_json: &str, args: &Value) -> Result<(), Refused> {
+        self.check_at(tool, "params", schema_json, args)
+    }
+
+    /// Checks a call's `output` against the output schema `tool` declares; a refusal names the
+    /// field under `output`. As with arguments, a schema this validator cannot compile is not
+    /// checked.
+    pub fn check_output(&self, tool: &str, schema_json: &str, output: &Value) -> Result<(), Refused> {
+        self.check_at(tool, "output", schema_json, output)
+    }
+
+    /// Checks `value` (the `root` of a call: its `params` or its `output`) against `schema_json`.
+    fn check_at(&self, tool: &str, root: &str, schema_json: &str, value: &Value) -> Result<(), Refused> {
         if schema_json.trim().is_empty() {
             return Ok(());
         }
+        let key = format!("{root}:{tool}");
         let known = {
             let compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
-            compiled.get(tool).filter(|(schema, _)| schema == schema_json).map(|(_, v)| v.clone())
+            compiled.get(&key).filter(|(schema, _)| schema == schema_json).map(|(_, v)| v.clone())
         };
         let validator = match known {
             Some(v) => v,
@@ -42,30 +57,31 @@ impl InputSchemas {
                     Ok(schema) => match jsonschema::validator_for(&schema) {
                         Ok(v) => Some(v),
                         Err(e) => {
-                            tracing::warn!(tool, error = %e, "input schema not checked: it does not compile here");
+                            tracing::warn!(tool, root, error = %e, "schema not checked: it does not compile here");
                             None
                         }
                     },
                     Err(e) => {
-                        tracing::warn!(tool, error = %e, "input schema not checked: it is not JSON");
+                        tracing::warn!(tool, root, error = %e, "schema not checked: it is not JSON");
                         None
                     }
                 });
                 let mut compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
-                compiled.insert(tool.to_string(), (schema_json.to_string(), v.clone()));
+                compiled.insert(key, (schema_json.to_string(), v.clone()));
                 v
             }
         };
         let Some(v) = validator.as_ref() else { return Ok(()) };
-        match v.iter_errors(args).next() {
+        match v.iter_errors(value).next() {
             None => Ok(()),
             Some(err) => {
-                let mut field = format!("params{}", err.instance_path);
+                let mut field = format!("{root}{}", err.instance_path);
                 if let jsonschema::error::ValidationErrorKind::Required { property } = &err.kind {
                     field.push('/');
                     field.push_str(property.as_str().unwrap_or_default());
                 }
-                let reason = format!("{field}: {} (input schema of '{tool}')", err.masked());
+                let which = if root == "params" { "input" } else { root };
+                let reason = format!("{field}: {} ({which} schema of '{tool}')", err.masked());
                 Err(Refused { field, reason })
             }
         }
@@ -79,7 +95,7 @@ mod tests {
 
     #[test]
     fn arguments_are_checked_against_the_declared_schema_naming_the_field() {
-        let schemas = InputSchemas::default();
+        let schemas = ToolSchemas::default();
         let schema =
             json!({"type": "object", "required": ["to"], "properties": {"to": {"type": "string"}}}).to_string();
         assert_eq!(schemas.check("email.send", &schema, &json!({"to": "a@b"})), Ok(()));
@@ -95,5 +111,22 @@ mod tests {
         assert_eq!(schemas.check("t", "{\"type\": 12}", &json!({})), Ok(()));
         assert_eq!(schemas.check("t", "not json", &json!({})), Ok(()));
         assert_eq!(schemas.check("t", "", &json!({"a": 1})), Ok(()));
+    }
+
+    #[test]
+    fn outputs_are_checked_apart_from_arguments() {
+        let schemas = ToolSchemas::default();
+        let input = json!({"type": "object"}).to_string();
+        let output =
+            json!({"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}).to_string();
+        assert_eq!(schemas.check("text.upper", &input, &json!({"x": 1})), Ok(()));
+        assert_eq!(schemas.check_output("text.upper", &output, &json!({"text": "HI"})), Ok(()));
+        let refused = schemas.check_output("text.upper", &output, &json!({"text": 42})).expect_err("a number");
+        assert_eq!(refused.field, "output/text");
+        assert!(refused.reason.contains("output schema of 'text.upper'"), "{}", refused.reason);
+        assert!(!refused.reason.contains("42"), "the value is not quoted: {}", refused.reason);
+        assert_eq!(schemas.check_output("text.upper", &output, &json!({})).expect_err("missing").field, "output/text");
+        // The input schema of the same tool is still its own.
+        assert_eq!(schemas.check("text.upper", &input, &json!({"y": 2})), Ok(()));
     }
 }
