@@ -60,6 +60,25 @@ pub enum RunCommand {
         #[arg(long)]
         wait: bool,
     },
+    /// Ask to pause a run: nothing new starts, the steps in flight settle, then it is `paused`
+    /// and holds no executor (prints the status at the time of the request, or with --wait
+    /// `paused` once it took effect).
+    Pause {
+        run_id: String,
+        #[arg(long, default_value = "")]
+        reason: String,
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Resume a paused run: it goes on from where it stopped (with --wait, until it ends or
+    /// waits for someone again).
+    Resume {
+        run_id: String,
+        #[arg(long, default_value = "")]
+        reason: String,
+        #[arg(long)]
+        wait: bool,
+    },
     /// Record the outcome an operator established for a step whose call has none (a run in
     /// `requires_reconciliation`); the run goes on.
     Reconcile {
@@ -224,7 +243,7 @@ pub async fn submit(target: &Target, plan: &Path, o: SubmitOptions) -> anyhow::R
     Ok(resp.into_inner().run_id)
 }
 
-/// Waits until the run is terminal (or needs someone: an approval, an operator) and returns
+/// Waits until the run is terminal (or needs someone: an approval, an operator, a resume) and returns
 /// it (`Runs.WaitRun`, asked again past its timeout).
 pub async fn wait(target: &Target, run_id: &str) -> anyhow::Result<pb::Run> {
     let mut client = runs_client(&target.endpoint).await?;
@@ -241,7 +260,7 @@ pub async fn wait(target: &Target, run_id: &str) -> anyhow::Result<pb::Run> {
         use pb::RunStatus as S;
         if matches!(
             run.status(),
-            S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation | S::Blocked
+            S::Completed | S::Failed | S::Cancelled | S::EmptyPlan | S::RequiresReconciliation | S::Blocked | S::Paused
         ) {
             return Ok(run);
         }
@@ -410,6 +429,38 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
                 .cancel_run(pb::CancelRunRequest { tenant: target.tenant.clone(), run_id: run_id.clone(), reason })
                 .await
                 .map_err(|s| anyhow::anyhow!("cancel refused: {}", describe(&s)))?
+                .into_inner()
+                .status;
+            if w {
+                let run = wait(target, &run_id).await?;
+                println!("{}", status_name(run.status));
+                return Ok(exit_code(&run));
+            }
+            println!("{}", status_name(status));
+            Ok(0)
+        }
+        RunCommand::Pause { run_id, reason, wait: w } => {
+            let status = runs_client(&target.endpoint)
+                .await?
+                .pause_run(pb::PauseRunRequest { tenant: target.tenant.clone(), run_id: run_id.clone(), reason })
+                .await
+                .map_err(|s| anyhow::anyhow!("pause refused: {}", describe(&s)))?
+                .into_inner()
+                .status;
+            if w {
+                let run = wait(target, &run_id).await?;
+                println!("{}", status_name(run.status));
+                return Ok(if run.status() == pb::RunStatus::Paused { 0 } else { exit_code(&run) });
+            }
+            println!("{}", status_name(status));
+            Ok(0)
+        }
+        RunCommand::Resume { run_id, reason, wait: w } => {
+            let status = runs_client(&target.endpoint)
+                .await?
+                .resume_run(pb::ResumeRunRequest { tenant: target.tenant.clone(), run_id: run_id.clone(), reason })
+                .await
+                .map_err(|s| anyhow::anyhow!("resume refused: {}", describe(&s)))?
                 .into_inner()
                 .status;
             if w {

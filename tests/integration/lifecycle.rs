@@ -375,3 +375,111 @@ async fn an_output_off_its_schema_or_leaking_a_credential_is_sanitized_and_the_s
     assert_eq!(receipts.iter().filter(|r| r.status == "ok").count(), 4, "one ok receipt per call");
     assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
 }
+
+/// `Runs.PauseRun` / `ResumeRun`: a pause lets the step in flight settle and starts nothing
+/// new; the run is then `paused`, `WaitRun` answers it, and no executor holds it (the sweeper
+/// leaves it alone); a resume makes it pending and it goes on from where it stopped, never
+/// repeating the settled step. Pausing a paused run changes nothing; resuming a run that is
+/// not paused, or pausing an ended one, is FAILED_PRECONDITION; another tenant's run is
+/// NOT_FOUND, another agent's run PERMISSION_DENIED; a paused run can be cancelled.
+async fn pause_and_resume(backend: Backend) {
+    use tonic::Code;
+    let (ops, owner, other) =
+        ("ops-token-0123456789abcdef", "owner-token-0123456789abcd", "other-token-0123456789abcd");
+    let mut opts = MeshOptions {
+        auth_tokens: vec![
+            (ops.into(), "*".into()),
+            (owner.into(), "acme/owner".into()),
+            (other.into(), "acme/other".into()),
+            ("globex-token-0123456789abc".into(), "globex".into()),
+        ],
+        service_token: ops.into(),
+        ..MeshOptions::default()
+    };
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(backend, opts).await;
+    let work = plan(&[
+        ("nap", "sleep", json!({"ms": 1500}), &[]),
+        ("next", "echo", json!({"n": 1}), &["nap"]),
+        ("last", "text.upper", json!({"text": "n={{next.output.n}}"}), &["next"]),
+    ]);
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work, ..Default::default() };
+    let id = mesh.runs_as(owner).submit_run(req).await.expect("submit").into_inner().run_id;
+    first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "nap").await;
+
+    let pause = |token: &'static str, tenant: &str, run_id: &str| {
+        let req = pb::PauseRunRequest { tenant: tenant.into(), run_id: run_id.into(), reason: "hold on".into() };
+        let mut runs = mesh.runs_as(token);
+        async move { runs.pause_run(req).await.map(|r| r.into_inner().status()) }
+    };
+    let resume = |token: &'static str, run_id: &str| {
+        let req = pb::ResumeRunRequest { tenant: "acme".into(), run_id: run_id.into(), reason: "go".into() };
+        let mut runs = mesh.runs_as(token);
+        async move { runs.resume_run(req).await.map(|r| r.into_inner().status()) }
+    };
+    // Who may not.
+    assert_eq!(pause(other, "acme", &id).await.expect_err("another agent").code(), Code::PermissionDenied);
+    assert_eq!(
+        pause("globex-token-0123456789abc", "acme", &id).await.expect_err("another tenant").code(),
+        Code::PermissionDenied
+    );
+    assert_eq!(pause(ops, "globex", &id).await.expect_err("not globex's run").code(), Code::NotFound);
+    let bad = pause(ops, "acme", "").await.expect_err("no run id");
+    assert_field_violation(&bad, "run_id");
+    assert_eq!(resume(owner, &id).await.expect_err("not paused").code(), Code::FailedPrecondition);
+
+    assert_eq!(pause(owner, "acme", &id).await.expect("pause"), pb::RunStatus::Active);
+    let wait = pb::WaitRunRequest { tenant: "acme".into(), run_id: id.clone(), timeout_ms: 60_000 };
+    let paused = mesh.runs().wait_run(wait.clone()).await.expect("wait").into_inner();
+    assert_eq!(paused.status(), pb::RunStatus::Paused, "{}", paused.reason);
+    assert_eq!(paused.reason, "paused: hold on");
+    let step = |run: &pb::Run, sid: &str| run.steps.iter().find(|s| s.id == sid).expect("step").status();
+    assert_eq!(step(&paused, "nap"), pb::StepStatus::Completed, "the step in flight settled");
+    assert_eq!(step(&paused, "next"), pb::StepStatus::Pending, "nothing new started");
+    assert_eq!(pause(owner, "acme", &id).await.expect("again"), pb::RunStatus::Paused, "pausing twice changes nothing");
+    // Nobody drives it: a few sweeps later it is still paused, with nothing more recorded.
+    let before = events(&mut mesh.ledger(), "acme", &id).await.len();
+    tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+    let still = mesh.runs().get_run(pb::GetRunRequest { tenant: "acme".into(), run_id: id.clone() }).await;
+    assert_eq!(still.expect("get").into_inner().status(), pb::RunStatus::Paused);
+    assert_eq!(events(&mut mesh.ledger(), "acme", &id).await.len(), before, "a paused run records nothing");
+
+    assert_eq!(resume(other, &id).await.expect_err("another agent").code(), Code::PermissionDenied);
+    assert_eq!(resume(owner, &id).await.expect("resume"), pb::RunStatus::Pending);
+    let done = settled(&mesh, "acme", &id).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}", done.reason);
+    assert_eq!(
+        done.steps.iter().find(|s| s.id == "last").expect("last").output_json,
+        json!({"text": "N=1"}).to_string()
+    );
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let count = |t: &str| evs.iter().filter(|e| e.event_type == t).count();
+    assert_eq!((count("run_pause_requested"), count("run_paused"), count("run_resumed")), (1, 1, 1));
+    let nap_calls = evs.iter().filter(|e| e.event_type == "tool_requested" && e.step_id == "nap").count();
+    assert_eq!(nap_calls, 1, "the settled step was not run again");
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+    assert_eq!(pause(owner, "acme", &id).await.expect_err("ended").code(), Code::FailedPrecondition);
+
+    // A paused run can be cancelled.
+    let work = plan(&[("nap", "sleep", json!({"ms": 500}), &[]), ("next", "echo", json!({}), &["nap"])]);
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work, ..Default::default() };
+    let id = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    pause(ops, "acme", &id).await.expect("pause");
+    let wait = pb::WaitRunRequest { tenant: "acme".into(), run_id: id.clone(), timeout_ms: 60_000 };
+    assert_eq!(mesh.runs().wait_run(wait).await.expect("wait").into_inner().status(), pb::RunStatus::Paused);
+    let cancel = pb::CancelRunRequest { tenant: "acme".into(), run_id: id.clone(), reason: "never mind".into() };
+    assert_eq!(mesh.runs().cancel_run(cancel).await.expect("cancel").into_inner().status(), pb::RunStatus::Paused);
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Cancelled, "{}", run.reason);
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}
+
+#[tokio::test]
+async fn a_paused_run_settles_what_runs_holds_no_executor_and_goes_on_when_resumed_on_sqlite() {
+    pause_and_resume(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_paused_run_settles_what_runs_holds_no_executor_and_goes_on_when_resumed_on_postgres() {
+    pause_and_resume(Backend::Postgres).await;
+}

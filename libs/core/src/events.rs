@@ -18,11 +18,17 @@ pub const RUN_BLOCKED: &str = "run_blocked";
 pub const RUN_REQUIRES_RECONCILIATION: &str = "run_requires_reconciliation";
 /// A typed summary (Artana's `run_summary`): progress, checkpoints, artifacts, …
 pub const RUN_SUMMARY: &str = "run_summary";
-/// A blocked run may go on (its approval was resolved): back to pending for any executor.
+/// A blocked or paused run may go on (its approval was resolved, someone resumed it): back to
+/// pending for any executor.
 pub const RUN_RESUMED: &str = "run_resumed";
 /// Someone asked to cancel the run; the executor driving it applies the run's cancel policy
 /// and ends it `run_cancelled`. Changes no status by itself.
 pub const RUN_CANCEL_REQUESTED: &str = "run_cancel_requested";
+/// Someone asked to pause the run: the driver starts nothing new, lets the steps in flight
+/// settle and records `run_paused`. Changes no status by itself.
+pub const RUN_PAUSE_REQUESTED: &str = "run_pause_requested";
+/// The run is paused: nothing of it runs and no executor holds it until `run_resumed`.
+pub const RUN_PAUSED: &str = "run_paused";
 /// The run's driver is waiting out an outage of a service it needs (`on`: `policy`,
 /// `planner` or `tool_host`) within its outage grace; nothing of the step runs meanwhile.
 /// The step's next event ends the wait. Changes no status by itself.
@@ -73,6 +79,8 @@ pub const KNOWN: &[&str] = &[
     RUN_SUMMARY,
     RUN_RESUMED,
     RUN_CANCEL_REQUESTED,
+    RUN_PAUSE_REQUESTED,
+    RUN_PAUSED,
     RUN_WAITING,
     TX_PROPOSED,
     TX_COMMITTED,
@@ -154,6 +162,7 @@ pub fn status_after(event_type: &str) -> Option<RunStatus> {
         RUN_BLOCKED => RunStatus::Blocked,
         RUN_REQUIRES_RECONCILIATION => RunStatus::RequiresReconciliation,
         RUN_RESUMED => RunStatus::Pending,
+        RUN_PAUSED => RunStatus::Paused,
         _ => return None,
     })
 }

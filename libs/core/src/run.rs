@@ -65,6 +65,9 @@ pub struct RunView {
     pub cancel_policy: i64,
     /// Why the run is to be cancelled, once someone asked (`run_cancel_requested`).
     pub cancel_requested: Option<String>,
+    /// Why the run is to be paused, while a pause was asked for (`run_pause_requested`) and
+    /// has not taken effect yet (`run_paused` clears it).
+    pub pause_requested: Option<String>,
     pub status: RunStatus,
     pub reason: String,
     pub steps: Vec<StepView>,
@@ -83,6 +86,7 @@ impl Default for RunView {
             agent: String::new(),
             cancel_policy: 0,
             cancel_requested: None,
+            pause_requested: None,
             status: RunStatus::Pending,
             reason: String::new(),
             steps: Vec::new(),
@@ -121,6 +125,14 @@ impl RunView {
         }
         if event_type == events::RUN_CANCEL_REQUESTED {
             self.cancel_requested.get_or_insert_with(|| str_field(payload, "reason").unwrap_or_default().to_string());
+            return;
+        }
+        if event_type == events::RUN_PAUSE_REQUESTED {
+            self.pause_requested = Some(str_field(payload, "reason").unwrap_or_default().to_string());
+            return;
+        }
+        if event_type == events::RUN_PAUSED {
+            self.pause_requested = None;
             return;
         }
         if event_type == events::RUN_SUBMITTED {
@@ -251,6 +263,19 @@ mod tests {
         v.apply(9, events::RUN_WAITING, "b", &json!({"on": "policy"}));
         v.apply(10, events::RUN_FAILED, "", &json!({"reason": "x"}));
         assert!(v.waiting_for().is_empty());
+    }
+
+    #[test]
+    fn a_pause_is_pending_until_it_takes_effect_and_a_resume_makes_the_run_pending() {
+        let mut v = started_two_step_run();
+        v.apply(3, events::RUN_PAUSE_REQUESTED, "", &json!({"reason": "lunch"}));
+        assert_eq!((v.status, v.pause_requested.as_deref()), (RunStatus::Active, Some("lunch")));
+        v.apply(4, events::RUN_PAUSED, "", &json!({"reason": "paused: lunch"}));
+        assert_eq!((v.status, v.pause_requested.as_deref()), (RunStatus::Paused, None));
+        v.apply(5, events::RUN_RESUMED, "", &json!({"reason": ""}));
+        assert_eq!(v.status, RunStatus::Pending);
+        v.apply(6, events::RUN_STARTED, "", &json!({}));
+        assert_eq!((v.status, v.pause_requested.as_deref()), (RunStatus::Active, None), "the pause is not asked again");
     }
 
     #[test]

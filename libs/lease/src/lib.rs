@@ -125,29 +125,68 @@ impl LeaseStore {
         }
     }
 
-    /// Tells whichever executor drives the run that it is to be cancelled (the ledger's
-    /// `run_cancel_requested` event is the durable record; this is the fast signal).
-    pub async fn request_cancel(&self, run_id: &str) -> Result<(), LeaseError> {
+    /// Tells whichever executor drives the run that it is to be cancelled or paused (the
+    /// ledger's `run_cancel_requested` / `run_pause_requested` event is the durable record;
+    /// this is the fast signal).
+    pub async fn signal(&self, run_id: &str, signal: RunSignal) -> Result<(), LeaseError> {
         match self {
-            LeaseStore::Redis(r) => r.request_cancel(run_id).await,
+            LeaseStore::Redis(r) => r.signal(run_id, signal).await,
             LeaseStore::Memory(m) => {
-                m.lock().cancels.insert(run_id.to_string());
+                m.lock().signals.insert((run_id.to_string(), signal));
                 Ok(())
             }
         }
     }
 
-    /// Whether a cancellation of the run was signalled.
-    pub async fn cancel_requested(&self, run_id: &str) -> Result<bool, LeaseError> {
+    /// Withdraws a signal (a paused run resumed: its driver is not to pause again).
+    pub async fn clear_signal(&self, run_id: &str, signal: RunSignal) -> Result<(), LeaseError> {
         match self {
-            LeaseStore::Redis(r) => r.cancel_requested(run_id).await,
-            LeaseStore::Memory(m) => Ok(m.lock().cancels.contains(run_id)),
+            LeaseStore::Redis(r) => r.clear_signal(run_id, signal).await,
+            LeaseStore::Memory(m) => {
+                m.lock().signals.remove(&(run_id.to_string(), signal));
+                Ok(())
+            }
+        }
+    }
+
+    /// The signals standing for the run (one round trip).
+    pub async fn signals(&self, run_id: &str) -> Result<Signals, LeaseError> {
+        match self {
+            LeaseStore::Redis(r) => r.signals(run_id).await,
+            LeaseStore::Memory(m) => {
+                let state = m.lock();
+                let has = |s| state.signals.contains(&(run_id.to_string(), s));
+                Ok(Signals { cancel: has(RunSignal::Cancel), pause: has(RunSignal::Pause) })
+            }
         }
     }
 }
 
-/// How long a cancellation signal stays in Redis (the ledger keeps the request for good).
-const CANCEL_SIGNAL_SECS: u64 = 7 * 24 * 3600;
+/// What a run's driver may be told from elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RunSignal {
+    Cancel,
+    Pause,
+}
+
+impl RunSignal {
+    fn name(self) -> &'static str {
+        match self {
+            RunSignal::Cancel => "cancel",
+            RunSignal::Pause => "pause",
+        }
+    }
+}
+
+/// The signals standing for a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Signals {
+    pub cancel: bool,
+    pub pause: bool,
+}
+
+/// How long a signal stays in Redis (the ledger keeps the request for good).
+const SIGNAL_SECS: u64 = 7 * 24 * 3600;
 
 /// A lease is free when missing, or when its holder's liveness key is gone (ARGV[4] is the
 /// liveness key prefix, empty while liveness is not to be trusted; the holder is the lease
@@ -299,21 +338,29 @@ impl RedisLeases {
         Ok(n == 1)
     }
 
-    fn cancel_key(&self, run_id: &str) -> String {
-        format!("{}:cancel:{run_id}", self.prefix)
+    fn signal_key(&self, run_id: &str, signal: RunSignal) -> String {
+        format!("{}:{}:{run_id}", self.prefix, signal.name())
     }
 
-    async fn request_cancel(&self, run_id: &str) -> Result<(), LeaseError> {
+    async fn signal(&self, run_id: &str, signal: RunSignal) -> Result<(), LeaseError> {
         let mut conn = self.conn.clone();
-        let key = self.cancel_key(run_id);
-        let _: () = redis::cmd("SET").arg(key).arg(1).arg("EX").arg(CANCEL_SIGNAL_SECS).query_async(&mut conn).await?;
+        let key = self.signal_key(run_id, signal);
+        let _: () = redis::cmd("SET").arg(key).arg(1).arg("EX").arg(SIGNAL_SECS).query_async(&mut conn).await?;
         Ok(())
     }
 
-    async fn cancel_requested(&self, run_id: &str) -> Result<bool, LeaseError> {
+    async fn clear_signal(&self, run_id: &str, signal: RunSignal) -> Result<(), LeaseError> {
         let mut conn = self.conn.clone();
-        let n: i64 = redis::cmd("EXISTS").arg(self.cancel_key(run_id)).query_async(&mut conn).await?;
-        Ok(n == 1)
+        let _: i64 = redis::cmd("DEL").arg(self.signal_key(run_id, signal)).query_async(&mut conn).await?;
+        Ok(())
+    }
+
+    async fn signals(&self, run_id: &str) -> Result<Signals, LeaseError> {
+        let mut conn = self.conn.clone();
+        let keys = [self.signal_key(run_id, RunSignal::Cancel), self.signal_key(run_id, RunSignal::Pause)];
+        let got: Vec<Option<String>> = redis::cmd("MGET").arg(&keys[..]).query_async(&mut conn).await?;
+        let set = |i: usize| got.get(i).is_some_and(Option::is_some);
+        Ok(Signals { cancel: set(0), pause: set(1) })
     }
 }
 
@@ -321,7 +368,7 @@ impl RedisLeases {
 struct MemoryState {
     leases: HashMap<String, (String, Instant)>,
     epochs: HashMap<String, u64>,
-    cancels: std::collections::HashSet<String>,
+    signals: std::collections::HashSet<(String, RunSignal)>,
 }
 
 /// In-process leases for a single executor (`warden dev`); same semantics as Redis.

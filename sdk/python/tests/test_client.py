@@ -108,6 +108,34 @@ def test_cancel_follows_the_declared_policy(client: Client, tmp_path: Path) -> N
     assert {r.step_id: r.status for r in client.receipts(sub.run_id)}["next"] == "cancelled"
 
 
+def test_a_paused_run_settles_its_step_in_flight_and_goes_on_when_resumed(client: Client, tmp_path: Path) -> None:
+    gate = Gate(tmp_path)
+    sub = client.submit(
+        {
+            "steps": [
+                {"id": "working", "tool": "py.slow", "params": {"ms": 2000, "gate": str(gate.path)}},
+                {"id": "next", "tool": "echo", "params": {"n": 1}, "depends_on": ["working"]},
+            ]
+        }
+    )
+    for e in client.events(sub.run_id, follow=True):
+        if e.event_type == "tool_requested":
+            break
+    assert client.pause(sub.run_id, reason="hold on") == RS.RUN_STATUS_ACTIVE
+    gate.release()  # the step in flight settles; nothing new starts
+    run = client.wait(sub.run_id, timeout=30)
+    assert status_name(run.status) == "paused", run
+    steps = {s.id: s for s in run.steps}
+    assert steps["working"].status == runs_pb2.STEP_STATUS_COMPLETED
+    assert steps["next"].status == runs_pb2.STEP_STATUS_PENDING
+    assert client.pause(sub.run_id) == RS.RUN_STATUS_PAUSED, "pausing again changes nothing"
+    assert client.resume(sub.run_id, reason="go") == RS.RUN_STATUS_PENDING
+    done = client.wait(sub.run_id, timeout=30)
+    assert status_name(done.status) == "completed", done
+    with pytest.raises(FailedPrecondition):
+        client.resume(sub.run_id)
+
+
 def test_an_unknown_outcome_is_reconciled_by_an_operator(client: Client, tmp_path: Path) -> None:
     gate = Gate(tmp_path)
     # py.hang outlives its declared 1 s timeout and is not idempotent: the executor cannot

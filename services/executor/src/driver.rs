@@ -143,6 +143,9 @@ struct RunCtx {
     lost: CancellationToken,
     /// Fires when someone asked to cancel the run (see `Runs.CancelRun`).
     cancel: CancellationToken,
+    /// Fires when someone asked to pause the run (see `Runs.PauseRun`): nothing new starts,
+    /// the steps in flight settle, the run is recorded paused and the lease released.
+    pause: CancellationToken,
     /// The run's cancel policy: immediate (also the default) or after the tool call.
     cancel_policy: pb::CancelPolicy,
     /// Outcomes waiting to be appended with the run's next append (see [`RunCtx::defer`]).
@@ -451,8 +454,8 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
     let run_id = run_id.as_str();
     let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
     let lost = CancellationToken::new();
-    let cancel = ex.cancel_token(run_id);
-    let renewal = tokio::spawn(renew(ex.clone(), lease.clone(), ttl, lost.clone(), cancel.clone()));
+    let tokens = ex.run_tokens(run_id);
+    let renewal = tokio::spawn(renew(ex.clone(), lease.clone(), ttl, lost.clone(), tokens.clone()));
     let ctx = RunCtx {
         ex: ex.clone(),
         run_id: run_id.to_string(),
@@ -460,7 +463,8 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
         agent: String::new(),
         epoch: lease.epoch,
         lost: lost.clone(),
-        cancel,
+        cancel: tokens.cancel,
+        pause: tokens.pause,
         cancel_policy: pb::CancelPolicy::Immediate,
         deferred: Default::default(),
         appending: Default::default(),
@@ -482,7 +486,7 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
         result = finish(&ctx, events::RUN_FAILED, json!({"reason": reason})).await;
     }
     renewal.abort();
-    ex.forget_cancel_token(run_id);
+    ex.forget_run_tokens(run_id);
     if let Err(e) = ex.inner.leases.release(&lease).await {
         tracing::warn!(run_id, error = %e, "lease release failed; it will expire");
     }
@@ -492,13 +496,20 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
 /// Keeps the lease alive. The holder stops (`lost`) as soon as a renewal fails, and also when
 /// no renewal has succeeded for a whole TTL (a hung lease store must not let it run on past
 /// the point where another executor may take over). Each round also looks for a cancellation
-/// signalled through the lease store by another replica.
-async fn renew(ex: Executor, lease: RunLease, ttl: Duration, lost: CancellationToken, cancel: CancellationToken) {
+/// or a pause signalled through the lease store by another replica.
+async fn renew(ex: Executor, lease: RunLease, ttl: Duration, lost: CancellationToken, tokens: crate::RunTokens) {
     let mut valid_until = tokio::time::Instant::now() + ttl;
     loop {
         tokio::time::sleep(ttl / 3).await;
-        if !cancel.is_cancelled() && ex.inner.leases.cancel_requested(&lease.run_id).await.unwrap_or(false) {
-            cancel.cancel();
+        if !(tokens.cancel.is_cancelled() && tokens.pause.is_cancelled())
+            && let Ok(signals) = ex.inner.leases.signals(&lease.run_id).await
+        {
+            if signals.cancel {
+                tokens.cancel.cancel();
+            }
+            if signals.pause {
+                tokens.pause.cancel();
+            }
         }
         let attempt_started = tokio::time::Instant::now();
         let budget = valid_until.saturating_duration_since(attempt_started);
@@ -551,6 +562,9 @@ async fn drive_view(ctx: &RunCtx, mut view: RunView) -> Result<(), DriveError> {
     let ctx = &RunCtx { agent: view.agent.clone(), cancel_policy, ..ctx.clone() };
     if view.cancel_requested.is_some() {
         ctx.cancel.cancel();
+    }
+    if view.pause_requested.is_some() {
+        ctx.pause.cancel();
     }
     let plan = match (view.plan.clone(), view.goal.clone()) {
         (Some(plan), _) => plan,
@@ -719,6 +733,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
     // A step waiting for an approval: nothing new starts, the run blocks once the rest settles.
     let mut blocked: Option<(String, String, String)> = None;
     let mut cancel_seen = false;
+    let mut pause_seen = false;
     let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
     loop {
         if ctx.lost.is_cancelled() {
@@ -771,7 +786,7 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         for &i in &order {
             // After an unknown outcome nothing new starts: an operator decides first. Nor while
             // this replica hands its runs off.
-            if running.len() >= limit || reconcile.is_some() || blocked.is_some() || handing_off {
+            if running.len() >= limit || reconcile.is_some() || blocked.is_some() || handing_off || pausing(ctx) {
                 break;
             }
             let step = &plan.steps[i];
@@ -827,6 +842,9 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             if settled || reconcile.is_some() || blocked.is_some() {
                 break;
             }
+            if pausing(ctx) {
+                return pause(ctx).await;
+            }
             // Every pending step is either ready or cancelled by the passes above, so an idle
             // loop here would be a scheduler bug: stop rather than spin.
             if !launched {
@@ -840,6 +858,11 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
             // Wake up to cancel the steps that have not started (once).
             _ = ctx.cancel.cancelled(), if !cancel_seen => {
                 cancel_seen = true;
+                continue;
+            }
+            // A pause starts nothing new; the loop waits for the running steps to settle.
+            _ = ctx.pause.cancelled(), if !pause_seen => {
+                pause_seen = true;
                 continue;
             }
         };
@@ -907,6 +930,27 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await,
         Some(reason) => finish(ctx, events::RUN_FAILED, json!({"reason": reason, "summary": summary})).await,
     }
+}
+
+/// Whether the run is to pause: asked for, and not overtaken by a cancellation (which ends
+/// the run instead).
+fn pausing(ctx: &RunCtx) -> bool {
+    ctx.pause.is_cancelled() && !ctx.cancel.is_cancelled()
+}
+
+/// Records that the run is paused, once the steps in flight settled: what waits is recorded
+/// with it, and the lease is released on the way out (`with_lease`), so no executor holds the
+/// run until it is resumed.
+async fn pause(ctx: &RunCtx) -> Result<(), DriveError> {
+    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    let why = view.pause_requested.unwrap_or_default();
+    let reason = if why.is_empty() { "paused on request".to_string() } else { format!("paused: {why}") };
+    // One pause per drive: a run paused again after a resume is driven under a new epoch.
+    ctx.append(events::RUN_PAUSED, "", format!("run_paused:e{}", ctx.epoch), json!({"reason": reason})).await?;
+    tracing::info!(run_id = %ctx.run_id, "run paused");
+    warden_telemetry::metrics::run_reached("paused");
+    tracing::Span::current().record("run.status", "paused");
+    Ok(())
 }
 
 /// One step: its attempts, from `attempt` (a retry names the allow it retries), with the

@@ -52,8 +52,8 @@ pub(crate) struct Inner {
     pub leases: LeaseStore,
     /// Runs this replica is driving right now.
     pub driving: Mutex<HashSet<String>>,
-    /// Cancellation tokens of the runs this replica holds the lease of.
-    pub cancels: Mutex<HashMap<String, CancellationToken>>,
+    /// Cancel and pause tokens of the runs this replica holds the lease of.
+    pub signals: Mutex<HashMap<String, RunTokens>>,
     /// Woken when this replica stops driving a run (it ended, blocked, or was handed off):
     /// `WaitRun` for a run driven here needs no ledger follower.
     pub stopped_driving: Mutex<HashMap<String, Arc<tokio::sync::Notify>>>,
@@ -65,6 +65,15 @@ pub(crate) struct Inner {
     pub tool_schemas: warden_grpc::tool_schema::ToolSchemas,
     /// The configured output rules every output is vetted against.
     pub output_rules: output::OutputRules,
+}
+
+/// What a run's driver is told from outside it: fired once, for the drive they belong to.
+#[derive(Clone, Default)]
+pub(crate) struct RunTokens {
+    /// Someone asked to cancel the run (see `Runs.CancelRun`).
+    pub cancel: CancellationToken,
+    /// Someone asked to pause the run (see `Runs.PauseRun`).
+    pub pause: CancellationToken,
 }
 
 /// How long a shutting-down replica lets the steps in flight settle before it leaves.
@@ -98,7 +107,7 @@ impl Executor {
                 catalog: ToolCatalog::new(&config.tool_hosts)?,
                 leases,
                 driving: Mutex::default(),
-                cancels: Mutex::default(),
+                signals: Mutex::default(),
                 stopped_driving: Mutex::default(),
                 handoff: CancellationToken::new(),
                 tool_schemas: Default::default(),
@@ -111,21 +120,24 @@ impl Executor {
         &self.inner.id
     }
 
-    /// The cancellation token of a run this replica drives (created on first use).
-    pub(crate) fn cancel_token(&self, run_id: &str) -> CancellationToken {
-        let mut c = self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner());
+    /// The cancel and pause tokens of a run this replica drives (created on first use).
+    pub(crate) fn run_tokens(&self, run_id: &str) -> RunTokens {
+        let mut c = self.inner.signals.lock().unwrap_or_else(|p| p.into_inner());
         c.entry(run_id.to_string()).or_default().clone()
     }
 
-    pub(crate) fn forget_cancel_token(&self, run_id: &str) {
-        self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner()).remove(run_id);
+    pub(crate) fn forget_run_tokens(&self, run_id: &str) {
+        self.inner.signals.lock().unwrap_or_else(|p| p.into_inner()).remove(run_id);
     }
 
-    /// Cancels the run at once if this replica drives it; other replicas notice the signal in
-    /// the lease store.
-    pub(crate) fn signal_cancel(&self, run_id: &str) {
-        if let Some(t) = self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner()).get(run_id) {
-            t.cancel();
+    /// Cancels or pauses the run at once if this replica drives it; other replicas notice the
+    /// signal in the lease store.
+    pub(crate) fn signal_here(&self, run_id: &str, signal: warden_lease::RunSignal) {
+        if let Some(t) = self.inner.signals.lock().unwrap_or_else(|p| p.into_inner()).get(run_id) {
+            match signal {
+                warden_lease::RunSignal::Cancel => t.cancel.cancel(),
+                warden_lease::RunSignal::Pause => t.pause.cancel(),
+            }
         }
     }
 

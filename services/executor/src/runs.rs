@@ -6,6 +6,7 @@ use warden_core::events;
 use warden_core::ids::check_id;
 use warden_core::run::StepStatus;
 use warden_grpc::invalid_field;
+use warden_lease::RunSignal;
 use warden_proto::v1 as pb;
 use warden_proto::v1::runs_server::Runs;
 
@@ -464,8 +465,8 @@ impl Runs for RunsService {
                 Err(s) if s.code() == Code::FailedPrecondition => continue,
                 Err(s) => return Err(s),
             }
-            self.ex.signal_cancel(&r.run_id);
-            if let Err(e) = self.ex.inner.leases.request_cancel(&r.run_id).await {
+            self.ex.signal_here(&r.run_id, RunSignal::Cancel);
+            if let Err(e) = self.ex.inner.leases.signal(&r.run_id, RunSignal::Cancel).await {
                 // Recorded, but a driver on another replica would not hear of it until it
                 // restarts: say so, and a retry (idempotent) signals again.
                 tracing::warn!(run_id = %r.run_id, error = %e, "cancel signal not stored");
@@ -473,7 +474,8 @@ impl Runs for RunsService {
                     "the cancellation is recorded but could not be signalled to the executor ({e}); try again"
                 )));
             }
-            if status == pb::RunStatus::Blocked {
+            // A run no executor holds is resumed to be cancelled by one.
+            if matches!(status, pb::RunStatus::Blocked | pb::RunStatus::Paused) {
                 let resumed =
                     append(events::RUN_RESUMED, "resumed:cancel", json!({"reason": "resumed to be cancelled"}));
                 if let Err(s) = ledger.append_event(resumed).await
@@ -487,6 +489,89 @@ impl Runs for RunsService {
             return Ok(Response::new(pb::CancelRunResponse { status: status as i32 }));
         }
         Err(Status::aborted("the run kept changing; try again"))
+    }
+
+    async fn pause_run(&self, req: Request<pb::PauseRunRequest>) -> Result<Response<pb::PauseRunResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let bound = warden_grpc::auth::bound_agent(&req);
+        let r = req.into_inner();
+        let (status, max_epoch) = self.run_control(&r.tenant, &r.run_id, &r.reason, bound.as_deref(), "pause").await?;
+        match status {
+            pb::RunStatus::Paused => return Ok(Response::new(pb::PauseRunResponse { status: status as i32 })),
+            pb::RunStatus::Pending | pb::RunStatus::Active | pb::RunStatus::Blocked => {}
+            other => {
+                let name = warden_grpc::convert::status_name(other as i32);
+                return Err(Status::failed_precondition(format!(
+                    "run {} is {name}: only a pending, active or blocked run can be paused",
+                    r.run_id
+                )));
+            }
+        }
+        // Recorded at the run's current epoch (it does not fence out the driver), under a key of
+        // its own: a run may be paused, resumed and paused again.
+        let requested = pb::AppendEventRequest {
+            tenant: r.tenant.clone(),
+            run_id: r.run_id.clone(),
+            epoch: max_epoch,
+            idempotency_key: format!("pause_requested:{}", uuid::Uuid::new_v4().simple()),
+            event_type: events::RUN_PAUSE_REQUESTED.to_string(),
+            payload_json: json!({"reason": r.reason}).to_string(),
+            step_id: String::new(),
+        };
+        match self.ex.inner.ledger.clone().append_event(requested).await {
+            Ok(_) => {}
+            Err(s) if s.code() == Code::FailedPrecondition => {
+                return Err(Status::aborted("the run changed meanwhile (it ended or took a new epoch); try again"));
+            }
+            Err(s) => return Err(s),
+        }
+        self.ex.signal_here(&r.run_id, RunSignal::Pause);
+        if let Err(e) = self.ex.inner.leases.signal(&r.run_id, RunSignal::Pause).await {
+            tracing::warn!(run_id = %r.run_id, error = %e, "pause signal not stored");
+            return Err(Status::unavailable(format!(
+                "the pause is recorded but could not be signalled to the executor ({e}); try again"
+            )));
+        }
+        tracing::info!(run_id = %r.run_id, "pause requested");
+        Ok(Response::new(pb::PauseRunResponse { status: status as i32 }))
+    }
+
+    async fn resume_run(&self, req: Request<pb::ResumeRunRequest>) -> Result<Response<pb::ResumeRunResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let bound = warden_grpc::auth::bound_agent(&req);
+        let r = req.into_inner();
+        let (status, max_epoch) = self.run_control(&r.tenant, &r.run_id, &r.reason, bound.as_deref(), "resume").await?;
+        if status != pb::RunStatus::Paused {
+            let name = warden_grpc::convert::status_name(status as i32);
+            return Err(Status::failed_precondition(format!(
+                "run {} is {name}, not paused (a pause takes effect once its steps in flight settle)",
+                r.run_id
+            )));
+        }
+        // The signal goes first: the driver the resume dispatches must not pause again.
+        self.ex.inner.leases.clear_signal(&r.run_id, RunSignal::Pause).await.map_err(|e| {
+            Status::unavailable(format!("the lease store did not answer ({e}); nothing was resumed, try again"))
+        })?;
+        // Keyed by the paused drive's epoch: a retried resume of the same pause records it once.
+        let resumed = pb::AppendEventRequest {
+            tenant: r.tenant.clone(),
+            run_id: r.run_id.clone(),
+            epoch: max_epoch,
+            idempotency_key: format!("resumed:pause:e{max_epoch}"),
+            event_type: events::RUN_RESUMED.to_string(),
+            payload_json: json!({"reason": r.reason, "from": "paused"}).to_string(),
+            step_id: String::new(),
+        };
+        match self.ex.inner.ledger.clone().append_event(resumed).await {
+            Ok(_) => {}
+            Err(s) if s.code() == Code::FailedPrecondition => {
+                return Err(Status::aborted("the run changed meanwhile; try again"));
+            }
+            Err(s) => return Err(s),
+        }
+        self.ex.dispatch(r.run_id.clone());
+        tracing::info!(run_id = %r.run_id, "run resumed");
+        Ok(Response::new(pb::ResumeRunResponse { status: pb::RunStatus::Pending as i32 }))
     }
 
     async fn get_trace(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::RunTrace>, Status> {
@@ -615,9 +700,38 @@ impl Runs for RunsService {
     }
 }
 
-/// Whether a run waits for nobody but an operator, an approver or nothing at all: what
-/// `WaitRun` waits for.
+impl RunsService {
+    /// What pausing and resuming check first: the fields, the caller's hold on the run (an
+    /// agent's token controls only that agent's runs; another tenant's run is NOT_FOUND), and
+    /// the run's status and highest epoch as the ledger has them.
+    async fn run_control(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        reason: &str,
+        bound_agent: Option<&str>,
+        what: &str,
+    ) -> Result<(pb::RunStatus, u64), Status> {
+        id_field("tenant", tenant)?;
+        id_field("run_id", run_id)?;
+        if reason.len() > 1024 || reason.contains('\0') {
+            return Err(invalid_field("reason", "at most 1024 bytes of text"));
+        }
+        if let Some(agent) = bound_agent {
+            let (view, _) = load_view(&self.ex, tenant, run_id).await?;
+            if view.agent != agent {
+                return Err(Status::permission_denied(format!("agent '{agent}' may {what} only its own runs")));
+            }
+        }
+        let get = pb::GetLedgerRunRequest { tenant: tenant.to_string(), run_id: run_id.to_string() };
+        let run = self.ex.inner.ledger.clone().get_run(get).await?.into_inner();
+        Ok((run.status(), run.max_epoch))
+    }
+}
+
+/// Whether a run waits for nobody but an operator, an approver, whoever resumes it or nothing
+/// at all: what `WaitRun` waits for.
 fn settled(status: pb::RunStatus) -> bool {
-    matches!(status, pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation)
+    matches!(status, pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation | pb::RunStatus::Paused)
         || warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal())
 }

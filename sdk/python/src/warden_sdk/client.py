@@ -60,10 +60,10 @@ RS = common_pb2.RunStatus
 TERMINAL = frozenset({RS.RUN_STATUS_COMPLETED, RS.RUN_STATUS_FAILED, RS.RUN_STATUS_CANCELLED, RS.RUN_STATUS_EMPTY_PLAN})
 """Statuses a run never leaves."""
 
-SETTLED = TERMINAL | {RS.RUN_STATUS_BLOCKED, RS.RUN_STATUS_REQUIRES_RECONCILIATION}
+SETTLED = TERMINAL | {RS.RUN_STATUS_BLOCKED, RS.RUN_STATUS_REQUIRES_RECONCILIATION, RS.RUN_STATUS_PAUSED}
 """Statuses in which a run waits for nobody but a person: terminal, blocked on an approval,
-or waiting for an operator to reconcile an unknown outcome (what ``run submit --wait``
-stops at)."""
+waiting for an operator to reconcile an unknown outcome, or paused until someone resumes it
+(what ``run submit --wait`` stops at)."""
 
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest message the clients accept: traces and receipt pages of long runs are big."""
@@ -454,6 +454,18 @@ class AsyncClient:
         req = runs_pb2.CancelRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)
         return (await self._call(self._runs.CancelRun, req)).status
 
+    async def pause(self, run_id: str, *, reason: str = "") -> int:
+        """Asks for the run to be paused: nothing new starts, the steps in flight settle, then
+        it is ``paused`` and holds no executor. Returns the status it has now (:meth:`wait`
+        returns once the pause took effect)."""
+        req = runs_pb2.PauseRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)
+        return (await self._call(self._runs.PauseRun, req)).status
+
+    async def resume(self, run_id: str, *, reason: str = "") -> int:
+        """Resumes a paused run; it goes on from where it stopped. Returns ``pending``."""
+        req = runs_pb2.ResumeRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)
+        return (await self._call(self._runs.ResumeRun, req)).status
+
     async def reconcile(
         self, run_id: str, step_id: str, *, outcome: str, operator: str, output: Any = None
     ) -> runs_pb2.Run:
@@ -778,6 +790,14 @@ class Client:
     def cancel(self, run_id: str, *, reason: str = "") -> int:
         req = runs_pb2.CancelRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)
         return self._call(self._runs.CancelRun, req).status
+
+    def pause(self, run_id: str, *, reason: str = "") -> int:
+        req = runs_pb2.PauseRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)
+        return self._call(self._runs.PauseRun, req).status
+
+    def resume(self, run_id: str, *, reason: str = "") -> int:
+        req = runs_pb2.ResumeRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)
+        return self._call(self._runs.ResumeRun, req).status
 
     def reconcile(self, run_id: str, step_id: str, *, outcome: str, operator: str, output: Any = None) -> runs_pb2.Run:
         req = _reconcile_request(self.tenant, run_id, step_id, outcome, output, operator)

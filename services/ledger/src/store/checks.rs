@@ -86,21 +86,30 @@ pub fn check_writable(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerEr
         return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch: head.max_epoch });
     }
     let current = RunStatus::parse(&head.status);
-    // A run waiting for an operator or an approval is not picked up again by an executor.
+    // A run waiting for an operator, an approval or a resume is not picked up again by an
+    // executor.
     if new.event_type == events::RUN_STARTED
-        && matches!(current, Some(RunStatus::RequiresReconciliation | RunStatus::Blocked))
+        && matches!(current, Some(RunStatus::RequiresReconciliation | RunStatus::Blocked | RunStatus::Paused))
     {
         return Err(LedgerError::Precondition(format!(
             "run '{}' is {}; it cannot be started",
             new.run_id, head.status
         )));
     }
-    // Resumed after an approval was resolved, or after an operator reconciled a step.
+    // Resumed after an approval was resolved, after an operator reconciled a step, or on
+    // request after a pause.
     if new.event_type == events::RUN_RESUMED
-        && !matches!(current, Some(RunStatus::Blocked | RunStatus::RequiresReconciliation))
+        && !matches!(current, Some(RunStatus::Blocked | RunStatus::RequiresReconciliation | RunStatus::Paused))
     {
         return Err(LedgerError::Precondition(format!(
-            "run '{}' is {}, neither blocked nor waiting for reconciliation; nothing to resume",
+            "run '{}' is {}, neither blocked, paused nor waiting for reconciliation; nothing to resume",
+            new.run_id, head.status
+        )));
+    }
+    // Only the run's driver pauses it.
+    if new.event_type == events::RUN_PAUSED && current != Some(RunStatus::Active) {
+        return Err(LedgerError::Precondition(format!(
+            "run '{}' is {}; only an active run can be paused",
             new.run_id, head.status
         )));
     }

@@ -242,6 +242,7 @@ class ToolSpec(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     RETRY_POLICY_FIELD_NUMBER: _builtins.int
     DETECTS_IN_DOUBT_FIELD_NUMBER: _builtins.int
+    OUTPUT_SCHEMA_JSON_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     description: _builtins.str
     input_schema_json: _builtins.str
@@ -264,6 +265,11 @@ class ToolSpec(_message.Message):
     An executor taking over such a call asks the host again under the same key instead of
     handing it straight to an operator.
     """
+    output_schema_json: _builtins.str
+    """JSON Schema of the tool's output (empty: none declared). The executor checks every
+    output against it before recording it: an output that does not match is recorded as
+    "[Output sanitized]" with the reason, and the step keeps its status (seed 000 §9, §10).
+    """
     def __init__(
         self,
         *,
@@ -277,10 +283,11 @@ class ToolSpec(_message.Message):
         version: _builtins.str = ...,
         retry_policy: Global___RetryPolicy.ValueType = ...,
         detects_in_doubt: _builtins.bool = ...,
+        output_schema_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consequential", b"consequential", "description", b"description", "detects_in_doubt", b"detects_in_doubt", "idempotent", b"idempotent", "input_schema_json", b"input_schema_json", "name", b"name", "read_only", b"read_only", "retry_policy", b"retry_policy", "timeout_sec", b"timeout_sec", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consequential", b"consequential", "description", b"description", "detects_in_doubt", b"detects_in_doubt", "idempotent", b"idempotent", "input_schema_json", b"input_schema_json", "name", b"name", "output_schema_json", b"output_schema_json", "read_only", b"read_only", "retry_policy", b"retry_policy", "timeout_sec", b"timeout_sec", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -431,6 +431,98 @@ class CancelRunResponse(_message.Message):
 Global___CancelRunResponse: _TypeAlias = CancelRunResponse  # noqa: Y015
 
 @_typing.final
+class PauseRunRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    run_id: _builtins.str
+    reason: _builtins.str
+    """Why (recorded; at most 1024 bytes)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseRunRequest: _TypeAlias = PauseRunRequest  # noqa: Y015
+
+@_typing.final
+class PauseRunResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    status: _common_pb2.RunStatus.ValueType
+    """The run's status when the pause was asked for (PAUSED once it takes effect)."""
+    def __init__(
+        self,
+        *,
+        status: _common_pb2.RunStatus.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseRunResponse: _TypeAlias = PauseRunResponse  # noqa: Y015
+
+@_typing.final
+class ResumeRunRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    run_id: _builtins.str
+    reason: _builtins.str
+    """Why (recorded; at most 1024 bytes)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeRunRequest: _TypeAlias = ResumeRunRequest  # noqa: Y015
+
+@_typing.final
+class ResumeRunResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    status: _common_pb2.RunStatus.ValueType
+    """PENDING: the run goes on."""
+    def __init__(
+        self,
+        *,
+        status: _common_pb2.RunStatus.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeRunResponse: _TypeAlias = ResumeRunResponse  # noqa: Y015
+
+@_typing.final
 class ReconcileStepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

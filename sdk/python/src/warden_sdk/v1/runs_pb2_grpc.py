@@ -60,6 +60,16 @@ class RunsStub:
                 request_serializer=warden_dot_v1_dot_runs__pb2.CancelRunRequest.SerializeToString,
                 response_deserializer=warden_dot_v1_dot_runs__pb2.CancelRunResponse.FromString,
                 _registered_method=True)
+        self.PauseRun = channel.unary_unary(
+                '/warden.v1.Runs/PauseRun',
+                request_serializer=warden_dot_v1_dot_runs__pb2.PauseRunRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_runs__pb2.PauseRunResponse.FromString,
+                _registered_method=True)
+        self.ResumeRun = channel.unary_unary(
+                '/warden.v1.Runs/ResumeRun',
+                request_serializer=warden_dot_v1_dot_runs__pb2.ResumeRunRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_runs__pb2.ResumeRunResponse.FromString,
+                _registered_method=True)
         self.ReconcileStep = channel.unary_unary(
                 '/warden.v1.Runs/ReconcileStep',
                 request_serializer=warden_dot_v1_dot_runs__pb2.ReconcileStepRequest.SerializeToString,
@@ -97,7 +107,8 @@ class RunsServicer:
 
     def WaitRun(self, request, context):
         """Waits until the run ends — or waits for someone outside it (BLOCKED on an approval,
-        REQUIRES_RECONCILIATION) — or until timeout_ms passes, then answers the run as it is then.
+        REQUIRES_RECONCILIATION, PAUSED) — or until timeout_ms passes, then answers the run as it
+        is then.
         A client learns that a run ended without streaming its events.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -112,6 +123,25 @@ class RunsServicer:
 
     def CancelRun(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseRun(self, request, context):
+        """Pauses a run: nothing new starts, the steps in flight settle and are recorded, then the
+        run is PAUSED and holds no executor until ResumeRun. A run blocked on an approval pauses
+        once it could go on. Pausing a paused run changes nothing; an ended run, or one that needs
+        reconciliation, cannot be paused (FAILED_PRECONDITION). Answers the status the run had.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeRun(self, request, context):
+        """Resumes a PAUSED run: it is pending again and any executor drives it on from where it
+        stopped. A run that is not paused (a pause that has not taken effect included) cannot be
+        resumed (FAILED_PRECONDITION). CancelRun also ends a paused run.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -171,6 +201,16 @@ def add_RunsServicer_to_server(servicer, server):
                     servicer.CancelRun,
                     request_deserializer=warden_dot_v1_dot_runs__pb2.CancelRunRequest.FromString,
                     response_serializer=warden_dot_v1_dot_runs__pb2.CancelRunResponse.SerializeToString,
+            ),
+            'PauseRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseRun,
+                    request_deserializer=warden_dot_v1_dot_runs__pb2.PauseRunRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_runs__pb2.PauseRunResponse.SerializeToString,
+            ),
+            'ResumeRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeRun,
+                    request_deserializer=warden_dot_v1_dot_runs__pb2.ResumeRunRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_runs__pb2.ResumeRunResponse.SerializeToString,
             ),
             'ReconcileStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ReconcileStep,
@@ -324,6 +364,60 @@ class Runs:
             '/warden.v1.Runs/CancelRun',
             warden_dot_v1_dot_runs__pb2.CancelRunRequest.SerializeToString,
             warden_dot_v1_dot_runs__pb2.CancelRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Runs/PauseRun',
+            warden_dot_v1_dot_runs__pb2.PauseRunRequest.SerializeToString,
+            warden_dot_v1_dot_runs__pb2.PauseRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Runs/ResumeRun',
+            warden_dot_v1_dot_runs__pb2.ResumeRunRequest.SerializeToString,
+            warden_dot_v1_dot_runs__pb2.ResumeRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

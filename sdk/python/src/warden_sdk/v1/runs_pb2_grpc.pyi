@@ -40,11 +40,23 @@ class RunsStub:
     GetRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.GetRunRequest, _runs_pb2.Run]
     WaitRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.WaitRunRequest, _runs_pb2.Run]
     """Waits until the run ends — or waits for someone outside it (BLOCKED on an approval,
-    REQUIRES_RECONCILIATION) — or until timeout_ms passes, then answers the run as it is then.
+    REQUIRES_RECONCILIATION, PAUSED) — or until timeout_ms passes, then answers the run as it
+    is then.
     A client learns that a run ended without streaming its events.
     """
     ListRuns: _grpc.UnaryUnaryMultiCallable[_runs_pb2.ListRunsRequest, _runs_pb2.ListRunsResponse]
     CancelRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.CancelRunRequest, _runs_pb2.CancelRunResponse]
+    PauseRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.PauseRunRequest, _runs_pb2.PauseRunResponse]
+    """Pauses a run: nothing new starts, the steps in flight settle and are recorded, then the
+    run is PAUSED and holds no executor until ResumeRun. A run blocked on an approval pauses
+    once it could go on. Pausing a paused run changes nothing; an ended run, or one that needs
+    reconciliation, cannot be paused (FAILED_PRECONDITION). Answers the status the run had.
+    """
+    ResumeRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.ResumeRunRequest, _runs_pb2.ResumeRunResponse]
+    """Resumes a PAUSED run: it is pending again and any executor drives it on from where it
+    stopped. A run that is not paused (a pause that has not taken effect included) cannot be
+    resumed (FAILED_PRECONDITION). CancelRun also ends a paused run.
+    """
     ReconcileStep: _grpc.UnaryUnaryMultiCallable[_runs_pb2.ReconcileStepRequest, _runs_pb2.Run]
     """Resolves a run in REQUIRES_RECONCILIATION: an operator records the outcome they
     established for the step whose tool call has none (completed with its output, or failed),
@@ -74,11 +86,23 @@ class RunsAsyncStub(RunsStub):
     GetRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.GetRunRequest, _runs_pb2.Run]  # type: ignore[assignment]
     WaitRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.WaitRunRequest, _runs_pb2.Run]  # type: ignore[assignment]
     """Waits until the run ends — or waits for someone outside it (BLOCKED on an approval,
-    REQUIRES_RECONCILIATION) — or until timeout_ms passes, then answers the run as it is then.
+    REQUIRES_RECONCILIATION, PAUSED) — or until timeout_ms passes, then answers the run as it
+    is then.
     A client learns that a run ended without streaming its events.
     """
     ListRuns: _aio.UnaryUnaryMultiCallable[_runs_pb2.ListRunsRequest, _runs_pb2.ListRunsResponse]  # type: ignore[assignment]
     CancelRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.CancelRunRequest, _runs_pb2.CancelRunResponse]  # type: ignore[assignment]
+    PauseRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.PauseRunRequest, _runs_pb2.PauseRunResponse]  # type: ignore[assignment]
+    """Pauses a run: nothing new starts, the steps in flight settle and are recorded, then the
+    run is PAUSED and holds no executor until ResumeRun. A run blocked on an approval pauses
+    once it could go on. Pausing a paused run changes nothing; an ended run, or one that needs
+    reconciliation, cannot be paused (FAILED_PRECONDITION). Answers the status the run had.
+    """
+    ResumeRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.ResumeRunRequest, _runs_pb2.ResumeRunResponse]  # type: ignore[assignment]
+    """Resumes a PAUSED run: it is pending again and any executor drives it on from where it
+    stopped. A run that is not paused (a pause that has not taken effect included) cannot be
+    resumed (FAILED_PRECONDITION). CancelRun also ends a paused run.
+    """
     ReconcileStep: _aio.UnaryUnaryMultiCallable[_runs_pb2.ReconcileStepRequest, _runs_pb2.Run]  # type: ignore[assignment]
     """Resolves a run in REQUIRES_RECONCILIATION: an operator records the outcome they
     established for the step whose tool call has none (completed with its output, or failed),
@@ -123,7 +147,8 @@ class RunsServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_runs_pb2.Run, _abc.Awaitable[_runs_pb2.Run]]:
         """Waits until the run ends — or waits for someone outside it (BLOCKED on an approval,
-        REQUIRES_RECONCILIATION) — or until timeout_ms passes, then answers the run as it is then.
+        REQUIRES_RECONCILIATION, PAUSED) — or until timeout_ms passes, then answers the run as it
+        is then.
         A client learns that a run ended without streaming its events.
         """
 
@@ -140,6 +165,29 @@ class RunsServicer(metaclass=_abc_1.ABCMeta):
         request: _runs_pb2.CancelRunRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_runs_pb2.CancelRunResponse, _abc.Awaitable[_runs_pb2.CancelRunResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PauseRun(
+        self,
+        request: _runs_pb2.PauseRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runs_pb2.PauseRunResponse, _abc.Awaitable[_runs_pb2.PauseRunResponse]]:
+        """Pauses a run: nothing new starts, the steps in flight settle and are recorded, then the
+        run is PAUSED and holds no executor until ResumeRun. A run blocked on an approval pauses
+        once it could go on. Pausing a paused run changes nothing; an ended run, or one that needs
+        reconciliation, cannot be paused (FAILED_PRECONDITION). Answers the status the run had.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeRun(
+        self,
+        request: _runs_pb2.ResumeRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runs_pb2.ResumeRunResponse, _abc.Awaitable[_runs_pb2.ResumeRunResponse]]:
+        """Resumes a PAUSED run: it is pending again and any executor drives it on from where it
+        stopped. A run that is not paused (a pause that has not taken effect included) cannot be
+        resumed (FAILED_PRECONDITION). CancelRun also ends a paused run.
+        """
 
     @_abc_1.abstractmethod
     def ReconcileStep(
