@@ -107,6 +107,8 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+    /// A completed step's output as JSON, whether recorded inline or stored by reference.
+    Output { run_id: String, step_id: String },
     /// The run's events: `seq<TAB>timestamp<TAB>event_type<TAB>step_id`.
     Tail {
         run_id: String,
@@ -502,6 +504,16 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
             } else {
                 println!("{}", serde_json::to_string_pretty(&t)?);
             }
+            Ok(0)
+        }
+        RunCommand::Output { run_id, step_id } => {
+            let out = runs_client(&target.endpoint)
+                .await?
+                .get_step_output(pb::GetStepOutputRequest { tenant: target.tenant.clone(), run_id, step_id })
+                .await
+                .map_err(|s| anyhow::anyhow!("{}", describe(&s)))?
+                .into_inner();
+            println!("{}", out.output_json);
             Ok(0)
         }
         RunCommand::Status { run_id, json } => {

@@ -483,3 +483,96 @@ async fn a_paused_run_settles_what_runs_holds_no_executor_and_goes_on_when_resum
 async fn a_paused_run_settles_what_runs_holds_no_executor_and_goes_on_when_resumed_on_postgres() {
     pause_and_resume(Backend::Postgres).await;
 }
+
+/// Outputs over `executor.inline_output_max_bytes` are stored by reference: the step's
+/// `tool_completed` cites the SHA-256 and size of the output's canonical JSON instead of
+/// carrying it (the chain commits to the digest), `GetRun` names the digest, `GetStepOutput`
+/// reads the output back, and a driver that did not run the step (here: after a pause and a
+/// resume) reads it from the ledger to resolve a later step's template. Only the mesh stores
+/// outputs; only the run's tenant reads them.
+async fn large_outputs(backend: Backend) {
+    use tonic::Code;
+    let (ops, acme, globex) = ("ops-token-0123456789abcdef", "acme-token-0123456789abcd", "globex-token-0123456789ab");
+    let mut opts = MeshOptions {
+        executor_extra: "inline_output_max_bytes = 2048".into(),
+        auth_tokens: vec![(ops.into(), "*".into()), (acme.into(), "acme".into()), (globex.into(), "globex".into())],
+        service_token: ops.into(),
+        ..MeshOptions::default()
+    };
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(backend, opts).await;
+    let big = "word ".repeat(1600);
+    let p = plan(&[
+        ("big", "echo", json!({"message": big}), &[]),
+        ("nap", "sleep", json!({"ms": 800}), &["big"]),
+        ("shout", "text.upper", json!({"text": "{{big.output.message}}"}), &["nap"]),
+    ]);
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: p, ..Default::default() };
+    let id = mesh.runs_as(acme).submit_run(req).await.expect("submit").into_inner().run_id;
+    first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "nap").await;
+    let pause = pb::PauseRunRequest { tenant: "acme".into(), run_id: id.clone(), reason: String::new() };
+    mesh.runs_as(acme).pause_run(pause).await.expect("pause");
+    let wait = pb::WaitRunRequest { tenant: "acme".into(), run_id: id.clone(), timeout_ms: 60_000 };
+    assert_eq!(mesh.runs().wait_run(wait).await.expect("wait").into_inner().status(), pb::RunStatus::Paused);
+    let resume = pb::ResumeRunRequest { tenant: "acme".into(), run_id: id.clone(), reason: String::new() };
+    mesh.runs_as(acme).resume_run(resume).await.expect("resume");
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+
+    let stored = canonical_json(&json!({"message": big}));
+    let sha256 = warden_core::canonical::sha256_hex(stored.as_bytes());
+    let step = |sid: &str| run.steps.iter().find(|s| s.id == sid).expect("step").clone();
+    let big_step = step("big");
+    assert_eq!((big_step.output_json.as_str(), big_step.output_sha256.as_str()), ("", sha256.as_str()));
+    assert_eq!(big_step.output_bytes, stored.len() as u64);
+    assert!(step("shout").output_json.is_empty() && !step("shout").output_sha256.is_empty(), "stored too");
+
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let done = evs.iter().find(|e| e.event_type == "tool_completed" && e.step_id == "big").expect("completed");
+    let p = payload(done);
+    assert_eq!(p["output_ref"], json!({"sha256": sha256, "bytes": stored.len()}), "{p}");
+    assert!(p.get("output").is_none() && done.payload_json.len() < 2048, "the event stays small");
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+
+    let output = |token: &'static str, tenant: &str, sid: &str| {
+        let req = pb::GetStepOutputRequest { tenant: tenant.into(), run_id: id.clone(), step_id: sid.into() };
+        let mut runs = mesh.runs_as(token);
+        async move { runs.get_step_output(req).await.map(|r| r.into_inner()) }
+    };
+    let read = output(acme, "acme", "big").await.expect("read back");
+    assert!(read.output_json == stored && read.output_sha256 == sha256, "the stored output, whole");
+    let shout = output(acme, "acme", "shout").await.expect("read back");
+    let shouted = canonical_json(&json!({"text": big.to_uppercase()}));
+    assert!(shout.output_json == shouted, "templated from the stored output after the resume");
+    let nap = output(acme, "acme", "nap").await.expect("inline");
+    assert_eq!((nap.output_json.as_str(), nap.output_sha256.as_str()), (r#"{"slept_ms":800}"#, ""));
+    assert_eq!(output(acme, "acme", "nope").await.expect_err("no such step").code(), Code::NotFound);
+    assert_eq!(output(globex, "globex", "big").await.expect_err("another tenant").code(), Code::NotFound);
+
+    let get = |tenant: &str, sha: &str| pb::GetOutputRequest {
+        tenant: tenant.into(),
+        run_id: id.clone(),
+        sha256: sha.into(),
+    };
+    let e = mesh.ledger_as(globex).get_output(get("globex", &sha256)).await.expect_err("another tenant");
+    assert_eq!(e.code(), Code::NotFound);
+    let e = mesh.ledger_as(globex).get_output(get("acme", &sha256)).await.expect_err("acme's, with globex's token");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let e = mesh.ledger_as(acme).get_output(get("acme", "not-a-digest")).await.expect_err("bad digest");
+    assert_field_violation(&e, "sha256");
+    let ours = mesh.ledger_as(acme).get_output(get("acme", &sha256)).await.expect("the tenant reads it");
+    assert!(ours.into_inner().output_json == stored);
+    let put = pb::PutOutputRequest { tenant: "acme".into(), run_id: id.clone(), epoch: 99, output_json: "{}".into() };
+    let e = mesh.ledger_as(acme).put_output(put).await.expect_err("only the mesh stores outputs");
+    assert_eq!(e.code(), Code::PermissionDenied);
+}
+
+#[tokio::test]
+async fn outputs_over_the_inline_limit_are_stored_by_reference_on_sqlite() {
+    large_outputs(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn outputs_over_the_inline_limit_are_stored_by_reference_on_postgres() {
+    large_outputs(Backend::Postgres).await;
+}

@@ -75,6 +75,9 @@ pub struct LedgerConfig {
     pub max_connections: u32,
     /// Largest accepted event payload or plan, in bytes.
     pub max_payload_bytes: usize,
+    /// Largest tool output stored by reference (`Ledger.PutOutput`), in bytes of canonical
+    /// JSON; below the 8 MiB gRPC message limit.
+    pub max_output_bytes: usize,
     /// Ed25519 seed (hex) the ledger signs chain heads with; created 0600 when missing.
     pub key_file: String,
     /// Group-commit writers (PostgreSQL; SQLite always uses one). A run always uses the same one.
@@ -93,6 +96,7 @@ impl Default for LedgerConfig {
             database_url: "sqlite://.warden/ledger.db".into(),
             max_connections: 16,
             max_payload_bytes: 1 << 20,
+            max_output_bytes: 6 << 20,
             key_file: ".warden/ledger.key".into(),
             write_lanes: 4,
             max_batch: 128,
@@ -480,6 +484,10 @@ pub struct ExecutorConfig {
     /// next step or the planner. Defaults: credentials (API keys, AWS access keys, bearer
     /// tokens, private keys); an empty pattern turns a default off.
     pub output_rules: BTreeMap<String, String>,
+    /// Largest tool output recorded inline in its `tool_completed`, in bytes of canonical
+    /// JSON. A larger one is stored by reference (`Ledger.PutOutput`): the event cites its
+    /// SHA-256 and size, so the chain commits to it while the log stays small.
+    pub inline_output_max_bytes: usize,
 }
 
 /// Default output rules (see [`ExecutorConfig::output_rules`]): the credential patterns of
@@ -508,6 +516,7 @@ impl Default for ExecutorConfig {
             outage_grace_ms: 30_000,
             liveness_ttl_ms: 1_000,
             output_rules: default_output_rules(),
+            inline_output_max_bytes: 64 * 1024,
         }
     }
 }
@@ -653,6 +662,8 @@ impl WardenConfig {
         let positive = [
             ("ledger.max_connections", self.ledger.max_connections as u64),
             ("ledger.max_payload_bytes", self.ledger.max_payload_bytes as u64),
+            ("ledger.max_output_bytes", self.ledger.max_output_bytes as u64),
+            ("executor.inline_output_max_bytes", self.executor.inline_output_max_bytes as u64),
             ("ledger.write_lanes", self.ledger.write_lanes as u64),
             ("ledger.max_batch", self.ledger.max_batch as u64),
             ("planner.max_steps", self.planner.max_steps as u64),
@@ -664,6 +675,12 @@ impl WardenConfig {
         ];
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(invalid(key, "must be greater than zero"));
+        }
+        if self.ledger.max_output_bytes > 7 << 20 {
+            return Err(invalid("ledger.max_output_bytes", "at most 7340032 (an output travels in one gRPC message)"));
+        }
+        if self.executor.inline_output_max_bytes > self.ledger.max_payload_bytes {
+            return Err(invalid("executor.inline_output_max_bytes", "at most ledger.max_payload_bytes"));
         }
         if self.executor.lease_ttl_ms < 300 {
             return Err(invalid("executor.lease_ttl_ms", "must be at least 300 ms"));

@@ -25,6 +25,9 @@ pub struct StepView {
     pub tool: String,
     pub status: StepStatus,
     pub output: Option<Value>,
+    /// An output stored by reference (`output_ref` of its `tool_completed`): its SHA-256 and
+    /// size. `output` is then `None`; the ledger holds it.
+    pub output_ref: Option<(String, u64)>,
     pub error: Option<String>,
     pub attempts: u32,
     /// `tool_requested` was recorded for the latest attempt and no outcome followed.
@@ -166,6 +169,9 @@ impl RunView {
             events::TOOL_COMPLETED => {
                 step.status = StepStatus::Completed;
                 step.output = payload.get("output").cloned();
+                step.output_ref = payload.get("output_ref").and_then(|r| {
+                    Some((r.get("sha256")?.as_str()?.to_string(), r.get("bytes").and_then(Value::as_u64).unwrap_or(0)))
+                });
                 step.outcome_unknown = false;
             }
             events::TOOL_FAILED | events::STEP_FAILED => {
@@ -199,6 +205,7 @@ impl RunView {
                 tool: s.tool.clone(),
                 status: StepStatus::Pending,
                 output: None,
+                output_ref: None,
                 error: None,
                 attempts: 0,
                 outcome_unknown: false,

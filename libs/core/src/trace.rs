@@ -43,6 +43,12 @@ pub struct Attempt {
     pub error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub output: Option<Value>,
+    /// An output stored by reference: `{"sha256", "bytes"}` (`Runs.GetStepOutput` reads it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output_ref: Option<Value>,
+    /// Why the output was withheld (`[Output sanitized]`): the rule, field, reason, digest.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sanitized: Option<Value>,
     /// Present when another attempt follows (`next_attempt`, `backoff_ms`, `retry_of`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry: Option<Value>,
@@ -263,6 +269,8 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
                 a.ended_at_ms = Some(e.timestamp_ms);
                 a.outcome = "ok".into();
                 a.output = p.get("output").cloned();
+                a.output_ref = p.get("output_ref").cloned();
+                a.sanitized = p.get("sanitized").cloned();
                 a.reconciled_by = p.get("reconciled_by").and_then(Value::as_str).map(str::to_string);
             }
             events::TOOL_FAILED | events::STEP_FAILED => {

@@ -722,6 +722,9 @@ async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveEr
         .map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status }))
         .collect();
     let mut outputs = view.outputs();
+    if view.steps.iter().any(|s| s.status == StepStatus::Pending) {
+        stored_outputs(ctx, &view, &mut outputs).await?;
+    }
     let resume: HashMap<String, Resume> = view.steps.iter().map(|s| (s.id.clone(), Resume::of(s))).collect();
     let mut first_failure: Option<String> = view
         .steps
@@ -1104,6 +1107,50 @@ async fn record_cost(ctx: &RunCtx, step_id: &str, attempt: u32, cost: f64) {
     tracing::warn!(run_id = %ctx.run_id, step_id, "cost not recorded: policy unavailable");
 }
 
+/// Stores an output too large to record inline (`Ledger.PutOutput`, idempotent), waiting out
+/// a ledger outage within the grace.
+async fn store_output(
+    ctx: &RunCtx,
+    waiter: (&str, u32),
+    output_json: String,
+) -> Result<pb::StoredOutputRef, DriveError> {
+    let req =
+        pb::PutOutputRequest { tenant: ctx.tenant.clone(), run_id: ctx.run_id.clone(), epoch: ctx.epoch, output_json };
+    let stored = within_grace(ctx, "ledger", waiter, || {
+        let mut ledger = ctx.ex.inner.ledger.clone();
+        let req = req.clone();
+        async move { ledger.put_output(req).await }
+    })
+    .await;
+    match stored {
+        Ok(r) => Ok(r),
+        Err(s) if warden_grpc::is_fenced(&s) => Err(DriveError::Fenced),
+        Err(s) => Err(DriveError::Ledger(s)),
+    }
+}
+
+/// The outputs of completed steps that are stored by reference, read back from the ledger
+/// (a driver that did not run them needs them for the templates of the steps to come).
+async fn stored_outputs(ctx: &RunCtx, view: &RunView, outputs: &mut HashMap<String, Value>) -> Result<(), DriveError> {
+    for s in view.steps.iter().filter(|s| s.status == StepStatus::Completed) {
+        let Some((sha256, _)) = &s.output_ref else { continue };
+        let req =
+            pb::GetOutputRequest { tenant: ctx.tenant.clone(), run_id: ctx.run_id.clone(), sha256: sha256.clone() };
+        let stored = within_grace(ctx, "ledger", (&s.id, s.attempts.max(1)), || {
+            let mut ledger = ctx.ex.inner.ledger.clone();
+            let req = req.clone();
+            async move { ledger.get_output(req).await }
+        })
+        .await
+        .map_err(DriveError::Ledger)?;
+        let value: Value = serde_json::from_str(&stored.output_json).map_err(|e| {
+            DriveError::Ledger(Status::internal(format!("stored output of step '{}' is not JSON: {e}", s.id)))
+        })?;
+        outputs.insert(s.id.clone(), value);
+    }
+    Ok(())
+}
+
 /// Where a driver picks a pending step up.
 #[derive(Clone)]
 struct Resume {
@@ -1426,13 +1473,9 @@ async fn execute_attempt(
             // The output half of the pipeline: what fails the output rules or the declared
             // output schema is withheld; the step completes all the same (seed 000 §9).
             let inner = &ctx.ex.inner;
-            let withheld = crate::output::vet(
-                &inner.output_rules,
-                &inner.tool_schemas,
-                &step.tool,
-                &entry.spec.output_schema_json,
-                &output,
-            );
+            let text = canonical_json(&output);
+            let declared = (step.tool.as_str(), entry.spec.output_schema_json.as_str());
+            let withheld = crate::output::vet(&inner.output_rules, &inner.tool_schemas, declared, &output, &text);
             let output = match &withheld {
                 Some(why) => {
                     tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, rule = %why.rule, "tool output sanitized");
@@ -1446,6 +1489,23 @@ async fn execute_attempt(
                        "elapsed_us": started.elapsed().as_micros() as u64});
             if let Some(why) = &withheld {
                 payload["sanitized"] = why.to_json();
+            } else if text.len() > inner.config.inline_output_max_bytes {
+                // Too large to record inline: stored by reference, the event cites its digest.
+                match store_output(ctx, (&step.id, attempt), text).await {
+                    Ok(stored) => {
+                        if let Some(p) = payload.as_object_mut() {
+                            p.remove("output");
+                            p.insert("output_ref".into(), json!({"sha256": stored.sha256, "bytes": stored.bytes}));
+                        }
+                    }
+                    Err(DriveError::Ledger(s)) if s.code() == Code::InvalidArgument => {
+                        let reason = format!("the ledger refused to store the tool's output: {}", s.message());
+                        let mut payload = failed("output_rejected", reason, json!({}));
+                        cite_trace(&mut payload, &invoke_span);
+                        return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await;
+                    }
+                    Err(e) => return Err(e),
+                }
             }
             cite_trace(&mut payload, &invoke_span);
             let completed =

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use serde_json::{Value, json};
-use warden_core::canonical::{canonical_json, sha256_hex};
+use warden_core::canonical::sha256_hex;
 use warden_grpc::tool_schema::ToolSchemas;
 
 /// What a sanitized output is recorded as.
@@ -66,10 +66,16 @@ impl Sanitized {
     }
 }
 
-/// Vets `output` of `tool`: `None` when it may be recorded as it is. The rules see the whole
-/// output's JSON text (not a prefix: a secret past a cut-off would slip through).
-pub fn vet(rules: &OutputRules, schemas: &ToolSchemas, tool: &str, schema: &str, output: &Value) -> Option<Sanitized> {
-    let text = canonical_json(output);
+/// Vets `output` of `tool` (`text` is its canonical JSON): `None` when it may be recorded as
+/// it is. The rules see the whole output's JSON text (not a prefix: a secret past a cut-off
+/// would slip through).
+pub fn vet(
+    rules: &OutputRules,
+    schemas: &ToolSchemas,
+    (tool, schema): (&str, &str),
+    output: &Value,
+    text: &str,
+) -> Option<Sanitized> {
     let withheld = |rule: String, field: Option<String>, reason: String| Sanitized {
         rule,
         field,
@@ -77,7 +83,7 @@ pub fn vet(rules: &OutputRules, schemas: &ToolSchemas, tool: &str, schema: &str,
         output_sha256: sha256_hex(text.as_bytes()),
         output_bytes: text.len(),
     };
-    if let Some(name) = rules.matched(&text) {
+    if let Some(name) = rules.matched(text) {
         let reason = format!("the output matches the output rule '{name}'");
         return Some(withheld(format!("output_rule:{name}"), None, reason));
     }
@@ -90,6 +96,11 @@ pub fn vet(rules: &OutputRules, schemas: &ToolSchemas, tool: &str, schema: &str,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use warden_core::canonical::canonical_json;
+
+    fn vet(rules: &OutputRules, schemas: &ToolSchemas, tool: &str, schema: &str, output: &Value) -> Option<Sanitized> {
+        super::vet(rules, schemas, (tool, schema), output, &canonical_json(output))
+    }
 
     fn rules() -> OutputRules {
         OutputRules::new(&warden_config::default_output_rules()).expect("default rules compile")

@@ -352,6 +352,8 @@ impl Runs for RunsService {
                 output_json: s.output.as_ref().map(|o| o.to_string()).unwrap_or_default(),
                 error: s.error.clone().unwrap_or_default(),
                 attempts: s.attempts,
+                output_sha256: s.output_ref.as_ref().map(|(sha, _)| sha.clone()).unwrap_or_default(),
+                output_bytes: s.output_ref.as_ref().map(|(_, n)| *n).unwrap_or_default(),
             })
             .collect();
         Ok(Response::new(pb::Run {
@@ -489,6 +491,31 @@ impl Runs for RunsService {
             return Ok(Response::new(pb::CancelRunResponse { status: status as i32 }));
         }
         Err(Status::aborted("the run kept changing; try again"))
+    }
+
+    async fn get_step_output(
+        &self,
+        req: Request<pb::GetStepOutputRequest>,
+    ) -> Result<Response<pb::StepOutput>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        warden_core::ids::check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
+        let (view, _) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
+        let step = view
+            .step(&r.step_id)
+            .ok_or_else(|| Status::not_found(format!("run {} has no step '{}'", r.run_id, r.step_id)))?;
+        if step.status != StepStatus::Completed {
+            return Err(Status::failed_precondition(format!("step '{}' has not completed", r.step_id)));
+        }
+        let Some((sha256, _)) = step.output_ref.clone() else {
+            let output_json = step.output.as_ref().map(|o| o.to_string()).unwrap_or_default();
+            return Ok(Response::new(pb::StepOutput { step_id: r.step_id, output_json, output_sha256: String::new() }));
+        };
+        let get = pb::GetOutputRequest { tenant: r.tenant, run_id: r.run_id, sha256: sha256.clone() };
+        let stored = self.ex.inner.ledger.clone().get_output(get).await?.into_inner();
+        Ok(Response::new(pb::StepOutput { step_id: r.step_id, output_json: stored.output_json, output_sha256: sha256 }))
     }
 
     async fn pause_run(&self, req: Request<pb::PauseRunRequest>) -> Result<Response<pb::PauseRunResponse>, Status> {

@@ -78,6 +78,8 @@ pub struct LedgerService {
     policy: Option<warden_proto::v1::policy_client::PolicyClient<warden_grpc::auth::Ch>>,
     store: LedgerStore,
     max_payload_bytes: usize,
+    /// Largest output stored by reference (`PutOutput`).
+    max_output_bytes: usize,
     /// Runs being followed: the write lanes publish each event as it commits, so a follower
     /// that has caught up reads nothing more from the database.
     followers: Arc<Followers>,
@@ -135,9 +137,16 @@ impl LedgerService {
             writer: GroupCommit::start(store.clone(), lanes, max_batch, followers.clone()),
             store,
             max_payload_bytes,
+            max_output_bytes: 6 << 20,
             followers,
             recent: Default::default(),
         })
+    }
+
+    /// Sets the largest output `PutOutput` stores (`ledger.max_output_bytes`).
+    pub fn with_max_output_bytes(mut self, max: usize) -> LedgerService {
+        self.max_output_bytes = max;
+        self
     }
 
     fn remember_decisions<'a>(&self, tenant: &str, appended: impl IntoIterator<Item = &'a ChainedEvent>) {
@@ -1062,6 +1071,54 @@ impl Ledger for LedgerService {
         Ok(Response::new(pb::GetLedgerKeysResponse {
             keys: vec![pb::LedgerKey { key_id: warden_core::auth::key_id(&key), public_key: key.as_bytes().to_vec() }],
         }))
+    }
+
+    async fn put_output(&self, req: Request<pb::PutOutputRequest>) -> Result<Response<pb::StoredOutputRef>, Status> {
+        warden_grpc::auth::require_mesh(&req, "storing a tool output")?;
+        let r = req.into_inner();
+        id_field("tenant", &r.tenant)?;
+        let run = self.visible_run(&r.tenant, &r.run_id).await?;
+        if r.epoch < run.max_epoch {
+            return Err(LedgerError::Fenced { epoch: r.epoch, max_epoch: run.max_epoch }.into());
+        }
+        if run.status.is_terminal() {
+            let why = format!("run '{}' is {}; it takes no more outputs", run.run_id, run.status.as_str());
+            return Err(LedgerError::Precondition(why).into());
+        }
+        let max = self.max_output_bytes;
+        if r.output_json.len() > max {
+            let why = format!("{} bytes is over the maximum of {max}", r.output_json.len());
+            return Err(invalid_field("output_json", why));
+        }
+        // Parsing, canonicalizing and hashing megabytes is blocking work.
+        let (canonical, sha256) = tokio::task::spawn_blocking(move || {
+            let value: Value = serde_json::from_str(&r.output_json)
+                .map_err(|e| invalid_field("output_json", format!("not valid JSON: {e}")))?;
+            let canonical = warden_core::canonical_json(&value);
+            let sha256 = warden_core::sha256_hex(canonical.as_bytes());
+            Ok::<_, Status>((canonical, sha256))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("output digest failed: {e}")))??;
+        if canonical.len() > max {
+            let why = format!("{} bytes (canonical) is over the maximum of {max}", canonical.len());
+            return Err(invalid_field("output_json", why));
+        }
+        self.store.put_output(&run.tenant, &run.run_id, &sha256, &canonical, warden_grpc::now_ms()).await?;
+        Ok(Response::new(pb::StoredOutputRef { sha256, bytes: canonical.len() as u64 }))
+    }
+
+    async fn get_output(&self, req: Request<pb::GetOutputRequest>) -> Result<Response<pb::StoredOutput>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        let run = self.visible_run(&r.tenant, &r.run_id).await?;
+        if r.sha256.len() != 64 || !r.sha256.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return Err(invalid_field("sha256", "64 lowercase hex digits"));
+        }
+        match self.store.output(&run.run_id, &r.sha256).await? {
+            Some(output_json) => Ok(Response::new(pb::StoredOutput { sha256: r.sha256, output_json })),
+            None => Err(LedgerError::NotFound(format!("output {} of run '{}'", r.sha256, run.run_id)).into()),
+        }
     }
 
     async fn get_state(&self, req: Request<pb::GetStateRequest>) -> Result<Response<pb::StateEntry>, Status> {

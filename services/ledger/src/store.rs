@@ -793,6 +793,41 @@ impl LedgerStore {
             .collect()
     }
 
+    /// Stores a run's output by its digest (`sha256` of `output_json`, which is canonical);
+    /// storing it again changes nothing.
+    pub async fn put_output(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        sha256: &str,
+        output_json: &str,
+        now_ms: i64,
+    ) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO outputs (run_id, sha256, tenant, bytes, output_json, created_at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (run_id, sha256) DO NOTHING",
+        )
+        .bind(run_id)
+        .bind(sha256)
+        .bind(tenant)
+        .bind(output_json.len() as i64)
+        .bind(output_json)
+        .bind(now_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// A run's stored output by its digest.
+    pub async fn output(&self, run_id: &str, sha256: &str) -> Result<Option<String>, LedgerError> {
+        let row = sqlx::query("SELECT output_json FROM outputs WHERE run_id = $1 AND sha256 = $2")
+            .bind(run_id)
+            .bind(sha256)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| Ok(r.try_get(0)?)).transpose()
+    }
+
     /// A tenant's committed state under `key`: (value JSON, version, tx id).
     pub async fn state(&self, tenant: &str, key: &str) -> Result<Option<(String, u64, String)>, LedgerError> {
         let row = sqlx::query(

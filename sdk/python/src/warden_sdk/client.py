@@ -454,6 +454,12 @@ class AsyncClient:
         req = runs_pb2.CancelRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)
         return (await self._call(self._runs.CancelRun, req)).status
 
+    async def step_output(self, run_id: str, step_id: str) -> Any:
+        """A completed step's output, whether recorded inline or stored by reference (an
+        output over the executor's ``inline_output_max_bytes``)."""
+        req = runs_pb2.GetStepOutputRequest(tenant=self.tenant, run_id=run_id, step_id=step_id)
+        return json.loads((await self._call(self._runs.GetStepOutput, req)).output_json)
+
     async def pause(self, run_id: str, *, reason: str = "") -> int:
         """Asks for the run to be paused: nothing new starts, the steps in flight settle, then
         it is ``paused`` and holds no executor. Returns the status it has now (:meth:`wait`
@@ -790,6 +796,10 @@ class Client:
     def cancel(self, run_id: str, *, reason: str = "") -> int:
         req = runs_pb2.CancelRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)
         return self._call(self._runs.CancelRun, req).status
+
+    def step_output(self, run_id: str, step_id: str) -> Any:
+        req = runs_pb2.GetStepOutputRequest(tenant=self.tenant, run_id=run_id, step_id=step_id)
+        return json.loads(self._call(self._runs.GetStepOutput, req).output_json)
 
     def pause(self, run_id: str, *, reason: str = "") -> int:
         req = runs_pb2.PauseRunRequest(tenant=self.tenant, run_id=run_id, reason=reason)

@@ -82,6 +82,22 @@ pub fn check_writable(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerEr
     {
         return Err(LedgerError::invalid("payload_json.attempt", "attempts are whole numbers from 1 to 4294967295"));
     }
+    // An output stored by reference is cited by its digest and size, in place of the output.
+    if new.event_type == events::TOOL_COMPLETED
+        && let Some(r) = new.payload.get("output_ref")
+    {
+        let hex = r.get("sha256").and_then(Value::as_str).unwrap_or_default();
+        let well_formed = hex.len() == 64
+            && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+            && r.get("bytes").is_some_and(Value::is_u64)
+            && new.payload.get("output").is_none();
+        if !well_formed {
+            return Err(LedgerError::invalid(
+                "payload_json.output_ref",
+                "cites a stored output as {\"sha256\": 64 hex digits, \"bytes\": n}, with no inline output",
+            ));
+        }
+    }
     if new.epoch < head.max_epoch {
         return Err(LedgerError::Fenced { epoch: new.epoch, max_epoch: head.max_epoch });
     }

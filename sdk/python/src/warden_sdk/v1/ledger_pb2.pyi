@@ -20,6 +20,106 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class PutOutputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    OUTPUT_JSON_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    run_id: _builtins.str
+    epoch: _builtins.int
+    output_json: _builtins.str
+    """Any JSON; stored as its RFC 8785 canonical form (at most ledger.max_output_bytes)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        output_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "output_json", b"output_json", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutOutputRequest: _TypeAlias = PutOutputRequest  # noqa: Y015
+
+@_typing.final
+class StoredOutputRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    """Hex SHA-256 of the canonical JSON."""
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredOutputRef: _TypeAlias = StoredOutputRef  # noqa: Y015
+
+@_typing.final
+class GetOutputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    run_id: _builtins.str
+    sha256: _builtins.str
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "sha256", b"sha256", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetOutputRequest: _TypeAlias = GetOutputRequest  # noqa: Y015
+
+@_typing.final
+class StoredOutput(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    OUTPUT_JSON_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    output_json: _builtins.str
+    """The canonical JSON whose SHA-256 is `sha256`."""
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        output_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["output_json", b"output_json", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredOutput: _TypeAlias = StoredOutput  # noqa: Y015
+
+@_typing.final
 class CreateRunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -141,6 +141,16 @@ class LedgerStub:
                 request_serializer=warden_dot_v1_dot_ledger__pb2.GetLedgerKeysRequest.SerializeToString,
                 response_deserializer=warden_dot_v1_dot_ledger__pb2.GetLedgerKeysResponse.FromString,
                 _registered_method=True)
+        self.PutOutput = channel.unary_unary(
+                '/warden.v1.Ledger/PutOutput',
+                request_serializer=warden_dot_v1_dot_ledger__pb2.PutOutputRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_ledger__pb2.StoredOutputRef.FromString,
+                _registered_method=True)
+        self.GetOutput = channel.unary_unary(
+                '/warden.v1.Ledger/GetOutput',
+                request_serializer=warden_dot_v1_dot_ledger__pb2.GetOutputRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_ledger__pb2.StoredOutput.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -295,6 +305,22 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutOutput(self, request, context):
+        """Stores a tool output too large to record inline, by the SHA-256 of its RFC 8785 JSON:
+        the step's `tool_completed` then cites it (`output_ref`) and the chain commits to its
+        digest. Idempotent. The mesh only (the executor); fenced like an append.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOutput(self, request, context):
+        """A stored output of a run (its tenant, or an operator).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -402,6 +428,16 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.GetLedgerKeys,
                     request_deserializer=warden_dot_v1_dot_ledger__pb2.GetLedgerKeysRequest.FromString,
                     response_serializer=warden_dot_v1_dot_ledger__pb2.GetLedgerKeysResponse.SerializeToString,
+            ),
+            'PutOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutOutput,
+                    request_deserializer=warden_dot_v1_dot_ledger__pb2.PutOutputRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_ledger__pb2.StoredOutputRef.SerializeToString,
+            ),
+            'GetOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOutput,
+                    request_deserializer=warden_dot_v1_dot_ledger__pb2.GetOutputRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_ledger__pb2.StoredOutput.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -972,6 +1008,60 @@ class Ledger:
             '/warden.v1.Ledger/GetLedgerKeys',
             warden_dot_v1_dot_ledger__pb2.GetLedgerKeysRequest.SerializeToString,
             warden_dot_v1_dot_ledger__pb2.GetLedgerKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Ledger/PutOutput',
+            warden_dot_v1_dot_ledger__pb2.PutOutputRequest.SerializeToString,
+            warden_dot_v1_dot_ledger__pb2.StoredOutputRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Ledger/GetOutput',
+            warden_dot_v1_dot_ledger__pb2.GetOutputRequest.SerializeToString,
+            warden_dot_v1_dot_ledger__pb2.StoredOutput.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,6 +82,13 @@ class LedgerStub:
     """Committed state of a tenant (what CommitTx applied)."""
     GetLedgerKeys: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.GetLedgerKeysRequest, _ledger_pb2.GetLedgerKeysResponse]
     """The ledger's public keys: they verify signed heads and request acknowledgements."""
+    PutOutput: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.PutOutputRequest, _ledger_pb2.StoredOutputRef]
+    """Stores a tool output too large to record inline, by the SHA-256 of its RFC 8785 JSON:
+    the step's `tool_completed` then cites it (`output_ref`) and the chain commits to its
+    digest. Idempotent. The mesh only (the executor); fenced like an append.
+    """
+    GetOutput: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.GetOutputRequest, _ledger_pb2.StoredOutput]
+    """A stored output of a run (its tenant, or an operator)."""
 
 @_typing.type_check_only
 class LedgerAsyncStub(LedgerStub):
@@ -136,6 +143,13 @@ class LedgerAsyncStub(LedgerStub):
     """Committed state of a tenant (what CommitTx applied)."""
     GetLedgerKeys: _aio.UnaryUnaryMultiCallable[_ledger_pb2.GetLedgerKeysRequest, _ledger_pb2.GetLedgerKeysResponse]  # type: ignore[assignment]
     """The ledger's public keys: they verify signed heads and request acknowledgements."""
+    PutOutput: _aio.UnaryUnaryMultiCallable[_ledger_pb2.PutOutputRequest, _ledger_pb2.StoredOutputRef]  # type: ignore[assignment]
+    """Stores a tool output too large to record inline, by the SHA-256 of its RFC 8785 JSON:
+    the step's `tool_completed` then cites it (`output_ref`) and the chain commits to its
+    digest. Idempotent. The mesh only (the executor); fenced like an append.
+    """
+    GetOutput: _aio.UnaryUnaryMultiCallable[_ledger_pb2.GetOutputRequest, _ledger_pb2.StoredOutput]  # type: ignore[assignment]
+    """A stored output of a run (its tenant, or an operator)."""
 
 class LedgerServicer(metaclass=_abc_1.ABCMeta):
     """The system of record: runs and their per-run hash-chained event logs."""
@@ -313,5 +327,24 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.GetLedgerKeysResponse, _abc.Awaitable[_ledger_pb2.GetLedgerKeysResponse]]:
         """The ledger's public keys: they verify signed heads and request acknowledgements."""
+
+    @_abc_1.abstractmethod
+    def PutOutput(
+        self,
+        request: _ledger_pb2.PutOutputRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.StoredOutputRef, _abc.Awaitable[_ledger_pb2.StoredOutputRef]]:
+        """Stores a tool output too large to record inline, by the SHA-256 of its RFC 8785 JSON:
+        the step's `tool_completed` then cites it (`output_ref`) and the chain commits to its
+        digest. Idempotent. The mesh only (the executor); fenced like an append.
+        """
+
+    @_abc_1.abstractmethod
+    def GetOutput(
+        self,
+        request: _ledger_pb2.GetOutputRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.StoredOutput, _abc.Awaitable[_ledger_pb2.StoredOutput]]:
+        """A stored output of a run (its tenant, or an operator)."""
 
 def add_LedgerServicer_to_server(servicer: LedgerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from warden_sdk.v1 import common_pb2 as warden_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14warden/v1/runs.proto\x12\twarden.v1\x1a\x16warden/v1/common.proto\"[\n\x10ReplayRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\'\n\x06policy\x18\x03 \x01(\x0e\x32\x17.warden.v1.ReplayPolicy\"{\n\x11ReplayRunResponse\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\x12\x13\n\x0b\x64ifferences\x18\x03 \x03(\t\x12\x15\n\rforked_run_id\x18\x04 \x01(\t\x12\x16\n\x0ereplayed_calls\x18\x05 \x01(\r\"\xe7\x01\n\x10SubmitRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\x12\x0c\n\x04goal\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12.\n\rcancel_policy\x18\x05 \x01(\x0e\x32\x17.warden.v1.CancelPolicy\x12\r\n\x05\x61gent\x18\x06 \x01(\t\x12\x1a\n\x12\x63\x61pability_handles\x18\x07 \x03(\t\x12.\n\rreplay_policy\x18\x08 \x01(\x0e\x32\x17.warden.v1.ReplayPolicy\"_\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12$\n\x06status\x18\x02 \x01(\x0e\x32\x14.warden.v1.RunStatus\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\x08\"/\n\rGetRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"D\n\x0eWaitRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x04\"\x82\x01\n\tStepState\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04tool\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0e\x32\x15.warden.v1.StepStatus\x12\x13\n\x0boutput_json\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\"\xfd\x01\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12$\n\x06status\x18\x03 \x01(\x0e\x32\x14.warden.v1.RunStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12#\n\x05steps\x18\x05 \x03(\x0b\x32\x14.warden.v1.StepState\x12\x17\n\x0f\x64irect_response\x18\x06 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x07 \x01(\x03\x12\x15\n\rupdated_at_ms\x18\x08 \x01(\x03\x12\x10\n\x08last_seq\x18\t \x01(\x04\x12\r\n\x05\x61gent\x18\n \x01(\t\x12\x13\n\x0bwaiting_for\x18\x0b \x03(\t\"p\n\x0fListRunsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12&\n\x08statuses\x18\x02 \x03(\x0e\x32\x14.warden.v1.RunStatus\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"I\n\x10ListRunsResponse\x12\x1c\n\x04runs\x18\x01 \x03(\x0b\x32\x0e.warden.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"B\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"9\n\x11\x43\x61ncelRunResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.warden.v1.RunStatus\"A\n\x0fPauseRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"8\n\x10PauseRunResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.warden.v1.RunStatus\"B\n\x10ResumeRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"9\n\x11ResumeRunResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.warden.v1.RunStatus\"\x7f\n\x14ReconcileStepRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\t\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x13\n\x0boutput_json\x18\x05 \x01(\t\x12\x10\n\x08operator\x18\x06 \x01(\t\"\x1e\n\x08RunTrace\x12\x12\n\ntrace_json\x18\x01 \x01(\t*\xe2\x01\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13STEP_STATUS_PENDING\x10\x01\x12\x17\n\x13STEP_STATUS_RUNNING\x10\x02\x12\x19\n\x15STEP_STATUS_COMPLETED\x10\x03\x12\x16\n\x12STEP_STATUS_FAILED\x10\x04\x12\x19\n\x15STEP_STATUS_CANCELLED\x10\x05\x12\x16\n\x12STEP_STATUS_DENIED\x10\x06\x12\x1f\n\x1bSTEP_STATUS_UNKNOWN_OUTCOME\x10\x07\x32\x97\x05\n\x04Runs\x12\x46\n\tSubmitRun\x12\x1b.warden.v1.SubmitRunRequest\x1a\x1c.warden.v1.SubmitRunResponse\x12\x32\n\x06GetRun\x12\x18.warden.v1.GetRunRequest\x1a\x0e.warden.v1.Run\x12\x34\n\x07WaitRun\x12\x19.warden.v1.WaitRunRequest\x1a\x0e.warden.v1.Run\x12\x43\n\x08ListRuns\x12\x1a.warden.v1.ListRunsRequest\x1a\x1b.warden.v1.ListRunsResponse\x12\x46\n\tCancelRun\x12\x1b.warden.v1.CancelRunRequest\x1a\x1c.warden.v1.CancelRunResponse\x12\x43\n\x08PauseRun\x12\x1a.warden.v1.PauseRunRequest\x1a\x1b.warden.v1.PauseRunResponse\x12\x46\n\tResumeRun\x12\x1b.warden.v1.ResumeRunRequest\x1a\x1c.warden.v1.ResumeRunResponse\x12@\n\rReconcileStep\x12\x1f.warden.v1.ReconcileStepRequest\x1a\x0e.warden.v1.Run\x12\x39\n\x08GetTrace\x12\x18.warden.v1.GetRunRequest\x1a\x13.warden.v1.RunTrace\x12\x46\n\tReplayRun\x12\x1b.warden.v1.ReplayRunRequest\x1a\x1c.warden.v1.ReplayRunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14warden/v1/runs.proto\x12\twarden.v1\x1a\x16warden/v1/common.proto\"[\n\x10ReplayRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\'\n\x06policy\x18\x03 \x01(\x0e\x32\x17.warden.v1.ReplayPolicy\"{\n\x11ReplayRunResponse\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\x12\x13\n\x0b\x64ifferences\x18\x03 \x03(\t\x12\x15\n\rforked_run_id\x18\x04 \x01(\t\x12\x16\n\x0ereplayed_calls\x18\x05 \x01(\r\"\xe7\x01\n\x10SubmitRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\x12\x0c\n\x04goal\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12.\n\rcancel_policy\x18\x05 \x01(\x0e\x32\x17.warden.v1.CancelPolicy\x12\r\n\x05\x61gent\x18\x06 \x01(\t\x12\x1a\n\x12\x63\x61pability_handles\x18\x07 \x03(\t\x12.\n\rreplay_policy\x18\x08 \x01(\x0e\x32\x17.warden.v1.ReplayPolicy\"_\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12$\n\x06status\x18\x02 \x01(\x0e\x32\x14.warden.v1.RunStatus\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\x08\"/\n\rGetRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"D\n\x0eWaitRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x04\"\xaf\x01\n\tStepState\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04tool\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0e\x32\x15.warden.v1.StepStatus\x12\x13\n\x0boutput_json\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\x12\x15\n\routput_sha256\x18\x07 \x01(\t\x12\x14\n\x0coutput_bytes\x18\x08 \x01(\x04\"G\n\x14GetStepOutputRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\t\"I\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\x13\n\x0boutput_json\x18\x02 \x01(\t\x12\x15\n\routput_sha256\x18\x03 \x01(\t\"\xfd\x01\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12$\n\x06status\x18\x03 \x01(\x0e\x32\x14.warden.v1.RunStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12#\n\x05steps\x18\x05 \x03(\x0b\x32\x14.warden.v1.StepState\x12\x17\n\x0f\x64irect_response\x18\x06 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x07 \x01(\x03\x12\x15\n\rupdated_at_ms\x18\x08 \x01(\x03\x12\x10\n\x08last_seq\x18\t \x01(\x04\x12\r\n\x05\x61gent\x18\n \x01(\t\x12\x13\n\x0bwaiting_for\x18\x0b \x03(\t\"p\n\x0fListRunsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12&\n\x08statuses\x18\x02 \x03(\x0e\x32\x14.warden.v1.RunStatus\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"I\n\x10ListRunsResponse\x12\x1c\n\x04runs\x18\x01 \x03(\x0b\x32\x0e.warden.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"B\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"9\n\x11\x43\x61ncelRunResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.warden.v1.RunStatus\"A\n\x0fPauseRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"8\n\x10PauseRunResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.warden.v1.RunStatus\"B\n\x10ResumeRunRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"9\n\x11ResumeRunResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.warden.v1.RunStatus\"\x7f\n\x14ReconcileStepRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\t\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x13\n\x0boutput_json\x18\x05 \x01(\t\x12\x10\n\x08operator\x18\x06 \x01(\t\"\x1e\n\x08RunTrace\x12\x12\n\ntrace_json\x18\x01 \x01(\t*\xe2\x01\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13STEP_STATUS_PENDING\x10\x01\x12\x17\n\x13STEP_STATUS_RUNNING\x10\x02\x12\x19\n\x15STEP_STATUS_COMPLETED\x10\x03\x12\x16\n\x12STEP_STATUS_FAILED\x10\x04\x12\x19\n\x15STEP_STATUS_CANCELLED\x10\x05\x12\x16\n\x12STEP_STATUS_DENIED\x10\x06\x12\x1f\n\x1bSTEP_STATUS_UNKNOWN_OUTCOME\x10\x07\x32\xe0\x05\n\x04Runs\x12\x46\n\tSubmitRun\x12\x1b.warden.v1.SubmitRunRequest\x1a\x1c.warden.v1.SubmitRunResponse\x12\x32\n\x06GetRun\x12\x18.warden.v1.GetRunRequest\x1a\x0e.warden.v1.Run\x12\x34\n\x07WaitRun\x12\x19.warden.v1.WaitRunRequest\x1a\x0e.warden.v1.Run\x12\x43\n\x08ListRuns\x12\x1a.warden.v1.ListRunsRequest\x1a\x1b.warden.v1.ListRunsResponse\x12\x46\n\tCancelRun\x12\x1b.warden.v1.CancelRunRequest\x1a\x1c.warden.v1.CancelRunResponse\x12\x43\n\x08PauseRun\x12\x1a.warden.v1.PauseRunRequest\x1a\x1b.warden.v1.PauseRunResponse\x12\x46\n\tResumeRun\x12\x1b.warden.v1.ResumeRunRequest\x1a\x1c.warden.v1.ResumeRunResponse\x12@\n\rReconcileStep\x12\x1f.warden.v1.ReconcileStepRequest\x1a\x0e.warden.v1.Run\x12G\n\rGetStepOutput\x12\x1f.warden.v1.GetStepOutputRequest\x1a\x15.warden.v1.StepOutput\x12\x39\n\x08GetTrace\x12\x18.warden.v1.GetRunRequest\x1a\x13.warden.v1.RunTrace\x12\x46\n\tReplayRun\x12\x1b.warden.v1.ReplayRunRequest\x1a\x1c.warden.v1.ReplayRunResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'warden_sdk.v1.runs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STEPSTATUS']._serialized_start=1846
-  _globals['_STEPSTATUS']._serialized_end=2072
+  _globals['_STEPSTATUS']._serialized_start=2039
+  _globals['_STEPSTATUS']._serialized_end=2265
   _globals['_REPLAYRUNREQUEST']._serialized_start=59
   _globals['_REPLAYRUNREQUEST']._serialized_end=150
   _globals['_REPLAYRUNRESPONSE']._serialized_start=152
@@ -47,29 +47,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WAITRUNREQUEST']._serialized_start=657
   _globals['_WAITRUNREQUEST']._serialized_end=725
   _globals['_STEPSTATE']._serialized_start=728
-  _globals['_STEPSTATE']._serialized_end=858
-  _globals['_RUN']._serialized_start=861
-  _globals['_RUN']._serialized_end=1114
-  _globals['_LISTRUNSREQUEST']._serialized_start=1116
-  _globals['_LISTRUNSREQUEST']._serialized_end=1228
-  _globals['_LISTRUNSRESPONSE']._serialized_start=1230
-  _globals['_LISTRUNSRESPONSE']._serialized_end=1303
-  _globals['_CANCELRUNREQUEST']._serialized_start=1305
-  _globals['_CANCELRUNREQUEST']._serialized_end=1371
-  _globals['_CANCELRUNRESPONSE']._serialized_start=1373
-  _globals['_CANCELRUNRESPONSE']._serialized_end=1430
-  _globals['_PAUSERUNREQUEST']._serialized_start=1432
-  _globals['_PAUSERUNREQUEST']._serialized_end=1497
-  _globals['_PAUSERUNRESPONSE']._serialized_start=1499
-  _globals['_PAUSERUNRESPONSE']._serialized_end=1555
-  _globals['_RESUMERUNREQUEST']._serialized_start=1557
-  _globals['_RESUMERUNREQUEST']._serialized_end=1623
-  _globals['_RESUMERUNRESPONSE']._serialized_start=1625
-  _globals['_RESUMERUNRESPONSE']._serialized_end=1682
-  _globals['_RECONCILESTEPREQUEST']._serialized_start=1684
-  _globals['_RECONCILESTEPREQUEST']._serialized_end=1811
-  _globals['_RUNTRACE']._serialized_start=1813
-  _globals['_RUNTRACE']._serialized_end=1843
-  _globals['_RUNS']._serialized_start=2075
-  _globals['_RUNS']._serialized_end=2738
+  _globals['_STEPSTATE']._serialized_end=903
+  _globals['_GETSTEPOUTPUTREQUEST']._serialized_start=905
+  _globals['_GETSTEPOUTPUTREQUEST']._serialized_end=976
+  _globals['_STEPOUTPUT']._serialized_start=978
+  _globals['_STEPOUTPUT']._serialized_end=1051
+  _globals['_RUN']._serialized_start=1054
+  _globals['_RUN']._serialized_end=1307
+  _globals['_LISTRUNSREQUEST']._serialized_start=1309
+  _globals['_LISTRUNSREQUEST']._serialized_end=1421
+  _globals['_LISTRUNSRESPONSE']._serialized_start=1423
+  _globals['_LISTRUNSRESPONSE']._serialized_end=1496
+  _globals['_CANCELRUNREQUEST']._serialized_start=1498
+  _globals['_CANCELRUNREQUEST']._serialized_end=1564
+  _globals['_CANCELRUNRESPONSE']._serialized_start=1566
+  _globals['_CANCELRUNRESPONSE']._serialized_end=1623
+  _globals['_PAUSERUNREQUEST']._serialized_start=1625
+  _globals['_PAUSERUNREQUEST']._serialized_end=1690
+  _globals['_PAUSERUNRESPONSE']._serialized_start=1692
+  _globals['_PAUSERUNRESPONSE']._serialized_end=1748
+  _globals['_RESUMERUNREQUEST']._serialized_start=1750
+  _globals['_RESUMERUNREQUEST']._serialized_end=1816
+  _globals['_RESUMERUNRESPONSE']._serialized_start=1818
+  _globals['_RESUMERUNRESPONSE']._serialized_end=1875
+  _globals['_RECONCILESTEPREQUEST']._serialized_start=1877
+  _globals['_RECONCILESTEPREQUEST']._serialized_end=2004
+  _globals['_RUNTRACE']._serialized_start=2006
+  _globals['_RUNTRACE']._serialized_end=2036
+  _globals['_RUNS']._serialized_start=2268
+  _globals['_RUNS']._serialized_end=3004
 # @@protoc_insertion_point(module_scope)

@@ -252,12 +252,18 @@ class StepState(_message.Message):
     OUTPUT_JSON_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
+    OUTPUT_SHA256_FIELD_NUMBER: _builtins.int
+    OUTPUT_BYTES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool: _builtins.str
     status: Global___StepStatus.ValueType
     output_json: _builtins.str
+    """The output, when it is recorded inline (empty when stored by reference)."""
     error: _builtins.str
     attempts: _builtins.int
+    output_sha256: _builtins.str
+    """An output stored by reference: its SHA-256 and size (GetStepOutput reads it)."""
+    output_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -267,14 +273,67 @@ class StepState(_message.Message):
         output_json: _builtins.str = ...,
         error: _builtins.str = ...,
         attempts: _builtins.int = ...,
+        output_sha256: _builtins.str = ...,
+        output_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "error", b"error", "id", b"id", "output_json", b"output_json", "status", b"status", "tool", b"tool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "error", b"error", "id", b"id", "output_bytes", b"output_bytes", "output_json", b"output_json", "output_sha256", b"output_sha256", "status", b"status", "tool", b"tool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepState: _TypeAlias = StepState  # noqa: Y015
+
+@_typing.final
+class GetStepOutputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    run_id: _builtins.str
+    step_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStepOutputRequest: _TypeAlias = GetStepOutputRequest  # noqa: Y015
+
+@_typing.final
+class StepOutput(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_JSON_FIELD_NUMBER: _builtins.int
+    OUTPUT_SHA256_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.str
+    output_json: _builtins.str
+    output_sha256: _builtins.str
+    """Set when the output is stored by reference."""
+    def __init__(
+        self,
+        *,
+        step_id: _builtins.str = ...,
+        output_json: _builtins.str = ...,
+        output_sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["output_json", b"output_json", "output_sha256", b"output_sha256", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepOutput: _TypeAlias = StepOutput  # noqa: Y015
 
 @_typing.final
 class Run(_message.Message):

@@ -75,6 +75,11 @@ class RunsStub:
                 request_serializer=warden_dot_v1_dot_runs__pb2.ReconcileStepRequest.SerializeToString,
                 response_deserializer=warden_dot_v1_dot_runs__pb2.Run.FromString,
                 _registered_method=True)
+        self.GetStepOutput = channel.unary_unary(
+                '/warden.v1.Runs/GetStepOutput',
+                request_serializer=warden_dot_v1_dot_runs__pb2.GetStepOutputRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_runs__pb2.StepOutput.FromString,
+                _registered_method=True)
         self.GetTrace = channel.unary_unary(
                 '/warden.v1.Runs/GetTrace',
                 request_serializer=warden_dot_v1_dot_runs__pb2.GetRunRequest.SerializeToString,
@@ -155,6 +160,14 @@ class RunsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStepOutput(self, request, context):
+        """A step's output, whether recorded inline or stored by reference (an output over
+        executor.inline_output_max_bytes; its StepState has output_sha256 and no output_json).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetTrace(self, request, context):
         """The run's execution trace, derived from its ledger events: one node per step (never
         overwritten) with every attempt in order — its decision, request and outcome — the
@@ -216,6 +229,11 @@ def add_RunsServicer_to_server(servicer, server):
                     servicer.ReconcileStep,
                     request_deserializer=warden_dot_v1_dot_runs__pb2.ReconcileStepRequest.FromString,
                     response_serializer=warden_dot_v1_dot_runs__pb2.Run.SerializeToString,
+            ),
+            'GetStepOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStepOutput,
+                    request_deserializer=warden_dot_v1_dot_runs__pb2.GetStepOutputRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_runs__pb2.StepOutput.SerializeToString,
             ),
             'GetTrace': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTrace,
@@ -445,6 +463,33 @@ class Runs:
             '/warden.v1.Runs/ReconcileStep',
             warden_dot_v1_dot_runs__pb2.ReconcileStepRequest.SerializeToString,
             warden_dot_v1_dot_runs__pb2.Run.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStepOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Runs/GetStepOutput',
+            warden_dot_v1_dot_runs__pb2.GetStepOutputRequest.SerializeToString,
+            warden_dot_v1_dot_runs__pb2.StepOutput.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,10 @@ class RunsStub:
     established for the step whose tool call has none (completed with its output, or failed),
     and the run goes on. The outcome cites the call's allow and names the operator.
     """
+    GetStepOutput: _grpc.UnaryUnaryMultiCallable[_runs_pb2.GetStepOutputRequest, _runs_pb2.StepOutput]
+    """A step's output, whether recorded inline or stored by reference (an output over
+    executor.inline_output_max_bytes; its StepState has output_sha256 and no output_json).
+    """
     GetTrace: _grpc.UnaryUnaryMultiCallable[_runs_pb2.GetRunRequest, _runs_pb2.RunTrace]
     """The run's execution trace, derived from its ledger events: one node per step (never
     overwritten) with every attempt in order — its decision, request and outcome — the
@@ -107,6 +111,10 @@ class RunsAsyncStub(RunsStub):
     """Resolves a run in REQUIRES_RECONCILIATION: an operator records the outcome they
     established for the step whose tool call has none (completed with its output, or failed),
     and the run goes on. The outcome cites the call's allow and names the operator.
+    """
+    GetStepOutput: _aio.UnaryUnaryMultiCallable[_runs_pb2.GetStepOutputRequest, _runs_pb2.StepOutput]  # type: ignore[assignment]
+    """A step's output, whether recorded inline or stored by reference (an output over
+    executor.inline_output_max_bytes; its StepState has output_sha256 and no output_json).
     """
     GetTrace: _aio.UnaryUnaryMultiCallable[_runs_pb2.GetRunRequest, _runs_pb2.RunTrace]  # type: ignore[assignment]
     """The run's execution trace, derived from its ledger events: one node per step (never
@@ -198,6 +206,16 @@ class RunsServicer(metaclass=_abc_1.ABCMeta):
         """Resolves a run in REQUIRES_RECONCILIATION: an operator records the outcome they
         established for the step whose tool call has none (completed with its output, or failed),
         and the run goes on. The outcome cites the call's allow and names the operator.
+        """
+
+    @_abc_1.abstractmethod
+    def GetStepOutput(
+        self,
+        request: _runs_pb2.GetStepOutputRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runs_pb2.StepOutput, _abc.Awaitable[_runs_pb2.StepOutput]]:
+        """A step's output, whether recorded inline or stored by reference (an output over
+        executor.inline_output_max_bytes; its StepState has output_sha256 and no output_json).
         """
 
     @_abc_1.abstractmethod
