@@ -9,11 +9,14 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
+/// A declared schema and what it compiled to (`None`: it does not compile here).
+type Compiled = (String, Arc<Option<jsonschema::Validator>>);
+
 /// Compiled input and output schemas by tool, compiled anew when a host declares another
 /// schema.
 #[derive(Default)]
 pub struct ToolSchemas {
-    compiled: Mutex<HashMap<String, (String, Arc<Option<jsonschema::Validator>>)>>,
+    compiled: Mutex<HashMap<String, Compiled>>,
 }
 
 /// Why arguments were refused: the field (a JSON pointer under `params`) and the reason,

@@ -1,0 +1,331 @@
+//! The per-run context a driver and its step tasks share, and the run's ledger plumbing:
+//! appends (with the outcomes that wait for the next one), failures, cancellations and waits.
+
+use serde_json::{Value, json};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Status};
+use tracing::Instrument;
+use warden_core::events;
+use warden_core::run::RunView;
+use warden_grpc::convert::event_from_proto;
+use warden_proto::v1 as pb;
+
+use super::DriveError;
+use super::step::{StepOutcome, jittered};
+use crate::Executor;
+
+/// Adds the W3C ids of `span` to an outcome's payload (unless it names some already): the
+/// receipt the ledger derives from the outcome cites them (SPEC-KERN-01 §5), so an auditor
+/// can go from a receipt to its trace. Nothing is added when the process exports no traces.
+pub(super) fn cite_trace(payload: &mut Value, span: &tracing::Span) {
+    if let Some(p) = payload.as_object_mut()
+        && !p.contains_key("trace_id")
+        && let Some(ids) = warden_telemetry::context::ids(span)
+    {
+        p.insert("trace_id".into(), Value::String(ids.trace_id));
+        p.insert("span_id".into(), Value::String(ids.span_id));
+    }
+}
+
+/// `payload` citing the current span (see [`cite_trace`]).
+pub(super) fn traced(mut payload: Value) -> Value {
+    cite_trace(&mut payload, &tracing::Span::current());
+    payload
+}
+
+/// Most of a callee's error a `run_waiting` event keeps.
+pub(super) const MAX_WAIT_ERROR_BYTES: usize = 512;
+
+/// The per-run context a driver and its step tasks share.
+#[derive(Clone)]
+pub(super) struct RunCtx {
+    pub(super) ex: Executor,
+    pub(super) run_id: String,
+    pub(super) tenant: String,
+    /// The agent the run acts for (from `run_submitted`; empty: the tenant itself).
+    pub(super) agent: String,
+    pub(super) epoch: u64,
+    pub(super) lost: CancellationToken,
+    /// Fires when someone asked to cancel the run (see `Runs.CancelRun`).
+    pub(super) cancel: CancellationToken,
+    /// Fires when someone asked to pause the run (see `Runs.PauseRun`): nothing new starts,
+    /// the steps in flight settle, the run is recorded paused and the lease released.
+    pub(super) pause: CancellationToken,
+    /// The run's cancel policy: immediate (also the default) or after the tool call.
+    pub(super) cancel_policy: pb::CancelPolicy,
+    /// Outcomes waiting to be appended with the run's next append (see [`RunCtx::defer`]).
+    pub(super) deferred: std::sync::Arc<std::sync::Mutex<Vec<pb::EventInput>>>,
+    /// One append of the run at a time, so what waits is recorded before what follows it.
+    pub(super) appending: std::sync::Arc<tokio::sync::Mutex<()>>,
+}
+
+/// One event to append, as the ledger takes it.
+pub(super) fn event(event_type: &str, step_id: &str, key: String, payload: Value) -> pb::EventInput {
+    pb::EventInput {
+        idempotency_key: key,
+        event_type: event_type.to_string(),
+        payload_json: payload.to_string(),
+        step_id: step_id.to_string(),
+    }
+}
+
+/// The policy's signed record of a decision, to append with what the executor does about it.
+pub(super) fn decision_event(step_id: &str, decision_id: &str, record_json: &str) -> Option<pb::EventInput> {
+    (!record_json.is_empty()).then(|| pb::EventInput {
+        idempotency_key: events::decision_key(decision_id),
+        event_type: events::POLICY_DECISION.to_string(),
+        payload_json: record_json.to_string(),
+        step_id: step_id.to_string(),
+    })
+}
+
+/// Largest tool output whose `tool_completed` may wait for the run's next append (bigger ones
+/// are appended at once, so a refusal stays the step's own).
+pub(super) const DEFERRABLE_OUTPUT_BYTES: usize = 64 * 1024;
+
+impl RunCtx {
+    /// Appends an event (with any deferred outcomes before it, in the same transaction).
+    pub(super) async fn append(
+        &self,
+        event_type: &str,
+        step_id: &str,
+        key: String,
+        payload: Value,
+    ) -> Result<pb::Event, DriveError> {
+        let mut appended = self.append_all(vec![event(event_type, step_id, key, payload)]).await?;
+        appended
+            .pop()
+            .and_then(|a| a.event)
+            .ok_or_else(|| DriveError::Ledger(Status::internal("ledger returned no event")))
+    }
+
+    /// Keeps an outcome to be appended with the run's next append: in a chain, one step's
+    /// outcome, the next step's decision and its request become one ledger transaction. Only
+    /// outcomes of idempotent tools wait (if the executor dies first, the call is asked again
+    /// under the same key and the host replays its outcome); others are appended at once.
+    pub(super) fn defer(&self, e: pb::EventInput) {
+        self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+    }
+
+    /// Appends what waits, if anything.
+    pub(super) async fn flush(&self) -> Result<(), DriveError> {
+        if self.deferred.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            return Ok(());
+        }
+        self.append_all(Vec::new()).await.map(|_| ())
+    }
+
+    /// Appends `events` of this run in one ledger transaction — all or nothing — after the
+    /// deferred outcomes, retrying transient failures with the same idempotency keys (so a
+    /// retry never doubles an event). Answers for `events` only.
+    pub(super) async fn append_all(
+        &self,
+        events: Vec<pb::EventInput>,
+    ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
+        let _turn = self.appending.lock().await;
+        let deferred: Vec<pb::EventInput> =
+            std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
+        if deferred.is_empty() {
+            return self.append_group(events).await;
+        }
+        let n = deferred.len();
+        let mut all = deferred.clone();
+        all.extend(events.iter().cloned());
+        match self.append_group(all).await {
+            Ok(mut appended) => Ok(appended.split_off(n.min(appended.len()))),
+            // Refused as a whole: keep the outcomes apart from whatever was refused.
+            Err(DriveError::Ledger(s)) if !retryable(&s) => {
+                self.append_group(deferred).await?;
+                if events.is_empty() { Ok(Vec::new()) } else { self.append_group(events).await }
+            }
+            Err(e) => {
+                // Not written (or not known to be): they wait for the next try.
+                let mut waiting = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+                let later = std::mem::take(&mut *waiting);
+                *waiting = deferred;
+                waiting.extend(later);
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) async fn append_group(
+        &self,
+        events: Vec<pb::EventInput>,
+    ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let span = tracing::info_span!("ledger.append", otel.kind = "client", events = events.len());
+        self.append_group_traced(events).instrument(span).await
+    }
+
+    pub(super) async fn append_group_traced(
+        &self,
+        events: Vec<pb::EventInput>,
+    ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
+        let req = pb::AppendEventsRequest {
+            tenant: self.tenant.clone(),
+            run_id: self.run_id.clone(),
+            epoch: self.epoch,
+            events,
+        };
+        // Appends are idempotent by key: a ledger restart or a database blip is waited out
+        // within the outage grace.
+        let grace = Duration::from_millis(self.ex.inner.config.outage_grace_ms);
+        let started = tokio::time::Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            match self.ex.inner.ledger.clone().append_events(req.clone()).await {
+                Ok(r) => return Ok(r.into_inner().appended),
+                Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
+                Err(s) if retryable(&s) && started.elapsed() < grace && !self.lost.is_cancelled() => {
+                    tracing::debug!(run_id = %self.run_id, error = %s, "ledger append retried");
+                    tokio::time::sleep(jittered(backoff)).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                Err(s) => return Err(DriveError::Ledger(s)),
+            }
+        }
+    }
+
+    /// Records a step's failure (after the decision it follows, when there is one to record)
+    /// and returns it as the step's outcome.
+    pub(super) async fn step_failed(
+        &self,
+        event_type: &str,
+        step_id: &str,
+        attempt: u32,
+        payload: Value,
+    ) -> Result<StepOutcome, DriveError> {
+        self.step_failed_after(None, event_type, step_id, attempt, payload).await
+    }
+
+    pub(super) async fn step_failed_after(
+        &self,
+        decision: Option<pb::EventInput>,
+        event_type: &str,
+        step_id: &str,
+        attempt: u32,
+        payload: Value,
+    ) -> Result<StepOutcome, DriveError> {
+        let reason = payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
+        let payload = traced(payload);
+        let mut events: Vec<pb::EventInput> = decision.into_iter().collect();
+        events.push(event(event_type, step_id, self.step_key(step_id, attempt, "failed"), payload));
+        self.append_all(events).await?;
+        Ok(StepOutcome::Failed(reason))
+    }
+
+    pub(super) async fn step_cancelled(&self, step_id: &str, reason: &str) -> Result<StepOutcome, DriveError> {
+        self.step_cancelled_after(None, step_id, reason).await
+    }
+
+    /// A step cancelled after its decision: the decision is recorded with the cancellation.
+    pub(super) async fn step_cancelled_after(
+        &self,
+        decision: Option<pb::EventInput>,
+        step_id: &str,
+        reason: &str,
+    ) -> Result<StepOutcome, DriveError> {
+        let key = self.step_key(step_id, 0, "cancelled");
+        let reason = format!("{reason} ({})", policy_name(self.cancel_policy));
+        let mut events: Vec<pb::EventInput> = decision.into_iter().collect();
+        events.push(event(events::STEP_CANCELLED, step_id, key, traced(json!({"reason": reason}))));
+        self.append_all(events).await?;
+        Ok(StepOutcome::Cancelled)
+    }
+
+    /// Says on the record that `step_id`'s attempt waits out an outage of `on` (`run_waiting`;
+    /// `GetRun` reports it as `waiting_for` until the step's next event). Appending also
+    /// records the outcomes still waiting, so they need not wait out the outage. Best effort:
+    /// a ledger that cannot take it now changes nothing about the wait.
+    pub(super) async fn record_wait(&self, on: &str, (step_id, attempt): (&str, u32), error: &str) {
+        // One wait per driver (epoch): a successor's wait is a new one.
+        let key = self.step_key(step_id, attempt, &format!("waiting:{on}:e{}", self.epoch));
+        // What the callee said, bounded: a host's status message is its own to size.
+        let error = &error[..error.floor_char_boundary(MAX_WAIT_ERROR_BYTES)];
+        let payload = json!({"on": on, "attempt": attempt, "error": error});
+        let appended = tokio::time::timeout(
+            Duration::from_secs(5),
+            self.append_group_once(vec![event(events::RUN_WAITING, step_id, key, payload)]),
+        )
+        .await;
+        if !matches!(appended, Ok(Ok(_))) {
+            tracing::debug!(run_id = %self.run_id, on, "the wait could not be recorded");
+        }
+    }
+
+    /// One try at appending `events` after what is deferred (no waiting out a ledger outage).
+    pub(super) async fn append_group_once(&self, events: Vec<pb::EventInput>) -> Result<(), Status> {
+        let _turn = self.appending.lock().await;
+        let mut all: Vec<pb::EventInput> = self.deferred.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let n = all.len();
+        all.extend(events);
+        let req = pb::AppendEventsRequest {
+            tenant: self.tenant.clone(),
+            run_id: self.run_id.clone(),
+            epoch: self.epoch,
+            events: all,
+        };
+        self.ex.inner.ledger.clone().append_events(req).await?;
+        // Recorded: the outcomes taken no longer wait (the first `n`: steps may have deferred
+        // more meanwhile).
+        self.deferred.lock().unwrap_or_else(|p| p.into_inner()).drain(..n);
+        Ok(())
+    }
+
+    pub(super) fn step_key(&self, step_id: &str, attempt: u32, what: &str) -> String {
+        run_key(&self.run_id, &format!("{step_id}:{attempt}:{what}"))
+    }
+}
+
+/// `{run_id}:{rest}`: a key scoped to the run. Keys are per run; a long run id (a fork's)
+/// with a long step id would pass the id limit: the run's part is then a 16-hex-digit digest.
+pub(super) fn run_key(run_id: &str, rest: &str) -> String {
+    let key = format!("{run_id}:{rest}");
+    if key.len() <= warden_core::ids::MAX_ID_LEN {
+        return key;
+    }
+    format!("{}:{rest}", &warden_core::canonical::sha256_hex(run_id.as_bytes())[..16])
+}
+
+/// How a cancel policy reads in a step's reason (and so in its receipt).
+pub(super) fn policy_name(p: pb::CancelPolicy) -> &'static str {
+    match p {
+        pb::CancelPolicy::AfterToolCall | pb::CancelPolicy::AfterToken => "cancel policy after_tool_call",
+        _ => "cancel policy immediate",
+    }
+}
+
+pub(super) fn retryable(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Aborted | Code::ResourceExhausted
+    )
+}
+
+/// Reads a run's whole log and folds it.
+pub(crate) async fn load_view(ex: &Executor, tenant: &str, run_id: &str) -> Result<(RunView, Vec<pb::Event>), Status> {
+    let mut stream = ex
+        .inner
+        .ledger
+        .clone()
+        .stream_events(pb::StreamEventsRequest {
+            tenant: tenant.to_string(),
+            run_id: run_id.to_string(),
+            since_seq: 0,
+            follow: false,
+        })
+        .await?
+        .into_inner();
+    let mut view = RunView::default();
+    let mut all = Vec::new();
+    while let Some(e) = stream.message().await? {
+        let ce = event_from_proto(&e);
+        view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
+        all.push(e);
+    }
+    Ok((view, all))
+}

@@ -1,0 +1,382 @@
+//! Driving one run: the lease and its renewal, rebuilding from the ledger (recovery), planning a
+//! goal, then the scheduler; the run's end, block or pause is recorded here.
+//!
+//! - [`ctx`]: the per-run context and its ledger plumbing (appends, deferred outcomes, waits);
+//! - [`scheduler`]: what runs next (the DAG, cancellation, pauses, the run's end);
+//! - [`step`]: the step pipeline (validate → authorize → record → invoke → vet → record).
+
+mod ctx;
+mod scheduler;
+mod step;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Status};
+use warden_core::canonical::canonical_json;
+use warden_core::events::{self, RunStatus};
+use warden_core::plan::Plan;
+use warden_core::run::RunView;
+use warden_lease::{LeaseError, RunLease};
+use warden_proto::v1 as pb;
+
+use crate::Executor;
+use ctx::RunCtx;
+pub(crate) use ctx::load_view;
+use scheduler::run_dag;
+pub use step::FALLBACK_TIMEOUT;
+use step::{may_ask_again, transient, within_grace};
+
+/// The span a run is driven in (its steps' spans are its children). Its parent is the span
+/// current where the run is dispatched: the SubmitRun request's, whose parent is the client's
+/// `traceparent` when it sent one.
+pub(crate) fn run_span(run_id: &str) -> tracing::Span {
+    let span = tracing::info_span!(
+        "run",
+        run_id = %run_id,
+        run.status = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+    );
+    warden_telemetry::context::record_trace_id(&span);
+    span
+}
+
+/// The `warden_runs_total` status of a run event.
+fn run_status_label(event_type: &str) -> &'static str {
+    match event_type {
+        events::RUN_COMPLETED => "completed",
+        events::RUN_FAILED => "failed",
+        events::RUN_CANCELLED => "cancelled",
+        events::RUN_EMPTY_PLAN => "empty_plan",
+        events::RUN_BLOCKED => "blocked",
+        events::RUN_REQUIRES_RECONCILIATION => "requires_reconciliation",
+        _ => "other",
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DriveError {
+    #[error("another executor holds a newer lease (fenced)")]
+    Fenced,
+    #[error("lease lost")]
+    LeaseLost,
+    #[error("ledger: {0}")]
+    Ledger(Status),
+    #[error("lease store: {0}")]
+    Lease(#[from] LeaseError),
+}
+
+/// Drives `run_id` to a terminal status (or until its lease is lost): the recovery path,
+/// which takes the lease, raises the epoch in the ledger and rebuilds the run from it.
+pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
+    let run = ex
+        .inner
+        .ledger
+        .clone()
+        .get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: run_id.to_string() })
+        .await
+        .map_err(DriveError::Ledger)?
+        .into_inner();
+    // Only pending and active runs are driven: blocked and requires_reconciliation runs wait
+    // for someone outside the run, terminal runs are done.
+    if !matches!(run.status(), pb::RunStatus::Pending | pb::RunStatus::Active) {
+        return Ok(());
+    }
+    let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
+    let Some(lease) = ex.inner.leases.acquire(run_id, &ex.inner.lease_owner, ttl, run.max_epoch).await? else {
+        return Ok(()); // another replica drives it
+    };
+    warden_telemetry::metrics::lease_acquired(run.max_epoch > 0);
+    with_lease(ex, &run.tenant, lease, None).await
+}
+
+/// Drives a run this replica just submitted: it took the lease before the run was created
+/// and the ledger recorded `run_started` with `run_submitted`, so nothing is read back —
+/// the run starts from the plan in hand (`view`, as the ledger's first events fold).
+pub async fn drive_submitted(ex: &Executor, tenant: &str, lease: RunLease, view: RunView) -> Result<(), DriveError> {
+    with_lease(ex, tenant, lease, Some(view)).await
+}
+
+async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<RunView>) -> Result<(), DriveError> {
+    let run_id = lease.run_id.clone();
+    let run_id = run_id.as_str();
+    let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
+    let lost = CancellationToken::new();
+    let tokens = ex.run_tokens(run_id);
+    let renewal = tokio::spawn(renew(ex.clone(), lease.clone(), ttl, lost.clone(), tokens.clone()));
+    let ctx = RunCtx {
+        ex: ex.clone(),
+        run_id: run_id.to_string(),
+        tenant: tenant.to_string(),
+        agent: String::new(),
+        epoch: lease.epoch,
+        lost: lost.clone(),
+        cancel: tokens.cancel,
+        pause: tokens.pause,
+        cancel_policy: pb::CancelPolicy::Immediate,
+        deferred: Default::default(),
+        appending: Default::default(),
+    };
+    let mut result = match view {
+        Some(view) => drive_view(&ctx, view).await,
+        None => drive_leased(&ctx).await,
+    };
+    if let Err(DriveError::Ledger(s)) = &result
+        && matches!(
+            s.code(),
+            Code::InvalidArgument | Code::FailedPrecondition | Code::Internal | Code::PermissionDenied | Code::NotFound
+        )
+        && !lost.is_cancelled()
+    {
+        // Retrying cannot help: record why and end the run instead of re-driving it forever.
+        let reason = format!("the ledger refused an event of this run: {}", s.message());
+        tracing::warn!(run_id, %reason, "failing run");
+        result = finish(&ctx, events::RUN_FAILED, json!({"reason": reason})).await;
+    }
+    renewal.abort();
+    ex.forget_run_tokens(run_id);
+    if let Err(e) = ex.inner.leases.release(&lease).await {
+        tracing::warn!(run_id, error = %e, "lease release failed; it will expire");
+    }
+    result
+}
+
+/// Keeps the lease alive. The holder stops (`lost`) as soon as a renewal fails, and also when
+/// no renewal has succeeded for a whole TTL (a hung lease store must not let it run on past
+/// the point where another executor may take over). Each round also looks for a cancellation
+/// or a pause signalled through the lease store by another replica.
+async fn renew(ex: Executor, lease: RunLease, ttl: Duration, lost: CancellationToken, tokens: crate::RunTokens) {
+    let mut valid_until = tokio::time::Instant::now() + ttl;
+    loop {
+        tokio::time::sleep(ttl / 3).await;
+        if !(tokens.cancel.is_cancelled() && tokens.pause.is_cancelled())
+            && let Ok(signals) = ex.inner.leases.signals(&lease.run_id).await
+        {
+            if signals.cancel {
+                tokens.cancel.cancel();
+            }
+            if signals.pause {
+                tokens.pause.cancel();
+            }
+        }
+        let attempt_started = tokio::time::Instant::now();
+        let budget = valid_until.saturating_duration_since(attempt_started);
+        let renewed = tokio::time::timeout(budget, ex.inner.leases.renew(&lease, ttl)).await;
+        let why = match renewed {
+            Ok(Ok(true)) => {
+                valid_until = attempt_started + ttl;
+                continue;
+            }
+            Ok(Ok(false)) => "lease lost".to_string(),
+            Ok(Err(e)) => format!("lease renewal failed: {e}"),
+            Err(_) => "lease renewal did not answer before the lease ran out".to_string(),
+        };
+        tracing::warn!(run_id = %lease.run_id, epoch = lease.epoch, reason = %why, "stopping");
+        lost.cancel();
+        return;
+    }
+}
+
+async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
+    // Raise the run's epoch in the ledger first: from here on a previous holder's writes
+    // are refused, so the log read next cannot change under us.
+    let started = ctx
+        .append(
+            events::RUN_STARTED,
+            "",
+            format!("run_started:{}", ctx.epoch),
+            events::started_payload(&ctx.ex.inner.id, ctx.epoch),
+        )
+        .await;
+    match started {
+        Ok(_) => {}
+        // Ended meanwhile (terminal runs take no events).
+        Err(DriveError::Ledger(s)) if s.code() == Code::FailedPrecondition => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    drive_view(ctx, view).await
+}
+
+/// Drives a run from its folded state: settles unknown outcomes, then schedules the DAG.
+async fn drive_view(ctx: &RunCtx, mut view: RunView) -> Result<(), DriveError> {
+    if !matches!(view.status, RunStatus::Pending | RunStatus::Active) {
+        return Ok(());
+    }
+    let cancel_policy = match pb::CancelPolicy::try_from(view.cancel_policy as i32) {
+        Ok(pb::CancelPolicy::AfterToolCall | pb::CancelPolicy::AfterToken) => pb::CancelPolicy::AfterToolCall,
+        _ => pb::CancelPolicy::Immediate,
+    };
+    let ctx = &RunCtx { agent: view.agent.clone(), cancel_policy, ..ctx.clone() };
+    if view.cancel_requested.is_some() {
+        ctx.cancel.cancel();
+    }
+    if view.pause_requested.is_some() {
+        ctx.pause.cancel();
+    }
+    let plan = match (view.plan.clone(), view.goal.clone()) {
+        (Some(plan), _) => plan,
+        (None, Some(goal)) => match plan_goal(ctx, &goal, &view).await? {
+            Some(created) => {
+                view.apply(
+                    created.seq,
+                    events::PLAN_CREATED,
+                    "",
+                    &serde_json::from_str(&created.payload_json).unwrap_or_default(),
+                );
+                match view.plan.clone() {
+                    Some(plan) => plan,
+                    None => return Err(DriveError::Ledger(Status::internal("plan_created recorded no plan"))),
+                }
+            }
+            None => return Ok(()),
+        },
+        (None, None) => {
+            return finish(ctx, events::RUN_FAILED, json!({"reason": "run has neither a plan nor a goal"})).await;
+        }
+    };
+    if let Some(text) = &plan.direct_response {
+        return finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "direct_response": text})).await;
+    }
+    if plan.steps.is_empty() {
+        return finish(ctx, events::RUN_EMPTY_PLAN, json!({"reason": "the plan has no steps"})).await;
+    }
+    // Plans reach the ledger only through the planner's validation, but the executor bounds
+    // what it reads all the same: a plan over the submission limit is not driven.
+    let max = ctx.ex.inner.config.max_plan_bytes;
+    let size = canonical_json(&plan).len();
+    if size > max {
+        let reason = format!("the recorded plan is {size} bytes, over executor.max_plan_bytes ({max})");
+        return finish(ctx, events::RUN_FAILED, json!({"reason": reason})).await;
+    }
+    let tools = ctx.ex.inner.catalog.tools().await.map_err(DriveError::Ledger)?;
+    // Unknown outcomes (tool_requested with no result) from an earlier holder.
+    // A tool that is idempotent, or whose host tells a call in doubt from one it finished
+    // (it then replays the outcome), is asked again under the same key; any other goes to an
+    // operator.
+    for s in view.steps.iter().filter(|s| s.outcome_unknown) {
+        let asked_again = tools.get(&s.tool).is_some_and(|t| may_ask_again(&t.spec));
+        if !asked_again {
+            let reason = format!("step '{}' ({}) may or may not have run and the tool is not idempotent", s.id, s.tool);
+            return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": s.id})).await;
+        }
+        tracing::info!(run_id = %ctx.run_id, step_id = %s.id, "asking again a call whose outcome is unknown");
+    }
+    run_dag(ctx, &plan, view).await
+}
+
+/// Plans a goal run (the planner asks the model, or replays what the run recorded) and
+/// records the plan (`plan_created`, returned); `None` when the run ended instead (the model
+/// call was denied, the provider stayed down, a strict replay was refused, or planning forked).
+async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb::Event>, DriveError> {
+    let req = pb::CreatePlanRequest {
+        tenant: ctx.tenant.clone(),
+        run_id: ctx.run_id.clone(),
+        goal: goal.to_string(),
+        epoch: ctx.epoch,
+        agent: view.agent.clone(),
+        replay_policy: view.replay_policy,
+        ..Default::default()
+    };
+    let round = warden_core::plan::planner_step(0);
+    let planning = within_grace(ctx, "planner", (&round, 1), || {
+        let mut planner = ctx.ex.inner.planner.clone();
+        let req = req.clone();
+        async move { planner.create_plan(req).await }
+    });
+    // A lost lease stops waiting (the planner's own writes are fenced by the epoch).
+    let planned = tokio::select! {
+        p = planning => p,
+        _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+    };
+    let failed = |kind: &str, reason: String| json!({"reason": reason, "kind": kind});
+    let planned = match planned {
+        Ok(p) => p,
+        Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
+        Err(s) if s.code() == Code::FailedPrecondition => {
+            finish(ctx, events::RUN_FAILED, failed("planning_refused", format!("planning refused: {}", s.message())))
+                .await?;
+            return Ok(None);
+        }
+        Err(s) if transient(&s) => {
+            let reason = format!("planner_unavailable: {}", s.message());
+            finish(ctx, events::RUN_FAILED, failed("planner_unavailable", reason)).await?;
+            return Ok(None);
+        }
+        Err(s) => return Err(DriveError::Ledger(s)),
+    };
+    match planned.source.as_str() {
+        "denied" => {
+            let reason = format!("model call denied by {}: {}", planned.rule_id, planned.reason);
+            let mut payload = failed("model_call_denied", reason);
+            payload["rule_id"] = json!(planned.rule_id);
+            finish(ctx, events::RUN_FAILED, payload).await?;
+            Ok(None)
+        }
+        "unavailable" => {
+            let reason = format!("planner_unavailable: {}", planned.reason);
+            finish(ctx, events::RUN_FAILED, failed("planner_unavailable", reason)).await?;
+            Ok(None)
+        }
+        "fork" => {
+            let fork = crate::replay::fork(&ctx.ex, &ctx.tenant, &ctx.run_id, &planned.fork_hash)
+                .await
+                .map_err(DriveError::Ledger)?;
+            let mut payload = failed("forked_on_drift", format!("planning drifted from the record; forked to {fork}"));
+            payload["forked_run_id"] = json!(fork);
+            payload["differences"] = json!(planned.differences);
+            finish(ctx, events::RUN_FAILED, payload).await?;
+            Ok(None)
+        }
+        source => {
+            let plan = Plan::parse(&planned.plan_json)
+                .map_err(|e| DriveError::Ledger(Status::internal(format!("the planner's plan does not parse: {e}"))))?;
+            let mut payload = json!({
+                "plan": plan,
+                "source": source,
+                "model_calls": planned.model_calls,
+                "replayed_calls": planned.replayed_calls,
+            });
+            if !planned.reason.is_empty() {
+                payload["reason"] = json!(planned.reason);
+            }
+            if !planned.differences.is_empty() {
+                payload["differences"] = json!(planned.differences);
+            }
+            let created =
+                ctx.append(events::PLAN_CREATED, "", format!("{}:plan_created:r0", ctx.run_id), payload).await?;
+            Ok(Some(created))
+        }
+    }
+}
+
+async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), DriveError> {
+    ctx.append(event_type, "", event_type.to_string(), payload).await?;
+    tracing::info!(run_id = %ctx.run_id, outcome = event_type, "run finished");
+    let status = run_status_label(event_type);
+    warden_telemetry::metrics::run_reached(status);
+    tracing::Span::current().record("run.status", status);
+    Ok(())
+}
+
+/// Whether the run is to pause: asked for, and not overtaken by a cancellation (which ends
+/// the run instead).
+fn pausing(ctx: &RunCtx) -> bool {
+    ctx.pause.is_cancelled() && !ctx.cancel.is_cancelled()
+}
+
+/// Records that the run is paused, once the steps in flight settled: what waits is recorded
+/// with it, and the lease is released on the way out (`with_lease`), so no executor holds the
+/// run until it is resumed.
+async fn pause(ctx: &RunCtx) -> Result<(), DriveError> {
+    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    let why = view.pause_requested.unwrap_or_default();
+    let reason = if why.is_empty() { "paused on request".to_string() } else { format!("paused: {why}") };
+    // One pause per drive: a run paused again after a resume is driven under a new epoch.
+    ctx.append(events::RUN_PAUSED, "", format!("run_paused:e{}", ctx.epoch), json!({"reason": reason})).await?;
+    tracing::info!(run_id = %ctx.run_id, "run paused");
+    warden_telemetry::metrics::run_reached("paused");
+    tracing::Span::current().record("run.status", "paused");
+    Ok(())
+}

@@ -1,0 +1,268 @@
+//! What runs next: the DAG in dependency order under bounded concurrency, the cascade of
+//! failures, cancellation and pauses, and the run's end.
+
+use std::collections::HashMap;
+
+use serde_json::{Value, json};
+use tokio::task::JoinSet;
+use tonic::Status;
+use tracing::Instrument;
+use warden_core::events;
+use warden_core::plan::{Plan, PlanLimits};
+use warden_core::run::{RunView, StepStatus};
+use warden_core::template;
+use warden_proto::v1 as pb;
+
+use super::ctx::{RunCtx, load_view, policy_name, traced};
+use super::step::{Resume, StepOutcome, execute_step, within_grace};
+use super::{DriveError, finish, pause, pausing};
+
+pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveError> {
+    let all_tools = |_: &str| true;
+    let order = plan
+        .validate(&PlanLimits { max_steps: usize::MAX, known_tool: &all_tools })
+        .map_err(|e| DriveError::Ledger(Status::internal(format!("recorded plan no longer validates: {e}"))))?;
+    let mut status: HashMap<String, StepStatus> = view
+        .steps
+        .iter()
+        .map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status }))
+        .collect();
+    let mut outputs = view.outputs();
+    if view.steps.iter().any(|s| s.status == StepStatus::Pending) {
+        stored_outputs(ctx, &view, &mut outputs).await?;
+    }
+    let resume: HashMap<String, Resume> = view.steps.iter().map(|s| (s.id.clone(), Resume::of(s))).collect();
+    let mut first_failure: Option<String> = view
+        .steps
+        .iter()
+        .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied))
+        .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
+    let limit = ctx.ex.inner.config.max_concurrency;
+    let mut reconcile: Option<(String, String)> = None;
+    // A step waiting for an approval: nothing new starts, the run blocks once the rest settles.
+    let mut blocked: Option<(String, String, String)> = None;
+    let mut cancel_seen = false;
+    let mut pause_seen = false;
+    let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
+    loop {
+        if ctx.lost.is_cancelled() {
+            return Err(DriveError::LeaseLost);
+        }
+        // Cancelled: nothing new starts; steps already running settle by the cancel policy.
+        if ctx.cancel.is_cancelled() {
+            for &i in &order {
+                let step = &plan.steps[i];
+                if status[&step.id] == StepStatus::Pending && !resume[&step.id].asked_before {
+                    ctx.append(
+                        events::STEP_CANCELLED,
+                        &step.id,
+                        ctx.step_key(&step.id, 0, "cancelled"),
+                        traced(
+                            json!({"reason": format!("the run was cancelled ({})", policy_name(ctx.cancel_policy))}),
+                        ),
+                    )
+                    .await?;
+                    warden_telemetry::metrics::step_settled("cancelled");
+                    status.insert(step.id.clone(), StepStatus::Cancelled);
+                }
+            }
+        }
+        let mut launched = false;
+        // Dependents of a failed, denied or cancelled step are cancelled (in dependency order,
+        // so the cancellation cascades in one pass).
+        for &i in &order {
+            let step = &plan.steps[i];
+            if status[&step.id] != StepStatus::Pending {
+                continue;
+            }
+            let blocked = step.depends_on.iter().find(|d| {
+                matches!(status[d.as_str()], StepStatus::Failed | StepStatus::Denied | StepStatus::Cancelled)
+            });
+            if let Some(dep) = blocked {
+                let reason = format!("dependency '{dep}' did not complete");
+                ctx.append(
+                    events::STEP_CANCELLED,
+                    &step.id,
+                    ctx.step_key(&step.id, 0, "cancelled"),
+                    traced(json!({"reason": reason})),
+                )
+                .await?;
+                warden_telemetry::metrics::step_settled("cancelled");
+                status.insert(step.id.clone(), StepStatus::Cancelled);
+            }
+        }
+        let handing_off = ctx.ex.inner.handoff.is_cancelled();
+        for &i in &order {
+            // After an unknown outcome nothing new starts: an operator decides first. Nor while
+            // this replica hands its runs off.
+            if running.len() >= limit || reconcile.is_some() || blocked.is_some() || handing_off || pausing(ctx) {
+                break;
+            }
+            let step = &plan.steps[i];
+            let ready = status[&step.id] == StepStatus::Pending
+                && step.depends_on.iter().all(|d| status[d.as_str()] == StepStatus::Completed);
+            if !ready {
+                continue;
+            }
+            status.insert(step.id.clone(), StepStatus::Running);
+            launched = true;
+            match template::resolve(&step.params, &outputs) {
+                Ok(args) => {
+                    let (c, s) = (ctx.clone(), step.clone());
+                    let from = resume.get(&step.id).cloned().unwrap_or_default();
+                    let span = tracing::info_span!("step", step_id = %s.id, tool = %s.tool);
+                    running.spawn(
+                        async move {
+                            let id = s.id.clone();
+                            (id, execute_step(&c, &s, args, from).await)
+                        }
+                        .instrument(span),
+                    );
+                }
+                Err(e) => {
+                    let reason = format!("template resolution failed: {e}");
+                    ctx.append(
+                        events::STEP_FAILED,
+                        &step.id,
+                        ctx.step_key(&step.id, 1, "failed"),
+                        traced(json!({"kind": "template", "reason": reason})),
+                    )
+                    .await?;
+                    warden_telemetry::metrics::step_settled("failed");
+                    first_failure.get_or_insert(format!("step '{}' failed: {reason}", step.id));
+                    status.insert(step.id.clone(), StepStatus::Failed);
+                }
+            }
+        }
+        // Outcomes wait for the next append of the run: a step launched now carries them;
+        // if none was, append them before waiting on the steps still running.
+        if !launched && !running.is_empty() {
+            ctx.flush().await?;
+        }
+        if running.is_empty() && handing_off {
+            // What settled is recorded; the rest is the next holder's (the lease is released
+            // on the way out, so it is taken over at once).
+            ctx.flush().await?;
+            tracing::info!(run_id = %ctx.run_id, "run handed off");
+            return Ok(());
+        }
+        if running.is_empty() {
+            let settled = status.values().all(|s| *s != StepStatus::Pending && *s != StepStatus::Running);
+            if settled || reconcile.is_some() || blocked.is_some() {
+                break;
+            }
+            if pausing(ctx) {
+                return pause(ctx).await;
+            }
+            // Every pending step is either ready or cancelled by the passes above, so an idle
+            // loop here would be a scheduler bug: stop rather than spin.
+            if !launched {
+                return Err(DriveError::Ledger(Status::internal("scheduler found no runnable step")));
+            }
+            continue;
+        }
+        let joined = tokio::select! {
+            j = running.join_next() => j,
+            _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+            // Wake up to cancel the steps that have not started (once).
+            _ = ctx.cancel.cancelled(), if !cancel_seen => {
+                cancel_seen = true;
+                continue;
+            }
+            // A pause starts nothing new; the loop waits for the running steps to settle.
+            _ = ctx.pause.cancelled(), if !pause_seen => {
+                pause_seen = true;
+                continue;
+            }
+        };
+        let Some(joined) = joined else { continue };
+        let (step_id, outcome) =
+            joined.map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
+        let outcome = outcome?;
+        warden_telemetry::metrics::step_settled(outcome.label());
+        match outcome {
+            StepOutcome::Completed(out) => {
+                outputs.insert(step_id.clone(), out);
+                status.insert(step_id, StepStatus::Completed);
+            }
+            StepOutcome::Failed(why) => {
+                first_failure.get_or_insert(format!("step '{step_id}' failed: {why}"));
+                status.insert(step_id, StepStatus::Failed);
+            }
+            StepOutcome::Unknown(why) => {
+                status.insert(step_id.clone(), StepStatus::Running);
+                reconcile.get_or_insert((step_id, why));
+            }
+            StepOutcome::Blocked { decision_id, reason } => {
+                status.insert(step_id.clone(), StepStatus::Pending);
+                blocked.get_or_insert((step_id, decision_id, reason));
+            }
+            StepOutcome::Cancelled => {
+                status.insert(step_id, StepStatus::Cancelled);
+            }
+            // `execute_step` runs a step's retries itself.
+            StepOutcome::Retry { .. } => {
+                first_failure.get_or_insert(format!("step '{step_id}' stopped between attempts"));
+                status.insert(step_id, StepStatus::Failed);
+            }
+        }
+    }
+    let count = |st: StepStatus| status.values().filter(|s| **s == st).count();
+    let summary = json!({
+        "completed": count(StepStatus::Completed),
+        "failed": count(StepStatus::Failed) + count(StepStatus::Denied),
+        "cancelled": count(StepStatus::Cancelled),
+    });
+    if ctx.cancel.is_cancelled() && reconcile.is_none() {
+        let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+        let why = view.cancel_requested.unwrap_or_default();
+        let reason = if why.is_empty() { "cancelled on request".to_string() } else { format!("cancelled: {why}") };
+        return finish(ctx, events::RUN_CANCELLED, json!({"reason": reason, "summary": summary})).await;
+    }
+    if let Some((step_id, decision_id, reason)) = blocked {
+        let payload = json!({"reason": reason, "step_id": step_id, "decision_id": decision_id});
+        // One block per drive: blocking again on the same decision after a resume is a new
+        // block (keyed by this drive's epoch), never deduplicated into an `active` run that
+        // the sweeper would restart forever.
+        let key = format!("run_blocked:{decision_id}:{}", ctx.epoch);
+        ctx.append(events::RUN_BLOCKED, "", key, payload).await?;
+        tracing::info!(run_id = %ctx.run_id, step_id = %step_id, "run blocked on an approval");
+        warden_telemetry::metrics::run_reached("blocked");
+        tracing::Span::current().record("run.status", "blocked");
+        return Ok(());
+    }
+    if let Some((step_id, why)) = reconcile {
+        let reason = format!("step '{step_id}' has an unknown outcome: {why}");
+        return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": step_id})).await;
+    }
+    match first_failure {
+        None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await,
+        Some(reason) => finish(ctx, events::RUN_FAILED, json!({"reason": reason, "summary": summary})).await,
+    }
+}
+
+/// The outputs of completed steps that are stored by reference, read back from the ledger
+/// (a driver that did not run them needs them for the templates of the steps to come).
+pub(super) async fn stored_outputs(
+    ctx: &RunCtx,
+    view: &RunView,
+    outputs: &mut HashMap<String, Value>,
+) -> Result<(), DriveError> {
+    for s in view.steps.iter().filter(|s| s.status == StepStatus::Completed) {
+        let Some((sha256, _)) = &s.output_ref else { continue };
+        let req =
+            pb::GetOutputRequest { tenant: ctx.tenant.clone(), run_id: ctx.run_id.clone(), sha256: sha256.clone() };
+        let stored = within_grace(ctx, "ledger", (&s.id, s.attempts.max(1)), || {
+            let mut ledger = ctx.ex.inner.ledger.clone();
+            let req = req.clone();
+            async move { ledger.get_output(req).await }
+        })
+        .await
+        .map_err(DriveError::Ledger)?;
+        let value: Value = serde_json::from_str(&stored.output_json).map_err(|e| {
+            DriveError::Ledger(Status::internal(format!("stored output of step '{}' is not JSON: {e}", s.id)))
+        })?;
+        outputs.insert(s.id.clone(), value);
+    }
+    Ok(())
+}

@@ -1,0 +1,672 @@
+//! The step pipeline (seed 000 §4.1): for each attempt, arguments against the tool's input
+//! schema, the policy's decision, the durable request, the call under the declared timeout,
+//! the output vetted and recorded; retries by the tool's declared policy, waits on outages
+//! within the grace, and unknown outcomes asked again or handed to an operator.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tonic::{Code, Status};
+use tracing::Instrument;
+use warden_core::canonical::{args_digest, canonical_json};
+use warden_core::events;
+use warden_core::plan::PlanStep;
+use warden_proto::v1 as pb;
+
+use super::DriveError;
+use super::ctx::{
+    DEFERRABLE_OUTPUT_BYTES, RunCtx, cite_trace, decision_event, event, policy_name, retryable, run_key, traced,
+};
+
+/// Timeout when a tool declares none (seed 000 §7).
+pub const FALLBACK_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What one step came to.
+pub(super) enum StepOutcome {
+    Completed(Value),
+    /// Failed, denied or refused; the reason is recorded in the ledger.
+    Failed(String),
+    /// The tool may or may not have acted; nothing more can be known from here.
+    Unknown(String),
+    /// Policy wants a human approval first.
+    Blocked {
+        decision_id: String,
+        reason: String,
+    },
+    /// The run is being cancelled and the step's tool was never invoked.
+    Cancelled,
+    /// The attempt failed, is recorded, and the tool's retry policy allows another after
+    /// `backoff` (internal to a step: the scheduler never sees it).
+    Retry {
+        retry_of: String,
+        backoff: Duration,
+    },
+}
+
+impl StepOutcome {
+    /// The `warden_steps_total` / `warden_attempts_total` outcome label.
+    pub(super) fn label(&self) -> &'static str {
+        match self {
+            StepOutcome::Completed(_) => "completed",
+            StepOutcome::Failed(_) => "failed",
+            StepOutcome::Unknown(_) => "unknown",
+            StepOutcome::Blocked { .. } => "blocked",
+            StepOutcome::Cancelled => "cancelled",
+            StepOutcome::Retry { .. } => "retry",
+        }
+    }
+}
+
+/// Attempts a tool's declared retry policy allows (seed 000: NONE 1, STANDARD 3, AGGRESSIVE 5).
+pub(super) fn max_attempts(policy: i32) -> u32 {
+    match pb::RetryPolicy::try_from(policy) {
+        Ok(pb::RetryPolicy::Standard) => 3,
+        Ok(pb::RetryPolicy::Aggressive) => 5,
+        _ => 1,
+    }
+}
+
+/// How often an idempotent tool is asked before an unknown outcome goes to an operator.
+pub(super) const UNKNOWN_OUTCOME_TRIES: usize = 3;
+
+/// One step: its attempts, from `attempt` (a retry names the allow it retries), with the
+/// backoff between them. A failure is retried only when the tool reported it retryable and
+/// its declared policy allows another attempt; denials are decisions, never retried (K07).
+pub(super) async fn execute_step(
+    ctx: &RunCtx,
+    step: &PlanStep,
+    args: Value,
+    from: Resume,
+) -> Result<StepOutcome, DriveError> {
+    let Resume { mut attempt, mut retry_of, asked_before, not_before_ms } = from;
+    // A retry that a previous executor scheduled keeps its backoff.
+    let mut wait = not_before_ms
+        .map_or(Duration::ZERO, |t| Duration::from_millis(t.saturating_sub(warden_grpc::now_ms()).max(0) as u64));
+    let mut asked_before = asked_before;
+    loop {
+        if !wait.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+                // The next attempt sees the cancellation before it starts.
+                _ = ctx.cancel.cancelled() => {}
+            }
+        }
+        let span = tracing::info_span!("attempt", attempt, outcome = tracing::field::Empty);
+        let outcome = execute_attempt(ctx, step, args.clone(), attempt, retry_of.as_deref(), asked_before)
+            .instrument(span.clone())
+            .await?;
+        warden_telemetry::metrics::attempt_settled(outcome.label());
+        span.record("outcome", outcome.label());
+        asked_before = false;
+        match outcome {
+            StepOutcome::Retry { retry_of: first, backoff } => {
+                wait = backoff;
+                retry_of = Some(first);
+                attempt += 1;
+            }
+            other => return Ok(other),
+        }
+    }
+}
+
+/// Calls `call` until it answers, retrying UNAVAILABLE and transport failures (the callee is
+/// restarting, its store had a blip) with jittered exponential backoff for up to the executor's
+/// outage grace. Only idempotent calls go through here. Stops early when the lease is lost.
+/// The first retry records that `waiter` (a step's attempt, or a planning round) waits on
+/// `what` (see [`RunCtx::record_wait`]).
+pub(super) async fn within_grace<T, F, Fut>(
+    ctx: &RunCtx,
+    what: &str,
+    waiter: (&str, u32),
+    mut call: F,
+) -> Result<T, Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+{
+    let grace = Duration::from_millis(ctx.ex.inner.config.outage_grace_ms);
+    let started = tokio::time::Instant::now();
+    let mut backoff = Duration::from_millis(20);
+    let mut said = false;
+    loop {
+        match call().await {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) if transient(&s) && started.elapsed() < grace && !ctx.lost.is_cancelled() => {
+                tracing::debug!(run_id = %ctx.run_id, callee = what, error = %s, "waiting out an outage");
+                if !said {
+                    said = true;
+                    ctx.record_wait(what, waiter, s.message()).await;
+                }
+                tokio::time::sleep(jittered(backoff)).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Err(s) => return Err(s),
+        }
+    }
+}
+
+/// Whether a call of this tool whose answer was lost may be asked again under its key: the
+/// tool is idempotent, or its host tells a call in doubt from one it finished (it replays the
+/// outcome, or says it is in doubt, and never acts twice).
+pub(super) fn may_ask_again(spec: &pb::ToolSpec) -> bool {
+    spec.idempotent || spec.detects_in_doubt
+}
+
+/// A host's answer that the call is in doubt: it was started before and its outcome never
+/// recorded (see `ToolSpec.detects_in_doubt`).
+pub(super) fn in_doubt(s: &Status) -> bool {
+    s.code() == Code::Unknown && s.message().starts_with("in doubt") && std::error::Error::source(s).is_none()
+}
+
+/// A call that never reached its callee: the connection was not established, so nothing was
+/// sent and nothing can have happened (unlike a call that broke off once sent).
+pub(super) fn never_sent(s: &Status) -> bool {
+    if s.code() != Code::Unavailable {
+        return false;
+    }
+    // Only the client's own transport error says so: a status a host sent (whatever its
+    // message) came over an established connection, and the host may have acted.
+    let mut source = std::error::Error::source(s);
+    let mut text = String::new();
+    while let Some(e) = source {
+        text.push_str(&format!(" {e:?}"));
+        source = e.source();
+    }
+    let text = text.to_ascii_lowercase();
+    text.contains("connecterror") || text.contains("connection refused")
+}
+
+/// An error of an idempotent call that asking again may cure: the callee could not be
+/// reached, said it cannot answer now, or the connection broke off under the call (a callee
+/// killed mid-request: the client's own transport error, whatever code tonic gives it).
+pub(super) fn transient(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::ResourceExhausted | Code::Aborted) || broke_off(s)
+}
+
+/// The client's transport failed under the call: a status the callee sent has no source
+/// error, one the client made of a broken connection (reset, broken pipe, stream closed)
+/// carries the transport error.
+pub(super) fn broke_off(s: &Status) -> bool {
+    matches!(s.code(), Code::Unknown | Code::Cancelled | Code::Internal | Code::Unavailable)
+        && std::error::Error::source(s).is_some()
+}
+
+/// `d` scaled by a factor in [0.5, 1.5), so callers that failed together do not retry together.
+pub(super) fn jittered(d: Duration) -> Duration {
+    let r = (uuid::Uuid::new_v4().as_u128() % 1000) as f64 / 1000.0;
+    d.mul_f64(0.5 + r)
+}
+
+/// Most a single cost record may carry (the policy refuses more): a tool reporting more
+/// spends this much, which exhausts any sane budget, rather than nothing.
+pub(super) const MAX_COST_PER_RECORD: f64 = 1e9;
+
+/// Spends a step attempt's reported cost against the run's and tenant's budgets (recorded once
+/// per attempt, so retrying is safe). A negative or non-finite report counts as nothing.
+pub(super) async fn record_cost(ctx: &RunCtx, step_id: &str, attempt: u32, cost: f64) {
+    let cost = if cost.is_finite() { cost.clamp(0.0, MAX_COST_PER_RECORD) } else { 0.0 };
+    let req = pb::RecordCostRequest {
+        tenant: ctx.tenant.clone(),
+        run_id: ctx.run_id.clone(),
+        step_id: step_id.to_string(),
+        cost,
+        attempt,
+    };
+    let mut backoff = Duration::from_millis(50);
+    for _ in 0..8 {
+        match ctx.ex.inner.policy.clone().record_cost(req.clone()).await {
+            Ok(_) => return,
+            Err(s) if retryable(&s) && !ctx.lost.is_cancelled() => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            Err(s) => {
+                tracing::warn!(run_id = %ctx.run_id, step_id, error = %s, "cost not recorded");
+                return;
+            }
+        }
+    }
+    tracing::warn!(run_id = %ctx.run_id, step_id, "cost not recorded: policy unavailable");
+}
+
+/// Stores an output too large to record inline (`Ledger.PutOutput`, idempotent), waiting out
+/// a ledger outage within the grace.
+pub(super) async fn store_output(
+    ctx: &RunCtx,
+    waiter: (&str, u32),
+    output_json: String,
+) -> Result<pb::StoredOutputRef, DriveError> {
+    let req =
+        pb::PutOutputRequest { tenant: ctx.tenant.clone(), run_id: ctx.run_id.clone(), epoch: ctx.epoch, output_json };
+    let stored = within_grace(ctx, "ledger", waiter, || {
+        let mut ledger = ctx.ex.inner.ledger.clone();
+        let req = req.clone();
+        async move { ledger.put_output(req).await }
+    })
+    .await;
+    match stored {
+        Ok(r) => Ok(r),
+        Err(s) if warden_grpc::is_fenced(&s) => Err(DriveError::Fenced),
+        Err(s) => Err(DriveError::Ledger(s)),
+    }
+}
+
+/// Where a driver picks a pending step up.
+#[derive(Clone)]
+pub(super) struct Resume {
+    /// The attempt it starts with, and the allow a retry names.
+    pub(super) attempt: u32,
+    pub(super) retry_of: Option<String>,
+    /// Its call was requested before a restart and has no outcome: its effect may have
+    /// started, so a cancellation never erases it — it is asked again under the same key (or
+    /// goes to reconciliation) and its outcome is recorded.
+    pub(super) asked_before: bool,
+    /// When a retry a previous executor scheduled may start.
+    pub(super) not_before_ms: Option<i64>,
+}
+
+impl Default for Resume {
+    fn default() -> Self {
+        Resume { attempt: 1, retry_of: None, asked_before: false, not_before_ms: None }
+    }
+}
+
+impl Resume {
+    pub(super) fn of(s: &warden_core::run::StepView) -> Resume {
+        let (attempt, retry_of) = s.next_attempt();
+        Resume { attempt, retry_of, asked_before: s.outcome_unknown, not_before_ms: s.retry_not_before_ms }
+    }
+}
+
+/// One attempt: authorize (a retry is re-authorized, not decided again), record the request,
+/// invoke, record the outcome.
+pub(super) async fn execute_attempt(
+    ctx: &RunCtx,
+    step: &PlanStep,
+    args: Value,
+    attempt: u32,
+    retry_of: Option<&str>,
+    asked_before: bool,
+) -> Result<StepOutcome, DriveError> {
+    let started = std::time::Instant::now();
+    let idempotency_key = run_key(&ctx.run_id, &format!("{}:{attempt}", step.id));
+    let fail = |kind: &str, reason: String, extra: Value| {
+        let mut payload = json!({"kind": kind, "reason": reason, "attempt": attempt, "tool": step.tool});
+        if let (Some(p), Value::Object(x)) = (payload.as_object_mut(), extra) {
+            p.extend(x);
+        }
+        payload
+    };
+    // A call asked before (its outcome unknown) is finished, not cancelled: see `run_dag`.
+    if ctx.cancel.is_cancelled() && !asked_before {
+        return ctx.step_cancelled(&step.id, "the run was cancelled before the step started").await;
+    }
+    let tools = match ctx.ex.inner.catalog.tools().await {
+        Ok(t) => t,
+        Err(s) => {
+            let p = fail("tool_catalog_unavailable", s.message().to_string(), json!({}));
+            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        }
+    };
+    let Some(entry) = tools.get(&step.tool) else {
+        let p = fail("unknown_tool", format!("no tool host serves '{}'", step.tool), json!({}));
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+    };
+    // The step pipeline: resolved arguments must match the tool's declared input schema
+    // before policy is asked or the tool invoked (literal params were checked at submission).
+    // A call asked before is not checked again (it may have acted; its host's schema may have
+    // changed since).
+    if !asked_before
+        && let Err(refused) = ctx.ex.inner.tool_schemas.check(&step.tool, &entry.spec.input_schema_json, &args)
+    {
+        let p = fail("invalid_arguments", refused.reason, json!({"field": refused.field}));
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+    }
+    let args_json = canonical_json(&args);
+    // K01/K19: without a recorded allow decision and its signed authorization, nothing runs.
+    // Authorize is idempotent per call: a policy restart or a store blip is waited out (within
+    // the outage grace), not turned into a failure; nothing runs meanwhile.
+    let authorize_span = tracing::info_span!(
+        "policy.authorize",
+        otel.kind = "client",
+        tool = %step.tool,
+        rule_id = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    );
+    let authorized = within_grace(ctx, "policy", (&step.id, attempt), || {
+        let mut policy = ctx.ex.inner.policy.clone();
+        let req = pb::AuthorizeRequest {
+            tenant: ctx.tenant.clone(),
+            run_id: ctx.run_id.clone(),
+            step_id: step.id.clone(),
+            attempt,
+            tool: step.tool.clone(),
+            args_json: args_json.clone(),
+            capability_handle: String::new(),
+            idempotency_key: idempotency_key.clone(),
+            epoch: ctx.epoch,
+            agent: ctx.agent.clone(),
+            retry_of: retry_of.unwrap_or_default().to_string(),
+            // The decision goes into this step's own append (with the request or the failure).
+            caller_records: true,
+            base_rules_only: false,
+        };
+        async move { policy.authorize(req).await }
+    })
+    .instrument(authorize_span.clone())
+    .await;
+    let authorized = match authorized {
+        Ok(r) => r,
+        Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
+        Err(s) if s.code() == Code::InvalidArgument => {
+            let p = fail("invalid_arguments", s.message().to_string(), json!({}));
+            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        }
+        Err(s) => {
+            let reason = format!("policy unavailable, failing closed: {}", s.message());
+            tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, error = %s, "no policy decision; step not executed");
+            let p = fail("policy_unavailable", reason, json!({}));
+            return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+        }
+    };
+    let decision = authorized.decision.unwrap_or_default();
+    authorize_span.record("rule_id", decision.rule_id.as_str());
+    let outcome = match decision.outcome() {
+        pb::Outcome::Allow => "allow",
+        pb::Outcome::Deny => "deny",
+        pb::Outcome::ApprovalRequired => "approval_required",
+        _ => "unspecified",
+    };
+    authorize_span.record("outcome", outcome);
+    let record = decision_event(&step.id, &decision.decision_id, &authorized.decision_event_json);
+    // A call requested before (its outcome unknown) may have acted: a decision that no longer
+    // allows asking again cannot make it a failure or a cancellation — an operator settles it.
+    if asked_before && decision.outcome() != pb::Outcome::Allow {
+        return Ok(StepOutcome::Unknown(format!(
+            "the call was requested before its outcome was recorded, and policy no longer allows asking again \
+             ({}: {})",
+            decision.rule_id, decision.reason
+        )));
+    }
+    if decision.outcome() == pb::Outcome::ApprovalRequired {
+        // Nothing runs and nothing fails: the run will wait, holding no executor.
+        return Ok(StepOutcome::Blocked { decision_id: decision.decision_id, reason: decision.reason });
+    }
+    let (Some(auth), pb::Outcome::Allow) = (authorized.authorization, decision.outcome()) else {
+        let p = fail(
+            "policy_denied",
+            format!("denied by policy rule '{}': {}", decision.rule_id, decision.reason),
+            json!({"decision_id": decision.decision_id, "rule_id": decision.rule_id}),
+        );
+        return ctx.step_failed_after(record, events::STEP_FAILED, &step.id, attempt, p).await;
+    };
+    // Immediate cancellation: an allowed call whose tool was not invoked yet never is.
+    if ctx.cancel.is_cancelled() && ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before {
+        return ctx.step_cancelled_after(record, &step.id, "the run was cancelled before the tool was invoked").await;
+    }
+    // K08: the timeout comes only from the tool's declaration (the 60 s fallback when it
+    // declares none); the request records the one that applies.
+    let timeout = match entry.spec.timeout_sec {
+        0 => FALLBACK_TIMEOUT,
+        s => Duration::from_secs(s as u64),
+    };
+    // One transaction: the outcomes waiting, the policy's signed decision and the request.
+    // The ledger acknowledges the durable request; the tool host acts only with that proof.
+    let mut batch: Vec<pb::EventInput> = record.into_iter().collect();
+    batch.push(event(
+        events::TOOL_REQUESTED,
+        &step.id,
+        ctx.step_key(&step.id, attempt, "requested"),
+        json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "args": args,
+               "args_sha256": args_digest(&args), "idempotency_key": idempotency_key,
+               "timeout_ms": timeout.as_millis() as u64}),
+    ));
+    let request_ack = ctx.append_all(batch).await?.pop().and_then(|a| a.request_ack);
+    let request = pb::InvokeRequest {
+        tenant: ctx.tenant.clone(),
+        run_id: ctx.run_id.clone(),
+        step_id: step.id.clone(),
+        attempt,
+        tool: step.tool.clone(),
+        args_json,
+        idempotency_key: idempotency_key.clone(),
+        authorization: Some(auth),
+        request_ack,
+    };
+    let cite = json!({"decision_id": decision.decision_id});
+    let failed = |kind: &str, reason: String, extra: Value| {
+        let mut p = fail(kind, reason, cite.clone());
+        if let (Some(p), Value::Object(x)) = (p.as_object_mut(), extra) {
+            p.extend(x);
+        }
+        p
+    };
+    // A timeout or a broken connection leaves the outcome unknown: the tool may have acted.
+    // An idempotent tool is asked again with the same key (the host returns the first
+    // outcome), backing off between asks; otherwise, or if it stays unknown, an operator must
+    // reconcile the step. A host that could not be reached at all was never asked: that is
+    // waited out within the outage grace, then a failure — never an unknown outcome.
+    // The tool call's span: its W3C ids are the ones the call's receipt cites.
+    let invoke_span = tracing::info_span!(
+        "tool.invoke",
+        otel.kind = "client",
+        tool = %step.tool,
+        attempt,
+        rpc.system = "grpc",
+        rpc.service = "warden.v1.ToolHost",
+        rpc.method = "Invoke",
+    );
+    let tries = if may_ask_again(&entry.spec) { UNKNOWN_OUTCOME_TRIES } else { 1 };
+    let grace = Duration::from_millis(ctx.ex.inner.config.outage_grace_ms);
+    let since = tokio::time::Instant::now();
+    let mut backoff = Duration::from_millis(50);
+    let (mut answer, mut unknown, mut asked) = (None, String::new(), 0);
+    let mut said_waiting = false;
+    // Immediate cancellation reaches a call that is authorized and requested but that no host
+    // has received yet (its host was unreachable so far): it is never sent.
+    let cancels_unsent = ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before;
+    loop {
+        // A holder that lost its lease invokes nothing more: its successor settles the call.
+        if ctx.lost.is_cancelled() {
+            return Err(DriveError::LeaseLost);
+        }
+        if cancels_unsent && asked == 0 && ctx.cancel.is_cancelled() {
+            let reason =
+                format!("the run was cancelled before the tool was invoked ({})", policy_name(ctx.cancel_policy));
+            let payload =
+                json!({"reason": reason, "decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool});
+            let key = ctx.step_key(&step.id, 0, "cancelled");
+            ctx.append_all(vec![event(events::STEP_CANCELLED, &step.id, key, traced(payload))]).await?;
+            return Ok(StepOutcome::Cancelled);
+        }
+        let mut host = ctx.ex.inner.catalog.host(entry.host);
+        match tokio::time::timeout(timeout, host.invoke(request.clone()).instrument(invoke_span.clone())).await {
+            Err(_) => {
+                asked += 1;
+                unknown = format!("no answer within {}s (the tool's timeout_sec)", timeout.as_secs());
+            }
+            Ok(Err(s)) if never_sent(&s) => {
+                if since.elapsed() >= grace || ctx.lost.is_cancelled() {
+                    // An earlier ask (this driver's or its predecessor's) may have reached the
+                    // host before it went away: that call's outcome is unknown, not a failure.
+                    if asked > 0 || asked_before {
+                        unknown = format!(
+                            "the call was asked before and the tool host stayed unreachable for {} ms: {}",
+                            grace.as_millis(),
+                            s.message()
+                        );
+                        break;
+                    }
+                    let reason = format!("tool host unreachable for {} ms: {}", grace.as_millis(), s.message());
+                    answer = Some(Err(failed("tool_host_unavailable", reason, json!({}))));
+                    break;
+                }
+                if !said_waiting {
+                    said_waiting = true;
+                    ctx.record_wait("tool_host", (&step.id, attempt), s.message()).await;
+                }
+            }
+            // The host itself says the call may have acted without a recorded outcome: asking
+            // again cannot tell more; an operator establishes what happened.
+            Ok(Err(s)) if in_doubt(&s) => {
+                unknown = format!("the tool host says: {}", s.message());
+                break;
+            }
+            Ok(Err(s))
+                if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) =>
+            {
+                asked += 1;
+                unknown = format!("tool host call broke off: {}", s.message());
+            }
+            Ok(r) => {
+                answer = Some(Ok(r));
+                break;
+            }
+        }
+        if asked >= tries {
+            break;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(jittered(backoff)) => {}
+            // Checked at the top of the loop.
+            _ = ctx.cancel.cancelled(), if cancels_unsent && asked == 0 => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+    let answer = match answer {
+        None => return Ok(StepOutcome::Unknown(unknown)),
+        // A refusal of a repeat says nothing about the earlier ask, which may have acted.
+        Some(Ok(Err(s))) if asked > 0 || asked_before => {
+            return Ok(StepOutcome::Unknown(format!(
+                "the call was asked before; asked again, the tool host answers {:?}: {}",
+                s.code(),
+                s.message()
+            )));
+        }
+        Some(Err(mut not_sent)) => {
+            cite_trace(&mut not_sent, &invoke_span);
+            return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, not_sent).await;
+        }
+        Some(Ok(answer)) => answer,
+    };
+    let outcome = match answer {
+        Err(s) => {
+            let kind = if s.code() == Code::PermissionDenied { "authorization_refused" } else { "tool_host_error" };
+            Err(failed(kind, s.message().to_string(), json!({})))
+        }
+        Ok(resp) => {
+            let resp = resp.into_inner();
+            match resp.outcome {
+                Some(pb::invoke_response::Outcome::OutputJson(text)) => match serde_json::from_str::<Value>(&text) {
+                    Ok(out) => Ok((out, resp.replayed)),
+                    Err(e) => Err(failed("invalid_output", format!("tool output is not JSON: {e}"), json!({}))),
+                },
+                Some(pb::invoke_response::Outcome::Error(e)) => {
+                    Err(failed("tool_error", e.message, json!({"code": e.code, "retryable": e.retryable})))
+                }
+                None => Err(failed("invalid_output", "tool host returned no outcome".into(), json!({}))),
+            }
+        }
+    };
+    match outcome {
+        Ok((output, replayed)) => {
+            // The output half of the pipeline: what fails the output rules or the declared
+            // output schema is withheld; the step completes all the same (seed 000 §9).
+            let inner = &ctx.ex.inner;
+            let text = canonical_json(&output);
+            let declared = (step.tool.as_str(), entry.spec.output_schema_json.as_str());
+            let withheld = crate::output::vet(&inner.output_rules, &inner.tool_schemas, declared, &output, &text);
+            let output = match &withheld {
+                Some(why) => {
+                    tracing::warn!(run_id = %ctx.run_id, step_id = %step.id, rule = %why.rule, "tool output sanitized");
+                    warden_telemetry::metrics::output_sanitized(&why.rule);
+                    Value::String(crate::output::SANITIZED.into())
+                }
+                None => output,
+            };
+            let mut payload = json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "output": output, "replayed": replayed,
+                       "idempotency_key": idempotency_key,
+                       "elapsed_us": started.elapsed().as_micros() as u64});
+            if let Some(why) = &withheld {
+                payload["sanitized"] = why.to_json();
+            } else if text.len() > inner.config.inline_output_max_bytes {
+                // Too large to record inline: stored by reference, the event cites its digest.
+                match store_output(ctx, (&step.id, attempt), text).await {
+                    Ok(stored) => {
+                        if let Some(p) = payload.as_object_mut() {
+                            p.remove("output");
+                            p.insert("output_ref".into(), json!({"sha256": stored.sha256, "bytes": stored.bytes}));
+                        }
+                    }
+                    Err(DriveError::Ledger(s)) if s.code() == Code::InvalidArgument => {
+                        let reason = format!("the ledger refused to store the tool's output: {}", s.message());
+                        let mut payload = failed("output_rejected", reason, json!({}));
+                        cite_trace(&mut payload, &invoke_span);
+                        return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            cite_trace(&mut payload, &invoke_span);
+            let completed =
+                event(events::TOOL_COMPLETED, &step.id, ctx.step_key(&step.id, attempt, "completed"), payload);
+            let recorded = if entry.spec.idempotent && completed.payload_json.len() <= DEFERRABLE_OUTPUT_BYTES {
+                ctx.defer(completed);
+                Ok(())
+            } else {
+                ctx.append_all(vec![completed]).await.map(|_| ())
+            };
+            match recorded {
+                Ok(_) => {
+                    // A tool that reports what it cost (`"cost": n` in its output) spends the
+                    // run's and tenant's budgets; later calls are judged against them.
+                    if let Some(cost) = output.get("cost").and_then(Value::as_f64) {
+                        record_cost(ctx, &step.id, attempt, cost).await;
+                    }
+                    Ok(StepOutcome::Completed(output))
+                }
+                // The ledger will not take this output (too large, say): the step fails.
+                Err(DriveError::Ledger(s)) if s.code() == Code::InvalidArgument => {
+                    let reason = format!("the ledger refused the tool's output: {}", s.message());
+                    let mut payload = failed("output_rejected", reason, json!({}));
+                    cite_trace(&mut payload, &invoke_span);
+                    ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await
+                }
+                Err(e) => Err(e),
+            }
+        }
+        Err(mut payload) => {
+            cite_trace(&mut payload, &invoke_span);
+            let retryable = payload.get("retryable") == Some(&Value::Bool(true));
+            if !retryable || attempt >= max_attempts(entry.spec.retry_policy) {
+                return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await;
+            }
+            let first = retry_of.map(str::to_string).unwrap_or_else(|| decision.decision_id.clone());
+            let base = ctx.ex.inner.config.retry_backoff_base_ms;
+            let backoff = Duration::from_millis(base.saturating_mul(1 << (attempt - 1).min(16)));
+            let not_before_ms = warden_grpc::now_ms().saturating_add(backoff.as_millis() as i64);
+            payload["retry"] = json!({"next_attempt": attempt + 1, "backoff_ms": backoff.as_millis() as u64,
+                                      "not_before_ms": not_before_ms, "retry_of": first});
+            let key = ctx.step_key(&step.id, attempt, "failed");
+            ctx.append(events::TOOL_FAILED, &step.id, key, payload).await?;
+            Ok(StepOutcome::Retry { retry_of: first, backoff })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_broken_under_a_call_is_transient_and_a_callees_own_error_is_not() {
+        let broken = Status::from_error(Box::new(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "broken pipe")));
+        assert_eq!(broken.code(), Code::Unknown);
+        assert!(transient(&broken), "a policy killed mid-request is waited out");
+        assert!(!transient(&Status::unknown("the callee's own unknown error")));
+        assert!(!transient(&Status::internal("a bug in the callee")));
+        assert!(transient(&Status::unavailable("store blip")));
+        assert!(!transient(&Status::invalid_argument("bad")));
+    }
+}
