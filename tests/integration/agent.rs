@@ -519,3 +519,136 @@ async fn without_a_model_a_goal_run_says_how_to_configure_one() {
         .expect("test data");
     assert!(listed.into_inner().runs.is_empty(), "nothing written");
 }
+
+fn plan_of(steps: Value) -> Value {
+    json!({"reasoning": "scripted", "direct_response": null, "steps": steps})
+}
+
+fn replan_mesh_options(model: &ScriptedModel, executor_extra: &str, budget: Option<u64>) -> MeshOptions {
+    MeshOptions {
+        tenants: vec![("acme".into(), tools(&["fail"]))],
+        planner_extra: model.openai_config(""),
+        executor_extra: executor_extra.into(),
+        budget_rules: budget.map(|calls| vec![("acme".into(), calls, 1_000.0)]).unwrap_or_default(),
+        ..MeshOptions::default()
+    }
+}
+
+/// Seed 000 §12: a goal run whose plan ends with a failed step is planned again with the goal,
+/// the completed steps' outputs and the failure. The completed step is kept and never run
+/// again; the new step whose id collides runs as `<id>_r1` and templates from the kept step's
+/// output; the round is its own recorded plan (`plan_revised`), decided and recorded like the
+/// first, and replays exactly. The trace shows the round and what it replaced.
+async fn replan(backend: Backend) {
+    let model = ScriptedModel::start(Reply::chat("unused")).await;
+    model.push(Reply::plan(plan_of(json!([
+        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
+        {"id": "send", "tool": "fail", "params": {"message": "smtp down"}, "depends_on": ["fetch"]},
+    ]))));
+    model.push(Reply::plan(plan_of(json!([
+        {"id": "send", "tool": "echo", "params": {"text": "{{fetch.output.v}}"}, "depends_on": ["fetch"]},
+    ]))));
+    let mesh = mesh_with(backend, replan_mesh_options(&model, "", None)).await;
+    let run = submit_goal(&mesh, "Fetch the data and send it.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}\n{}", done.reason, mesh.logs());
+    let step = |id: &str| done.steps.iter().find(|s| s.id == id).unwrap_or_else(|| panic!("step {id}")).clone();
+    assert_eq!(step("fetch").status(), pb::StepStatus::Completed);
+    assert_eq!(step("send").status(), pb::StepStatus::Failed, "the failure stays on record");
+    assert_eq!(step("send_r1").output_json, r#"{"text":"data"}"#, "templated from the kept step");
+
+    let evs = run_events(&mesh, &run).await;
+    let fetches = evs.iter().filter(|e| e.event_type == "tool_requested" && e.step_id == "fetch").count();
+    assert_eq!(fetches, 1, "the completed step was not run again");
+    let revised = of_type(&evs, "plan_revised");
+    assert_eq!(revised.len(), 1);
+    let r = payload(revised[0]);
+    assert_eq!(
+        (r["round"].clone(), r["steps"].clone(), r["replaces"].clone()),
+        (json!(1), json!(["send_r1"]), json!(["send"]))
+    );
+    assert_eq!(r["renamed"], json!({"send": "send_r1"}));
+    let ids: Vec<&str> =
+        r["plan"]["steps"].as_array().expect("steps").iter().map(|s| s["id"].as_str().unwrap_or("")).collect();
+    assert_eq!(ids, ["fetch", "send_r1"], "the run's plan from here on");
+    assert_calls_were_allowed(&evs);
+    let round_calls = of_type(&evs, "model_requested").into_iter().filter(|e| e.step_id == "plan-r1").count();
+    assert_eq!(round_calls, 1, "the round's model call is decided and recorded under plan-r1");
+
+    let asked = &model.received()[1].body["messages"];
+    let told = asked.as_array().expect("messages").last().expect("last")["content"].as_str().unwrap_or("").to_string();
+    assert!(told.contains("Replanning round 1") && told.contains("smtp down") && told.contains("\"data\""), "{told}");
+
+    let t = trace(&mesh, &run).await;
+    assert_eq!(t["plan_rounds"].as_array().map(Vec::len), Some(2));
+    let node = t["steps"].as_array().expect("nodes").iter().find(|n| n["step_id"] == "send_r1").cloned();
+    assert_eq!(node.expect("send_r1 node")["round"], 1);
+    let edge = json!({"from": "send", "to": "send_r1", "kind": "replanned_as"});
+    assert!(t["edges"].as_array().expect("edges").contains(&edge), "{}", t["edges"]);
+
+    let replayed = mesh
+        .runs()
+        .replay_run(pb::ReplayRunRequest { tenant: "acme".into(), run_id: run.clone(), policy: 1 })
+        .await
+        .expect("strict replay of both rounds")
+        .into_inner();
+    assert_eq!((replayed.outcome.as_str(), replayed.replayed_calls), ("replayed", 2));
+    let replayed_plan: Value = serde_json::from_str(&replayed.plan_json).expect("plan");
+    assert_eq!(replayed_plan["steps"][1]["id"], "send_r1", "the last round's plan, as it ran");
+    assert_eq!(model.received().len(), 2, "nothing asked again");
+    assert!(verify(&mut mesh.ledger(), "acme", &run).await.valid);
+}
+
+#[tokio::test]
+async fn a_failed_plan_is_replanned_keeping_what_completed_on_sqlite() {
+    replan(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_failed_plan_is_replanned_keeping_what_completed_on_postgres() {
+    replan(Backend::Postgres).await;
+}
+
+/// Replanning is bounded: past `executor.max_replan_rounds` the run fails saying so; a round
+/// that gives up (a direct response) fails the run with its words; and when the budget is
+/// spent the round's model call is denied and the run says so, asking nothing.
+#[tokio::test]
+async fn replanning_stops_at_its_rounds_a_direct_response_or_the_budget() {
+    let failing =
+        || Reply::plan(plan_of(json!([{"id": "try", "tool": "fail", "params": {"message": "no"}, "depends_on": []}])));
+    // Rounds run out.
+    let model = ScriptedModel::start(failing()).await;
+    let mesh = mesh_with(Backend::Sqlite, replan_mesh_options(&model, "max_replan_rounds = 1", None)).await;
+    let run = submit_goal(&mesh, "Try.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed);
+    assert!(done.reason.contains("used its 1 replanning rounds"), "{}", done.reason);
+    assert!(done.steps.iter().any(|s| s.id == "try_r1"), "round 1 ran");
+    assert_eq!(model.received().len(), 2);
+
+    // A round that gives up.
+    let model = ScriptedModel::start(failing()).await;
+    model.push(failing());
+    model.push(Reply::plan(json!({"reasoning": "x", "steps": [], "direct_response": "cannot be done safely"})));
+    let mesh = mesh_with(Backend::Sqlite, replan_mesh_options(&model, "", None)).await;
+    let run = submit_goal(&mesh, "Try.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed);
+    assert!(done.reason.contains("replanning round 1 gave up: cannot be done safely"), "{}", done.reason);
+
+    // The budget is spent: one model call and one tool call of a three-call budget... the
+    // round's model call is the third, and a fourth is denied.
+    let model = ScriptedModel::start(failing()).await;
+    model.push(Reply::plan(plan_of(json!([
+        {"id": "a", "tool": "echo", "params": {}, "depends_on": []},
+        {"id": "b", "tool": "fail", "params": {"message": "no"}, "depends_on": ["a"]},
+    ]))));
+    let mesh = mesh_with(Backend::Sqlite, replan_mesh_options(&model, "", Some(3))).await;
+    let run = submit_goal(&mesh, "Try.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed);
+    assert!(done.reason.contains("replanning round 1: model call denied by"), "{}", done.reason);
+    assert_eq!(model.received().len(), 1, "the round asked nothing");
+    let evs = run_events(&mesh, &run).await;
+    assert!(of_type(&evs, "plan_revised").is_empty());
+}

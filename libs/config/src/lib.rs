@@ -488,6 +488,10 @@ pub struct ExecutorConfig {
     /// JSON. A larger one is stored by reference (`Ledger.PutOutput`): the event cites its
     /// SHA-256 and size, so the chain commits to it while the log stays small.
     pub inline_output_max_bytes: usize,
+    /// How often a goal run whose plan ended with failed steps is planned again (seed 000
+    /// §12): the planner is told the failures and the completed steps, which are kept. 0 turns
+    /// replanning off.
+    pub max_replan_rounds: u32,
 }
 
 /// Default output rules (see [`ExecutorConfig::output_rules`]): the credential patterns of
@@ -517,6 +521,7 @@ impl Default for ExecutorConfig {
             liveness_ttl_ms: 1_000,
             output_rules: default_output_rules(),
             inline_output_max_bytes: 64 * 1024,
+            max_replan_rounds: 2,
         }
     }
 }
@@ -681,6 +686,9 @@ impl WardenConfig {
         }
         if self.executor.inline_output_max_bytes > self.ledger.max_payload_bytes {
             return Err(invalid("executor.inline_output_max_bytes", "at most ledger.max_payload_bytes"));
+        }
+        if self.executor.max_replan_rounds > 16 {
+            return Err(invalid("executor.max_replan_rounds", "from 0 to 16"));
         }
         if self.executor.lease_ttl_ms < 300 {
             return Err(invalid("executor.lease_ttl_ms", "must be at least 300 ms"));

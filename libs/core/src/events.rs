@@ -36,6 +36,11 @@ pub const RUN_WAITING: &str = "run_waiting";
 /// A goal run's plan, as planning produced it (model, replay or fallback). Sets the run's
 /// plan once; a run submitted with a plan never takes one.
 pub const PLAN_CREATED: &str = "plan_created";
+/// A replanning round's plan (seed 000 §12): after a goal run's plan ended with failed steps,
+/// the planner was asked again with the failures and the completed steps' outputs. `plan` is
+/// the run's plan from here on — the completed steps kept (never run again), then the round's
+/// new steps (`steps`, renamed `<id>_r<round>` where an id was taken: `renamed`).
+pub const PLAN_REVISED: &str = "plan_revised";
 /// A model call about to be made: cites the policy's allow for `model.call` (seed 002 fields).
 pub const MODEL_REQUESTED: &str = "model_requested";
 /// What the model answered: raw output, parsed plan or why it was refused, usage, cost.
@@ -86,6 +91,7 @@ pub const KNOWN: &[&str] = &[
     TX_COMMITTED,
     TX_ROLLED_BACK,
     PLAN_CREATED,
+    PLAN_REVISED,
     MODEL_REQUESTED,
     MODEL_COMPLETED,
     MODEL_FAILED,

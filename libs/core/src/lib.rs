@@ -15,6 +15,7 @@ pub mod head;
 pub mod ids;
 pub mod plan;
 pub mod receipt;
+pub mod replan;
 pub mod run;
 pub mod template;
 pub mod trace;

@@ -316,6 +316,62 @@ impl Plan {
     }
 }
 
+/// A replanning round's proposal made to fit the run (seed 000 §12).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Revision {
+    /// The round's steps, renamed where their id was taken.
+    pub steps: Vec<PlanStep>,
+    /// Proposed id → the id it runs under (`<id>_r<round>`), for the ids that were taken.
+    pub renamed: std::collections::BTreeMap<String, String>,
+    /// The run's plan from here on: the kept steps, then the round's.
+    pub plan: Plan,
+}
+
+/// Fits the steps a replanning round proposes to a run whose earlier plan failed: a proposed
+/// id that the run has used already (`taken`: every step id of every earlier round, kept or
+/// not) is renamed `<id>_r<round>`, and the proposal's own references to it (`depends_on`,
+/// templates) follow; a reference to an id the proposal does not define reaches the kept step
+/// of that id. The result — the `kept` steps (completed, never run again) followed by the
+/// round's — is validated like any plan, with at most `max_steps` new steps, so new steps may
+/// depend on and template from the outputs of kept ones. The proposal's `reasoning` is kept.
+pub fn revise(
+    kept: &[PlanStep],
+    taken: &HashSet<String>,
+    proposal: &Plan,
+    round: u32,
+    limits: &PlanLimits<'_>,
+) -> Result<Revision, PlanError> {
+    if proposal.steps.len() > limits.max_steps {
+        return Err(PlanError::TooManySteps { count: proposal.steps.len(), max: limits.max_steps });
+    }
+    let mut renamed = std::collections::BTreeMap::new();
+    for s in &proposal.steps {
+        if taken.contains(&s.id) {
+            renamed.insert(s.id.clone(), format!("{}_r{round}", s.id));
+        }
+    }
+    let lookup: HashMap<String, String> = renamed.iter().map(|(a, b)| (a.clone(), b.clone())).collect();
+    let mut steps = Vec::with_capacity(proposal.steps.len());
+    for s in &proposal.steps {
+        let params = template::rename(&s.params, &lookup)
+            .map_err(|error| PlanError::Template { step_id: s.id.clone(), error })?;
+        let depends_on = s.depends_on.iter().map(|d| lookup.get(d).cloned().unwrap_or_else(|| d.clone())).collect();
+        let id = lookup.get(&s.id).cloned().unwrap_or_else(|| s.id.clone());
+        steps.push(PlanStep { id, tool: s.tool.clone(), params, depends_on });
+    }
+    let plan = Plan {
+        steps: kept.iter().cloned().chain(steps.iter().cloned()).collect(),
+        reasoning: proposal.reasoning.clone(),
+        direct_response: None,
+    };
+    let known_kept: HashSet<&str> = kept.iter().map(|s| s.id.as_str()).collect();
+    // Kept steps were checked when they were planned; their tools may since have left the offer.
+    let known =
+        |t: &str| (limits.known_tool)(t) || kept.iter().any(|k| k.tool == t && known_kept.contains(k.id.as_str()));
+    plan.validate(&PlanLimits { max_steps: kept.len() + limits.max_steps, known_tool: &known })?;
+    Ok(Revision { steps, renamed, plan })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,6 +382,43 @@ mod tests {
 
     fn check(json: &str) -> Result<Vec<usize>, PlanError> {
         Plan::parse(json)?.validate(&PlanLimits { max_steps: 10, known_tool: &known })
+    }
+
+    #[test]
+    fn a_replanning_round_renames_taken_ids_and_may_build_on_kept_steps() {
+        let kept = Plan::parse(r#"{"steps": [{"id": "fetch", "tool": "echo", "params": {"v": 1}}]}"#).unwrap().steps;
+        let taken: HashSet<String> = ["fetch", "send"].iter().map(|s| s.to_string()).collect();
+        let proposal = Plan::parse(
+            r#"{"steps": [
+                {"id": "send", "tool": "text.upper", "params": {"text": "{{fetch.output.v}}"}, "depends_on": ["fetch"]},
+                {"id": "after", "tool": "echo", "params": {"t": "{{send.output.text}}"}, "depends_on": ["send"]}
+            ]}"#,
+        )
+        .unwrap();
+        let limits = PlanLimits { max_steps: 10, known_tool: &known };
+        let r = revise(&kept, &taken, &proposal, 1, &limits).unwrap();
+        assert_eq!(r.renamed.get("send").map(String::as_str), Some("send_r1"));
+        let ids: Vec<&str> = r.plan.steps.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(ids, ["fetch", "send_r1", "after"]);
+        let after = r.plan.step("after").unwrap();
+        assert_eq!(
+            (after.depends_on.clone(), after.params.clone()),
+            (vec!["send_r1".to_string()], serde_json::json!({"t": "{{send_r1.output.text}}"}))
+        );
+        assert_eq!(
+            r.plan.step("send_r1").unwrap().params,
+            serde_json::json!({"text": "{{fetch.output.v}}"}),
+            "kept steps keep their ids"
+        );
+
+        // A reference to a step neither kept nor proposed is refused, as in any plan.
+        let dangling = Plan::parse(
+            r#"{"steps": [{"id": "x", "tool": "echo", "params": {"a": "{{gone.output}}"}, "depends_on": ["gone"]}]}"#,
+        )
+        .unwrap();
+        assert!(matches!(revise(&kept, &taken, &dangling, 2, &limits), Err(PlanError::MissingDependency { .. })));
+        let small = PlanLimits { max_steps: 1, known_tool: &known };
+        assert!(matches!(revise(&kept, &taken, &proposal, 1, &small), Err(PlanError::TooManySteps { .. })));
     }
 
     #[test]

@@ -42,6 +42,22 @@ pub struct StepView {
 }
 
 impl StepView {
+    fn pending(id: &str, tool: &str) -> StepView {
+        StepView {
+            id: id.to_string(),
+            tool: tool.to_string(),
+            status: StepStatus::Pending,
+            output: None,
+            output_ref: None,
+            error: None,
+            attempts: 0,
+            outcome_unknown: false,
+            idempotency_key: None,
+            retry_of: None,
+            retry_not_before_ms: None,
+        }
+    }
+
     /// The attempt a driver starts this pending step with, and the allow it retries: the
     /// same attempt when its outcome is unknown (asked again with the same key), the next one
     /// after a failure that is retried, else the first.
@@ -68,6 +84,8 @@ pub struct RunView {
     pub cancel_policy: i64,
     /// Why the run is to be cancelled, once someone asked (`run_cancel_requested`).
     pub cancel_requested: Option<String>,
+    /// Replanning rounds recorded (`plan_revised`); 0 while the first plan stands.
+    pub round: u32,
     /// Why the run is to be paused, while a pause was asked for (`run_pause_requested`) and
     /// has not taken effect yet (`run_paused` clears it).
     pub pause_requested: Option<String>,
@@ -90,6 +108,7 @@ impl Default for RunView {
             cancel_policy: 0,
             cancel_requested: None,
             pause_requested: None,
+            round: 0,
             status: RunStatus::Pending,
             reason: String::new(),
             steps: Vec::new(),
@@ -122,6 +141,13 @@ impl RunView {
         // record of a decision, which the policy writes on its own, says nothing of the driver.
         if event_type != events::POLICY_DECISION {
             self.waiting.remove(step_id);
+        }
+        if event_type == events::PLAN_REVISED {
+            if let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {
+                self.revise_plan(plan);
+            }
+            self.round = payload.get("round").and_then(Value::as_u64).unwrap_or(self.round as u64 + 1) as u32;
+            return;
         }
         if event_type == events::PLAN_CREATED {
             self.waiting.clear();
@@ -196,24 +222,26 @@ impl RunView {
         }
     }
 
+    /// A replanning round's plan: the steps the run knows keep what they came to (a kept step
+    /// completed; the failed ones it replaces stay on record, out of the plan), its new steps
+    /// start pending.
+    fn revise_plan(&mut self, plan: Plan) {
+        for s in &plan.steps {
+            if self.steps.iter().all(|v| v.id != s.id) {
+                self.steps.push(StepView::pending(&s.id, &s.tool));
+            }
+        }
+        self.plan = Some(plan);
+    }
+
+    /// Whether step `id` belongs to the plan the run follows now (a replanning round drops the
+    /// failed steps it replaces).
+    pub fn in_plan(&self, id: &str) -> bool {
+        self.plan.as_ref().is_some_and(|p| p.step(id).is_some())
+    }
+
     fn set_plan(&mut self, plan: Plan) {
-        self.steps = plan
-            .steps
-            .iter()
-            .map(|s| StepView {
-                id: s.id.clone(),
-                tool: s.tool.clone(),
-                status: StepStatus::Pending,
-                output: None,
-                output_ref: None,
-                error: None,
-                attempts: 0,
-                outcome_unknown: false,
-                idempotency_key: None,
-                retry_of: None,
-                retry_not_before_ms: None,
-            })
-            .collect();
+        self.steps = plan.steps.iter().map(|s| StepView::pending(&s.id, &s.tool)).collect();
         self.plan = Some(plan);
     }
 

@@ -142,6 +142,40 @@ pub fn resolve(params: &Value, outputs: &HashMap<String, Value>) -> Result<Value
     })
 }
 
+/// `params` with every reference to a step in `renamed` pointing at its new id instead (a
+/// replanning round's steps renamed to avoid ids the run has used; see `plan::revise`).
+pub fn rename(params: &Value, renamed: &HashMap<String, String>) -> Result<Value, TemplateError> {
+    Ok(match params {
+        Value::String(s) if s.contains("{{") => {
+            let mut out = String::with_capacity(s.len());
+            for p in pieces(s)? {
+                match p {
+                    Piece::Literal(l) => out.push_str(l),
+                    Piece::Ref(r, text) => match renamed.get(&r.step_id) {
+                        Some(to) => {
+                            out.push_str("{{");
+                            out.push_str(to);
+                            out.push_str(".output");
+                            for seg in &r.path {
+                                out.push('.');
+                                out.push_str(seg);
+                            }
+                            out.push_str("}}");
+                        }
+                        None => out.push_str(text),
+                    },
+                }
+            }
+            Value::String(out)
+        }
+        Value::Array(items) => Value::Array(items.iter().map(|i| rename(i, renamed)).collect::<Result<_, _>>()?),
+        Value::Object(map) => Value::Object(
+            map.iter().map(|(k, v)| Ok((k.clone(), rename(v, renamed)?))).collect::<Result<_, TemplateError>>()?,
+        ),
+        other => other.clone(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,6 +230,14 @@ mod tests {
         ] {
             assert!(matches!(resolve(&json!(t), &outputs()), Err(TemplateError::Malformed { .. })), "{t}");
         }
+    }
+
+    #[test]
+    fn renaming_rewrites_only_the_renamed_steps_references() {
+        let renamed = HashMap::from([("a".to_string(), "a_r1".to_string())]);
+        let v = rename(&json!({"x": ["{{a.output.n}} and {{ b.output }}", "{{a.output}}"], "n": 1}), &renamed).unwrap();
+        assert_eq!(v, json!({"x": ["{{a_r1.output.n}} and {{ b.output }}", "{{a_r1.output}}"], "n": 1}));
+        assert!(rename(&json!("{{a.outputs}}"), &renamed).is_err());
     }
 
     #[test]

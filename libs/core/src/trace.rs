@@ -63,6 +63,9 @@ pub struct StepNode {
     pub input_params: Value,
     /// pending, running, completed, failed, denied, cancelled (the last attempt's verdict).
     pub status: String,
+    /// The planning round that planned the step (0: the first plan; N: replanning round N).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub round: u32,
     pub attempts: Vec<Attempt>,
     /// Every decision on this step, in order (including approval waits and retries).
     pub policy_events: Vec<Decision>,
@@ -138,14 +141,23 @@ impl StepNode {
     }
 }
 
-/// One node per step of `plan` and its dependency edges.
-fn add_plan(t: &mut RunTrace, plan: &Plan) {
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// One node per step of `plan` (of planning round `round`) and its dependency edges; a step
+/// already in the trace (kept from an earlier round) keeps its node.
+fn add_plan(t: &mut RunTrace, plan: &Plan, round: u32) {
     for s in &plan.steps {
+        if t.steps.iter().any(|n| n.step_id == s.id) {
+            continue;
+        }
         t.steps.push(StepNode {
             step_id: s.id.clone(),
             tool: s.tool.clone(),
             input_params: s.params.clone(),
             status: "pending".into(),
+            round,
             ..StepNode::default()
         });
         t.edges.extend(s.depends_on.iter().map(|d| Edge { from: d.clone(), to: s.id.clone(), kind: "depends_on" }));
@@ -204,7 +216,7 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
         if e.event_type == events::RUN_SUBMITTED
             && let Some(plan) = p.get("plan").and_then(|v| serde_json::from_value::<Plan>(v.clone()).ok())
         {
-            add_plan(&mut t, &plan);
+            add_plan(&mut t, &plan, 0);
         }
         if e.event_type == events::RUN_STARTED && t.started_at_ms.is_none() {
             t.started_at_ms = Some(e.timestamp_ms);
@@ -219,7 +231,30 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
                 "seq": e.seq, "round": t.plan_rounds.len(), "source": text(p, "source"), "steps": plan.steps.len(),
                 "direct_response": plan.direct_response.is_some(), "reason": text(p, "reason"),
             }));
-            add_plan(&mut t, &plan);
+            add_plan(&mut t, &plan, 0);
+        }
+        if e.event_type == events::PLAN_REVISED
+            && let Some(plan) = p.get("plan").and_then(|v| serde_json::from_value::<Plan>(v.clone()).ok())
+        {
+            let round = p.get("round").and_then(Value::as_u64).unwrap_or_default() as u32;
+            t.plan_rounds.push(serde_json::json!({
+                "seq": e.seq, "round": round, "source": text(p, "source"),
+                "steps": p.get("steps").cloned().unwrap_or_default(),
+                "replaces": p.get("replaces").cloned().unwrap_or_default(),
+                "renamed": p.get("renamed").cloned().unwrap_or_default(),
+                "after": text(p, "after"),
+            }));
+            // The failed steps a round replaces lead to it: an edge from each to its new steps.
+            let new_steps: Vec<String> =
+                p.get("steps").and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
+            let replaces: Vec<String> =
+                p.get("replaces").and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
+            add_plan(&mut t, &plan, round);
+            for from in &replaces {
+                for to in &new_steps {
+                    t.edges.push(Edge { from: from.clone(), to: to.clone(), kind: "replanned_as" });
+                }
+            }
         }
         let node = (!e.step_id.is_empty()).then(|| t.steps.iter_mut().find(|s| s.step_id == e.step_id)).flatten();
         let Some(node) = node else {

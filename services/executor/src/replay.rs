@@ -112,38 +112,39 @@ pub async fn replay_run(
         }
         p => p,
     };
-    let planned = ex
-        .inner
-        .planner
-        .clone()
-        .create_plan(pb::CreatePlanRequest {
-            tenant: tenant.to_string(),
-            run_id: run_id.to_string(),
-            goal: run.goal.clone(),
-            epoch: run.max_epoch.max(1),
-            agent,
-            replay_policy: policy as i32,
-            replay_only: true,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    if planned.source == "fork" {
-        let forked = fork(ex, tenant, run_id, &planned.fork_hash).await?;
-        return Ok(pb::ReplayRunResponse {
-            outcome: "forked".into(),
-            differences: planned.differences,
-            forked_run_id: forked,
-            replayed_calls: planned.replayed_calls,
-            ..Default::default()
-        });
+    let ask = |round: u32, failure_context_json: String| pb::CreatePlanRequest {
+        tenant: tenant.to_string(),
+        run_id: run_id.to_string(),
+        goal: run.goal.clone(),
+        epoch: run.max_epoch.max(1),
+        agent: first.get("agent").and_then(Value::as_str).unwrap_or_default().to_string(),
+        replay_policy: policy as i32,
+        replay_only: true,
+        round,
+        failure_context_json,
+        ..Default::default()
+    };
+    // Every replanning round is replayed after the first, each told what it was told then.
+    let (_, evs) = crate::driver::load_view(ex, tenant, run_id).await?;
+    let mut rounds = vec![ask(0, String::new())];
+    for e in evs.iter().filter(|e| e.event_type == events::PLAN_REVISED) {
+        let p: Value = serde_json::from_str(&e.payload_json).unwrap_or_default();
+        let round = p.get("round").and_then(Value::as_u64).unwrap_or_default() as u32;
+        let context = p.get("context").map(Value::to_string).unwrap_or_default();
+        rounds.push(ask(round, context));
     }
-    let outcome = if planned.differences.is_empty() { "replayed" } else { "replayed_with_drift" };
-    Ok(pb::ReplayRunResponse {
-        outcome: outcome.into(),
-        plan_json: planned.plan_json,
-        differences: planned.differences,
-        forked_run_id: String::new(),
-        replayed_calls: planned.replayed_calls,
-    })
+    let mut answer = pb::ReplayRunResponse::default();
+    for req in rounds {
+        let planned = ex.inner.planner.clone().create_plan(req).await?.into_inner();
+        answer.replayed_calls += planned.replayed_calls;
+        answer.differences.extend(planned.differences);
+        if planned.source == "fork" {
+            answer.forked_run_id = fork(ex, tenant, run_id, &planned.fork_hash).await?;
+            answer.outcome = "forked".into();
+            return Ok(answer);
+        }
+        answer.plan_json = planned.plan_json;
+    }
+    answer.outcome = if answer.differences.is_empty() { "replayed" } else { "replayed_with_drift" }.into();
+    Ok(answer)
 }

@@ -201,6 +201,22 @@ impl Planner for PlannerService {
         if r.epoch == 0 || i64::try_from(r.epoch).is_err() {
             return Err(invalid_field("epoch", "the run's lease epoch, from 1 to 2^63-1"));
         }
+        let context = if r.round > 0 {
+            if r.round > MAX_ROUND {
+                return Err(invalid_field("round", format!("from 0 to {MAX_ROUND}")));
+            }
+            if r.failure_context_json.len() > MAX_CONTEXT_BYTES {
+                return Err(invalid_field("failure_context_json", format!("at most {MAX_CONTEXT_BYTES} bytes")));
+            }
+            let context: warden_core::replan::ReplanContext = serde_json::from_str(&r.failure_context_json)
+                .map_err(|e| invalid_field("failure_context_json", format!("not a replanning context: {e}")))?;
+            context.check(self.max_steps).map_err(|e| invalid_field("failure_context_json", e))?;
+            Some(context)
+        } else if !r.failure_context_json.is_empty() {
+            return Err(invalid_field("failure_context_json", "only a replanning round (round > 0) takes one"));
+        } else {
+            None
+        };
         let offer = self.offer(&r.tenant, &r.agent, &r.run_id).await?;
         let planning = planning::Planning {
             ledger: &self.ledger,
@@ -208,7 +224,8 @@ impl Planner for PlannerService {
             model,
             prices: &self.prices,
             max_steps: self.max_steps,
-            round: 0,
+            round: r.round,
+            context: context.as_ref(),
             known_tenants: &self.known_tenants,
         };
         let ask = planning::Ask {
@@ -224,9 +241,28 @@ impl Planner for PlannerService {
             replay_only: r.replay_only,
         };
         let out = planning.run(&ask, &offer).await?;
-        tracing::info!(run_id = %r.run_id, source = out.source, calls = out.model_calls, replayed = out.replayed_calls, "planned");
+        tracing::info!(run_id = %r.run_id, round = r.round, source = out.source, calls = out.model_calls, replayed = out.replayed_calls, "planned");
+        // A replanning round answers the run's whole plan: the kept steps, then the round's.
+        let (mut new_steps, mut renamed) = (Vec::new(), std::collections::HashMap::new());
+        let plan = match (out.plan, &context) {
+            (Some(round_plan), Some(context)) if round_plan.direct_response.is_none() => {
+                let taken = context.taken();
+                let suffix = format!("_r{}", r.round);
+                for s in &round_plan.steps {
+                    new_steps.push(s.id.clone());
+                    if let Some(proposed) = s.id.strip_suffix(&suffix).filter(|p| taken.contains(*p)) {
+                        renamed.insert(proposed.to_string(), s.id.clone());
+                    }
+                }
+                let steps = context.kept.iter().cloned().chain(round_plan.steps).collect();
+                Some(warden_core::plan::Plan { steps, reasoning: round_plan.reasoning, direct_response: None })
+            }
+            (plan, _) => plan,
+        };
         Ok(Response::new(pb::CreatePlanResponse {
-            plan_json: out.plan.as_ref().map(warden_core::canonical_json).unwrap_or_default(),
+            new_steps,
+            renamed,
+            plan_json: plan.as_ref().map(warden_core::canonical_json).unwrap_or_default(),
             source: out.source.to_string(),
             goal: String::new(),
             model_calls: out.model_calls,
@@ -246,6 +282,11 @@ impl Planner for PlannerService {
         Ok(Response::new(pb::ListToolsResponse { tools }))
     }
 }
+
+/// The most replanning rounds a run may ask for (`executor.max_replan_rounds` is smaller).
+const MAX_ROUND: u32 = 16;
+/// Largest replanning context (its outputs and errors are bounded when built).
+const MAX_CONTEXT_BYTES: usize = 256 * 1024;
 
 /// Adds the planner's gRPC service to `routes`.
 pub fn add_routes(routes: &mut RoutesBuilder, service: PlannerService, tokens: &Tokens) {

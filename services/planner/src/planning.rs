@@ -72,6 +72,8 @@ pub struct Planning<'a> {
     pub prices: &'a std::collections::BTreeMap<String, warden_config::ModelPrice>,
     pub max_steps: usize,
     pub round: u32,
+    /// A replanning round's context (round > 0).
+    pub context: Option<&'a warden_core::replan::ReplanContext>,
     /// Tenants configuration names (metric labels; any other is "other").
     pub known_tenants: &'a std::collections::BTreeSet<String>,
 }
@@ -81,7 +83,10 @@ impl Planning<'_> {
         let recorded = self.recorded(ask).await?;
         let validators = Validators::new(offer);
         let system = prompt::system_prompt(offer, self.max_steps);
-        let mut messages = prompt::initial(&system, ask.goal);
+        let mut messages = match self.context {
+            Some(context) if self.round > 0 => prompt::replan(&system, ask.goal, self.round, context),
+            _ => prompt::initial(&system, ask.goal),
+        };
         let mut out = Outcome::default();
         let mut last_error = String::new();
         let attempts = 1 + self.model.config.repair_attempts;
@@ -313,7 +318,8 @@ impl Planning<'_> {
                         reply.text.len()
                     ))
                 } else {
-                    crate::schema::parse_and_validate(&reply.text, offer, validators, self.max_steps)
+                    let round = self.context.filter(|_| self.round > 0).map(|c| (self.round, c));
+                    crate::schema::parse_and_validate(&reply.text, offer, validators, self.max_steps, round)
                         .map_err(|e| prefix(&e, MAX_ERROR_BYTES).to_string())
                 };
                 let mut payload = json!({

@@ -49,6 +49,32 @@ pub fn initial(system: &str, goal: &str) -> Vec<Value> {
     vec![message("system", system), message("user", goal)]
 }
 
+/// A replanning round's messages: the goal, then what the earlier plan came to — the kept
+/// steps with their outputs, the failures — and the request for a plan of what remains.
+pub fn replan(system: &str, goal: &str, round: u32, context: &warden_core::replan::ReplanContext) -> Vec<Value> {
+    let kept: Vec<Value> = context
+        .kept
+        .iter()
+        .map(|s| json!({"id": s.id, "tool": s.tool, "output": context.outputs.get(&s.id).cloned().unwrap_or(Value::Null)}))
+        .collect();
+    let failed: Vec<Value> = context
+        .failed
+        .iter()
+        .map(|f| json!({"id": f.id, "tool": f.tool, "params": f.params, "error": f.error}))
+        .collect();
+    let text = format!(
+        "Replanning round {round}: the plan for this goal did not succeed.\n\
+         Completed steps (they are kept and never run again; new steps may use their outputs as \
+         {{{{<id>.output}}}} and list them in depends_on): {}\n\
+         Failed steps: {}\n\
+         Plan only what remains to reach the goal, avoiding what failed. If it cannot be reached safely, \
+         return \"steps\": [] and say why in \"direct_response\".",
+        Value::Array(kept),
+        Value::Array(failed),
+    );
+    vec![message("system", system), message("user", goal), message("user", &text)]
+}
+
 /// A repair pass: the refused answer and the exact error, with the request to answer again.
 pub fn repair(messages: &mut Vec<Value>, answer: &str, error: &str) {
     messages.push(message("assistant", answer));

@@ -195,6 +195,7 @@ pub fn parse_and_validate(
     offer: &Offer,
     validators: &Validators,
     max_steps: usize,
+    round: Option<(u32, &warden_core::replan::ReplanContext)>,
 ) -> Result<Plan, String> {
     let mut value: Value =
         serde_json::from_str(text.trim()).map_err(|e| format!("the answer is not valid JSON: {e}"))?;
@@ -221,7 +222,20 @@ pub fn parse_and_validate(
     }
     let known: BTreeMap<&str, ()> = offer.tools.iter().map(|t| (t.name.as_str(), ())).collect();
     let is_known = |t: &str| known.contains_key(t);
-    plan.validate(&PlanLimits { max_steps, known_tool: &is_known }).map_err(|e| format!("{}: {e}", e.field()))?;
+    let limits = PlanLimits { max_steps, known_tool: &is_known };
+    // A replanning round's steps are checked as they will run: renamed where an id is taken,
+    // after the kept steps they may build on.
+    let plan = match round {
+        Some((n, context)) if plan.direct_response.is_none() => {
+            let revised = warden_core::plan::revise(&context.kept, &context.taken(), &plan, n, &limits)
+                .map_err(|e| format!("{}: {e}", e.field()))?;
+            Plan { steps: revised.steps, reasoning: plan.reasoning, direct_response: None }
+        }
+        _ => {
+            plan.validate(&limits).map_err(|e| format!("{}: {e}", e.field()))?;
+            plan
+        }
+    };
     for (i, step) in plan.steps.iter().enumerate() {
         // A templated value is resolved at run time; its type is checked then, by the host.
         if step.params.to_string().contains("{{") {
@@ -282,7 +296,7 @@ mod tests {
         let o = offer();
         let v = Validators::new(&o);
         let good = r#"{"reasoning":"r","direct_response":null,"steps":[{"id":"a","tool":"kv.put","params":{"key":"k","ttl":null},"depends_on":[]}]}"#;
-        let plan = parse_and_validate(good, &o, &v, 10).unwrap();
+        let plan = parse_and_validate(good, &o, &v, 10, None).unwrap();
         assert_eq!(plan.steps[0].params, json!({"key": "k"}));
         let cases = [
             ("not json", "not valid JSON"),
@@ -293,7 +307,7 @@ mod tests {
             (r#"{"steps":[{"id":"a","tool":"echo","params":{},"depends_on":[]}]}"#, "text"),
         ];
         for (text, needle) in cases {
-            let e = parse_and_validate(text, &o, &v, 10).unwrap_err();
+            let e = parse_and_validate(text, &o, &v, 10, None).unwrap_err();
             assert!(e.contains(needle), "{text}: {e}");
         }
     }

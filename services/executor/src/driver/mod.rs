@@ -24,9 +24,11 @@ use warden_proto::v1 as pb;
 use crate::Executor;
 use ctx::RunCtx;
 pub(crate) use ctx::load_view;
-use scheduler::run_dag;
+use scheduler::{PlanFailed, run_dag};
 pub use step::FALLBACK_TIMEOUT;
 use step::{may_ask_again, transient, within_grace};
+use warden_core::replan::{FailedStep, ReplanContext};
+use warden_core::run::StepStatus;
 
 /// The span a run is driven in (its steps' spans are its children). Its parent is the span
 /// current where the run is dispatched: the SubmitRun request's, whose parent is the client's
@@ -263,13 +265,52 @@ async fn drive_view(ctx: &RunCtx, mut view: RunView) -> Result<(), DriveError> {
         }
         tracing::info!(run_id = %ctx.run_id, step_id = %s.id, "asking again a call whose outcome is unknown");
     }
-    run_dag(ctx, &plan, view).await
+    let (mut plan, mut view) = (plan, view);
+    // A goal run whose plan fails is replanned (up to `executor.max_replan_rounds`); the
+    // round's plan runs like the first, its completed steps kept.
+    while let Some(failed) = run_dag(ctx, &plan, view).await? {
+        match replan(ctx, failed).await? {
+            Some((revised, revised_view)) => (plan, view) = (revised, revised_view),
+            None => break,
+        }
+    }
+    Ok(())
 }
 
 /// Plans a goal run (the planner asks the model, or replays what the run recorded) and
 /// records the plan (`plan_created`, returned); `None` when the run ended instead (the model
 /// call was denied, the provider stayed down, a strict replay was refused, or planning forked).
 async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb::Event>, DriveError> {
+    let Some(planned) = ask_planner(ctx, goal, view, 0, None).await? else { return Ok(None) };
+    let plan = Plan::parse(&planned.plan_json)
+        .map_err(|e| DriveError::Ledger(Status::internal(format!("the planner's plan does not parse: {e}"))))?;
+    let mut payload = json!({
+        "plan": plan,
+        "source": planned.source,
+        "model_calls": planned.model_calls,
+        "replayed_calls": planned.replayed_calls,
+    });
+    if !planned.reason.is_empty() {
+        payload["reason"] = json!(planned.reason);
+    }
+    if !planned.differences.is_empty() {
+        payload["differences"] = json!(planned.differences);
+    }
+    let created = ctx.append(events::PLAN_CREATED, "", format!("{}:plan_created:r0", ctx.run_id), payload).await?;
+    Ok(Some(created))
+}
+
+/// Asks the planner for planning round `round` of a goal run (0: its first plan; N > 0: the
+/// N-th replanning round, told what the plan came to in `failed`). Returns the answer when it
+/// has a plan; otherwise the run's end is recorded here (the model call was denied, the
+/// provider stayed down, a strict replay was refused, planning forked) and `None` returned.
+async fn ask_planner(
+    ctx: &RunCtx,
+    goal: &str,
+    view: &RunView,
+    round: u32,
+    failed: Option<(&PlanFailed, &ReplanContext)>,
+) -> Result<Option<pb::CreatePlanResponse>, DriveError> {
     let req = pb::CreatePlanRequest {
         tenant: ctx.tenant.clone(),
         run_id: ctx.run_id.clone(),
@@ -277,10 +318,12 @@ async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb
         epoch: ctx.epoch,
         agent: view.agent.clone(),
         replay_policy: view.replay_policy,
+        round,
+        failure_context_json: failed.map(|(_, c)| serde_json::to_string(c).unwrap_or_default()).unwrap_or_default(),
         ..Default::default()
     };
-    let round = warden_core::plan::planner_step(0);
-    let planning = within_grace(ctx, "planner", (&round, 1), || {
+    let planner_step = warden_core::plan::planner_step(round);
+    let planning = within_grace(ctx, "planner", (&planner_step, 1), || {
         let mut planner = ctx.ex.inner.planner.clone();
         let req = req.clone();
         async move { planner.create_plan(req).await }
@@ -290,18 +333,27 @@ async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb
         p = planning => p,
         _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
     };
-    let failed = |kind: &str, reason: String| json!({"reason": reason, "kind": kind});
+    // The run's end, saying what failed first when this was a replanning round.
+    let failed_run = |kind: &str, reason: String| {
+        let mut payload = json!({"reason": reason, "kind": kind});
+        if let Some((f, _)) = failed {
+            payload["reason"] = json!(format!("{}; replanning round {round}: {reason}", f.reason));
+            payload["summary"] = f.summary.clone();
+            payload["replan_round"] = json!(round);
+        }
+        payload
+    };
     let planned = match planned {
         Ok(p) => p,
         Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
         Err(s) if s.code() == Code::FailedPrecondition => {
-            finish(ctx, events::RUN_FAILED, failed("planning_refused", format!("planning refused: {}", s.message())))
-                .await?;
+            let payload = failed_run("planning_refused", format!("planning refused: {}", s.message()));
+            finish(ctx, events::RUN_FAILED, payload).await?;
             return Ok(None);
         }
         Err(s) if transient(&s) => {
-            let reason = format!("planner_unavailable: {}", s.message());
-            finish(ctx, events::RUN_FAILED, failed("planner_unavailable", reason)).await?;
+            let payload = failed_run("planner_unavailable", format!("planner_unavailable: {}", s.message()));
+            finish(ctx, events::RUN_FAILED, payload).await?;
             return Ok(None);
         }
         Err(s) => return Err(DriveError::Ledger(s)),
@@ -309,46 +361,125 @@ async fn plan_goal(ctx: &RunCtx, goal: &str, view: &RunView) -> Result<Option<pb
     match planned.source.as_str() {
         "denied" => {
             let reason = format!("model call denied by {}: {}", planned.rule_id, planned.reason);
-            let mut payload = failed("model_call_denied", reason);
+            let mut payload = failed_run("model_call_denied", reason);
             payload["rule_id"] = json!(planned.rule_id);
             finish(ctx, events::RUN_FAILED, payload).await?;
             Ok(None)
         }
         "unavailable" => {
-            let reason = format!("planner_unavailable: {}", planned.reason);
-            finish(ctx, events::RUN_FAILED, failed("planner_unavailable", reason)).await?;
+            let payload = failed_run("planner_unavailable", format!("planner_unavailable: {}", planned.reason));
+            finish(ctx, events::RUN_FAILED, payload).await?;
             Ok(None)
         }
         "fork" => {
             let fork = crate::replay::fork(&ctx.ex, &ctx.tenant, &ctx.run_id, &planned.fork_hash)
                 .await
                 .map_err(DriveError::Ledger)?;
-            let mut payload = failed("forked_on_drift", format!("planning drifted from the record; forked to {fork}"));
+            let mut payload =
+                failed_run("forked_on_drift", format!("planning drifted from the record; forked to {fork}"));
             payload["forked_run_id"] = json!(fork);
             payload["differences"] = json!(planned.differences);
             finish(ctx, events::RUN_FAILED, payload).await?;
             Ok(None)
         }
-        source => {
-            let plan = Plan::parse(&planned.plan_json)
-                .map_err(|e| DriveError::Ledger(Status::internal(format!("the planner's plan does not parse: {e}"))))?;
-            let mut payload = json!({
-                "plan": plan,
-                "source": source,
-                "model_calls": planned.model_calls,
-                "replayed_calls": planned.replayed_calls,
-            });
-            if !planned.reason.is_empty() {
-                payload["reason"] = json!(planned.reason);
+        _ => Ok(Some(planned)),
+    }
+}
+
+/// The replanning round after `failed` (seed 000 §12), when the run may have one: a goal run
+/// under `executor.max_replan_rounds`. The planner is told the goal, the completed steps
+/// (kept: never run again) with their outputs, and the failures; the round's plan is recorded
+/// (`plan_revised`) and becomes the run's plan. `None` when the run ended instead (recorded).
+async fn replan(ctx: &RunCtx, failed: PlanFailed) -> Result<Option<(Plan, RunView)>, DriveError> {
+    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    let (Some(goal), Some(plan)) = (view.goal.clone(), view.plan.clone()) else {
+        finish(ctx, events::RUN_FAILED, json!({"reason": failed.reason, "summary": failed.summary})).await?;
+        return Ok(None);
+    };
+    let round = view.round + 1;
+    let max = ctx.ex.inner.config.max_replan_rounds;
+    if round > max {
+        let reason = if max == 0 {
+            failed.reason.clone()
+        } else {
+            format!("{}; no replanning: the run used its {max} replanning rounds", failed.reason)
+        };
+        finish(ctx, events::RUN_FAILED, json!({"reason": reason, "summary": failed.summary})).await?;
+        return Ok(None);
+    }
+    let context = replan_context(&view, &plan);
+    let Some(planned) = ask_planner(ctx, &goal, &view, round, Some((&failed, &context))).await? else {
+        return Ok(None);
+    };
+    let revised = Plan::parse(&planned.plan_json)
+        .map_err(|e| DriveError::Ledger(Status::internal(format!("the planner's plan does not parse: {e}"))))?;
+    // A round that answers directly (or proposes nothing) gives up: the run fails, saying why.
+    if revised.direct_response.is_some() || planned.new_steps.is_empty() {
+        let said = revised.direct_response.clone().unwrap_or_else(|| "it proposed no step".into());
+        let reason = format!("{}; replanning round {round} gave up: {said}", failed.reason);
+        let mut payload = json!({"reason": reason, "summary": failed.summary, "replan_round": round,
+                                 "source": planned.source});
+        if let Some(text) = &revised.direct_response {
+            payload["direct_response"] = json!(text);
+        }
+        finish(ctx, events::RUN_FAILED, payload).await?;
+        return Ok(None);
+    }
+    let replaces: Vec<&str> = context.failed.iter().map(|f| f.id.as_str()).collect();
+    let payload = json!({
+        "round": round,
+        "plan": revised,
+        "steps": planned.new_steps,
+        "renamed": planned.renamed,
+        "replaces": replaces,
+        "after": failed.reason,
+        // What the round was told, so `Runs.ReplayRun` asks the planner exactly as it was asked.
+        "context": context,
+        "source": planned.source,
+        "model_calls": planned.model_calls,
+        "replayed_calls": planned.replayed_calls,
+    });
+    let key = format!("{}:plan_revised:r{round}", ctx.run_id);
+    let recorded = ctx.append(events::PLAN_REVISED, "", key, payload).await?;
+    tracing::info!(run_id = %ctx.run_id, round, steps = planned.new_steps.len(), "replanned");
+    let mut view = view;
+    view.apply(
+        recorded.seq,
+        events::PLAN_REVISED,
+        "",
+        &serde_json::from_str(&recorded.payload_json).unwrap_or_default(),
+    );
+    Ok(Some((revised, view)))
+}
+
+/// What a replanning round is told: the plan's completed steps and their outputs (bounded; a
+/// stored output by its digest), its failed and cancelled steps with why, and every id taken.
+fn replan_context(view: &RunView, plan: &Plan) -> ReplanContext {
+    let mut context = ReplanContext { taken: view.steps.iter().map(|s| s.id.clone()).collect(), ..Default::default() };
+    for step in &plan.steps {
+        let Some(s) = view.step(&step.id) else { continue };
+        match s.status {
+            StepStatus::Completed => {
+                context.kept.push(step.clone());
+                let shown = match (&s.output, &s.output_ref) {
+                    (_, Some((sha256, bytes))) => json!({"output_ref": {"sha256": sha256, "bytes": bytes}}),
+                    (Some(out), None) => warden_core::replan::shown(out),
+                    (None, None) => Value::Null,
+                };
+                context.outputs.insert(step.id.clone(), shown);
             }
-            if !planned.differences.is_empty() {
-                payload["differences"] = json!(planned.differences);
+            StepStatus::Failed | StepStatus::Denied | StepStatus::Cancelled => {
+                context.failed.push(FailedStep {
+                    id: step.id.clone(),
+                    tool: step.tool.clone(),
+                    params: warden_core::replan::shown(&step.params),
+                    error: warden_core::replan::shown_text(s.error.as_deref().unwrap_or_default()),
+                });
             }
-            let created =
-                ctx.append(events::PLAN_CREATED, "", format!("{}:plan_created:r0", ctx.run_id), payload).await?;
-            Ok(Some(created))
+            StepStatus::Pending | StepStatus::Running => {}
         }
     }
+    context
 }
 
 async fn finish(ctx: &RunCtx, event_type: &str, payload: Value) -> Result<(), DriveError> {

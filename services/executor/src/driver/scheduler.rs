@@ -17,7 +17,16 @@ use super::ctx::{RunCtx, load_view, policy_name, traced};
 use super::step::{Resume, StepOutcome, execute_step, within_grace};
 use super::{DriveError, finish, pause, pausing};
 
-pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<(), DriveError> {
+/// How a plan ended, when the run did not end with it: its steps failed, and nothing about
+/// the run's end is recorded yet (the driver replans, or records the failure).
+pub(super) struct PlanFailed {
+    pub(super) reason: String,
+    pub(super) summary: Value,
+}
+
+/// Runs `plan` until the run ends, blocks, pauses, waits for an operator or is handed off
+/// (all recorded here: `None`), or the plan ends with failed steps (`Some`, nothing recorded).
+pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<Option<PlanFailed>, DriveError> {
     let all_tools = |_: &str| true;
     let order = plan
         .validate(&PlanLimits { max_steps: usize::MAX, known_tool: &all_tools })
@@ -35,7 +44,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
     let mut first_failure: Option<String> = view
         .steps
         .iter()
-        .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied))
+        .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied) && view.in_plan(&s.id))
         .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
     let limit = ctx.ex.inner.config.max_concurrency;
     let mut reconcile: Option<(String, String)> = None;
@@ -144,7 +153,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             // on the way out, so it is taken over at once).
             ctx.flush().await?;
             tracing::info!(run_id = %ctx.run_id, "run handed off");
-            return Ok(());
+            return Ok(None);
         }
         if running.is_empty() {
             let settled = status.values().all(|s| *s != StepStatus::Pending && *s != StepStatus::Running);
@@ -152,7 +161,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                 break;
             }
             if pausing(ctx) {
-                return pause(ctx).await;
+                return pause(ctx).await.map(|_| None);
             }
             // Every pending step is either ready or cancelled by the passes above, so an idle
             // loop here would be a scheduler bug: stop rather than spin.
@@ -217,7 +226,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
         let why = view.cancel_requested.unwrap_or_default();
         let reason = if why.is_empty() { "cancelled on request".to_string() } else { format!("cancelled: {why}") };
-        return finish(ctx, events::RUN_CANCELLED, json!({"reason": reason, "summary": summary})).await;
+        return finish(ctx, events::RUN_CANCELLED, json!({"reason": reason, "summary": summary})).await.map(|_| None);
     }
     if let Some((step_id, decision_id, reason)) = blocked {
         let payload = json!({"reason": reason, "step_id": step_id, "decision_id": decision_id});
@@ -229,15 +238,17 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         tracing::info!(run_id = %ctx.run_id, step_id = %step_id, "run blocked on an approval");
         warden_telemetry::metrics::run_reached("blocked");
         tracing::Span::current().record("run.status", "blocked");
-        return Ok(());
+        return Ok(None);
     }
     if let Some((step_id, why)) = reconcile {
         let reason = format!("step '{step_id}' has an unknown outcome: {why}");
-        return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": step_id})).await;
+        return finish(ctx, events::RUN_REQUIRES_RECONCILIATION, json!({"reason": reason, "step_id": step_id}))
+            .await
+            .map(|_| None);
     }
     match first_failure {
-        None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await,
-        Some(reason) => finish(ctx, events::RUN_FAILED, json!({"reason": reason, "summary": summary})).await,
+        None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await.map(|_| None),
+        Some(reason) => Ok(Some(PlanFailed { reason, summary })),
     }
 }
 

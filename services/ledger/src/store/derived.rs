@@ -25,6 +25,7 @@ pub fn has_effects(event_type: &str) -> bool {
             | events::TX_COMMITTED
             | events::TX_ROLLED_BACK
             | events::PLAN_CREATED
+            | events::PLAN_REVISED
     )
 }
 
@@ -36,6 +37,7 @@ pub async fn apply(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedE
         events::TX_COMMITTED => commit(tx, backend, tenant, e).await,
         events::TX_ROLLED_BACK => rollback(tx, e).await.map(|_| String::new()),
         events::PLAN_CREATED => plan_created(tx, e).await.map(|_| String::new()),
+        events::PLAN_REVISED => plan_revised(tx, e).await.map(|_| String::new()),
         _ => Ok(String::new()),
     }
 }
@@ -53,6 +55,23 @@ async fn plan_created(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerErr
         .await?;
     if updated.rows_affected() != 1 {
         return Err(LedgerError::Precondition(format!("run '{}' already has a plan", e.body.run_id)));
+    }
+    Ok(())
+}
+
+/// A replanning round's plan becomes the run's plan (the policy signs only steps of it). Only
+/// a goal run's plan is revised: it had one from planning already.
+async fn plan_revised(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
+    let plan = e.body.payload.get("plan").ok_or_else(|| LedgerError::invalid("payload_json.plan", "missing"))?;
+    let text = warden_core::canonical_json(plan);
+    warden_core::plan::Plan::parse(&text).map_err(|err| LedgerError::invalid("payload_json.plan", err.to_string()))?;
+    let updated = sqlx::query("UPDATE runs SET plan_json = $2 WHERE run_id = $1 AND plan_json <> '' AND goal <> ''")
+        .bind(&e.body.run_id)
+        .bind(&text)
+        .execute(&mut **tx)
+        .await?;
+    if updated.rows_affected() != 1 {
+        return Err(LedgerError::Precondition(format!("run '{}' is not a planned goal run", e.body.run_id)));
     }
     Ok(())
 }

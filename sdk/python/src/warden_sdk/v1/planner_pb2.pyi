@@ -83,12 +83,18 @@ class CreatePlanRequest(_message.Message):
     REPLAY_POLICY_FIELD_NUMBER: _builtins.int
     CHECK_ONLY_FIELD_NUMBER: _builtins.int
     REPLAY_ONLY_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     run_id: _builtins.str
     goal: _builtins.str
     """The goal as recorded (already redacted at submission)."""
     failure_context_json: _builtins.str
-    """Failure context when replanning."""
+    """Replanning (round > 0): what the run's plan came to, as JSON {"kept": [completed steps],
+    "outputs": {step id: output as shown}, "failed": [{"id", "tool", "params", "error"}],
+    "taken": [every step id used so far]}. The answer is the round's steps fitted to the
+    run: ids taken are renamed `<id>_r<round>`; `plan_json` is then the run's whole plan
+    (the kept steps, then the round's) and `renamed` maps proposed ids to the ones used.
+    """
     epoch: _builtins.int
     """The caller's fencing epoch for the run: model calls are recorded under it."""
     agent: _builtins.str
@@ -101,6 +107,10 @@ class CreatePlanRequest(_message.Message):
     """
     replay_only: _builtins.bool
     """Replay only (Runs.ReplayRun): every call must come from the record; nothing is asked."""
+    round: _builtins.int
+    """The planning round: 0 for the first plan, N for the N-th replanning round (its model
+    calls are recorded and decided under step id `plan-r<N>`).
+    """
     def __init__(
         self,
         *,
@@ -113,10 +123,11 @@ class CreatePlanRequest(_message.Message):
         replay_policy: _common_pb2.ReplayPolicy.ValueType = ...,
         check_only: _builtins.bool = ...,
         replay_only: _builtins.bool = ...,
+        round: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "check_only", b"check_only", "epoch", b"epoch", "failure_context_json", b"failure_context_json", "goal", b"goal", "replay_only", b"replay_only", "replay_policy", b"replay_policy", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "check_only", b"check_only", "epoch", b"epoch", "failure_context_json", b"failure_context_json", "goal", b"goal", "replay_only", b"replay_only", "replay_policy", b"replay_policy", "round", b"round", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -125,6 +136,26 @@ Global___CreatePlanRequest: _TypeAlias = CreatePlanRequest  # noqa: Y015
 @_typing.final
 class CreatePlanResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RenamedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     PLAN_JSON_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
@@ -136,6 +167,8 @@ class CreatePlanResponse(_message.Message):
     REDACTED_FIELD_NUMBER: _builtins.int
     RULE_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    NEW_STEPS_FIELD_NUMBER: _builtins.int
+    RENAMED_FIELD_NUMBER: _builtins.int
     plan_json: _builtins.str
     """The validated plan (canonical JSON), or the deterministic fallback plan."""
     source: _builtins.str
@@ -160,6 +193,12 @@ class CreatePlanResponse(_message.Message):
     def redacted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The redaction patterns that matched the goal (their names)."""
 
+    @_builtins.property
+    def new_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replanning: the round's steps (their ids as they run) and the proposed ids renamed."""
+
+    @_builtins.property
+    def renamed(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
         self,
         *,
@@ -173,10 +212,12 @@ class CreatePlanResponse(_message.Message):
         redacted: _abc.Iterable[_builtins.str] | None = ...,
         rule_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        new_steps: _abc.Iterable[_builtins.str] | None = ...,
+        renamed: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["differences", b"differences", "fork_hash", b"fork_hash", "goal", b"goal", "model_calls", b"model_calls", "plan_json", b"plan_json", "reason", b"reason", "redacted", b"redacted", "replayed_calls", b"replayed_calls", "rule_id", b"rule_id", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["differences", b"differences", "fork_hash", b"fork_hash", "goal", b"goal", "model_calls", b"model_calls", "new_steps", b"new_steps", "plan_json", b"plan_json", "reason", b"reason", "redacted", b"redacted", "renamed", b"renamed", "replayed_calls", b"replayed_calls", "rule_id", b"rule_id", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
