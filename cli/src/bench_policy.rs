@@ -195,6 +195,7 @@ pub async fn run() -> anyhow::Result<()> {
         retry_of: String::new(),
         caller_records: false,
         base_rules_only: false,
+        ..Default::default()
     };
     let mut h = Histogram::<u64>::new(3)?;
     let mut p = policy.clone();

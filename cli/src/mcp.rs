@@ -527,8 +527,10 @@ fn mcp_tool(spec: pb::ToolSpec) -> Tool {
             o
         }
     };
-    let annotations =
-        ToolAnnotations::new().read_only(spec.read_only).destructive(spec.consequential).idempotent(spec.idempotent);
+    let annotations = ToolAnnotations::new()
+        .read_only(spec.read_only)
+        .destructive(warden_grpc::catalog::effect_name(&spec) != "read_only")
+        .idempotent(spec.idempotent);
     Tool::new(spec.name, spec.description, Arc::new(schema)).with_annotations(annotations)
 }
 

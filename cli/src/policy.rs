@@ -58,6 +58,7 @@ pub async fn run(target: &Target, policy_endpoint: &str, cmd: PolicyCommand) -> 
                 retry_of: String::new(),
                 caller_records: false,
                 base_rules_only: false,
+                ..Default::default()
             };
             let d = PolicyClient::new(warden_grpc::channel(policy_endpoint)?)
                 .check(req)

@@ -138,6 +138,7 @@ async fn transactions(backend: Backend) {
                 retry_of: String::new(),
                 caller_records: false,
                 base_rules_only: false,
+                ..Default::default()
             })
             .await
             .expect("authorize")

@@ -71,6 +71,7 @@ async fn cedar_policies_decide_and_reload_without_a_restart() {
             retry_of: String::new(),
             caller_records: false,
             base_rules_only: false,
+            ..Default::default()
         })
         .await
         .expect("check")
@@ -354,6 +355,7 @@ fn authorize(run: &str, step: &str, tool: &str, args: serde_json::Value) -> pb::
         retry_of: String::new(),
         caller_records: false,
         base_rules_only: false,
+        ..Default::default()
     }
 }
 
@@ -981,4 +983,79 @@ async fn a_cedar_forbid_wins_over_a_capability() {
         rule(policy.authorize(ask("m2", "leak@evil.test")).await.expect("decide").into_inner()),
         "cedar:mail-stays-inside"
     );
+}
+
+/// Effect classes (SPEC-KERN-01 §4, Maple): a tool its host declares consequential needs an
+/// explicit commitment though the policy's own list does not name it; the declaration the run
+/// pinned is signed into the authorization; and a host that declares the tool otherwise after
+/// the run pinned it (here: downgraded to read-only across a restart) gets no call of that run.
+#[tokio::test]
+async fn a_declared_effect_class_is_honoured_and_pinned_for_the_run() {
+    let mut opts = MeshOptions {
+        tools_extra: "effects = { \"email.send\" = \"consequential\" }".into(),
+        ..MeshOptions::default()
+    };
+    opts.tenants[0].1.push("sleep".into());
+    let mut mesh = mesh_with(Backend::Sqlite, opts).await;
+    let listed = mesh.tool_host().list_tools(pb::ListToolsRequest::default()).await.expect("list").into_inner().tools;
+    let spec = listed.iter().find(|t| t.name == "email.send").expect("email.send").clone();
+    assert_eq!(spec.effect(), pb::Effect::Consequential, "{spec:?}");
+    let declared = warden_grpc::catalog::declaration_sha256(&spec);
+
+    let uncommitted = submit(&mesh, "acme", &mail("ops@example.com")).await;
+    let run = settled(&mesh, "acme", &uncommitted).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed);
+    assert!(run.reason.contains("missing_commitment"), "the declared class needs a commitment: {}", run.reason);
+    assert!(mesh.outbox().is_empty());
+
+    // With a capability the call runs, under an authorization naming the pinned declaration.
+    let mut caps = warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel());
+    let issue = pb::IssueCapabilityRequest {
+        tenant: "acme".into(),
+        tool_patterns: vec!["email.send".into()],
+        ttl_seconds: 600,
+        ..Default::default()
+    };
+    let handle = caps.issue(issue).await.expect("issue").into_inner().handle;
+    let req = pb::SubmitRunRequest {
+        tenant: "acme".into(),
+        plan_json: mail("ops@example.com"),
+        capability_handles: vec![handle.clone()],
+        ..Default::default()
+    };
+    let committed = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let run = settled(&mesh, "acme", &committed).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+    let evs = events(&mut mesh.ledger(), "acme", &committed).await;
+    let pinned = evs.iter().find(|e| e.event_type == "tools_pinned").map(payload).expect("pinned");
+    assert_eq!(pinned["tools"]["email.send"]["sha256"], json!(declared), "{pinned}");
+    assert_eq!(pinned["tools"]["email.send"]["effect"], "consequential");
+    let requested = evs.iter().find(|e| e.event_type == "tool_requested" && e.step_id == "mail").map(payload);
+    assert_eq!(requested.expect("requested")["tool_sha256"], json!(declared));
+
+    // The host declares the tool otherwise while a run that pinned it is under way.
+    let nap = plan(&[
+        ("nap", "sleep", json!({"ms": 1500}), &[]),
+        ("mail", "email.send", json!({"to": "ops@example.com", "subject": "s", "body": "b"}), &["nap"]),
+    ]);
+    let req = pb::SubmitRunRequest {
+        tenant: "acme".into(),
+        plan_json: nap,
+        capability_handles: vec![handle],
+        ..Default::default()
+    };
+    let id = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "nap").await;
+    let config = mesh.dir.path().join("warden.toml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&config, text.replace("\"email.send\" = \"consequential\"", "\"email.send\" = \"read_only\""))
+        .expect("config");
+    mesh.tools.restart().expect("restart the tool host");
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed, "{}", run.reason);
+    let mail_step = run.steps.iter().find(|s| s.id == "mail").expect("mail");
+    let refused = mail_step.error.contains("changed its declaration") || mail_step.error.contains("tool_sha256");
+    assert!(refused, "the executor or the host refuses the downgraded tool: {}", mail_step.error);
+    assert_eq!(mesh.outbox().len(), 1, "only the earlier run's mail went out");
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
 }

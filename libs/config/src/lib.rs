@@ -548,6 +548,9 @@ pub struct ToolsConfig {
     /// (the demo tools declare one where their output has a fixed shape). Executors check
     /// every output against it (see `ToolSpec.output_schema_json`).
     pub output_schemas: BTreeMap<String, String>,
+    /// The effect class the host declares for a tool, by name, in place of the tool's own:
+    /// `read_only`, `mutating`, `external` or `consequential` (which needs a commitment).
+    pub effects: BTreeMap<String, String>,
 }
 
 impl Default for ToolsConfig {
@@ -560,6 +563,7 @@ impl Default for ToolsConfig {
             state_path: String::new(),
             timeout_secs: BTreeMap::new(),
             output_schemas: BTreeMap::new(),
+            effects: BTreeMap::new(),
         }
     }
 }
@@ -632,6 +636,14 @@ impl WardenConfig {
                 regex::Regex::new(pattern).map_err(|e| {
                     invalid(&format!("executor.output_rules.{name}"), format!("not a regular expression: {e}"))
                 })?;
+            }
+        }
+        for (tool, effect) in &self.tools.effects {
+            if !matches!(effect.as_str(), "read_only" | "mutating" | "external" | "consequential") {
+                return Err(invalid(
+                    &format!("tools.effects.{tool}"),
+                    "read_only, mutating, external or consequential",
+                ));
             }
         }
         for (tool, schema) in &self.tools.output_schemas {

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::canonical::canonical_json;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AuthorizationClaims {
     pub v: u32,
@@ -24,6 +24,25 @@ pub struct AuthorizationClaims {
     pub capability_id: String,
     pub issued_at_ms: i64,
     pub expires_at_ms: i64,
+    /// The tool's declaration the run pinned (its version, the SHA-256 of the whole
+    /// declaration, its effect class), when the caller named one: a host whose own declaration
+    /// differs refuses the call ([`check_declaration`]). Absent from claims that name none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tool_version: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tool_sha256: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub effect: String,
+}
+
+/// A host's check that the authorization was decided for the tool it declares now: claims that
+/// name a declaration (`tool_sha256`) must name this host's (`declared_sha256`), so a call
+/// decided under another class, version or schema is refused.
+pub fn check_declaration(claims: &AuthorizationClaims, declared_sha256: &str) -> Result<(), AuthError> {
+    if !claims.tool_sha256.is_empty() && claims.tool_sha256 != declared_sha256 {
+        return Err(AuthError::Mismatch { field: "tool_sha256" });
+    }
+    Ok(())
 }
 
 /// Claims bytes plus signature, as carried on the wire.
@@ -145,6 +164,7 @@ mod tests {
             capability_id: String::new(),
             issued_at_ms: 1_000,
             expires_at_ms: 2_000,
+            ..AuthorizationClaims::default()
         }
     }
 

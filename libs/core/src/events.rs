@@ -41,6 +41,11 @@ pub const PLAN_CREATED: &str = "plan_created";
 /// the run's plan from here on — the completed steps kept (never run again), then the round's
 /// new steps (`steps`, renamed `<id>_r<round>` where an id was taken: `renamed`).
 pub const PLAN_REVISED: &str = "plan_revised";
+/// The tools' declarations a run pinned when it first used them (seed 000 §15: metadata is
+/// immutable once registered): `{"tools": {name: {"version", "sha256", "effect"}}}`. A call of a
+/// tool whose host now declares it otherwise fails `tool_changed`; authorizations bind the
+/// pinned declaration.
+pub const TOOLS_PINNED: &str = "tools_pinned";
 /// A model call about to be made: cites the policy's allow for `model.call` (seed 002 fields).
 pub const MODEL_REQUESTED: &str = "model_requested";
 /// What the model answered: raw output, parsed plan or why it was refused, usage, cost.
@@ -92,6 +97,7 @@ pub const KNOWN: &[&str] = &[
     TX_ROLLED_BACK,
     PLAN_CREATED,
     PLAN_REVISED,
+    TOOLS_PINNED,
     MODEL_REQUESTED,
     MODEL_COMPLETED,
     MODEL_FAILED,

@@ -70,6 +70,15 @@ impl StepView {
     }
 }
 
+/// A tool's declaration as a run pinned it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinnedTool {
+    pub version: String,
+    /// SHA-256 of the whole declaration (see `ToolSpec.effect` in the contract).
+    pub sha256: String,
+    pub effect: String,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunView {
     pub plan: Option<Plan>,
@@ -86,6 +95,8 @@ pub struct RunView {
     pub cancel_requested: Option<String>,
     /// Replanning rounds recorded (`plan_revised`); 0 while the first plan stands.
     pub round: u32,
+    /// The tools' declarations the run pinned (`tools_pinned`), by tool name.
+    pub pinned: BTreeMap<String, PinnedTool>,
     /// Why the run is to be paused, while a pause was asked for (`run_pause_requested`) and
     /// has not taken effect yet (`run_paused` clears it).
     pub pause_requested: Option<String>,
@@ -109,6 +120,7 @@ impl Default for RunView {
             cancel_requested: None,
             pause_requested: None,
             round: 0,
+            pinned: BTreeMap::new(),
             status: RunStatus::Pending,
             reason: String::new(),
             steps: Vec::new(),
@@ -141,6 +153,20 @@ impl RunView {
         // record of a decision, which the policy writes on its own, says nothing of the driver.
         if event_type != events::POLICY_DECISION {
             self.waiting.remove(step_id);
+        }
+        if event_type == events::TOOLS_PINNED {
+            if let Some(tools) = payload.get("tools").and_then(Value::as_object) {
+                for (name, t) in tools {
+                    let text = |k: &str| t.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+                    // The first pin of a tool stands.
+                    self.pinned.entry(name.clone()).or_insert(PinnedTool {
+                        version: text("version"),
+                        sha256: text("sha256"),
+                        effect: text("effect"),
+                    });
+                }
+            }
+            return;
         }
         if event_type == events::PLAN_REVISED {
             if let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {

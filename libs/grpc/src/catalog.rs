@@ -81,3 +81,85 @@ impl ToolCatalog {
         self.hosts[i].clone()
     }
 }
+
+/// A tool's effect class by name: the declared one, else what the older flags say
+/// (consequential, else read-only, else mutating).
+pub fn effect_name(spec: &pb::ToolSpec) -> &'static str {
+    match pb::Effect::try_from(spec.effect).unwrap_or(pb::Effect::Unspecified) {
+        pb::Effect::ReadOnly => "read_only",
+        pb::Effect::Mutating => "mutating",
+        pb::Effect::External => "external",
+        pb::Effect::Consequential => "consequential",
+        pb::Effect::Unspecified if spec.consequential => "consequential",
+        pb::Effect::Unspecified if spec.read_only => "read_only",
+        pb::Effect::Unspecified => "mutating",
+    }
+}
+
+/// The effect class `name` names (see [`effect_name`]).
+pub fn effect_from_name(name: &str) -> pb::Effect {
+    match name {
+        "read_only" => pb::Effect::ReadOnly,
+        "mutating" => pb::Effect::Mutating,
+        "external" => pb::Effect::External,
+        "consequential" => pb::Effect::Consequential,
+        _ => pb::Effect::Unspecified,
+    }
+}
+
+/// The SHA-256 of a tool's declaration as authorizations bind it: RFC 8785 JSON of
+/// `{"name", "version", "effect", "risk_level", "idempotent", "input_schema", "output_schema"}`
+/// (schemas parsed, `null` when none or not JSON; `effect` as [`effect_name`] gives it;
+/// `risk_level` "low", "medium", "high" or "unspecified"). Any host can compute it: the Python
+/// framework does the same.
+pub fn declaration_sha256(spec: &pb::ToolSpec) -> String {
+    let schema = |text: &str| serde_json::from_str::<serde_json::Value>(text).unwrap_or(serde_json::Value::Null);
+    let risk = match pb::RiskLevel::try_from(spec.risk_level).unwrap_or(pb::RiskLevel::Unspecified) {
+        pb::RiskLevel::Low => "low",
+        pb::RiskLevel::Medium => "medium",
+        pb::RiskLevel::High => "high",
+        pb::RiskLevel::Unspecified => "unspecified",
+    };
+    let declaration = serde_json::json!({
+        "name": spec.name,
+        "version": spec.version,
+        "effect": effect_name(spec),
+        "risk_level": risk,
+        "idempotent": spec.idempotent,
+        "input_schema": schema(&spec.input_schema_json),
+        "output_schema": schema(&spec.output_schema_json),
+    });
+    warden_core::sha256_hex(warden_core::canonical_json(&declaration))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_declaration_digest_changes_with_the_class_the_version_or_a_schema() {
+        let spec = pb::ToolSpec {
+            name: "email.send".into(),
+            version: "1".into(),
+            consequential: true,
+            input_schema_json: r#"{"type": "object"}"#.into(),
+            ..Default::default()
+        };
+        assert_eq!(effect_name(&spec), "consequential", "from the older flag");
+        let base = declaration_sha256(&spec);
+        // Formatting of the schema text does not matter; its content does.
+        let spaced = pb::ToolSpec { input_schema_json: "{ \"type\" : \"object\" }".into(), ..spec.clone() };
+        assert_eq!(declaration_sha256(&spaced), base);
+        let downgraded = pb::ToolSpec { consequential: false, read_only: true, ..spec.clone() };
+        let bumped = pb::ToolSpec { version: "2".into(), ..spec.clone() };
+        let reshaped =
+            pb::ToolSpec { input_schema_json: r#"{"type": "object", "required": ["to"]}"#.into(), ..spec.clone() };
+        for other in [downgraded, bumped, reshaped] {
+            assert_ne!(declaration_sha256(&other), base);
+        }
+        let explicit = pb::ToolSpec { effect: pb::Effect::Consequential as i32, ..spec.clone() };
+        assert_eq!(declaration_sha256(&explicit), base, "the same class, declared or derived");
+        // The Python framework computes the same digest (sdk/python tests assert this value).
+        assert_eq!(base, "3b851c447c6f3f4718ab4a76878086db2caebf412ce5a235f7286352ac730acd");
+    }
+}

@@ -57,7 +57,7 @@ def explode(message: str, ctx: ToolContext) -> dict[str, object]:
     raise ValueError(message)
 
 
-@host.tool(name="py.gated", effect="consequential")
+@host.tool(name="py.gated", effect="external")
 def gated(amount: int, ctx: ToolContext) -> dict[str, int]:
     """A call policy holds for a human's approval."""
     effect("py.gated", ctx)

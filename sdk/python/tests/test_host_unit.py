@@ -372,3 +372,18 @@ async def test_served_over_grpc_with_rich_errors_health_and_hang_up_safety(
             assert status.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await host.stop()
+
+
+def test_a_declaration_digest_is_the_one_rust_computes() -> None:
+    from warden_sdk.host import declaration_sha256
+    from warden_sdk.v1 import common_pb2
+
+    spec = common_pb2.ToolSpec(
+        name="email.send", version="1", consequential=True, input_schema_json='{"type": "object"}'
+    )
+    # The same value `warden_grpc::catalog` asserts for the same declaration.
+    assert declaration_sha256(spec) == "3b851c447c6f3f4718ab4a76878086db2caebf412ce5a235f7286352ac730acd"
+    downgraded = common_pb2.ToolSpec()
+    downgraded.CopyFrom(spec)
+    downgraded.effect = common_pb2.EFFECT_READ_ONLY
+    assert declaration_sha256(downgraded) != declaration_sha256(spec)

@@ -58,7 +58,7 @@ impl Guard {
     /// `PERMISSION_DENIED` unless the call carries policy's allow of exactly this call (tenant,
     /// run, step, attempt, tool, argument digest, idempotency key; unexpired) and the ledger's
     /// acknowledgement that its request, citing that allow, is recorded.
-    pub async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<(), Status> {
+    pub async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<auth::AuthorizationClaims, Status> {
         let signed = from_wire(r.authorization.as_ref());
         if !signed.key_id.is_empty() && self.policy_keys.get(&signed.key_id).is_none() {
             // Possibly a rotated key: ask the policy once. Failure leaves the key unknown.
@@ -93,6 +93,6 @@ impl Guard {
         };
         verify_ack(&ack, |id| self.ledger_keys.get(id), &acked)
             .map_err(|e| refused(e, "no ledger acknowledgement that the request is recorded: "))?;
-        Ok(())
+        Ok(claims)
     }
 }

@@ -251,7 +251,14 @@ impl ToolHost for McpHost {
             .map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
         let digest = args_digest(&args);
         // Nothing about the call is acted on before both proofs are checked.
-        self.inner.guard.verify(&r, &digest).await?;
+        let claims = self.inner.guard.verify(&r, &digest).await?;
+        // Decided for the tool as this host lists it now (class, version, schemas).
+        let (listed, _) = upstream.tools(self.inner.list_ttl);
+        if let Some(t) = listed.iter().find(|t| t.spec.name == r.tool) {
+            warden_core::auth::check_declaration(&claims, &warden_grpc::catalog::declaration_sha256(&t.spec)).map_err(
+                |e| Status::permission_denied(format!("refused: decided for another declaration of the tool: {e}")),
+            )?;
+        }
         if !upstream.config.admits(&r.tenant) {
             tracing::warn!(tenant = %r.tenant, server = %server, "refused a call from a tenant the server does not serve");
             return Err(Status::permission_denied(format!(

@@ -91,6 +91,12 @@ pub fn from_mcp(server: &McpServerConfig, tool: &rmcp::model::Tool) -> Option<Mc
         // lost goes to an operator unless the tool is a read.
         detects_in_doubt: false,
         output_schema_json: output_schema(tool).map(|s| warden_core::canonical_json(&s)).unwrap_or_default(),
+        effect: match effect {
+            Effect::ReadOnly => pb::Effect::ReadOnly,
+            Effect::Write => pb::Effect::Mutating,
+            Effect::Consequential => pb::Effect::Consequential,
+        } as i32,
+        risk_level: pb::RiskLevel::Unspecified as i32,
     };
     Some(McpTool { name: tool.name.to_string(), spec, schema_problem })
 }

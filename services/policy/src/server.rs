@@ -535,7 +535,10 @@ impl PolicyService {
                 Some(cedar) => rules::apply_mode(self.config.mode, cedar.decide(&r.tenant, &r.agent, &r.tool, &c.args)),
                 None => rules::decide(&self.config, &r.tenant, &r.tool),
             };
-            let consequential = self.config.consequential_tools.iter().any(|p| crate::rules::matches(p, &r.tool));
+            // Consequential by the operator's list or by the declaration the run pinned: a
+            // declaration can add the need for a commitment, never lift the operator's.
+            let consequential = self.config.consequential_tools.iter().any(|p| crate::rules::matches(p, &r.tool))
+                || r.tool_effect == pb::Effect::Consequential as i32;
             // The hot path: the rules allow a safe tool; no capability lookup needed.
             if ruled.verdict == Verdict::Allow && !consequential {
                 return Ok(ruled);
@@ -762,6 +765,12 @@ impl pb::policy_server::Policy for PolicyService {
                     capability_id: checked.capability_id.clone(),
                     issued_at_ms: now,
                     expires_at_ms: now + self.config.authorization_ttl_ms as i64,
+                    tool_version: r.tool_version.clone(),
+                    tool_sha256: r.tool_sha256.clone(),
+                    effect: match pb::Effect::try_from(r.tool_effect).unwrap_or(pb::Effect::Unspecified) {
+                        pb::Effect::Unspecified => String::new(),
+                        e => e.as_str_name().trim_start_matches("EFFECT_").to_ascii_lowercase(),
+                    },
                 },
                 &self.key,
             );

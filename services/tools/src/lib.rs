@@ -158,6 +158,12 @@ impl ToolHostService {
                         if let Some(schema) = config.output_schemas.get(&s.name) {
                             s.output_schema_json = schema.clone();
                         }
+                        if let Some(effect) = config.effects.get(&s.name) {
+                            let e = warden_grpc::catalog::effect_from_name(effect);
+                            s.effect = e as i32;
+                            s.consequential = e == pb::Effect::Consequential;
+                            s.read_only = e == pb::Effect::ReadOnly;
+                        }
                         s
                     })
                     .collect(),
@@ -209,6 +215,11 @@ impl ToolHostService {
             Status::permission_denied(format!("refused: {what}{e}"))
         };
         let claims = auth::verify(&signed, |id| self.keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
+        // Decided for the tool as this host declares it now (class, version, schemas).
+        if let Some(spec) = self.specs.iter().find(|s| s.name == r.tool) {
+            auth::check_declaration(&claims, &warden_grpc::catalog::declaration_sha256(spec))
+                .map_err(|e| refused(e, "decided for another declaration of the tool: "))?;
+        }
         let ack = from_wire(r.request_ack.as_ref());
         if !ack.key_id.is_empty() && self.ledger_keys.get(&ack.key_id).is_none() {
             let _ = self.refresh_ledger_keys().await;
@@ -375,6 +386,11 @@ mod tests {
 
     /// A request for one call, authorized like the policy would.
     fn call(tenant: &str, key: &str, tool: &str, args: Value) -> pb::InvokeRequest {
+        declared_call(tenant, key, tool, args, "")
+    }
+
+    /// [`call`], its authorization naming the tool declaration `tool_sha256`.
+    fn declared_call(tenant: &str, key: &str, tool: &str, args: Value, tool_sha256: &str) -> pb::InvokeRequest {
         let claims = AuthorizationClaims {
             v: 1,
             key_id: String::new(),
@@ -389,6 +405,8 @@ mod tests {
             capability_id: String::new(),
             issued_at_ms: now_ms(),
             expires_at_ms: now_ms() + 60_000,
+            tool_sha256: tool_sha256.into(),
+            ..AuthorizationClaims::default()
         };
         let signed = sign(claims, &policy_key());
         let ack = warden_core::ack::sign_ack(
@@ -441,6 +459,29 @@ mod tests {
 
     fn outbox(dir: &std::path::Path) -> Vec<String> {
         std::fs::read_to_string(dir.join("outbox.jsonl")).unwrap_or_default().lines().map(str::to_string).collect()
+    }
+
+    /// An authorization decided for another declaration of the tool (another class, version
+    /// or schema than this host declares now) is refused; one naming this host's runs.
+    #[tokio::test]
+    async fn a_call_decided_for_another_declaration_of_the_tool_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = host(dir.path());
+        let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+        let spec = host.specs.iter().find(|s| s.name == "email.send").expect("declared").clone();
+        let ours = warden_grpc::catalog::declaration_sha256(&spec);
+        let read_only = pb::ToolSpec { effect: pb::Effect::ReadOnly as i32, ..spec };
+        let other = warden_grpc::catalog::declaration_sha256(&read_only);
+        let e = host
+            .invoke(Request::new(declared_call("acme", "run1:s1:1", "email.send", mail.clone(), &other)))
+            .await
+            .expect_err("another declaration");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("tool_sha256"), "{e:?}");
+        assert!(outbox(dir.path()).is_empty());
+        let ok = invoke(&host, declared_call("acme", "run1:s2:1", "email.send", mail, &ours)).await;
+        assert!(!ok.replayed);
+        assert_eq!(outbox(dir.path()).len(), 1);
     }
 
     #[tokio::test]
@@ -521,6 +562,7 @@ mod tests {
                 capability_id: String::new(),
                 issued_at_ms: 0,
                 expires_at_ms: i64::MAX,
+                ..AuthorizationClaims::default()
             },
             &policy_key(),
         );

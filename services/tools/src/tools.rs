@@ -342,12 +342,14 @@ impl Tool {
                 true,
                 false,
             ),
+            // External, not consequential: the demo's mail needs no commitment unless the
+            // host's operator declares it so (`[tools] effects`) or the policy lists it.
             Tool::EmailSend => (
                 "sends an email (appends it to the host's outbox file)",
                 json!({"type": "object", "required": ["to", "subject", "body"], "properties": {
                     "to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"}}}),
                 false,
-                true,
+                false,
             ),
             Tool::Fail => ("always fails with `message`", json!({"type": "object"}), true, false),
             Tool::Flaky => (
@@ -369,6 +371,17 @@ impl Tool {
             description: description.into(),
             input_schema_json: schema.to_string(),
             output_schema_json: self.output_schema().map(|s| s.to_string()).unwrap_or_default(),
+            effect: match (self, read_only, consequential) {
+                (_, _, true) => pb::Effect::Consequential,
+                (Tool::EmailSend, _, _) => pb::Effect::External,
+                (_, true, false) => pb::Effect::ReadOnly,
+                (_, false, false) => pb::Effect::Mutating,
+            } as i32,
+            risk_level: match self {
+                Tool::EmailSend => pb::RiskLevel::High,
+                Tool::KvPut => pb::RiskLevel::Medium,
+                _ => pb::RiskLevel::Low,
+            } as i32,
             timeout_sec: 10,
             idempotent: self.idempotent(),
             // Non-idempotent calls are marked started before they act (`ToolState::mark_started`).

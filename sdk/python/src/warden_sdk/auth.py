@@ -125,7 +125,15 @@ class AuthorizationClaims:
     capability_id: str
     issued_at_ms: int
     expires_at_ms: int
+    # The tool's declaration the run pinned, when the authorization names one.
+    tool_version: str = ""
+    tool_sha256: str = ""
+    effect: str = ""
 
+
+# Claims the policy adds only when the call names the tool's declaration (serde's
+# `#[serde(default)]` fields of `AuthorizationClaims`).
+_AUTH_OPTIONAL: dict[str, Any] = {"tool_version": str, "tool_sha256": str, "effect": str}
 
 _AUTH_FIELDS: dict[str, Any] = {
     "v": _U32,
@@ -233,7 +241,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 _C = TypeVar("_C")
 
 
-def _parse_claims(raw: bytes, fields: Mapping[str, Any], cls: type[_C]) -> _C:
+def _parse_claims(
+    raw: bytes, fields: Mapping[str, Any], cls: type[_C], optional: Mapping[str, Any] | None = None
+) -> _C:
     """Reads ``raw`` into ``cls`` the way serde reads a ``deny_unknown_fields`` struct."""
     try:
         # serde refuses a struct field given twice; claims hold no nested objects.
@@ -242,12 +252,15 @@ def _parse_claims(raw: bytes, fields: Mapping[str, Any], cls: type[_C]) -> _C:
         raise AuthError.malformed(str(e)) from e
     if not isinstance(value, dict):
         raise AuthError.malformed(f"invalid type: expected struct {cls.__name__}")
+    optional = optional or {}
     for k in value:
-        if k not in fields:
+        if k not in fields and k not in optional:
             raise AuthError.malformed(f"unknown field `{k}`")
     out: dict[str, Any] = {}
-    for name, kind in fields.items():
+    for name, kind in {**fields, **optional}.items():
         if name not in value:
+            if name in optional:
+                continue
             raise AuthError.malformed(f"missing field `{name}`")
         v = value[name]
         if kind is str:
@@ -293,7 +306,7 @@ def verify_authorization(
     if signed is None:
         raise AuthError.missing()
     _check_signature(signed, lookup)
-    claims = _parse_claims(bytes(signed.claims_json), _AUTH_FIELDS, AuthorizationClaims)
+    claims = _parse_claims(bytes(signed.claims_json), _AUTH_FIELDS, AuthorizationClaims, _AUTH_OPTIONAL)
     if claims.key_id != signed.key_id:
         raise AuthError.mismatch("key_id")
     if now_ms >= claims.expires_at_ms:

@@ -68,7 +68,7 @@ from .auth import (
     verify_authorization,
     verify_request_ack,
 )
-from .canonical import JsonError, args_digest, parse_json
+from .canonical import JsonError, args_digest, canonical_json, parse_json, sha256_hex
 from .client import channel_target
 from .errors import DETAILS_KEY
 from .ids import check_id, check_step_id, check_tool_name
@@ -104,15 +104,62 @@ class RetryPolicy(enum.Enum):
 
 
 class Effect(enum.Enum):
-    """What a tool does to the world, as policy sees it."""
+    """What a tool does to the world, as policy sees it (``ToolSpec.effect``)."""
 
     READ_ONLY = "read_only"
     """Reads only; no external side effect (Maple's "safe")."""
     WRITE = "write"
-    """Has side effects."""
+    """Changes state the tool owns (declared ``mutating``)."""
+    EXTERNAL = "external"
+    """Acts on the outside world (sends, calls out)."""
     CONSEQUENTIAL = "consequential"
-    """Has side effects Maple calls consequential (policy's ``consequential_tools`` then
-    requires an explicit commitment for it)."""
+    """Has side effects Maple calls consequential: every call needs an explicit commitment
+    (a capability), whatever the policy's own ``consequential_tools`` says."""
+
+
+_EFFECTS = {
+    Effect.READ_ONLY: common_pb2.EFFECT_READ_ONLY,
+    Effect.WRITE: common_pb2.EFFECT_MUTATING,
+    Effect.EXTERNAL: common_pb2.EFFECT_EXTERNAL,
+    Effect.CONSEQUENTIAL: common_pb2.EFFECT_CONSEQUENTIAL,
+}
+
+
+def declaration_sha256(spec: common_pb2.ToolSpec) -> str:
+    """The SHA-256 of a tool's declaration as authorizations bind it (mirrors
+    ``warden_grpc::catalog::declaration_sha256``): RFC 8785 JSON of its name, version, effect
+    class, risk level, idempotency and parsed input and output schemas."""
+
+    def schema(text: str) -> Any:
+        try:
+            return parse_json(text) if text else None
+        except JsonError:
+            return None
+
+    named = {
+        common_pb2.EFFECT_READ_ONLY: "read_only",
+        common_pb2.EFFECT_MUTATING: "mutating",
+        common_pb2.EFFECT_EXTERNAL: "external",
+        common_pb2.EFFECT_CONSEQUENTIAL: "consequential",
+    }
+    effect = named.get(spec.effect) or (
+        "consequential" if spec.consequential else "read_only" if spec.read_only else "mutating"
+    )
+    risk = {
+        common_pb2.RISK_LEVEL_LOW: "low",
+        common_pb2.RISK_LEVEL_MEDIUM: "medium",
+        common_pb2.RISK_LEVEL_HIGH: "high",
+    }
+    declaration = {
+        "name": spec.name,
+        "version": spec.version,
+        "effect": effect,
+        "risk_level": risk.get(spec.risk_level, "unspecified"),
+        "idempotent": spec.idempotent,
+        "input_schema": schema(spec.input_schema_json),
+        "output_schema": schema(spec.output_schema_json),
+    }
+    return sha256_hex(canonical_json(declaration))
 
 
 class ToolFailure(Exception):
@@ -184,8 +231,9 @@ class ToolDefinition:
 
     @functools.cached_property
     def output_schema(self) -> dict[str, Any] | None:
-        """The JSON Schema of the output (``None`` without a return annotation). The
-        contract's ``ToolSpec`` has no field for it yet; outputs are validated against it."""
+        """The JSON Schema of the output (``None`` without a return annotation), declared as
+        ``ToolSpec.output_schema_json``: the host validates outputs against it, and so does the
+        executor before it records one."""
         return self.output_adapter.json_schema(mode="serialization") if self.output_adapter else None
 
     def spec(self) -> common_pb2.ToolSpec:
@@ -201,6 +249,10 @@ class ToolDefinition:
             retry_policy=self.retry.value,
             # Calls of tools that are not idempotent are marked started before they act.
             detects_in_doubt=True,
+            effect=_EFFECTS[self.effect],
+            output_schema_json=(
+                json.dumps(self.output_schema, sort_keys=True, separators=(",", ":")) if self.output_schema else ""
+            ),
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -592,6 +644,14 @@ class ToolHost:
             claims = verify_authorization(auth, self._policy_keys.get, call, self._clock())
         except AuthError as e:
             raise refused(e, "") from None
+        # Decided for the tool as this host declares it now (class, version, schemas).
+        definition = self._tools.get(r.tool)
+        if (
+            claims.tool_sha256
+            and definition is not None
+            and claims.tool_sha256 != declaration_sha256(definition.spec())
+        ):
+            raise refused(AuthError.mismatch("tool_sha256"), "decided for another declaration of the tool: ")
         ack = r.request_ack if r.HasField("request_ack") else None
         if ack is not None and ack.key_id:
             await self._ledger_keys.ensure(ack.key_id)

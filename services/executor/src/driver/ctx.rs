@@ -58,6 +58,8 @@ pub(super) struct RunCtx {
     pub(super) deferred: std::sync::Arc<std::sync::Mutex<Vec<pb::EventInput>>>,
     /// One append of the run at a time, so what waits is recorded before what follows it.
     pub(super) appending: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// The tools' declarations the run pinned (`tools_pinned`), set by the scheduler.
+    pub(super) pinned: std::sync::Arc<std::collections::BTreeMap<String, warden_core::run::PinnedTool>>,
 }
 
 /// One event to append, as the ledger takes it.

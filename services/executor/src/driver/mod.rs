@@ -119,6 +119,7 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
         cancel_policy: pb::CancelPolicy::Immediate,
         deferred: Default::default(),
         appending: Default::default(),
+        pinned: Default::default(),
     };
     let mut result = match view {
         Some(view) => drive_view(&ctx, view).await,

@@ -9,11 +9,11 @@ use tonic::Status;
 use tracing::Instrument;
 use warden_core::events;
 use warden_core::plan::{Plan, PlanLimits};
-use warden_core::run::{RunView, StepStatus};
+use warden_core::run::{PinnedTool, RunView, StepStatus};
 use warden_core::template;
 use warden_proto::v1 as pb;
 
-use super::ctx::{RunCtx, load_view, policy_name, traced};
+use super::ctx::{RunCtx, event, load_view, policy_name, run_key, traced};
 use super::step::{Resume, StepOutcome, execute_step, within_grace};
 use super::{DriveError, finish, pause, pausing};
 
@@ -46,6 +46,8 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         .iter()
         .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied) && view.in_plan(&s.id))
         .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
+    let pinned = pin_tools(ctx, plan, &view).await?;
+    let ctx = &RunCtx { pinned: std::sync::Arc::new(pinned), ..ctx.clone() };
     let limit = ctx.ex.inner.config.max_concurrency;
     let mut reconcile: Option<(String, String)> = None;
     // A step waiting for an approval: nothing new starts, the run blocks once the rest settles.
@@ -250,6 +252,44 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await.map(|_| None),
         Some(reason) => Ok(Some(PlanFailed { reason, summary })),
     }
+}
+
+/// The declarations of the plan's tools as the run pinned them, pinning (`tools_pinned`) those
+/// it uses for the first time as the catalog declares them now (seed 000 §15: metadata is
+/// immutable for a run once it started). A tool no host serves now is pinned when it is.
+async fn pin_tools(
+    ctx: &RunCtx,
+    plan: &Plan,
+    view: &RunView,
+) -> Result<std::collections::BTreeMap<String, PinnedTool>, DriveError> {
+    let mut pinned = view.pinned.clone();
+    let unpinned: std::collections::BTreeSet<&str> =
+        plan.steps.iter().map(|s| s.tool.as_str()).filter(|t| !pinned.contains_key(*t)).collect();
+    if unpinned.is_empty() {
+        return Ok(pinned);
+    }
+    let Ok(catalog) = ctx.ex.inner.catalog.tools().await else { return Ok(pinned) };
+    let mut tools = serde_json::Map::new();
+    for name in unpinned {
+        let Some(entry) = catalog.get(name) else { continue };
+        let p = PinnedTool {
+            version: entry.spec.version.clone(),
+            sha256: warden_grpc::catalog::declaration_sha256(&entry.spec),
+            effect: warden_grpc::catalog::effect_name(&entry.spec).to_string(),
+        };
+        tools.insert(name.to_string(), json!({"version": p.version, "sha256": p.sha256, "effect": p.effect}));
+        pinned.insert(name.to_string(), p);
+    }
+    if tools.is_empty() {
+        return Ok(pinned);
+    }
+    let names: Vec<&String> = tools.keys().collect();
+    let digest = warden_core::sha256_hex(serde_json::to_string(&names).unwrap_or_default());
+    let key = run_key(&ctx.run_id, &format!("tools_pinned:{}", &digest[..16]));
+    // Recorded with the run's next append — the first call's request at the latest — so it
+    // costs no round trip of its own and is durable before any pinned tool acts.
+    ctx.defer(event(events::TOOLS_PINNED, "", key, json!({"tools": tools})));
+    Ok(pinned)
 }
 
 /// The outputs of completed steps that are stored by reference, read back from the ledger

@@ -313,6 +313,31 @@ pub(super) async fn execute_attempt(
         let p = fail("unknown_tool", format!("no tool host serves '{}'", step.tool), json!({}));
         return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     };
+    // The declaration the run pinned stands (seed 000 §15): a host declaring the tool otherwise
+    // now (another class, version or schema) gets no call of this run. A call asked before is
+    // settled all the same (its host decides; see `check_declaration`).
+    let declared = warden_grpc::catalog::declaration_sha256(&entry.spec);
+    let pinned = ctx.pinned.get(&step.tool).cloned();
+    if let Some(p) = &pinned
+        && p.sha256 != declared
+        && !asked_before
+    {
+        let now = warden_grpc::catalog::effect_name(&entry.spec);
+        let reason = format!(
+            "tool '{}' changed its declaration after the run pinned it (effect {} → {now}, version '{}' → '{}')",
+            step.tool, p.effect, p.version, entry.spec.version
+        );
+        let p = fail("tool_changed", reason, json!({"pinned_sha256": p.sha256, "declared_sha256": declared}));
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+    }
+    let (tool_version, tool_sha256, tool_effect) = match &pinned {
+        Some(p) => (p.version.clone(), p.sha256.clone(), warden_grpc::catalog::effect_from_name(&p.effect)),
+        None => (
+            entry.spec.version.clone(),
+            declared.clone(),
+            warden_grpc::catalog::effect_from_name(warden_grpc::catalog::effect_name(&entry.spec)),
+        ),
+    };
     // The step pipeline: resolved arguments must match the tool's declared input schema
     // before policy is asked or the tool invoked (literal params were checked at submission).
     // A call asked before is not checked again (it may have acted; its host's schema may have
@@ -351,6 +376,9 @@ pub(super) async fn execute_attempt(
             // The decision goes into this step's own append (with the request or the failure).
             caller_records: true,
             base_rules_only: false,
+            tool_version: tool_version.clone(),
+            tool_sha256: tool_sha256.clone(),
+            tool_effect: tool_effect as i32,
         };
         async move { policy.authorize(req).await }
     })
@@ -420,7 +448,7 @@ pub(super) async fn execute_attempt(
         ctx.step_key(&step.id, attempt, "requested"),
         json!({"decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool, "args": args,
                "args_sha256": args_digest(&args), "idempotency_key": idempotency_key,
-               "timeout_ms": timeout.as_millis() as u64}),
+               "timeout_ms": timeout.as_millis() as u64, "tool_sha256": tool_sha256}),
     ));
     let request_ack = ctx.append_all(batch).await?.pop().and_then(|a| a.request_ack);
     let request = pb::InvokeRequest {

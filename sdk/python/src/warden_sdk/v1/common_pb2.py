@@ -24,29 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16warden/v1/common.proto\x12\twarden.v1\"\xbe\x01\n\x05\x45vent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nevent_type\x18\x03 \x01(\t\x12\x14\n\x0cpayload_json\x18\x04 \x01(\t\x12\x0f\n\x07step_id\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x17\n\x0fidempotency_key\x18\x07 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x08 \x01(\x03\x12\x11\n\tprev_hash\x18\t \x01(\t\x12\x0c\n\x04hash\x18\n \x01(\t\"M\n\x13SignedAuthorization\x12\x13\n\x0b\x63laims_json\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"\x90\x02\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x19\n\x11input_schema_json\x18\x03 \x01(\t\x12\x13\n\x0btimeout_sec\x18\x04 \x01(\r\x12\x12\n\nidempotent\x18\x05 \x01(\x08\x12\x15\n\rconsequential\x18\x06 \x01(\x08\x12\x11\n\tread_only\x18\x07 \x01(\x08\x12\x0f\n\x07version\x18\x08 \x01(\t\x12,\n\x0cretry_policy\x18\t \x01(\x0e\x32\x16.warden.v1.RetryPolicy\x12\x18\n\x10\x64\x65tects_in_doubt\x18\n \x01(\x08\x12\x1a\n\x12output_schema_json\x18\x0b \x01(\t\"\"\n\x10ListToolsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"7\n\x11ListToolsResponse\x12\"\n\x05tools\x18\x01 \x03(\x0b\x32\x13.warden.v1.ToolSpec*\x93\x02\n\tRunStatus\x12\x1a\n\x16RUN_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATUS_PENDING\x10\x01\x12\x15\n\x11RUN_STATUS_ACTIVE\x10\x02\x12\x15\n\x11RUN_STATUS_PAUSED\x10\x03\x12\x16\n\x12RUN_STATUS_BLOCKED\x10\x04\x12&\n\"RUN_STATUS_REQUIRES_RECONCILIATION\x10\x05\x12\x18\n\x14RUN_STATUS_COMPLETED\x10\x06\x12\x15\n\x11RUN_STATUS_FAILED\x10\x07\x12\x18\n\x14RUN_STATUS_CANCELLED\x10\x08\x12\x19\n\x15RUN_STATUS_EMPTY_PLAN\x10\t*\x8e\x01\n\x0cReplayPolicy\x12\x1d\n\x19REPLAY_POLICY_UNSPECIFIED\x10\x00\x12\x18\n\x14REPLAY_POLICY_STRICT\x10\x01\x12$\n REPLAY_POLICY_ALLOW_PROMPT_DRIFT\x10\x02\x12\x1f\n\x1bREPLAY_POLICY_FORK_ON_DRIFT\x10\x03*\x8c\x01\n\x0c\x43\x61ncelPolicy\x12\x1d\n\x19\x43\x41NCEL_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43\x41NCEL_POLICY_IMMEDIATE\x10\x01\x12!\n\x1d\x43\x41NCEL_POLICY_AFTER_TOOL_CALL\x10\x02\x12\x1d\n\x19\x43\x41NCEL_POLICY_AFTER_TOKEN\x10\x03*z\n\x0bRetryPolicy\x12\x1c\n\x18RETRY_POLICY_UNSPECIFIED\x10\x00\x12\x15\n\x11RETRY_POLICY_NONE\x10\x01\x12\x19\n\x15RETRY_POLICY_STANDARD\x10\x02\x12\x1b\n\x17RETRY_POLICY_AGGRESSIVE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16warden/v1/common.proto\x12\twarden.v1\"\xbe\x01\n\x05\x45vent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nevent_type\x18\x03 \x01(\t\x12\x14\n\x0cpayload_json\x18\x04 \x01(\t\x12\x0f\n\x07step_id\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x17\n\x0fidempotency_key\x18\x07 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x08 \x01(\x03\x12\x11\n\tprev_hash\x18\t \x01(\t\x12\x0c\n\x04hash\x18\n \x01(\t\"M\n\x13SignedAuthorization\x12\x13\n\x0b\x63laims_json\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"\xdd\x02\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x19\n\x11input_schema_json\x18\x03 \x01(\t\x12\x13\n\x0btimeout_sec\x18\x04 \x01(\r\x12\x12\n\nidempotent\x18\x05 \x01(\x08\x12\x15\n\rconsequential\x18\x06 \x01(\x08\x12\x11\n\tread_only\x18\x07 \x01(\x08\x12\x0f\n\x07version\x18\x08 \x01(\t\x12,\n\x0cretry_policy\x18\t \x01(\x0e\x32\x16.warden.v1.RetryPolicy\x12\x18\n\x10\x64\x65tects_in_doubt\x18\n \x01(\x08\x12\x1a\n\x12output_schema_json\x18\x0b \x01(\t\x12!\n\x06\x65\x66\x66\x65\x63t\x18\x0c \x01(\x0e\x32\x11.warden.v1.Effect\x12(\n\nrisk_level\x18\r \x01(\x0e\x32\x14.warden.v1.RiskLevel\"\"\n\x10ListToolsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"7\n\x11ListToolsResponse\x12\"\n\x05tools\x18\x01 \x03(\x0b\x32\x13.warden.v1.ToolSpec*\x93\x02\n\tRunStatus\x12\x1a\n\x16RUN_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATUS_PENDING\x10\x01\x12\x15\n\x11RUN_STATUS_ACTIVE\x10\x02\x12\x15\n\x11RUN_STATUS_PAUSED\x10\x03\x12\x16\n\x12RUN_STATUS_BLOCKED\x10\x04\x12&\n\"RUN_STATUS_REQUIRES_RECONCILIATION\x10\x05\x12\x18\n\x14RUN_STATUS_COMPLETED\x10\x06\x12\x15\n\x11RUN_STATUS_FAILED\x10\x07\x12\x18\n\x14RUN_STATUS_CANCELLED\x10\x08\x12\x19\n\x15RUN_STATUS_EMPTY_PLAN\x10\t*\x8e\x01\n\x0cReplayPolicy\x12\x1d\n\x19REPLAY_POLICY_UNSPECIFIED\x10\x00\x12\x18\n\x14REPLAY_POLICY_STRICT\x10\x01\x12$\n REPLAY_POLICY_ALLOW_PROMPT_DRIFT\x10\x02\x12\x1f\n\x1bREPLAY_POLICY_FORK_ON_DRIFT\x10\x03*\x8c\x01\n\x0c\x43\x61ncelPolicy\x12\x1d\n\x19\x43\x41NCEL_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43\x41NCEL_POLICY_IMMEDIATE\x10\x01\x12!\n\x1d\x43\x41NCEL_POLICY_AFTER_TOOL_CALL\x10\x02\x12\x1d\n\x19\x43\x41NCEL_POLICY_AFTER_TOKEN\x10\x03*z\n\x06\x45\x66\x66\x65\x63t\x12\x16\n\x12\x45\x46\x46\x45\x43T_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45\x46\x46\x45\x43T_READ_ONLY\x10\x01\x12\x13\n\x0f\x45\x46\x46\x45\x43T_MUTATING\x10\x02\x12\x13\n\x0f\x45\x46\x46\x45\x43T_EXTERNAL\x10\x03\x12\x18\n\x14\x45\x46\x46\x45\x43T_CONSEQUENTIAL\x10\x04*g\n\tRiskLevel\x12\x1a\n\x16RISK_LEVEL_UNSPECIFIED\x10\x00\x12\x12\n\x0eRISK_LEVEL_LOW\x10\x01\x12\x15\n\x11RISK_LEVEL_MEDIUM\x10\x02\x12\x13\n\x0fRISK_LEVEL_HIGH\x10\x03*z\n\x0bRetryPolicy\x12\x1c\n\x18RETRY_POLICY_UNSPECIFIED\x10\x00\x12\x15\n\x11RETRY_POLICY_NONE\x10\x01\x12\x19\n\x15RETRY_POLICY_STANDARD\x10\x02\x12\x1b\n\x17RETRY_POLICY_AGGRESSIVE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'warden_sdk.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNSTATUS']._serialized_start=678
-  _globals['_RUNSTATUS']._serialized_end=953
-  _globals['_REPLAYPOLICY']._serialized_start=956
-  _globals['_REPLAYPOLICY']._serialized_end=1098
-  _globals['_CANCELPOLICY']._serialized_start=1101
-  _globals['_CANCELPOLICY']._serialized_end=1241
-  _globals['_RETRYPOLICY']._serialized_start=1243
-  _globals['_RETRYPOLICY']._serialized_end=1365
+  _globals['_RUNSTATUS']._serialized_start=755
+  _globals['_RUNSTATUS']._serialized_end=1030
+  _globals['_REPLAYPOLICY']._serialized_start=1033
+  _globals['_REPLAYPOLICY']._serialized_end=1175
+  _globals['_CANCELPOLICY']._serialized_start=1178
+  _globals['_CANCELPOLICY']._serialized_end=1318
+  _globals['_EFFECT']._serialized_start=1320
+  _globals['_EFFECT']._serialized_end=1442
+  _globals['_RISKLEVEL']._serialized_start=1444
+  _globals['_RISKLEVEL']._serialized_end=1547
+  _globals['_RETRYPOLICY']._serialized_start=1549
+  _globals['_RETRYPOLICY']._serialized_end=1671
   _globals['_EVENT']._serialized_start=38
   _globals['_EVENT']._serialized_end=228
   _globals['_SIGNEDAUTHORIZATION']._serialized_start=230
   _globals['_SIGNEDAUTHORIZATION']._serialized_end=307
   _globals['_TOOLSPEC']._serialized_start=310
-  _globals['_TOOLSPEC']._serialized_end=582
-  _globals['_LISTTOOLSREQUEST']._serialized_start=584
-  _globals['_LISTTOOLSREQUEST']._serialized_end=618
-  _globals['_LISTTOOLSRESPONSE']._serialized_start=620
-  _globals['_LISTTOOLSRESPONSE']._serialized_end=675
+  _globals['_TOOLSPEC']._serialized_end=659
+  _globals['_LISTTOOLSREQUEST']._serialized_start=661
+  _globals['_LISTTOOLSREQUEST']._serialized_end=695
+  _globals['_LISTTOOLSRESPONSE']._serialized_start=697
+  _globals['_LISTTOOLSRESPONSE']._serialized_end=752
 # @@protoc_insertion_point(module_scope)

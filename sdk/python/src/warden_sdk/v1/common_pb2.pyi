@@ -124,6 +124,54 @@ CANCEL_POLICY_AFTER_TOKEN: CancelPolicy.ValueType  # 3
 """Stop at the next model token boundary."""
 Global___CancelPolicy: _TypeAlias = CancelPolicy  # noqa: Y015
 
+class _Effect:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EffectEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Effect.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    EFFECT_UNSPECIFIED: _Effect.ValueType  # 0
+    EFFECT_READ_ONLY: _Effect.ValueType  # 1
+    """Reads only; no side effect anywhere."""
+    EFFECT_MUTATING: _Effect.ValueType  # 2
+    """Changes state the host owns."""
+    EFFECT_EXTERNAL: _Effect.ValueType  # 3
+    """Acts on the outside world (sends, calls out), undoable or not."""
+    EFFECT_CONSEQUENTIAL: _Effect.ValueType  # 4
+    """An effect Maple calls consequential: it needs an explicit commitment (a capability)."""
+
+class Effect(_Effect, metaclass=_EffectEnumTypeWrapper): ...
+
+EFFECT_UNSPECIFIED: Effect.ValueType  # 0
+EFFECT_READ_ONLY: Effect.ValueType  # 1
+"""Reads only; no side effect anywhere."""
+EFFECT_MUTATING: Effect.ValueType  # 2
+"""Changes state the host owns."""
+EFFECT_EXTERNAL: Effect.ValueType  # 3
+"""Acts on the outside world (sends, calls out), undoable or not."""
+EFFECT_CONSEQUENTIAL: Effect.ValueType  # 4
+"""An effect Maple calls consequential: it needs an explicit commitment (a capability)."""
+Global___Effect: _TypeAlias = Effect  # noqa: Y015
+
+class _RiskLevel:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RiskLevelEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RiskLevel.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RISK_LEVEL_UNSPECIFIED: _RiskLevel.ValueType  # 0
+    RISK_LEVEL_LOW: _RiskLevel.ValueType  # 1
+    RISK_LEVEL_MEDIUM: _RiskLevel.ValueType  # 2
+    RISK_LEVEL_HIGH: _RiskLevel.ValueType  # 3
+
+class RiskLevel(_RiskLevel, metaclass=_RiskLevelEnumTypeWrapper): ...
+
+RISK_LEVEL_UNSPECIFIED: RiskLevel.ValueType  # 0
+RISK_LEVEL_LOW: RiskLevel.ValueType  # 1
+RISK_LEVEL_MEDIUM: RiskLevel.ValueType  # 2
+RISK_LEVEL_HIGH: RiskLevel.ValueType  # 3
+Global___RiskLevel: _TypeAlias = RiskLevel  # noqa: Y015
+
 class _RetryPolicy:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -243,6 +291,8 @@ class ToolSpec(_message.Message):
     RETRY_POLICY_FIELD_NUMBER: _builtins.int
     DETECTS_IN_DOUBT_FIELD_NUMBER: _builtins.int
     OUTPUT_SCHEMA_JSON_FIELD_NUMBER: _builtins.int
+    EFFECT_FIELD_NUMBER: _builtins.int
+    RISK_LEVEL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     description: _builtins.str
     input_schema_json: _builtins.str
@@ -270,6 +320,14 @@ class ToolSpec(_message.Message):
     output against it before recording it: an output that does not match is recorded as
     "[Output sanitized]" with the reason, and the step keeps its status (seed 000 §9, §10).
     """
+    effect: Global___Effect.ValueType
+    """The tool's effect class (SPEC-KERN-01 §4, Maple). Unspecified: derived from the older
+    flags (consequential, else read_only, else mutating). A consequential tool needs an
+    explicit commitment whatever the policy's own list says. Executors pin a tool's whole
+    declaration for a run when the run first uses it: a host that declares it otherwise
+    later (another class, version or schema) gets no more calls of that run.
+    """
+    risk_level: Global___RiskLevel.ValueType
     def __init__(
         self,
         *,
@@ -284,10 +342,12 @@ class ToolSpec(_message.Message):
         retry_policy: Global___RetryPolicy.ValueType = ...,
         detects_in_doubt: _builtins.bool = ...,
         output_schema_json: _builtins.str = ...,
+        effect: Global___Effect.ValueType = ...,
+        risk_level: Global___RiskLevel.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consequential", b"consequential", "description", b"description", "detects_in_doubt", b"detects_in_doubt", "idempotent", b"idempotent", "input_schema_json", b"input_schema_json", "name", b"name", "output_schema_json", b"output_schema_json", "read_only", b"read_only", "retry_policy", b"retry_policy", "timeout_sec", b"timeout_sec", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consequential", b"consequential", "description", b"description", "detects_in_doubt", b"detects_in_doubt", "effect", b"effect", "idempotent", b"idempotent", "input_schema_json", b"input_schema_json", "name", b"name", "output_schema_json", b"output_schema_json", "read_only", b"read_only", "retry_policy", b"retry_policy", "risk_level", b"risk_level", "timeout_sec", b"timeout_sec", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -77,6 +77,9 @@ class AuthorizeRequest(_message.Message):
     RETRY_OF_FIELD_NUMBER: _builtins.int
     CALLER_RECORDS_FIELD_NUMBER: _builtins.int
     BASE_RULES_ONLY_FIELD_NUMBER: _builtins.int
+    TOOL_VERSION_FIELD_NUMBER: _builtins.int
+    TOOL_SHA256_FIELD_NUMBER: _builtins.int
+    TOOL_EFFECT_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     run_id: _builtins.str
     step_id: _builtins.str
@@ -111,6 +114,16 @@ class AuthorizeRequest(_message.Message):
     capabilities, commitments), not the argument invariants — may this principal call this
     tool at all? The planner builds the catalog a model sees from it.
     """
+    tool_version: _builtins.str
+    """The tool's declaration as the run pinned it (see ToolSpec.effect): its version, the
+    SHA-256 of the whole declaration (name, version, effect, risk level, idempotency, input
+    and output schemas; see the README) and its effect class. Signed into the authorization,
+    so a host whose own declaration of the tool differs refuses the call. A declared
+    consequential class needs a commitment; a declaration can only add to what the policy's
+    configuration requires, never lift it.
+    """
+    tool_sha256: _builtins.str
+    tool_effect: _common_pb2.Effect.ValueType
     def __init__(
         self,
         *,
@@ -127,10 +140,13 @@ class AuthorizeRequest(_message.Message):
         retry_of: _builtins.str = ...,
         caller_records: _builtins.bool = ...,
         base_rules_only: _builtins.bool = ...,
+        tool_version: _builtins.str = ...,
+        tool_sha256: _builtins.str = ...,
+        tool_effect: _common_pb2.Effect.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "base_rules_only", b"base_rules_only", "caller_records", b"caller_records", "capability_handle", b"capability_handle", "epoch", b"epoch", "idempotency_key", b"idempotency_key", "retry_of", b"retry_of", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "base_rules_only", b"base_rules_only", "caller_records", b"caller_records", "capability_handle", b"capability_handle", "epoch", b"epoch", "idempotency_key", b"idempotency_key", "retry_of", b"retry_of", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool", "tool_effect", b"tool_effect", "tool_sha256", b"tool_sha256", "tool_version", b"tool_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
