@@ -54,6 +54,7 @@ pub fn dev_config(base: WardenConfig, dir: &Path, endpoint: &str) -> WardenConfi
     c.policy.key_file = path("policy.key");
     c.policy.database_url = format!("sqlite://{}", path("policy.db"));
     c.policy.ledger_endpoint = endpoint.into();
+    c.policy.planner_endpoint = endpoint.into();
     c.ledger.policy_endpoint = endpoint.into();
     if c.policy.tenants.is_empty() {
         c.policy.tenants.insert(

@@ -652,3 +652,90 @@ async fn replanning_stops_at_its_rounds_a_direct_response_or_the_budget() {
     let evs = run_events(&mesh, &run).await;
     assert!(of_type(&evs, "plan_revised").is_empty());
 }
+
+/// Seed 002 critic approvals: under `approval_mode = "critic"` a gated call is reviewed by a
+/// model critic instead of a person. The critic's model call is decided (`model.call` under a
+/// `critic-…` step) and recorded in the run under its deterministic step key; an approval lets
+/// the call run (`critic_approved`), a denial is `critic_denied` — recorded, never retried, the
+/// tool never called; deciding the same call again replays the recorded verdict, asking nothing.
+#[tokio::test]
+async fn a_critic_reviews_gated_calls_and_its_verdicts_are_recorded_and_replayed() {
+    let model = ScriptedModel::start(Reply::chat(r#"{"verdict": "deny", "reason": "unscripted"}"#)).await;
+    model.push(Reply::chat(r#"{"verdict": "approve", "reason": "an internal address"}"#));
+    model.push(Reply::chat(r#"{"verdict": "deny", "reason": "mail to an outsider"}"#));
+    let opts = MeshOptions {
+        tenants: vec![("acme".into(), tools(&[]))],
+        planner_extra: model.openai_config(""),
+        approval_rules: vec![("acme".into(), vec!["email.send".into()], vec![])],
+        tenant_extra: vec![("acme".into(), "approval_mode = \"critic\"".into())],
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mail = |to: &str| {
+        json!({"steps": [{"id": "mail", "tool": "email.send", "params": {"to": to, "subject": "s", "body": "b"}}]})
+            .to_string()
+    };
+    let submit = |plan: String| {
+        let mut runs = mesh.runs();
+        async move {
+            let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: plan, ..Default::default() };
+            runs.submit_run(req).await.expect("submit").into_inner().run_id
+        }
+    };
+    let approved = submit(mail("ops@example.com")).await;
+    let done = settled(&mesh, "acme", &approved).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}\n{}", done.reason, mesh.logs());
+    let evs = run_events(&mesh, &approved).await;
+    let rules: Vec<String> = of_type(&evs, "policy_decision")
+        .iter()
+        .filter(|e| e.step_id == "mail")
+        .map(|e| payload(e)["rule_id"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(rules, ["critic_approved"]);
+    let asked = of_type(&evs, "model_requested");
+    assert_eq!(asked.len(), 1);
+    assert!(asked[0].step_id.starts_with("critic-"), "{}", asked[0].step_id);
+    let step_key = payload(asked[0])["step_key"].as_str().unwrap_or("").to_string();
+    assert!(step_key.starts_with("critic::email.send::mail::1::"), "{step_key}");
+    assert_calls_were_allowed(&evs);
+    assert_eq!(payload(of_type(&evs, "model_completed")[0])["verdict"], "approve");
+
+    let refused = submit(mail("someone@elsewhere.example")).await;
+    let done = settled(&mesh, "acme", &refused).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed);
+    assert!(done.reason.contains("critic_denied") && done.reason.contains("mail to an outsider"), "{}", done.reason);
+    assert_eq!(done.steps[0].status(), pb::StepStatus::Denied);
+    let evs = run_events(&mesh, &refused).await;
+    let decisions = of_type(&evs, "policy_decision").into_iter().filter(|e| e.step_id == "mail").count();
+    assert_eq!(decisions, 1, "a denial is never retried");
+    assert!(of_type(&evs, "tool_requested").is_empty(), "the tool was never called");
+    assert_eq!(mesh.outbox().len(), 1, "only the approved mail went out");
+    assert_eq!(model.received().len(), 2);
+
+    // The same call decided again: the recorded verdict is replayed.
+    let get = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: refused.clone() };
+    let epoch = mesh.ledger().get_run(get).await.expect("run").into_inner().max_epoch;
+    let args = json!({"to": "someone@elsewhere.example", "subject": "s", "body": "b"});
+    let again = mesh
+        .policy()
+        .authorize(pb::AuthorizeRequest {
+            tenant: "acme".into(),
+            run_id: refused.clone(),
+            step_id: "mail".into(),
+            attempt: 1,
+            tool: "email.send".into(),
+            args_json: args.to_string(),
+            idempotency_key: format!("{refused}:mail:1"),
+            epoch,
+            ..Default::default()
+        })
+        .await
+        .expect("authorize")
+        .into_inner()
+        .decision
+        .expect("decision");
+    assert_eq!((again.outcome(), again.rule_id.as_str()), (pb::Outcome::Deny, "critic_denied"));
+    assert_eq!(model.received().len(), 2, "nothing asked again");
+    assert_eq!(of_type(&run_events(&mesh, &refused).await, "model_replayed").len(), 1);
+    assert!(verify(&mut mesh.ledger(), "acme", &refused).await.valid);
+}

@@ -124,6 +124,11 @@ pub struct TenantPolicy {
     pub require_approval: Vec<String>,
     /// Who may approve this tenant's calls; empty: any approver the caller names.
     pub approvers: Vec<String>,
+    /// Who reviews the calls `require_approval` gates: `human` (the default: a person
+    /// approves or denies through `Approvals`) or `critic` (a model critic, asked through the
+    /// planner while the call is decided; its verdict is recorded in the run and replayed,
+    /// and a call it denies is `critic_denied`, never retried).
+    pub approval_mode: String,
     /// Budgets (0 = unlimited). Monotonic: once spent, never refunded; a breach denies.
     pub max_calls_per_run: u64,
     pub max_cost_per_run: f64,
@@ -164,6 +169,8 @@ pub struct PolicyConfig {
     /// Consequential tools (Maple): a call needs an explicit commitment — a capability handle
     /// — or it is denied with `missing_commitment`. Exact names or a trailing `*`.
     pub consequential_tools: Vec<String>,
+    /// The planner, which asks the model critic for tenants whose `approval_mode` is `critic`.
+    pub planner_endpoint: String,
     /// Built-in deterministic invariants, checked after every other rule allowed a call.
     pub invariants: Vec<InvariantConfig>,
     /// `redis://…` for rate windows shared by policy replicas; empty: in-process windows.
@@ -195,6 +202,7 @@ impl Default for PolicyConfig {
             approval_ttl_secs: 3 * 24 * 3600,
             previous_key_files: Vec::new(),
             consequential_tools: Vec::new(),
+            planner_endpoint: "http://127.0.0.1:7103".into(),
             invariants: Vec::new(),
             redis_url: String::new(),
             semantic_keys: Vec::new(),
@@ -614,6 +622,7 @@ impl WardenConfig {
         }
         let mut endpoints = vec![
             ("policy.ledger_endpoint", &self.policy.ledger_endpoint),
+            ("policy.planner_endpoint", &self.policy.planner_endpoint),
             ("executor.ledger_endpoint", &self.executor.ledger_endpoint),
             ("executor.policy_endpoint", &self.executor.policy_endpoint),
             ("executor.planner_endpoint", &self.executor.planner_endpoint),
@@ -636,6 +645,11 @@ impl WardenConfig {
                 regex::Regex::new(pattern).map_err(|e| {
                     invalid(&format!("executor.output_rules.{name}"), format!("not a regular expression: {e}"))
                 })?;
+            }
+        }
+        for (tenant, t) in &self.policy.tenants {
+            if !matches!(t.approval_mode.as_str(), "" | "human" | "critic") {
+                return Err(invalid(&format!("policy.tenants.{tenant}.approval_mode"), "human or critic"));
             }
         }
         for (tool, effect) in &self.tools.effects {

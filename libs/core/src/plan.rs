@@ -28,6 +28,17 @@ pub fn is_planner_step(id: &str) -> bool {
     id.strip_prefix("plan-r").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
+/// The step id under which the model critic's calls about plan step `step_id` are decided and
+/// recorded: `critic-` and 16 hex digits of the step id's SHA-256 (bounded, whatever the id).
+pub fn critic_step(step_id: &str) -> String {
+    format!("critic-{}", &crate::sha256_hex(step_id.as_bytes())[..16])
+}
+
+/// Whether `id` is a critic step id (`critic-<16 hex digits>`), which no plan step may take.
+pub fn is_critic_step(id: &str) -> bool {
+    id.strip_prefix("critic-").is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Default upper bound on steps in one plan.
 pub const DEFAULT_MAX_STEPS: usize = 10;
 
@@ -201,11 +212,13 @@ impl Plan {
                 id: s.id.clone(),
                 reason: e.to_string(),
             })?;
-            if is_planner_step(&s.id) {
+            if is_planner_step(&s.id) || is_critic_step(&s.id) {
                 return Err(PlanError::InvalidStepId {
                     index: i,
                     id: s.id.clone(),
-                    reason: "ids 'plan-r<round>' are reserved for the planner's own model calls".into(),
+                    reason: "ids 'plan-r<round>' and 'critic-<hex>' are reserved for the planner's and the critic's \
+                             model calls"
+                        .into(),
                 });
             }
             if index.insert(&s.id, i).is_some() {

@@ -39,7 +39,10 @@ pub const ALL: &[(&str, &str)] = &[
     (RPC_REQUESTS, "gRPC requests served, by service, method and status code"),
     (RPC_DURATION, "time to answer a gRPC request (to its response headers), by service and method"),
     (RUNS_SUBMITTED, "runs accepted by SubmitRun (deduplicated submissions not counted)"),
-    (RUNS, "runs that reached a status: completed, failed, cancelled, blocked, paused, requires_reconciliation, empty_plan"),
+    (
+        RUNS,
+        "runs that reached a status: completed, failed, cancelled, blocked, paused, requires_reconciliation, empty_plan",
+    ),
     (STEPS, "steps settled, by outcome: completed, failed (denials included), cancelled, blocked, unknown"),
     (ATTEMPTS, "tool call attempts, by outcome: completed, failed, retry, cancelled, blocked, unknown"),
     (POLICY_DECISIONS, "policy decisions, by outcome (allow, deny, approval_required) and rule id"),

@@ -369,6 +369,8 @@ impl Mesh {
         // ledger: the policy's address is chosen first so each can name the other. Another
         // process may take that free port before the policy binds it: then both start again on
         // another.
+        // The planner's address is chosen now too: the policy asks it for the critic's reviews.
+        let planner_addr = format!("127.0.0.1:{}", crate::procs::free_port()?);
         let (ledger, policy) = {
             let mut tries = 0;
             loop {
@@ -389,6 +391,7 @@ impl Mesh {
                     base(&[
                         ("WARDEN_POLICY__LISTEN", &policy_addr),
                         ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint),
+                        ("WARDEN_POLICY__PLANNER_ENDPOINT", &format!("http://{planner_addr}")),
                     ]),
                     log("policy"),
                 );
@@ -424,7 +427,7 @@ impl Mesh {
             "planner",
             binary("warden-planner")?,
             base(&[
-                ("WARDEN_PLANNER__LISTEN", "127.0.0.1:0"),
+                ("WARDEN_PLANNER__LISTEN", &planner_addr),
                 ("WARDEN_PLANNER__TOOL_HOSTS", &hosts),
                 ("WARDEN_PLANNER__POLICY_ENDPOINT", &policy.endpoint),
                 ("WARDEN_PLANNER__LEDGER_ENDPOINT", &ledger.endpoint),

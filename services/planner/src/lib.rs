@@ -6,6 +6,7 @@
 //! unknown tools, missing dependencies, cycles, malformed or non-dependency template
 //! references, and more than `max_steps` steps (an error to fix, never a truncation).
 
+pub mod critic;
 pub mod goal;
 pub mod model;
 pub mod planning;
@@ -273,6 +274,41 @@ impl Planner for PlannerService {
             rule_id: out.rule_id,
             reason: out.reason,
         }))
+    }
+
+    async fn critique(&self, req: Request<pb::CritiqueRequest>) -> Result<Response<pb::CritiqueResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        // The policy service asks, while it decides a call; nobody else.
+        warden_grpc::auth::require_mesh(&req, "Critique (the policy service asks the critic)")?;
+        let r = req.into_inner();
+        check_id(&r.tenant).map_err(|e| invalid_field("tenant", e.to_string()))?;
+        check_id(&r.run_id).map_err(|e| invalid_field("run_id", e.to_string()))?;
+        warden_core::ids::check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
+        warden_core::ids::check_tool_name(&r.tool).map_err(|e| invalid_field("tool", e.to_string()))?;
+        if !r.agent.is_empty() {
+            check_id(&r.agent).map_err(|e| invalid_field("agent", e.to_string()))?;
+        }
+        if r.epoch == 0 || i64::try_from(r.epoch).is_err() {
+            return Err(invalid_field("epoch", "the run's lease epoch, from 1 to 2^63-1"));
+        }
+        if r.args_json.len() > MAX_PLAN_BYTES {
+            return Err(invalid_field("args_json", format!("at most {MAX_PLAN_BYTES} bytes")));
+        }
+        let Some(model) = self.model_for(&r.tenant) else {
+            return Ok(Response::new(pb::CritiqueResponse {
+                verdict: "unavailable".into(),
+                reason: "no model is configured for the critic (see [planner.model])".into(),
+                ..Default::default()
+            }));
+        };
+        let description = match self.catalog.tools().await {
+            Ok(tools) => tools.get(&r.tool).map(|t| t.spec.description.clone()).unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        let critic = critic::Critic { ledger: &self.ledger, policy: &self.policy, model, prices: &self.prices };
+        let answer = critic.critique(&r, &description).await?;
+        tracing::info!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, verdict = %answer.verdict, replayed = answer.replayed, "critic");
+        Ok(Response::new(answer))
     }
 
     async fn list_tools(&self, _: Request<pb::ListToolsRequest>) -> Result<Response<pb::ListToolsResponse>, Status> {

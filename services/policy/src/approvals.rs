@@ -52,10 +52,13 @@ pub(crate) async fn gate(
     c: &mut Checked,
     rule: RuleDecision,
 ) -> Result<RuleDecision, Status> {
-    let gated =
-        svc.config().tenants.get(&r.tenant).is_some_and(|t| t.require_approval.iter().any(|p| matches(p, &r.tool)));
+    let tenant = svc.config().tenants.get(&r.tenant);
+    let gated = tenant.is_some_and(|t| t.require_approval.iter().any(|p| matches(p, &r.tool)));
     if rule.verdict != Verdict::Allow || !gated {
         return Ok(rule);
+    }
+    if tenant.is_some_and(|t| t.approval_mode == "critic") {
+        return critic(svc, r, c).await;
     }
     let now = now_ms();
     let wanted = ApprovalRow {
@@ -103,6 +106,49 @@ pub(crate) async fn gate(
             "approval_required",
             format!("'{}' waits for approval {}", r.tool, a.approval_id),
         ),
+    })
+}
+
+/// The model critic reviews the call instead of a person (seed 002): asked through the planner,
+/// which records its model call in the run and replays the recorded verdict when the same call
+/// is decided again, so this decision is deterministic. No verdict — the critic's model call
+/// denied, its provider down, an unreadable answer, the planner unreachable — is a deny:
+/// the gate fails closed. A `critic_denied` call is never retried (a denial is a decision).
+async fn critic(svc: &PolicyService, r: &pb::AuthorizeRequest, c: &mut Checked) -> Result<RuleDecision, Status> {
+    let decided = |verdict, rule_id: &str, reason: String| RuleDecision { verdict, rule_id: rule_id.into(), reason };
+    if r.epoch == 0 {
+        // Only a driven run (its executor, under its lease epoch) can have the critic's call
+        // recorded; anyone else asking gets no verdict.
+        return Ok(decided(
+            Verdict::Deny,
+            "critic_unavailable",
+            format!("'{}' is reviewed by the critic, which is asked only for a driven run's call", r.tool),
+        ));
+    }
+    let ask = pb::CritiqueRequest {
+        tenant: r.tenant.clone(),
+        run_id: r.run_id.clone(),
+        step_id: r.step_id.clone(),
+        attempt: r.attempt,
+        tool: r.tool.clone(),
+        args_json: warden_core::canonical_json(c.args()),
+        epoch: r.epoch,
+        agent: r.agent.clone(),
+    };
+    let answer = match svc.planner().critique(ask).await {
+        Ok(a) => a.into_inner(),
+        Err(s) if warden_grpc::is_fenced(&s) => return Err(s),
+        Err(s) => {
+            let why = format!("the critic could not be asked: {}", s.message());
+            return Ok(decided(Verdict::Deny, "critic_unavailable", why));
+        }
+    };
+    // The verdict is part of the decision's identity, as an approval's state is.
+    c.gate = format!("|critic:{}", answer.verdict);
+    Ok(match answer.verdict.as_str() {
+        "approve" => decided(Verdict::Allow, "critic_approved", format!("the critic approved: {}", answer.reason)),
+        "deny" => decided(Verdict::Deny, "critic_denied", format!("the critic denied: {}", answer.reason)),
+        _ => decided(Verdict::Deny, "critic_unavailable", format!("no verdict from the critic: {}", answer.reason)),
     })
 }
 

@@ -33,6 +33,7 @@ pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
     invariants::validate(&config.invariants).map_err(anyhow::Error::msg)?;
     let key = warden_grpc::keyfile::load_or_create(std::path::Path::new(&config.key_file))?;
     let ledger = warden_grpc::channel(&config.ledger_endpoint)?;
+    let planner = warden_grpc::channel(&config.planner_endpoint)?;
     let previous = config
         .previous_key_files
         .iter()
@@ -40,7 +41,7 @@ pub async fn build(config: &PolicyConfig) -> anyhow::Result<PolicyService> {
         .collect::<Result<Vec<_>, _>>()?;
     let store = store::PolicyStore::connect(&config.database_url).await?;
     let rate = rate::RateLimiter::connect(&config.redis_url).await?;
-    let service = PolicyService::new(config.clone(), key, previous, ledger, store, rate);
+    let service = PolicyService::new(config.clone(), key, previous, (ledger, planner), store, rate);
     tokio::spawn(approvals::expire_approvals(service.clone(), std::time::Duration::from_secs(1)));
     if !config.policy_dir.is_empty() {
         let dir = std::path::PathBuf::from(&config.policy_dir);

@@ -30,6 +30,8 @@ pub struct PolicyService {
     key: Arc<SigningKey>,
     published: Arc<Vec<PublishedKey>>,
     ledger: LedgerClient<warden_grpc::auth::Ch>,
+    /// The planner, which asks the model critic (tenants with `approval_mode = "critic"`).
+    planner: warden_proto::v1::planner_client::PlannerClient<warden_grpc::auth::Ch>,
     store: PolicyStore,
     /// The live Cedar policy set (None: allowlists decide). Swapped whole on reload.
     cedar: Arc<RwLock<Option<Arc<CedarPolicies>>>>,
@@ -68,6 +70,13 @@ pub(crate) struct Checked {
     pub(crate) new_approval: Option<crate::store::ApprovalRow>,
     /// The semantic key this call claims if its decision ends an allow (claimed only then).
     pub(crate) semantic_claim: Option<(String, crate::store::SemanticClaim)>,
+}
+
+impl Checked {
+    /// The call's arguments, canonicalized.
+    pub(crate) fn args(&self) -> &Value {
+        &self.args
+    }
 }
 
 fn id_field(field: &str, v: &str, check: fn(&str) -> Result<(), warden_core::ids::IdError>) -> Result<(), Status> {
@@ -150,7 +159,7 @@ impl PolicyService {
         config: PolicyConfig,
         key: SigningKey,
         previous: Vec<SigningKey>,
-        ledger: warden_grpc::auth::Ch,
+        (ledger, planner): (warden_grpc::auth::Ch, warden_grpc::auth::Ch),
         store: PolicyStore,
         rate: crate::rate::RateLimiter,
     ) -> PolicyService {
@@ -162,6 +171,8 @@ impl PolicyService {
             current: false,
         }));
         PolicyService {
+            // Connected lazily: a planner that is down fails only the critic's reviews (closed).
+            planner: warden_proto::v1::planner_client::PlannerClient::new(planner),
             config: Arc::new(config),
             key: Arc::new(key),
             published: Arc::new(published),
@@ -248,7 +259,8 @@ impl PolicyService {
         }
         // A model call is planning's, before (or between) plans: it is decided under the
         // planner's own step id, which no plan step may take, and never as a plan step.
-        let planner_step = warden_core::plan::is_planner_step(&r.step_id);
+        let planner_step =
+            warden_core::plan::is_planner_step(&r.step_id) || warden_core::plan::is_critic_step(&r.step_id);
         if r.tool == events::MODEL_CALL_TOOL || planner_step {
             return Ok((r.tool != events::MODEL_CALL_TOOL || !planner_step).then(|| rules::RuleDecision {
                 verdict: Verdict::Deny,
@@ -520,6 +532,10 @@ impl PolicyService {
 
     pub fn ledger(&self) -> LedgerClient<warden_grpc::auth::Ch> {
         self.ledger.clone()
+    }
+
+    pub fn planner(&self) -> warden_proto::v1::planner_client::PlannerClient<warden_grpc::auth::Ch> {
+        self.planner.clone()
     }
 
     pub fn max_capability_ttl_secs(&self) -> u64 {

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from warden_sdk.v1 import common_pb2 as warden_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17warden/v1/planner.proto\x12\twarden.v1\x1a\x16warden/v1/common.proto\"8\n\x13ValidatePlanRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\"=\n\x14ValidatePlanResponse\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\x12\n\nstep_count\x18\x02 \x01(\r\"\xe5\x01\n\x11\x43reatePlanRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04goal\x18\x03 \x01(\t\x12\x1c\n\x14\x66\x61ilure_context_json\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\r\n\x05\x61gent\x18\x06 \x01(\t\x12.\n\rreplay_policy\x18\x07 \x01(\x0e\x32\x17.warden.v1.ReplayPolicy\x12\x12\n\ncheck_only\x18\x08 \x01(\x08\x12\x13\n\x0breplay_only\x18\t \x01(\x08\x12\r\n\x05round\x18\n \x01(\r\"\xcd\x02\n\x12\x43reatePlanResponse\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04goal\x18\x03 \x01(\t\x12\x13\n\x0bmodel_calls\x18\x04 \x01(\r\x12\x16\n\x0ereplayed_calls\x18\x05 \x01(\r\x12\x13\n\x0b\x64ifferences\x18\x06 \x03(\t\x12\x11\n\tfork_hash\x18\x07 \x01(\t\x12\x10\n\x08redacted\x18\x08 \x03(\t\x12\x0f\n\x07rule_id\x18\t \x01(\t\x12\x0e\n\x06reason\x18\n \x01(\t\x12\x11\n\tnew_steps\x18\x0b \x03(\t\x12;\n\x07renamed\x18\x0c \x03(\x0b\x32*.warden.v1.CreatePlanResponse.RenamedEntry\x1a.\n\x0cRenamedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xed\x01\n\x07Planner\x12O\n\x0cValidatePlan\x12\x1e.warden.v1.ValidatePlanRequest\x1a\x1f.warden.v1.ValidatePlanResponse\x12I\n\nCreatePlan\x12\x1c.warden.v1.CreatePlanRequest\x1a\x1d.warden.v1.CreatePlanResponse\x12\x46\n\tListTools\x12\x1b.warden.v1.ListToolsRequest\x1a\x1c.warden.v1.ListToolsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17warden/v1/planner.proto\x12\twarden.v1\x1a\x16warden/v1/common.proto\"\x92\x01\n\x0f\x43ritiqueRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12\x0c\n\x04tool\x18\x05 \x01(\t\x12\x11\n\targs_json\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\r\n\x05\x61gent\x18\x08 \x01(\t\"W\n\x10\x43ritiqueResponse\x12\x0f\n\x07verdict\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08step_key\x18\x03 \x01(\t\x12\x10\n\x08replayed\x18\x04 \x01(\x08\"8\n\x13ValidatePlanRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\"=\n\x14ValidatePlanResponse\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\x12\n\nstep_count\x18\x02 \x01(\r\"\xe5\x01\n\x11\x43reatePlanRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04goal\x18\x03 \x01(\t\x12\x1c\n\x14\x66\x61ilure_context_json\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\r\n\x05\x61gent\x18\x06 \x01(\t\x12.\n\rreplay_policy\x18\x07 \x01(\x0e\x32\x17.warden.v1.ReplayPolicy\x12\x12\n\ncheck_only\x18\x08 \x01(\x08\x12\x13\n\x0breplay_only\x18\t \x01(\x08\x12\r\n\x05round\x18\n \x01(\r\"\xcd\x02\n\x12\x43reatePlanResponse\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04goal\x18\x03 \x01(\t\x12\x13\n\x0bmodel_calls\x18\x04 \x01(\r\x12\x16\n\x0ereplayed_calls\x18\x05 \x01(\r\x12\x13\n\x0b\x64ifferences\x18\x06 \x03(\t\x12\x11\n\tfork_hash\x18\x07 \x01(\t\x12\x10\n\x08redacted\x18\x08 \x03(\t\x12\x0f\n\x07rule_id\x18\t \x01(\t\x12\x0e\n\x06reason\x18\n \x01(\t\x12\x11\n\tnew_steps\x18\x0b \x03(\t\x12;\n\x07renamed\x18\x0c \x03(\x0b\x32*.warden.v1.CreatePlanResponse.RenamedEntry\x1a.\n\x0cRenamedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xb2\x02\n\x07Planner\x12O\n\x0cValidatePlan\x12\x1e.warden.v1.ValidatePlanRequest\x1a\x1f.warden.v1.ValidatePlanResponse\x12I\n\nCreatePlan\x12\x1c.warden.v1.CreatePlanRequest\x1a\x1d.warden.v1.CreatePlanResponse\x12\x46\n\tListTools\x12\x1b.warden.v1.ListToolsRequest\x1a\x1c.warden.v1.ListToolsResponse\x12\x43\n\x08\x43ritique\x12\x1a.warden.v1.CritiqueRequest\x1a\x1b.warden.v1.CritiqueResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,16 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CREATEPLANRESPONSE_RENAMEDENTRY']._loaded_options = None
   _globals['_CREATEPLANRESPONSE_RENAMEDENTRY']._serialized_options = b'8\001'
-  _globals['_VALIDATEPLANREQUEST']._serialized_start=62
-  _globals['_VALIDATEPLANREQUEST']._serialized_end=118
-  _globals['_VALIDATEPLANRESPONSE']._serialized_start=120
-  _globals['_VALIDATEPLANRESPONSE']._serialized_end=181
-  _globals['_CREATEPLANREQUEST']._serialized_start=184
-  _globals['_CREATEPLANREQUEST']._serialized_end=413
-  _globals['_CREATEPLANRESPONSE']._serialized_start=416
-  _globals['_CREATEPLANRESPONSE']._serialized_end=749
-  _globals['_CREATEPLANRESPONSE_RENAMEDENTRY']._serialized_start=703
-  _globals['_CREATEPLANRESPONSE_RENAMEDENTRY']._serialized_end=749
-  _globals['_PLANNER']._serialized_start=752
-  _globals['_PLANNER']._serialized_end=989
+  _globals['_CRITIQUEREQUEST']._serialized_start=63
+  _globals['_CRITIQUEREQUEST']._serialized_end=209
+  _globals['_CRITIQUERESPONSE']._serialized_start=211
+  _globals['_CRITIQUERESPONSE']._serialized_end=298
+  _globals['_VALIDATEPLANREQUEST']._serialized_start=300
+  _globals['_VALIDATEPLANREQUEST']._serialized_end=356
+  _globals['_VALIDATEPLANRESPONSE']._serialized_start=358
+  _globals['_VALIDATEPLANRESPONSE']._serialized_end=419
+  _globals['_CREATEPLANREQUEST']._serialized_start=422
+  _globals['_CREATEPLANREQUEST']._serialized_end=651
+  _globals['_CREATEPLANRESPONSE']._serialized_start=654
+  _globals['_CREATEPLANRESPONSE']._serialized_end=987
+  _globals['_CREATEPLANRESPONSE_RENAMEDENTRY']._serialized_start=941
+  _globals['_CREATEPLANRESPONSE_RENAMEDENTRY']._serialized_end=987
+  _globals['_PLANNER']._serialized_start=990
+  _globals['_PLANNER']._serialized_end=1296
 # @@protoc_insertion_point(module_scope)

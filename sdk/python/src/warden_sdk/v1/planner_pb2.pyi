@@ -20,6 +20,80 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class CritiqueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    TOOL_FIELD_NUMBER: _builtins.int
+    ARGS_JSON_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    run_id: _builtins.str
+    step_id: _builtins.str
+    attempt: _builtins.int
+    tool: _builtins.str
+    args_json: _builtins.str
+    """The call's arguments (canonical JSON)."""
+    epoch: _builtins.int
+    """The run's fencing epoch: the critic's model events are recorded under it."""
+    agent: _builtins.str
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        tool: _builtins.str = ...,
+        args_json: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        agent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "epoch", b"epoch", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CritiqueRequest: _TypeAlias = CritiqueRequest  # noqa: Y015
+
+@_typing.final
+class CritiqueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERDICT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    STEP_KEY_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    verdict: _builtins.str
+    """"approve", "deny", or "unavailable" (no verdict: the model call was denied, the provider
+    stayed down, or the answer never parsed; the policy then denies, failing closed).
+    """
+    reason: _builtins.str
+    step_key: _builtins.str
+    replayed: _builtins.bool
+    """True when the verdict came from the run's record (nothing was asked)."""
+    def __init__(
+        self,
+        *,
+        verdict: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        step_key: _builtins.str = ...,
+        replayed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "replayed", b"replayed", "step_key", b"step_key", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CritiqueResponse: _TypeAlias = CritiqueResponse  # noqa: Y015
+
+@_typing.final
 class ValidatePlanRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -51,6 +51,11 @@ class PlannerStub:
                 request_serializer=warden_dot_v1_dot_common__pb2.ListToolsRequest.SerializeToString,
                 response_deserializer=warden_dot_v1_dot_common__pb2.ListToolsResponse.FromString,
                 _registered_method=True)
+        self.Critique = channel.unary_unary(
+                '/warden.v1.Planner/Critique',
+                request_serializer=warden_dot_v1_dot_planner__pb2.CritiqueRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_planner__pb2.CritiqueResponse.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -79,6 +84,18 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Critique(self, request, context):
+        """Asks the model critic whether one call may go ahead (seed 002 critic approvals): asked by
+        the policy service (the mesh only) while it decides a call a tenant's `require_approval`
+        gates under `approval_mode = "critic"`. The model call is an effect like planning's:
+        decided (`model.call` under step id `critic-<hex>`), recorded in the run's chain under the
+        deterministic step key `critic::<tool>::<step>::<attempt>::<args digest>`, and replayed
+        from the record when the same call is decided again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +113,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.ListTools,
                     request_deserializer=warden_dot_v1_dot_common__pb2.ListToolsRequest.FromString,
                     response_serializer=warden_dot_v1_dot_common__pb2.ListToolsResponse.SerializeToString,
+            ),
+            'Critique': grpc.unary_unary_rpc_method_handler(
+                    servicer.Critique,
+                    request_deserializer=warden_dot_v1_dot_planner__pb2.CritiqueRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_planner__pb2.CritiqueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +202,33 @@ class Planner:
             '/warden.v1.Planner/ListTools',
             warden_dot_v1_dot_common__pb2.ListToolsRequest.SerializeToString,
             warden_dot_v1_dot_common__pb2.ListToolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Critique(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Planner/Critique',
+            warden_dot_v1_dot_planner__pb2.CritiqueRequest.SerializeToString,
+            warden_dot_v1_dot_planner__pb2.CritiqueResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,14 @@ class PlannerStub:
     """Asks a model for a plan for a goal (replayed from the ledger on recovery)."""
     ListTools: _grpc.UnaryUnaryMultiCallable[_common_pb2.ListToolsRequest, _common_pb2.ListToolsResponse]
     """The union of every tool host's catalog."""
+    Critique: _grpc.UnaryUnaryMultiCallable[_planner_pb2.CritiqueRequest, _planner_pb2.CritiqueResponse]
+    """Asks the model critic whether one call may go ahead (seed 002 critic approvals): asked by
+    the policy service (the mesh only) while it decides a call a tenant's `require_approval`
+    gates under `approval_mode = "critic"`. The model call is an effect like planning's:
+    decided (`model.call` under step id `critic-<hex>`), recorded in the run's chain under the
+    deterministic step key `critic::<tool>::<step>::<attempt>::<args digest>`, and replayed
+    from the record when the same call is decided again.
+    """
 
 @_typing.type_check_only
 class PlannerAsyncStub(PlannerStub):
@@ -56,6 +64,14 @@ class PlannerAsyncStub(PlannerStub):
     """Asks a model for a plan for a goal (replayed from the ledger on recovery)."""
     ListTools: _aio.UnaryUnaryMultiCallable[_common_pb2.ListToolsRequest, _common_pb2.ListToolsResponse]  # type: ignore[assignment]
     """The union of every tool host's catalog."""
+    Critique: _aio.UnaryUnaryMultiCallable[_planner_pb2.CritiqueRequest, _planner_pb2.CritiqueResponse]  # type: ignore[assignment]
+    """Asks the model critic whether one call may go ahead (seed 002 critic approvals): asked by
+    the policy service (the mesh only) while it decides a call a tenant's `require_approval`
+    gates under `approval_mode = "critic"`. The model call is an effect like planning's:
+    decided (`model.call` under step id `critic-<hex>`), recorded in the run's chain under the
+    deterministic step key `critic::<tool>::<step>::<attempt>::<args digest>`, and replayed
+    from the record when the same call is decided again.
+    """
 
 class PlannerServicer(metaclass=_abc_1.ABCMeta):
     """Turns goals into validated plans and checks explicit plans against the tool catalog."""
@@ -85,5 +101,19 @@ class PlannerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.ListToolsResponse, _abc.Awaitable[_common_pb2.ListToolsResponse]]:
         """The union of every tool host's catalog."""
+
+    @_abc_1.abstractmethod
+    def Critique(
+        self,
+        request: _planner_pb2.CritiqueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_planner_pb2.CritiqueResponse, _abc.Awaitable[_planner_pb2.CritiqueResponse]]:
+        """Asks the model critic whether one call may go ahead (seed 002 critic approvals): asked by
+        the policy service (the mesh only) while it decides a call a tenant's `require_approval`
+        gates under `approval_mode = "critic"`. The model call is an effect like planning's:
+        decided (`model.call` under step id `critic-<hex>`), recorded in the run's chain under the
+        deterministic step key `critic::<tool>::<step>::<attempt>::<args digest>`, and replayed
+        from the record when the same call is decided again.
+        """
 
 def add_PlannerServicer_to_server(servicer: PlannerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
