@@ -329,11 +329,15 @@ async fn k17(backend: Backend) {
     let run = submit_goal(&mesh, "Clean up and mail the report.", pb::ReplayPolicy::Strict).await;
     let done = settled(&mesh, "acme", &run).await;
     let evs = run_events(&mesh, &run).await;
+    // The first plan's answers (its replanning round, after the denied mail, gets only
+    // unreadable answers and gives up: no plan from it runs either).
     let refusals: Vec<String> = of_type(&evs, "model_completed")
         .iter()
+        .filter(|e| e.step_id == "plan-r0")
         .filter_map(|e| payload(e)["validation_error"].as_str().map(str::to_string))
         .collect();
     assert_eq!(refusals.len(), 2, "{refusals:?}");
+    assert!(of_type(&evs, "plan_revised").is_empty(), "no replanned plan was recorded");
     assert!(refusals[0].contains("shell.exec"), "outside the catalog: {}", refusals[0]);
     assert!(refusals[1].contains("text.upper"), "a tool the tenant's policy denies: {}", refusals[1]);
     let offered = payload(of_type(&evs, "model_requested")[0])["allowed_tools"].clone();

@@ -34,6 +34,7 @@ fn authorize_request(run_id: &str, args: &Value) -> pb::AuthorizeRequest {
         retry_of: String::new(),
         caller_records: false,
         base_rules_only: false,
+        ..Default::default()
     }
 }
 
@@ -51,9 +52,8 @@ fn invoke(run_id: &str, args: &Value, auth: Option<pb::SignedAuthorization>) -> 
     }
 }
 
-#[tokio::test]
-async fn k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments() {
-    let mesh = mesh_on(Backend::Sqlite).await;
+async fn k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments(backend: Backend) {
+    let mesh = mesh_on(backend).await;
     let run_id = submit(&mesh, "acme", HELLO).await;
     assert_eq!(settled(&mesh, "acme", &run_id).await.status(), pb::RunStatus::Completed);
     let evs = events(&mut mesh.ledger(), "acme", &run_id).await;
@@ -74,8 +74,17 @@ async fn k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments() {
 }
 
 #[tokio::test]
-async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls() {
-    let mesh = services_on(Backend::Sqlite).await;
+async fn k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments_on_sqlite() {
+    k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments_on_postgres() {
+    k01_every_tool_call_cites_a_signed_allow_for_its_exact_arguments(Backend::Postgres).await;
+}
+
+async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls(backend: Backend) {
+    let mesh = services_on(backend).await;
     let run_id = planned_run(&mesh, "acme", &[("s1", "echo")]).await;
     let args = json!({"text": "pay 10"});
     let granted = mesh.policy().authorize(authorize_request(&run_id, &args)).await.expect("authorize").into_inner();
@@ -119,6 +128,7 @@ async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls(
         capability_id: String::new(),
         issued_at_ms: 0,
         expires_at_ms,
+        ..AuthorizationClaims::default()
     };
     let to_wire = |s: warden_core::auth::SignedClaims| pb::SignedAuthorization {
         claims_json: s.claims_json,
@@ -148,8 +158,17 @@ async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls(
 }
 
 #[tokio::test]
-async fn k01_ledger_refuses_tool_events_without_a_recorded_allow() {
-    let mesh = services_on(Backend::Sqlite).await;
+async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls_on_sqlite() {
+    k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls_on_postgres() {
+    k01_tool_host_refuses_unsigned_forged_expired_and_other_argument_calls(Backend::Postgres).await;
+}
+
+async fn k01_ledger_refuses_tool_events_without_a_recorded_allow(backend: Backend) {
+    let mesh = services_on(backend).await;
     let run_id = bare_run(&mesh, "acme").await;
     let mut ledger = mesh.ledger();
     let append = |event_type: &str, decision_id: &str| pb::AppendEventRequest {
@@ -183,8 +202,17 @@ async fn k01_ledger_refuses_tool_events_without_a_recorded_allow() {
 }
 
 #[tokio::test]
-async fn k01_denied_tool_never_runs() {
-    let mesh = mesh_with(Backend::Sqlite, limited_tenant()).await;
+async fn k01_ledger_refuses_tool_events_without_a_recorded_allow_on_sqlite() {
+    k01_ledger_refuses_tool_events_without_a_recorded_allow(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k01_ledger_refuses_tool_events_without_a_recorded_allow_on_postgres() {
+    k01_ledger_refuses_tool_events_without_a_recorded_allow(Backend::Postgres).await;
+}
+
+async fn k01_denied_tool_never_runs(backend: Backend) {
+    let mesh = mesh_with(backend, limited_tenant()).await;
     let p = plan(&[
         ("hi", "echo", json!({"m": 1}), &[]),
         ("mail", "email.send", json!({"to": "a@b.c", "subject": "s", "body": "b"}), &["hi"]),
@@ -204,8 +232,17 @@ async fn k01_denied_tool_never_runs() {
 }
 
 #[tokio::test]
-async fn k03_every_decision_is_in_the_ledger_with_rule_and_reason() {
-    let mesh = mesh_with(Backend::Postgres, limited_tenant()).await;
+async fn k01_denied_tool_never_runs_on_sqlite() {
+    k01_denied_tool_never_runs(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k01_denied_tool_never_runs_on_postgres() {
+    k01_denied_tool_never_runs(Backend::Postgres).await;
+}
+
+async fn k03_every_decision_is_in_the_ledger_with_rule_and_reason(backend: Backend) {
+    let mesh = mesh_with(backend, limited_tenant()).await;
     let p = plan(&[("a", "echo", json!({}), &[]), ("b", "text.upper", json!({"text": "x"}), &[])]);
     let id = submit(&mesh, "limited", &p).await;
     settled(&mesh, "limited", &id).await;
@@ -219,6 +256,16 @@ async fn k03_every_decision_is_in_the_ledger_with_rule_and_reason() {
         assert!(d["reason"].as_str().is_some_and(|r| !r.is_empty()), "{d}");
         assert!(d["fingerprint"].as_str().is_some_and(|r| !r.is_empty()), "{d}");
     }
+}
+
+#[tokio::test]
+async fn k03_every_decision_is_in_the_ledger_with_rule_and_reason_on_sqlite() {
+    k03_every_decision_is_in_the_ledger_with_rule_and_reason(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k03_every_decision_is_in_the_ledger_with_rule_and_reason_on_postgres() {
+    k03_every_decision_is_in_the_ledger_with_rule_and_reason(Backend::Postgres).await;
 }
 
 async fn k11_stale_lease_holder_cannot_append(backend: Backend) {
@@ -279,6 +326,8 @@ async fn k13_tampering_is_detected(backend: Backend) {
     for id in &ids {
         assert!(verify(&mut ledger, "acme", id).await.valid);
     }
+    // The truncated run's last event is the one its recorded head names but the store lacks.
+    let last = events(&mut ledger, "acme", &ids[3]).await.last().map(|e| e.seq).expect("events");
     sqlx::any::install_default_drivers();
     let url = if mesh.database_url.starts_with("sqlite") {
         format!("{}?mode=rw", mesh.database_url)
@@ -305,7 +354,7 @@ async fn k13_tampering_is_detected(backend: Backend) {
     ))
     .await;
     for (id, bad_seq, what) in
-        [(&ids[0], 5, "altered"), (&ids[1], 4, "removed"), (&ids[2], 6, "reordered"), (&ids[3], 18, "truncated")]
+        [(&ids[0], 5, "altered"), (&ids[1], 4, "removed"), (&ids[2], 6, "reordered"), (&ids[3], last, "truncated")]
     {
         let v = verify(&mut ledger, "acme", id).await;
         assert!(!v.valid, "{what} event not detected");
@@ -323,9 +372,8 @@ async fn k13_altered_removed_or_reordered_events_fail_verification_on_postgres()
     k13_tampering_is_detected(Backend::Postgres).await;
 }
 
-#[tokio::test]
-async fn k19_policy_unavailable_means_nothing_executes() {
-    let mut mesh = mesh_on(Backend::Sqlite).await;
+async fn k19_policy_unavailable_means_nothing_executes(backend: Backend) {
+    let mut mesh = mesh_on(backend).await;
     mesh.policy.kill();
     let id = submit(&mesh, "acme", HELLO).await;
     let run = settled(&mesh, "acme", &id).await;
@@ -338,11 +386,20 @@ async fn k19_policy_unavailable_means_nothing_executes() {
     assert_eq!(payload(failed)["kind"], json!("policy_unavailable"));
 }
 
+#[tokio::test]
+async fn k19_policy_unavailable_means_nothing_executes_on_sqlite() {
+    k19_policy_unavailable_means_nothing_executes(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k19_policy_unavailable_means_nothing_executes_on_postgres() {
+    k19_policy_unavailable_means_nothing_executes(Backend::Postgres).await;
+}
+
 /// K04: every mutating call carries an idempotency key — a decision, a tool invocation, a
 /// ledger append, an artifact — and one without is refused naming the field, writing nothing.
-#[tokio::test]
-async fn k04_mutating_calls_without_an_idempotency_key_are_rejected() {
-    let mesh = services_on(Backend::Sqlite).await;
+async fn k04_mutating_calls_without_an_idempotency_key_are_rejected(backend: Backend) {
+    let mesh = services_on(backend).await;
     let run_id = planned_run(&mesh, "acme", &[("s1", "echo")]).await;
     let args = json!({"text": "hi"});
     let before = events(&mut mesh.ledger(), "acme", &run_id).await.len();
@@ -378,11 +435,20 @@ async fn k04_mutating_calls_without_an_idempotency_key_are_rejected() {
     assert!(mesh.outbox().is_empty());
 }
 
+#[tokio::test]
+async fn k04_mutating_calls_without_an_idempotency_key_are_rejected_on_sqlite() {
+    k04_mutating_calls_without_an_idempotency_key_are_rejected(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k04_mutating_calls_without_an_idempotency_key_are_rejected_on_postgres() {
+    k04_mutating_calls_without_an_idempotency_key_are_rejected(Backend::Postgres).await;
+}
+
 /// K05: the same idempotency key returns the first outcome and never repeats the side effect
 /// — sequentially or concurrently at the tool host, and at the ledger.
-#[tokio::test]
-async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second_side_effect() {
-    let mesh = services_on(Backend::Sqlite).await;
+async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second_side_effect(backend: Backend) {
+    let mesh = services_on(backend).await;
     let run_id = planned_run(&mesh, "acme", &[("s1", "email.send")]).await;
     let args = json!({"to": "ops@example.com", "subject": "once", "body": "b"});
     let decide = pb::AuthorizeRequest { tool: "email.send".into(), ..authorize_request(&run_id, &args) };
@@ -419,6 +485,16 @@ async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second
     let second = mesh.ledger().append_event(append).await.expect("append again").into_inner();
     assert!(!first.deduplicated && second.deduplicated);
     assert_eq!(first.event, second.event, "the first event is returned unchanged");
+}
+
+#[tokio::test]
+async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second_side_effect_on_sqlite() {
+    k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second_side_effect(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second_side_effect_on_postgres() {
+    k05_the_same_idempotency_key_returns_the_first_outcome_without_a_second_side_effect(Backend::Postgres).await;
 }
 
 /// Waits until step `step` of the run is running (its tool call is requested).
@@ -557,11 +633,10 @@ async fn k16_cancellation_follows_the_declared_cancel_policy_on_postgres() {
 
 /// K16 across replicas: a cancellation that reaches an executor other than the one driving
 /// the run is signalled through Redis, and the driver stops the run.
-#[tokio::test]
-async fn k16_a_cancel_reaching_another_replica_stops_the_run() {
+async fn k16_a_cancel_reaching_another_replica_stops_the_run(backend: Backend) {
     let mut opts = MeshOptions { executors: 2, ..MeshOptions::default() };
     opts.tenants[0].1.push("sleep".into());
-    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mesh = mesh_with(backend, opts).await;
     let work = plan(&[("nap", "sleep", json!({"ms": 4000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
     let id = submit(&mesh, "acme", &work).await;
     step_running(&mesh, &id, "nap").await;
@@ -575,6 +650,16 @@ async fn k16_a_cancel_reaching_another_replica_stops_the_run() {
     assert_eq!(run.status(), pb::RunStatus::Cancelled, "{}\n{}", run.reason, mesh.logs());
     let after = run.steps.iter().find(|s| s.id == "after").expect("after");
     assert_eq!(after.status(), pb::StepStatus::Cancelled);
+}
+
+#[tokio::test]
+async fn k16_a_cancel_reaching_another_replica_stops_the_run_on_sqlite() {
+    k16_a_cancel_reaching_another_replica_stops_the_run(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k16_a_cancel_reaching_another_replica_stops_the_run_on_postgres() {
+    k16_a_cancel_reaching_another_replica_stops_the_run(Backend::Postgres).await;
 }
 
 /// K08: a step's timeout comes only from its tool's declaration. A plan cannot set one (an
@@ -667,9 +752,8 @@ pub(crate) async fn approve_pending(mesh: &warden_testkit::Mesh, run_id: &str, a
 /// every attempt — and policy and approval skip on retry: a retried call is re-authorized
 /// under the allow its first attempt got (rule `retry`) without a new approval, while every
 /// attempt is still recorded, signed and receipted.
-#[tokio::test]
-async fn k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced() {
-    let mesh = mesh_with(Backend::Sqlite, retrying_mesh_options()).await;
+async fn k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced(backend: Backend) {
+    let mesh = mesh_with(backend, retrying_mesh_options()).await;
     let id = submit(&mesh, "acme", &plan(&[("f", "flaky", json!({"succeed_on_attempt": 3}), &[])])).await;
     assert_eq!(approve_pending(&mesh, &id, true).await, 1);
     let run = settled(&mesh, "acme", &id).await;
@@ -725,11 +809,20 @@ async fn k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced() {
     assert_eq!((d.outcome(), d.rule_id.as_str()), (pb::Outcome::Deny, "retry_unauthorized"));
 }
 
+#[tokio::test]
+async fn k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced_on_sqlite() {
+    k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced_on_postgres() {
+    k06_policy_and_approval_skip_on_retry_and_every_attempt_is_traced(Backend::Postgres).await;
+}
+
 /// K07: policy and human denials are decisions, never retried — even for a tool whose
 /// declared policy retries — and retryable failures stop at the declared number of attempts.
-#[tokio::test]
-async fn k07_policy_denied_and_human_denied_are_never_retried() {
-    let mesh = mesh_with(Backend::Sqlite, retrying_mesh_options()).await;
+async fn k07_policy_denied_and_human_denied_are_never_retried(backend: Backend) {
+    let mesh = mesh_with(backend, retrying_mesh_options()).await;
     let flaky = |n: u64| plan(&[("f", "flaky", json!({"succeed_on_attempt": n}), &[])]);
 
     let denied = submit(&mesh, "limited", &flaky(1)).await;
@@ -758,12 +851,21 @@ async fn k07_policy_denied_and_human_denied_are_never_retried() {
     assert_eq!(evs.iter().filter(|e| e.event_type == "tool_failed").count(), 3);
 }
 
+#[tokio::test]
+async fn k07_policy_denied_and_human_denied_are_never_retried_on_sqlite() {
+    k07_policy_denied_and_human_denied_are_never_retried(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k07_policy_denied_and_human_denied_are_never_retried_on_postgres() {
+    k07_policy_denied_and_human_denied_are_never_retried(Backend::Postgres).await;
+}
+
 /// K09: every attempt is traced and a step is never overwritten: the run's trace has one node
 /// per step id, each attempt in order with the decision it ran under and its outcome, the
 /// step's policy and approval events, and the plan's edges.
-#[tokio::test]
-async fn k09_every_attempt_is_traced_and_a_step_is_never_overwritten() {
-    let mesh = mesh_with(Backend::Sqlite, retrying_mesh_options()).await;
+async fn k09_every_attempt_is_traced_and_a_step_is_never_overwritten(backend: Backend) {
+    let mesh = mesh_with(backend, retrying_mesh_options()).await;
     let work = plan(&[
         ("f", "flaky", json!({"succeed_on_attempt": 2}), &[]),
         ("g", "echo", json!({"got": "{{f.output}}"}), &["f"]),
@@ -799,14 +901,23 @@ async fn k09_every_attempt_is_traced_and_a_step_is_never_overwritten() {
     assert_eq!(t["edges"], json!([{"from": "f", "to": "g", "kind": "depends_on"}]));
 }
 
+#[tokio::test]
+async fn k09_every_attempt_is_traced_and_a_step_is_never_overwritten_on_sqlite() {
+    k09_every_attempt_is_traced_and_a_step_is_never_overwritten(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k09_every_attempt_is_traced_and_a_step_is_never_overwritten_on_postgres() {
+    k09_every_attempt_is_traced_and_a_step_is_never_overwritten(Backend::Postgres).await;
+}
+
 /// K16 with K12: a cancellation that meets a call whose executor died mid-call does not erase
 /// the call — its effect may have started — the successor asks the tool host again under the
 /// same key, records the outcome, and cancels only what had not started.
-#[tokio::test]
-async fn k16_a_cancel_after_an_executor_died_mid_call_records_the_call() {
+async fn k16_a_cancel_after_an_executor_died_mid_call_records_the_call(backend: Backend) {
     let mut opts = MeshOptions { executors: 2, ..MeshOptions::default() };
     opts.tenants[0].1.push("sleep".into());
-    let mut mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mut mesh = mesh_with(backend, opts).await;
     let work = plan(&[("nap", "sleep", json!({"ms": 3000}), &[]), ("after", "echo", json!({"n": 1}), &["nap"])]);
     let id = submit(&mesh, "acme", &work).await;
     step_running(&mesh, &id, "nap").await;
@@ -829,6 +940,16 @@ async fn k16_a_cancel_after_an_executor_died_mid_call_records_the_call() {
     let evs = events(&mut mesh.ledger(), "acme", &id).await;
     let requested = evs.iter().filter(|e| e.event_type == "tool_requested" && e.step_id == "nap").count();
     assert_eq!(requested, 1, "asked again under the same key, not requested anew");
+}
+
+#[tokio::test]
+async fn k16_a_cancel_after_an_executor_died_mid_call_records_the_call_on_sqlite() {
+    k16_a_cancel_after_an_executor_died_mid_call_records_the_call(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k16_a_cancel_after_an_executor_died_mid_call_records_the_call_on_postgres() {
+    k16_a_cancel_after_an_executor_died_mid_call_records_the_call(Backend::Postgres).await;
 }
 
 /// K14: capability handles cannot be forged; expired, revoked, another tenant's and
@@ -897,6 +1018,7 @@ async fn k14_capabilities(backend: Backend) {
             retry_of: String::new(),
             caller_records: false,
             base_rules_only: false,
+            ..Default::default()
         };
         let mut p = policy.clone();
         async move { p.authorize(req).await.expect("a decision").into_inner() }

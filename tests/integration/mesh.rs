@@ -106,11 +106,10 @@ async fn a_resubmitted_idempotency_key_returns_the_first_run() {
     assert_eq!(mesh.outbox().len(), 1, "the email went out once");
 }
 
-#[tokio::test]
-async fn k12_killing_an_executor_loses_no_run_and_repeats_no_completed_step() {
+async fn k12_killing_an_executor_loses_no_run_and_repeats_no_completed_step(backend: Backend) {
     let mut opts = MeshOptions { executors: 2, ..MeshOptions::default() };
     opts.tenants[0].1.push("sleep".into());
-    let mut mesh = mesh_with(Backend::Postgres, opts).await;
+    let mut mesh = mesh_with(backend, opts).await;
     let steps: Vec<Value> = (0..6)
         .map(|i| {
             let deps: Vec<String> = if i == 0 { vec![] } else { vec![format!("s{}", i - 1)] };
@@ -144,6 +143,16 @@ async fn k12_killing_an_executor_loses_no_run_and_repeats_no_completed_step() {
         evs.iter().filter(|e| e.event_type == "run_started").map(|e| e.epoch).collect();
     assert!(epochs.len() >= 2, "a second executor took over under a new epoch: {epochs:?}");
     assert!(verify(&mut ledger, "acme", &id).await.valid);
+}
+
+#[tokio::test]
+async fn k12_killing_an_executor_loses_no_run_and_repeats_no_completed_step_on_sqlite() {
+    k12_killing_an_executor_loses_no_run_and_repeats_no_completed_step(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k12_killing_an_executor_loses_no_run_and_repeats_no_completed_step_on_postgres() {
+    k12_killing_an_executor_loses_no_run_and_repeats_no_completed_step(Backend::Postgres).await;
 }
 
 #[tokio::test]

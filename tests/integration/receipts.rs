@@ -53,9 +53,8 @@ async fn k02_every_call_outcome_has_exactly_one_receipt_on_postgres() {
     k02_every_call_outcome_has_exactly_one_receipt(Backend::Postgres).await;
 }
 
-#[tokio::test]
-async fn k02_a_second_outcome_for_a_call_is_refused() {
-    let mesh2 = services_on(Backend::Sqlite).await;
+async fn k02_a_second_outcome_for_a_call_is_refused(backend: Backend) {
+    let mesh2 = services_on(backend).await;
     let mut ledger = mesh2.ledger();
     let run = empty_run(&mut ledger, "acme").await;
     let first = pb::AppendEventRequest {
@@ -75,8 +74,17 @@ async fn k02_a_second_outcome_for_a_call_is_refused() {
 }
 
 #[tokio::test]
-async fn k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_authorization() {
-    let mesh = services_on(Backend::Sqlite).await;
+async fn k02_a_second_outcome_for_a_call_is_refused_on_sqlite() {
+    k02_a_second_outcome_for_a_call_is_refused(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k02_a_second_outcome_for_a_call_is_refused_on_postgres() {
+    k02_a_second_outcome_for_a_call_is_refused(Backend::Postgres).await;
+}
+
+async fn k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_authorization(backend: Backend) {
+    let mesh = services_on(backend).await;
     let mut ledger = mesh.ledger();
     let run = empty_run(&mut ledger, "acme").await;
     let args = json!({"cmd": "rm -rf /"});
@@ -156,6 +164,7 @@ async fn k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_
             retry_of: String::new(),
             caller_records: false,
             base_rules_only: false,
+            ..Default::default()
         })
         .await
         .expect("the policy decides afresh")
@@ -163,14 +172,23 @@ async fn k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_
     assert!(denied.authorization.is_none(), "no forged allow ever yields an authorization");
 }
 
+#[tokio::test]
+async fn k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_authorization_on_sqlite() {
+    k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_authorization(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_authorization_on_postgres() {
+    k01_a_forged_or_altered_decision_record_is_refused_and_never_yields_an_authorization(Backend::Postgres).await;
+}
+
 fn warden(args: &[&str], ledger_endpoint: &str) -> std::process::Output {
     let bin = warden_testkit::mesh::bin_dir().expect("bin dir").join("warden");
     Command::new(bin).args(args).env("WARDEN_LEDGER_ENDPOINT", ledger_endpoint).output().expect("run the warden CLI")
 }
 
-#[tokio::test]
-async fn k13_an_exported_run_verifies_offline_and_tampering_is_named() {
-    let mesh = mesh_on(Backend::Postgres).await;
+async fn k13_an_exported_run_verifies_offline_and_tampering_is_named(backend: Backend) {
+    let mesh = mesh_on(backend).await;
     let id = submit(&mesh, "acme", HELLO).await;
     settled(&mesh, "acme", &id).await;
     let head = mesh
@@ -217,8 +235,17 @@ async fn k13_an_exported_run_verifies_offline_and_tampering_is_named() {
 }
 
 #[tokio::test]
-async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger() {
-    let mesh = mesh_on(Backend::Sqlite).await;
+async fn k13_an_exported_run_verifies_offline_and_tampering_is_named_on_sqlite() {
+    k13_an_exported_run_verifies_offline_and_tampering_is_named(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k13_an_exported_run_verifies_offline_and_tampering_is_named_on_postgres() {
+    k13_an_exported_run_verifies_offline_and_tampering_is_named(Backend::Postgres).await;
+}
+
+async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger(backend: Backend) {
+    let mesh = mesh_on(backend).await;
     let id = submit(&mesh, "acme", HELLO).await;
     settled(&mesh, "acme", &id).await;
     let mut l = mesh.ledger();
@@ -249,10 +276,19 @@ async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger() {
     assert!(listed.runs.is_empty());
 }
 
+#[tokio::test]
+async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger_on_sqlite() {
+    k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger_on_postgres() {
+    k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger(Backend::Postgres).await;
+}
+
 /// With authentication on, a token scoped to one tenant can neither read nor write another
 /// tenant's runs, whatever tenant its requests name (K20); operators' `*` tokens read across.
-#[tokio::test]
-async fn k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs() {
+async fn k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs(backend: Backend) {
     use tonic::Code;
     let (ops, acme, globex) =
         ("ops-token-0123456789abcdef", "acme-token-0123456789abcdef", "globex-token-0123456789abcdef");
@@ -262,7 +298,7 @@ async fn k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs() 
         ..Default::default()
     };
     opts.tenants.push(("globex".into(), vec!["echo".into()]));
-    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let mesh = mesh_with(backend, opts).await;
     let id = mesh
         .runs_as(acme)
         .submit_run(pb::SubmitRunRequest { tenant: "acme".into(), plan_json: HELLO.into(), ..Default::default() })
@@ -335,4 +371,14 @@ async fn k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs() 
         .expect("health")
         .into_inner();
     assert_eq!(status.status(), tonic_health::pb::health_check_response::ServingStatus::Serving);
+}
+
+#[tokio::test]
+async fn k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs_on_sqlite() {
+    k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs_on_postgres() {
+    k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs(Backend::Postgres).await;
 }
