@@ -267,7 +267,27 @@ async fn an_mcp_server_over_stdio_runs_calls_authorized_recorded_and_receipted()
         ("write", "mcp.fs.write_file", json!({"path": target, "content": "hello from warden"}), &[]),
         ("read", "mcp.fs.read_text_file", json!({"path": target}), &["write"]),
     ]);
-    let (id, run) = run_plan(&mesh, "acme", &work).await;
+    // `write_file` is destructive by the server's hints, so consequential: the run commits to it
+    // with a capability (without one, policy denies `missing_commitment`).
+    let uncommitted = run_plan(&mesh, "acme", &work).await.1;
+    assert!(uncommitted.reason.contains("missing_commitment"), "{}", uncommitted.reason);
+    assert!(!std::path::Path::new(&target).exists(), "nothing was written without the commitment");
+    let mut caps = warden_proto::v1::capabilities_client::CapabilitiesClient::new(mesh.policy.channel());
+    let issue = pb::IssueCapabilityRequest {
+        tenant: "acme".into(),
+        tool_patterns: vec!["mcp.fs.write_file".into()],
+        ttl_seconds: 600,
+        ..Default::default()
+    };
+    let handle = caps.issue(issue).await.expect("issue").into_inner().handle;
+    let req = pb::SubmitRunRequest {
+        tenant: "acme".into(),
+        plan_json: work.clone(),
+        capability_handles: vec![handle],
+        ..Default::default()
+    };
+    let id = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let run = settled(&mesh, "acme", &id).await;
     assert_eq!(run.status(), pb::RunStatus::Completed, "{} {:?}\n{}", run.reason, run.steps, mesh.logs());
     assert_eq!(std::fs::read_to_string(&target).expect("written"), "hello from warden");
     assert!(output(step(&run, "read"))["text"].as_str().expect("text").contains("hello from warden"));
@@ -279,7 +299,21 @@ async fn an_mcp_server_over_stdio_runs_calls_authorized_recorded_and_receipted()
     // Policy allows globex `mcp.*`, but the host's fence keeps it off acme's server.
     let sneaky = files.join("globex.txt").display().to_string();
     let work = plan(&[("write", "mcp.fs.write_file", json!({"path": sneaky, "content": "x"}), &[])]);
-    let (id, run) = run_plan(&mesh, "globex", &work).await;
+    let issue = pb::IssueCapabilityRequest {
+        tenant: "globex".into(),
+        tool_patterns: vec!["mcp.fs.write_file".into()],
+        ttl_seconds: 600,
+        ..Default::default()
+    };
+    let handle = caps.issue(issue).await.expect("issue").into_inner().handle;
+    let req = pb::SubmitRunRequest {
+        tenant: "globex".into(),
+        plan_json: work,
+        capability_handles: vec![handle],
+        ..Default::default()
+    };
+    let id = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let run = settled(&mesh, "globex", &id).await;
     assert_eq!(run.status(), pb::RunStatus::Failed);
     let failed = failure_of(&mesh, "globex", &id, "write").await;
     assert_eq!(failed["kind"], "authorization_refused", "{failed}");
@@ -436,7 +470,10 @@ async fn a_misbehaving_mcp_server_fails_calls_recorded_with_the_reason_and_the_h
     let dir = tempfile::tempdir().expect("tempdir");
     let calls = dir.path().join("calls.txt");
     let servers = format!(
-        "[[mcp.servers]]\nname = \"bad\"\ncommand = {}\ntenants = [\"acme\"]\ncall_timeout_secs = 2\nenv = {{ CALLS_FILE = {} }}\n",
+        // The operator's word on the classes (unannotated, they would be consequential and each
+        // call would need a commitment first; these cases are about failures).
+        "[[mcp.servers]]\nname = \"bad\"\ncommand = {}\ntenants = [\"acme\"]\ncall_timeout_secs = 2\nenv = {{ CALLS_FILE = {} }}\n\
+         effects = {{ crash = \"write\", garbage = \"write\", hang = \"write\", odd_schema = \"write\", fail = \"write\" }}\n",
         toml_list(&[mcp_python().display().to_string(), fixture("bad_server.py")]),
         Value::String(calls.display().to_string())
     );

@@ -492,14 +492,15 @@ pub(super) async fn execute_attempt(
     let (mut answer, mut unknown, mut asked) = (None, String::new(), 0);
     let mut said_waiting = false;
     // Immediate cancellation reaches a call that is authorized and requested but that no host
-    // has received yet (its host was unreachable so far): it is never sent.
+    // has received yet because its host could not be reached (the wait below): it is never
+    // sent. A call on its way to a reachable host is not held back (it may be acting already).
     let cancels_unsent = ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before;
     loop {
         // A holder that lost its lease invokes nothing more: its successor settles the call.
         if ctx.lost.is_cancelled() {
             return Err(DriveError::LeaseLost);
         }
-        if cancels_unsent && asked == 0 && ctx.cancel.is_cancelled() {
+        if cancels_unsent && asked == 0 && said_waiting && ctx.cancel.is_cancelled() {
             let reason =
                 format!("the run was cancelled before the tool was invoked ({})", policy_name(ctx.cancel_policy));
             let payload =
@@ -558,7 +559,7 @@ pub(super) async fn execute_attempt(
         tokio::select! {
             _ = tokio::time::sleep(jittered(backoff)) => {}
             // Checked at the top of the loop.
-            _ = ctx.cancel.cancelled(), if cancels_unsent && asked == 0 => {}
+            _ = ctx.cancel.cancelled(), if cancels_unsent && asked == 0 && said_waiting => {}
         }
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
