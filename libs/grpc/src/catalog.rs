@@ -17,6 +17,8 @@ const TTL: Duration = Duration::from_secs(5);
 pub struct CatalogEntry {
     pub spec: pb::ToolSpec,
     pub host: usize,
+    /// [`declaration_sha256`] of `spec`, computed once per listing.
+    pub declaration_sha256: String,
 }
 
 pub type Tools = Arc<HashMap<String, CatalogEntry>>;
@@ -54,7 +56,11 @@ impl ToolCatalog {
             match host.clone().list_tools(pb::ListToolsRequest::default()).await {
                 Ok(listed) => {
                     for spec in listed.into_inner().tools {
-                        tools.entry(spec.name.clone()).or_insert(CatalogEntry { spec, host: i });
+                        tools.entry(spec.name.clone()).or_insert_with(|| CatalogEntry {
+                            declaration_sha256: declaration_sha256(&spec),
+                            spec,
+                            host: i,
+                        });
                     }
                 }
                 Err(s) => {

@@ -66,7 +66,7 @@ impl Sanitized {
     }
 }
 
-/// Vets `output` of `tool` (`text` is its canonical JSON): `None` when it may be recorded as
+/// Vets `output` of `tool` (`text` is its JSON): `None` when it may be recorded as
 /// it is. The rules see the whole output's JSON text (not a prefix: a secret past a cut-off
 /// would slip through).
 pub fn vet(
@@ -76,12 +76,15 @@ pub fn vet(
     output: &Value,
     text: &str,
 ) -> Option<Sanitized> {
-    let withheld = |rule: String, field: Option<String>, reason: String| Sanitized {
-        rule,
-        field,
-        reason,
-        output_sha256: sha256_hex(text.as_bytes()),
-        output_bytes: text.len(),
+    let withheld = |rule: String, field: Option<String>, reason: String| {
+        let canonical = warden_core::canonical::canonical_json(output);
+        Sanitized {
+            rule,
+            field,
+            reason,
+            output_sha256: sha256_hex(canonical.as_bytes()),
+            output_bytes: canonical.len(),
+        }
     };
     if let Some(name) = rules.matched(text) {
         let reason = format!("the output matches the output rule '{name}'");

@@ -255,9 +255,9 @@ impl ToolHost for McpHost {
         // Decided for the tool as this host lists it now (class, version, schemas).
         let (listed, _) = upstream.tools(self.inner.list_ttl);
         if let Some(t) = listed.iter().find(|t| t.spec.name == r.tool) {
-            warden_core::auth::check_declaration(&claims, &warden_grpc::catalog::declaration_sha256(&t.spec)).map_err(
-                |e| Status::permission_denied(format!("refused: decided for another declaration of the tool: {e}")),
-            )?;
+            warden_core::auth::check_declaration(&claims, &t.declaration_sha256).map_err(|e| {
+                Status::permission_denied(format!("refused: decided for another declaration of the tool: {e}"))
+            })?;
         }
         if !upstream.config.admits(&r.tenant) {
             tracing::warn!(tenant = %r.tenant, server = %server, "refused a call from a tenant the server does not serve");

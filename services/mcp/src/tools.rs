@@ -29,6 +29,9 @@ pub struct McpTool {
     pub spec: pb::ToolSpec,
     /// Why its input schema is not JSON Schema, if it is not: every call then fails so.
     pub schema_problem: Option<String>,
+    /// The SHA-256 of its declaration (`warden_grpc::catalog::declaration_sha256`), which an
+    /// authorization naming one must name.
+    pub declaration_sha256: String,
 }
 
 /// The Warden name of `tool` on `server`.
@@ -98,7 +101,8 @@ pub fn from_mcp(server: &McpServerConfig, tool: &rmcp::model::Tool) -> Option<Mc
         } as i32,
         risk_level: pb::RiskLevel::Unspecified as i32,
     };
-    Some(McpTool { name: tool.name.to_string(), spec, schema_problem })
+    let declaration_sha256 = warden_grpc::catalog::declaration_sha256(&spec);
+    Some(McpTool { name: tool.name.to_string(), spec, schema_problem, declaration_sha256 })
 }
 
 /// The output schema of a listed tool as Warden checks it: a step's output is the MCP result

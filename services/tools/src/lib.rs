@@ -135,40 +135,49 @@ pub struct ToolHostService {
     in_flight: Arc<InFlight>,
     /// What `ListTools` declares (timeouts and output schemas as configured).
     specs: Arc<Vec<pb::ToolSpec>>,
+    /// Each declared tool's declaration digest (authorizations must name it when they name one).
+    declared: Arc<HashMap<String, String>>,
 }
 
 impl ToolHostService {
     /// Builds the service; the state file is opened on first use (see [`Self::ready`]).
     /// Must be called within a Tokio runtime.
     pub fn new(config: &ToolsConfig) -> anyhow::Result<ToolHostService> {
+        let specs = Self::declared_specs(config);
+        let declared = specs.iter().map(|s| (s.name.clone(), warden_grpc::catalog::declaration_sha256(s))).collect();
         Ok(ToolHostService {
+            specs: Arc::new(specs),
+            declared: Arc::new(declared),
             state: Arc::new(tools::ToolState::new(&config.outbox_path, &config.state_file())?),
             keys: Default::default(),
             policy: PolicyClient::new(warden_grpc::channel(&config.policy_endpoint)?),
             ledger_keys: Default::default(),
             ledger: LedgerClient::new(warden_grpc::channel(&config.ledger_endpoint)?),
             in_flight: Default::default(),
-            specs: Arc::new(
-                tools::specs()
-                    .into_iter()
-                    .map(|mut s| {
-                        if let Some(t) = config.timeout_secs.get(&s.name) {
-                            s.timeout_sec = *t;
-                        }
-                        if let Some(schema) = config.output_schemas.get(&s.name) {
-                            s.output_schema_json = schema.clone();
-                        }
-                        if let Some(effect) = config.effects.get(&s.name) {
-                            let e = warden_grpc::catalog::effect_from_name(effect);
-                            s.effect = e as i32;
-                            s.consequential = e == pb::Effect::Consequential;
-                            s.read_only = e == pb::Effect::ReadOnly;
-                        }
-                        s
-                    })
-                    .collect(),
-            ),
         })
+    }
+
+    /// The demo tools as this host declares them (timeouts, output schemas and effect classes
+    /// as configured).
+    fn declared_specs(config: &ToolsConfig) -> Vec<pb::ToolSpec> {
+        tools::specs()
+            .into_iter()
+            .map(|mut s| {
+                if let Some(t) = config.timeout_secs.get(&s.name) {
+                    s.timeout_sec = *t;
+                }
+                if let Some(schema) = config.output_schemas.get(&s.name) {
+                    s.output_schema_json = schema.clone();
+                }
+                if let Some(effect) = config.effects.get(&s.name) {
+                    let e = warden_grpc::catalog::effect_from_name(effect);
+                    s.effect = e as i32;
+                    s.consequential = e == pb::Effect::Consequential;
+                    s.read_only = e == pb::Effect::ReadOnly;
+                }
+                s
+            })
+            .collect()
     }
 
     /// Opens the state file and creates its tables now, so a bad `state_path` stops a server
@@ -216,8 +225,8 @@ impl ToolHostService {
         };
         let claims = auth::verify(&signed, |id| self.keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
         // Decided for the tool as this host declares it now (class, version, schemas).
-        if let Some(spec) = self.specs.iter().find(|s| s.name == r.tool) {
-            auth::check_declaration(&claims, &warden_grpc::catalog::declaration_sha256(spec))
+        if let Some(declared) = self.declared.get(&r.tool) {
+            auth::check_declaration(&claims, declared)
                 .map_err(|e| refused(e, "decided for another declaration of the tool: "))?;
         }
         let ack = from_wire(r.request_ack.as_ref());

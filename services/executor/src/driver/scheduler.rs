@@ -274,7 +274,7 @@ async fn pin_tools(
         let Some(entry) = catalog.get(name) else { continue };
         let p = PinnedTool {
             version: entry.spec.version.clone(),
-            sha256: warden_grpc::catalog::declaration_sha256(&entry.spec),
+            sha256: entry.declaration_sha256.clone(),
             effect: warden_grpc::catalog::effect_name(&entry.spec).to_string(),
         };
         tools.insert(name.to_string(), json!({"version": p.version, "sha256": p.sha256, "effect": p.effect}));

@@ -316,7 +316,7 @@ pub(super) async fn execute_attempt(
     // The declaration the run pinned stands (seed 000 §15): a host declaring the tool otherwise
     // now (another class, version or schema) gets no call of this run. A call asked before is
     // settled all the same (its host decides; see `check_declaration`).
-    let declared = warden_grpc::catalog::declaration_sha256(&entry.spec);
+    let declared = entry.declaration_sha256.clone();
     let pinned = ctx.pinned.get(&step.tool).cloned();
     if let Some(p) = &pinned
         && p.sha256 != declared
@@ -603,7 +603,10 @@ pub(super) async fn execute_attempt(
             // The output half of the pipeline: what fails the output rules or the declared
             // output schema is withheld; the step completes all the same (seed 000 §9).
             let inner = &ctx.ex.inner;
-            let text = canonical_json(&output);
+            // Compact JSON, not RFC 8785: the rules and the size limit need the text, not its
+            // canonical form (the ledger canonicalizes what it stores; a withheld output's digest
+            // is taken canonically).
+            let text = output.to_string();
             let declared = (step.tool.as_str(), entry.spec.output_schema_json.as_str());
             let withheld = crate::output::vet(&inner.output_rules, &inner.tool_schemas, declared, &output, &text);
             let output = match &withheld {
