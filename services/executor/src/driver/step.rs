@@ -542,8 +542,12 @@ pub(super) async fn execute_attempt(
                 unknown = format!("the tool host says: {}", s.message());
                 break;
             }
+            // The connection broke off under the call — a status the host sent for it, or the
+            // client's own transport error of any code (an HTTP/2 protocol error while the host
+            // shuts down arrives as INTERNAL): the host may have acted.
             Ok(Err(s))
-                if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded) =>
+                if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded)
+                    || broke_off(&s) =>
             {
                 asked += 1;
                 unknown = format!("tool host call broke off: {}", s.message());
