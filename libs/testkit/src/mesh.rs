@@ -371,7 +371,7 @@ impl Mesh {
         // another.
         // The planner's address is chosen now too: the policy asks it for the critic's reviews.
         let planner_addr = format!("127.0.0.1:{}", crate::procs::free_port()?);
-        let (ledger, policy) = {
+        let (ledger, mut policy) = {
             let mut tries = 0;
             loop {
                 tries += 1;
@@ -423,17 +423,33 @@ impl Mesh {
         let endpoints: Vec<String> =
             std::iter::once(&tools).chain(&extra_hosts).map(|p| format!("\"{}\"", p.endpoint)).collect();
         let hosts = format!("[{}]", endpoints.join(", "));
-        let planner = ServiceProcess::start(
-            "planner",
-            binary("warden-planner")?,
-            base(&[
-                ("WARDEN_PLANNER__LISTEN", &planner_addr),
-                ("WARDEN_PLANNER__TOOL_HOSTS", &hosts),
-                ("WARDEN_PLANNER__POLICY_ENDPOINT", &policy.endpoint),
-                ("WARDEN_PLANNER__LEDGER_ENDPOINT", &ledger.endpoint),
-            ]),
-            log("planner"),
-        )?;
+        // Another process may have taken the planner's port since it was chosen: then the
+        // planner takes another and the policy is started again knowing it.
+        let mut planner_addr = planner_addr;
+        let mut tries = 0;
+        let planner = loop {
+            tries += 1;
+            let started = ServiceProcess::start(
+                "planner",
+                binary("warden-planner")?,
+                base(&[
+                    ("WARDEN_PLANNER__LISTEN", &planner_addr),
+                    ("WARDEN_PLANNER__TOOL_HOSTS", &hosts),
+                    ("WARDEN_PLANNER__POLICY_ENDPOINT", &policy.endpoint),
+                    ("WARDEN_PLANNER__LEDGER_ENDPOINT", &ledger.endpoint),
+                ]),
+                log("planner"),
+            );
+            match started {
+                Ok(planner) => break planner,
+                Err(e) if tries < 5 && e.to_string().contains("Address already in use") => {
+                    planner_addr = format!("127.0.0.1:{}", crate::procs::free_port()?);
+                    policy.set_env("WARDEN_POLICY__PLANNER_ENDPOINT", &format!("http://{planner_addr}"));
+                    policy.restart()?;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let mut executors = Vec::new();
         for i in 0..opts.executors {
             let id = format!("executor-{i}");
