@@ -256,7 +256,7 @@ mod tests {
         let loaded = Loaded::from_toml(&text).unwrap_or_else(|e| panic!("README example: {e}\n{text}"));
         let fs = &loaded.mcp.servers[0];
         assert_eq!((fs.name.as_str(), fs.command[0].as_str()), ("fs", "node"));
-        assert_eq!(fs.effects["write_file"], Effect::Consequential);
+        assert_eq!(fs.effects["write_file"], Effect::Write);
     }
 
     #[test]
