@@ -629,6 +629,17 @@ async fn replanning_stops_at_its_rounds_a_direct_response_or_the_budget() {
     assert!(done.reason.contains("used its 1 replanning rounds"), "{}", done.reason);
     assert!(done.steps.iter().any(|s| s.id == "try_r1"), "round 1 ran");
     assert_eq!(model.received().len(), 2);
+    // Failure memory: round 1 proposed the call that failed again; it is not attempted again.
+    let again = done.steps.iter().find(|s| s.id == "try_r1").expect("try_r1");
+    assert_eq!(again.status(), pb::StepStatus::Failed);
+    assert!(again.error.contains("already failed in this run as step 'try'"), "{}", again.error);
+    let evs = run_events(&mesh, &run).await;
+    let asked = |sid: &str| {
+        evs.iter()
+            .filter(|e| e.step_id == sid && matches!(e.event_type.as_str(), "policy_decision" | "tool_requested"))
+            .count()
+    };
+    assert_eq!((asked("try"), asked("try_r1")), (2, 0), "decided and requested once, never again");
 
     // A round that gives up.
     let model = ScriptedModel::start(failing()).await;

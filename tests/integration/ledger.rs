@@ -502,3 +502,63 @@ async fn two_ledger_replicas_share_a_run_on_sqlite() {
 async fn two_ledger_replicas_share_a_run_on_postgres() {
     two_ledger_replicas_share_a_run(Backend::Postgres).await;
 }
+
+/// Replanning as the ledger holds it, whoever appends: rounds in order, new steps under ids
+/// the run never used, `steps` naming exactly them; and no pause once a cancellation was
+/// requested (it would leave the request behind the pause). Refusals write nothing.
+async fn revisions_and_pauses_are_held_to_what_they_mean(backend: Backend) {
+    let mesh = services_on(backend).await;
+    let mut ledger = mesh.ledger();
+    let create = pb::CreateRunRequest { tenant: "acme".into(), goal: "g".into(), ..Default::default() };
+    let run_id = ledger.create_run(create).await.expect("create").into_inner().run.expect("run").run_id;
+    let append = |event_type: &str, key: &str, payload: serde_json::Value| pb::AppendEventRequest {
+        tenant: "acme".into(),
+        run_id: run_id.clone(),
+        epoch: 1,
+        idempotency_key: key.into(),
+        event_type: event_type.into(),
+        payload_json: payload.to_string(),
+        step_id: String::new(),
+    };
+    let first =
+        json!({"steps": [{"id": "a", "tool": "echo", "params": {}}, {"id": "b", "tool": "echo", "params": {}}]});
+    ledger.append_event(append("plan_created", "created", json!({"plan": first}))).await.expect("plan_created");
+    let before = events(&mut ledger, "acme", &run_id).await.len();
+    let revised = |round: u32, ids: &[&str], steps: &[&str]| {
+        let plan: Vec<_> = ids.iter().map(|id| json!({"id": id, "tool": "echo", "params": {}})).collect();
+        json!({"round": round, "plan": {"steps": plan}, "steps": steps})
+    };
+    let refused = [
+        (revised(2, &["c"], &["c"]), "payload_json.round"),
+        (revised(1, &["a"], &["a"]), "payload_json.plan"),
+        (revised(1, &["c", "d"], &["c"]), "payload_json.steps"),
+    ];
+    for (i, (payload, field)) in refused.into_iter().enumerate() {
+        let e = ledger.append_event(append("plan_revised", &format!("bad{i}"), payload)).await.expect_err(field);
+        assert_field_violation(&e, field);
+    }
+    assert_eq!(events(&mut ledger, "acme", &run_id).await.len(), before, "no refused revision left anything");
+    ledger.append_event(append("plan_revised", "r1", revised(1, &["c"], &["c"]))).await.expect("round 1");
+    let run = ledger.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() }).await;
+    let plan: serde_json::Value = serde_json::from_str(&run.expect("run").into_inner().plan_json).expect("plan");
+    assert_eq!(plan["steps"][0]["id"], "c", "the round's plan is the run's plan");
+    // Round 2 may not reuse the ids of round 1 nor those before it.
+    let again = ledger.append_event(append("plan_revised", "r2", revised(2, &["b"], &["b"]))).await;
+    assert_field_violation(&again.expect_err("a used id"), "payload_json.plan");
+
+    ledger.append_event(append("run_started", "started", json!({}))).await.expect("started");
+    ledger.append_event(append("run_cancel_requested", "cancel", json!({"reason": "stop"}))).await.expect("cancel");
+    let paused = ledger.append_event(append("run_paused", "paused", json!({"reason": "paused"}))).await;
+    assert_eq!(paused.expect_err("paused after a cancel request").code(), tonic::Code::FailedPrecondition);
+    assert!(verify(&mut ledger, "acme", &run_id).await.valid);
+}
+
+#[tokio::test]
+async fn revisions_and_pauses_are_held_to_what_they_mean_on_sqlite() {
+    revisions_and_pauses_are_held_to_what_they_mean(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn revisions_and_pauses_are_held_to_what_they_mean_on_postgres() {
+    revisions_and_pauses_are_held_to_what_they_mean(Backend::Postgres).await;
+}

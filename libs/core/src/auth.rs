@@ -35,15 +35,35 @@ pub struct AuthorizationClaims {
     pub effect: String,
 }
 
-/// A host's check that the authorization was decided for the tool it declares now: claims that
-/// name a declaration (`tool_sha256`) must name this host's (`declared_sha256`), so a call
-/// decided under another class, version or schema is refused.
-pub fn check_declaration(claims: &AuthorizationClaims, declared_sha256: &str) -> Result<(), AuthError> {
+/// A host's check that the authorization was decided for the tool it declares now.
+///
+/// - claims that name a declaration (`tool_sha256`) must name this host's (`declared_sha256`),
+///   so a call decided under another class, version or schema is refused;
+/// - claims that name an effect class must name the declared one (`declared_effect`, as
+///   `warden_grpc::catalog::effect_name` spells it): the policy decided under the class it was
+///   told, and a caller that told it a milder class than the tool's gets no call;
+/// - a `consequential` tool refuses claims that name no declaration: the policy asks such a
+///   tool for a commitment only when it knows the class, so an authorization decided without
+///   it could have skipped the commitment.
+pub fn check_declaration(
+    claims: &AuthorizationClaims,
+    declared_sha256: &str,
+    declared_effect: &str,
+) -> Result<(), AuthError> {
     if !claims.tool_sha256.is_empty() && claims.tool_sha256 != declared_sha256 {
         return Err(AuthError::Mismatch { field: "tool_sha256" });
     }
+    if !claims.effect.is_empty() && claims.effect != declared_effect {
+        return Err(AuthError::Mismatch { field: "effect" });
+    }
+    if declared_effect == CONSEQUENTIAL && (claims.tool_sha256.is_empty() || claims.effect.is_empty()) {
+        return Err(AuthError::Undeclared);
+    }
     Ok(())
 }
+
+/// The effect class that needs a commitment (SPEC-KERN-01 §4).
+pub const CONSEQUENTIAL: &str = "consequential";
 
 /// Claims bytes plus signature, as carried on the wire.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +100,8 @@ pub enum AuthError {
     Expired { expired_at_ms: i64, now_ms: i64 },
     #[error("authorization is for another call: {field} does not match")]
     Mismatch { field: &'static str },
+    #[error("authorization names no tool declaration, and the tool is consequential")]
+    Undeclared,
 }
 
 /// What the call in hand claims to be; compared field by field with the signed claims.
@@ -203,5 +225,30 @@ mod tests {
         assert!(matches!(verify(&forged, lookup, &call(), 1_500).unwrap_err(), AuthError::UnknownKey(_)));
         let empty = SignedClaims { claims_json: vec![], signature: vec![], key_id: String::new() };
         assert_eq!(verify(&empty, lookup, &call(), 1_500).unwrap_err(), AuthError::Missing);
+    }
+
+    #[test]
+    fn a_host_refuses_a_milder_class_than_it_declares() {
+        let named = |sha: &str, effect: &str| AuthorizationClaims {
+            tool_sha256: sha.into(),
+            effect: effect.into(),
+            ..claims()
+        };
+        // As declared, or naming no declaration for a tool that needs no commitment.
+        assert_eq!(check_declaration(&named("d1", "mutating"), "d1", "mutating"), Ok(()));
+        assert_eq!(check_declaration(&named("", ""), "d1", "mutating"), Ok(()));
+        assert_eq!(check_declaration(&named("d1", "consequential"), "d1", "consequential"), Ok(()));
+        // Another declaration, another class, or a consequential tool's call decided blind.
+        assert_eq!(
+            check_declaration(&named("d0", "mutating"), "d1", "mutating"),
+            Err(AuthError::Mismatch { field: "tool_sha256" })
+        );
+        assert_eq!(
+            check_declaration(&named("d1", "mutating"), "d1", "consequential"),
+            Err(AuthError::Mismatch { field: "effect" })
+        );
+        assert_eq!(check_declaration(&named("", ""), "d1", "consequential"), Err(AuthError::Undeclared));
+        assert_eq!(check_declaration(&named("d1", ""), "d1", "consequential"), Err(AuthError::Undeclared));
+        assert_eq!(check_declaration(&named("", "consequential"), "d1", "consequential"), Err(AuthError::Undeclared));
     }
 }

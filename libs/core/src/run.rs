@@ -39,6 +39,14 @@ pub struct StepView {
     pub retry_of: Option<String>,
     /// When the pending retry may start (Unix ms), so a successor keeps the backoff.
     pub retry_not_before_ms: Option<i64>,
+    /// The call the step's latest decision or request was about, as [`call_fingerprint`]
+    /// gives it.
+    pub call: Option<String>,
+}
+
+/// A call as failure memory knows it: its tool and the SHA-256 of its canonical arguments.
+pub fn call_fingerprint(tool: &str, args_sha256: &str) -> String {
+    format!("{tool}@{args_sha256}")
 }
 
 impl StepView {
@@ -55,6 +63,7 @@ impl StepView {
             idempotency_key: None,
             retry_of: None,
             retry_not_before_ms: None,
+            call: None,
         }
     }
 
@@ -107,6 +116,10 @@ pub struct RunView {
     /// Outages the driver is waiting out, by the step (or planning round) that waits: what
     /// each `run_waiting` said, until that step's next event (or the run's end).
     pub waiting: BTreeMap<String, String>,
+    /// Failure memory (seed 001): every call (`call_fingerprint`) that was decided and then
+    /// failed or was denied for good in this run, with the step it failed as. The same call is
+    /// never attempted again in the run, whatever step a later plan proposes it as.
+    pub failed_calls: BTreeMap<String, String>,
 }
 
 impl Default for RunView {
@@ -126,6 +139,7 @@ impl Default for RunView {
             steps: Vec::new(),
             last_seq: 0,
             waiting: BTreeMap::new(),
+            failed_calls: BTreeMap::new(),
         }
     }
 }
@@ -211,8 +225,18 @@ impl RunView {
         let Some(step) = self.steps.iter_mut().find(|s| s.id == step_id) else {
             return;
         };
+        let mut memorized = None;
+        let fingerprint = || Some(call_fingerprint(str_field(payload, "tool")?, str_field(payload, "args_sha256")?));
         match event_type {
+            events::POLICY_DECISION => {
+                if let Some(call) = fingerprint() {
+                    step.call = Some(call);
+                }
+            }
             events::TOOL_REQUESTED => {
+                if let Some(call) = fingerprint() {
+                    step.call = Some(call);
+                }
                 step.status = StepStatus::Running;
                 step.attempts = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
                 step.outcome_unknown = true;
@@ -236,6 +260,8 @@ impl RunView {
                     step.status = StepStatus::Pending;
                     step.retry_of = Some(first.to_string());
                     step.retry_not_before_ms = payload["retry"].get("not_before_ms").and_then(Value::as_i64);
+                } else if let Some(call) = step.call.clone() {
+                    memorized = Some((call, step.id.clone()));
                 }
             }
             events::STEP_CANCELLED => {
@@ -245,6 +271,9 @@ impl RunView {
                 step.outcome_unknown = false;
             }
             _ => {}
+        }
+        if let Some((call, step_id)) = memorized {
+            self.failed_calls.entry(call).or_insert(step_id);
         }
     }
 
@@ -305,6 +334,22 @@ mod tests {
         v.apply(1, events::RUN_SUBMITTED, "", &plan);
         v.apply(2, events::RUN_STARTED, "", &json!({}));
         v
+    }
+
+    #[test]
+    fn failure_memory_keeps_each_call_that_failed_or_was_denied_for_good() {
+        let mut v = started_two_step_run();
+        let call = |tool: &str, sha: &str| json!({"tool": tool, "args_sha256": sha, "attempt": 1});
+        v.apply(3, events::POLICY_DECISION, "a", &call("echo", "aa"));
+        v.apply(4, events::TOOL_REQUESTED, "a", &call("echo", "aa"));
+        // A failure another attempt follows is not memorized; the final one is.
+        v.apply(5, events::TOOL_FAILED, "a", &json!({"kind": "tool_error", "retry": {"retry_of": "d1"}}));
+        assert!(v.failed_calls.is_empty());
+        v.apply(6, events::TOOL_FAILED, "a", &json!({"kind": "tool_error", "reason": "boom"}));
+        v.apply(7, events::POLICY_DECISION, "b", &call("echo", "bb"));
+        v.apply(8, events::STEP_FAILED, "b", &json!({"kind": "policy_denied", "reason": "no"}));
+        let memorized: Vec<(&str, &str)> = v.failed_calls.iter().map(|(c, s)| (c.as_str(), s.as_str())).collect();
+        assert_eq!(memorized, [("echo@aa", "a"), ("echo@bb", "b")]);
     }
 
     #[test]

@@ -165,8 +165,9 @@ async def test_a_verified_call_runs_once_and_a_repeat_is_replayed(host: ToolHost
 
 
 async def test_outcomes_survive_a_restart_of_the_host(authority: LocalAuthority, tmp_path: Path) -> None:
+    host = authority.host(TOOLS, state_path=tmp_path / "t.db")
     req = authority.request("mail.send", {"to": "ops@example.com"})
-    first = await authority.host(TOOLS, state_path=tmp_path / "t.db").invoke(req)
+    first = await host.invoke(req)
     # A new host over the same file: nothing in memory survives.
     again = await authority.host(TOOLS, state_path=tmp_path / "t.db").invoke(req)
     assert again.replayed and again.output_json == first.output_json
@@ -251,8 +252,8 @@ async def test_outputs_are_validated_against_the_return_annotation(host: ToolHos
 async def test_a_call_started_but_never_recorded_is_in_doubt_and_not_run_again(
     authority: LocalAuthority, tmp_path: Path
 ) -> None:
-    req = authority.request("mail.send", {"to": "ops@example.com"})
     host = authority.host(TOOLS, state_path=tmp_path / "t.db")
+    req = authority.request("mail.send", {"to": "ops@example.com"})
     # What a host that stopped mid-call leaves behind: the call marked started, no outcome.
     assert await host.store.mark_started(req.tenant, req.idempotency_key, 1)
     e = await refused(host, req)
@@ -302,7 +303,16 @@ async def test_k01_unproven_calls_are_refused_before_the_function_runs(
     later = authority.host(TOOLS, state_path=tmp_path / "later.db", clock=lambda: 2**62)
     e = await refused(later, authority.request("mail.send", {"to": "a@example.com"}))
     assert "expired" in e.message
+
+    # A consequential tool's call decided under a milder class, or without its declaration
+    # (the policy would not have asked for a commitment), is refused.
+    milder = authority.request("mail.send", {"to": "a@example.com"}, effect="write")
+    assert (await refused(host, milder)).message.endswith("effect does not match")
+    blind = authority.request("mail.send", {"to": "a@example.com"}, declared=False)
+    assert (await refused(host, blind)).message.endswith("and the tool is consequential")
     assert CALLS == [], "no refused call reached the function"
+    # A tool needing no commitment still takes a call that names no declaration.
+    await host.invoke(authority.request("math.add", {"a": 1, "b": 2}, declared=False))
 
 
 async def test_a_replay_still_needs_both_proofs(host: ToolHost, authority: LocalAuthority) -> None:

@@ -38,6 +38,13 @@ impl OutputRules {
     }
 }
 
+/// A tool's error message as it may be recorded (and shown to a replanning planner): the
+/// output rules apply to it as to an output, so a secret in an error is withheld too. `None`
+/// when it may be recorded as it is; else the name of the rule it matched.
+pub fn vet_error(rules: &OutputRules, message: &str) -> Option<String> {
+    rules.matched(message).map(|name| format!("output_rule:{name}"))
+}
+
 /// Why an output was withheld; recorded as the `sanitized` field of its `tool_completed`.
 #[derive(Debug, PartialEq)]
 pub struct Sanitized {

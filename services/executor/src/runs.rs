@@ -476,8 +476,12 @@ impl Runs for RunsService {
                     "the cancellation is recorded but could not be signalled to the executor ({e}); try again"
                 )));
             }
-            // A run no executor holds is resumed to be cancelled by one.
-            if matches!(status, pb::RunStatus::Blocked | pb::RunStatus::Paused) {
+            // A run no executor holds is resumed to be cancelled by one. Its status is read
+            // again: a driver may have paused or blocked the run since it was read above (the
+            // ledger refuses a pause after the request, so this reading is the last word on it).
+            let get = pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() };
+            let now = ledger.get_run(get).await?.into_inner().status();
+            if matches!(now, pb::RunStatus::Blocked | pb::RunStatus::Paused) {
                 let resumed =
                     append(events::RUN_RESUMED, "resumed:cancel", json!({"reason": "resumed to be cancelled"}));
                 if let Err(s) = ledger.append_event(resumed).await

@@ -253,12 +253,25 @@ impl ToolHost for McpHost {
         // Nothing about the call is acted on before both proofs are checked.
         let claims = self.inner.guard.verify(&r, &digest).await?;
         // Decided for the tool as this host lists it now (class, version, schemas).
-        let (listed, _) = upstream.tools(self.inner.list_ttl);
-        if let Some(t) = listed.iter().find(|t| t.spec.name == r.tool) {
-            warden_core::auth::check_declaration(&claims, &t.declaration_sha256).map_err(|e| {
-                Status::permission_denied(format!("refused: decided for another declaration of the tool: {e}"))
-            })?;
+        // A tool the server does not list now has no declaration to check the call against: it
+        // is refused rather than passed on unchecked (the policy may have decided under a class
+        // the tool never had).
+        let (mut listed, stale) = upstream.tools(self.inner.list_ttl);
+        if stale
+            && !listed.iter().any(|t| t.spec.name == r.tool)
+            && let Ok(fresh) = upstream.refresh().await
+        {
+            listed = fresh;
         }
+        let Some(t) = listed.iter().find(|t| t.spec.name == r.tool) else {
+            return Err(Status::failed_precondition(format!(
+                "refused: MCP server '{server}' does not list tool '{tool}' now, so the call cannot be checked against its declaration"
+            )));
+        };
+        let effect = warden_grpc::catalog::effect_name(&t.spec);
+        warden_core::auth::check_declaration(&claims, &t.declaration_sha256, effect).map_err(|e| {
+            Status::permission_denied(format!("refused: decided for another declaration of the tool: {e}"))
+        })?;
         if !upstream.config.admits(&r.tenant) {
             tracing::warn!(tenant = %r.tenant, server = %server, "refused a call from a tenant the server does not serve");
             return Err(Status::permission_denied(format!(

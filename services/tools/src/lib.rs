@@ -135,8 +135,8 @@ pub struct ToolHostService {
     in_flight: Arc<InFlight>,
     /// What `ListTools` declares (timeouts and output schemas as configured).
     specs: Arc<Vec<pb::ToolSpec>>,
-    /// Each declared tool's declaration digest (authorizations must name it when they name one).
-    declared: Arc<HashMap<String, String>>,
+    /// Each declared tool's declaration digest and effect class (see `auth::check_declaration`).
+    declared: Arc<HashMap<String, (String, &'static str)>>,
 }
 
 impl ToolHostService {
@@ -144,7 +144,13 @@ impl ToolHostService {
     /// Must be called within a Tokio runtime.
     pub fn new(config: &ToolsConfig) -> anyhow::Result<ToolHostService> {
         let specs = Self::declared_specs(config);
-        let declared = specs.iter().map(|s| (s.name.clone(), warden_grpc::catalog::declaration_sha256(s))).collect();
+        let declared = specs
+            .iter()
+            .map(|s| {
+                let digest = warden_grpc::catalog::declaration_sha256(s);
+                (s.name.clone(), (digest, warden_grpc::catalog::effect_name(s)))
+            })
+            .collect();
         Ok(ToolHostService {
             specs: Arc::new(specs),
             declared: Arc::new(declared),
@@ -225,8 +231,8 @@ impl ToolHostService {
         };
         let claims = auth::verify(&signed, |id| self.keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
         // Decided for the tool as this host declares it now (class, version, schemas).
-        if let Some(declared) = self.declared.get(&r.tool) {
-            auth::check_declaration(&claims, declared)
+        if let Some((digest, effect)) = self.declared.get(&r.tool) {
+            auth::check_declaration(&claims, digest, effect)
                 .map_err(|e| refused(e, "decided for another declaration of the tool: "))?;
         }
         let ack = from_wire(r.request_ack.as_ref());
@@ -491,6 +497,50 @@ mod tests {
         let ok = invoke(&host, declared_call("acme", "run1:s2:1", "email.send", mail, &ours)).await;
         assert!(!ok.replayed);
         assert_eq!(outbox(dir.path()).len(), 1);
+    }
+
+    /// A host declaring a tool consequential refuses an authorization decided under a milder
+    /// class, or one naming no declaration (the policy asks for a commitment only when it
+    /// knows the class): a caller cannot downgrade the tool by what it tells the policy.
+    #[tokio::test]
+    async fn a_consequential_tool_refuses_a_call_decided_under_a_milder_class_or_blind() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = {
+            let config = ToolsConfig {
+                outbox_path: dir.path().join("outbox.jsonl").display().to_string(),
+                policy_endpoint: "http://127.0.0.1:9".into(),
+                effects: [("email.send".to_string(), "consequential".to_string())].into(),
+                ..ToolsConfig::default()
+            };
+            let service = ToolHostService::new(&config).expect("service");
+            let vk = policy_key().verifying_key();
+            service.keys.install([(key_id(&vk), vk.as_bytes().to_vec())]);
+            let lk = ledger_key().verifying_key();
+            service.ledger_keys.install([(key_id(&lk), lk.as_bytes().to_vec())]);
+            service
+        };
+        let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
+        let spec = host.specs.iter().find(|s| s.name == "email.send").expect("declared").clone();
+        assert_eq!(warden_grpc::catalog::effect_name(&spec), "consequential");
+        let ours = warden_grpc::catalog::declaration_sha256(&spec);
+        let blind = host.invoke(Request::new(call("acme", "run1:s1:1", "email.send", mail.clone()))).await;
+        let e = blind.expect_err("no declaration named");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("consequential"), "{e:?}");
+        // The right digest, but the class the policy was told is milder than declared.
+        let mut milder = declared_call("acme", "run1:s2:1", "email.send", mail.clone(), &ours);
+        let mut claims: AuthorizationClaims =
+            serde_json::from_slice(&milder.authorization.as_ref().expect("auth").claims_json).expect("claims");
+        claims.effect = "external".into();
+        let signed = sign(claims, &policy_key());
+        milder.authorization = Some(pb::SignedAuthorization {
+            claims_json: signed.claims_json,
+            signature: signed.signature,
+            key_id: signed.key_id,
+        });
+        let e = host.invoke(Request::new(milder)).await.expect_err("milder class");
+        assert!(e.message().contains("effect does not match"), "{e:?}");
+        assert!(outbox(dir.path()).is_empty(), "no refused call sent mail");
     }
 
     #[tokio::test]

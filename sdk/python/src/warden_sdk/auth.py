@@ -58,13 +58,18 @@ class AuthError(Exception):
     """Why a signed statement does not authorize the call in hand.
 
     ``kind`` is one of ``missing``, ``unknown_key``, ``bad_signature``, ``malformed``,
-    ``expired`` and ``mismatch`` (then ``field`` names the claim that differs).
+    ``expired``, ``mismatch`` (then ``field`` names the claim that differs) and ``undeclared``
+    (a consequential tool's call decided without naming its declaration).
     """
 
     def __init__(self, kind: str, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.field = field
+
+    @classmethod
+    def undeclared(cls) -> AuthError:
+        return cls("undeclared", "authorization names no tool declaration, and the tool is consequential")
 
     @classmethod
     def missing(cls) -> AuthError:

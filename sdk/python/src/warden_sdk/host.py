@@ -125,6 +125,19 @@ _EFFECTS = {
 }
 
 
+def effect_name(spec: common_pb2.ToolSpec) -> str:
+    """A tool's effect class as authorizations name it (mirrors ``warden_grpc::catalog::effect_name``)."""
+    named = {
+        common_pb2.EFFECT_READ_ONLY: "read_only",
+        common_pb2.EFFECT_MUTATING: "mutating",
+        common_pb2.EFFECT_EXTERNAL: "external",
+        common_pb2.EFFECT_CONSEQUENTIAL: "consequential",
+    }
+    return named.get(spec.effect) or (
+        "consequential" if spec.consequential else "read_only" if spec.read_only else "mutating"
+    )
+
+
 def declaration_sha256(spec: common_pb2.ToolSpec) -> str:
     """The SHA-256 of a tool's declaration as authorizations bind it (mirrors
     ``warden_grpc::catalog::declaration_sha256``): RFC 8785 JSON of its name, version, effect
@@ -136,15 +149,7 @@ def declaration_sha256(spec: common_pb2.ToolSpec) -> str:
         except JsonError:
             return None
 
-    named = {
-        common_pb2.EFFECT_READ_ONLY: "read_only",
-        common_pb2.EFFECT_MUTATING: "mutating",
-        common_pb2.EFFECT_EXTERNAL: "external",
-        common_pb2.EFFECT_CONSEQUENTIAL: "consequential",
-    }
-    effect = named.get(spec.effect) or (
-        "consequential" if spec.consequential else "read_only" if spec.read_only else "mutating"
-    )
+    effect = effect_name(spec)
     risk = {
         common_pb2.RISK_LEVEL_LOW: "low",
         common_pb2.RISK_LEVEL_MEDIUM: "medium",
@@ -645,13 +650,18 @@ class ToolHost:
         except AuthError as e:
             raise refused(e, "") from None
         # Decided for the tool as this host declares it now (class, version, schemas).
+        # A milder class than declared, or a consequential tool's call decided without its
+        # declaration, is refused (mirrors ``warden_core::auth::check_declaration``).
         definition = self._tools.get(r.tool)
-        if (
-            claims.tool_sha256
-            and definition is not None
-            and claims.tool_sha256 != declaration_sha256(definition.spec())
-        ):
-            raise refused(AuthError.mismatch("tool_sha256"), "decided for another declaration of the tool: ")
+        if definition is not None:
+            spec = definition.spec()
+            declared_effect = effect_name(spec)
+            if claims.tool_sha256 and claims.tool_sha256 != declaration_sha256(spec):
+                raise refused(AuthError.mismatch("tool_sha256"), "decided for another declaration of the tool: ")
+            if claims.effect and claims.effect != declared_effect:
+                raise refused(AuthError.mismatch("effect"), "decided for another declaration of the tool: ")
+            if declared_effect == "consequential" and not (claims.tool_sha256 and claims.effect):
+                raise refused(AuthError.undeclared(), "decided for another declaration of the tool: ")
         ack = r.request_ack if r.HasField("request_ack") else None
         if ack is not None and ack.key_id:
             await self._ledger_keys.ensure(ack.key_id)

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from .auth import AuthorizationClaims, RequestAckClaims, key_id, sign_claims
 from .canonical import args_digest, canonical_json
-from .host import ToolDefinition, ToolHost
+from .host import ToolDefinition, ToolHost, declaration_sha256, effect_name
 from .v1 import common_pb2, toolhost_pb2
 
 __all__ = ["LocalAuthority"]
@@ -38,6 +38,9 @@ class LocalAuthority:
     def __init__(self) -> None:
         self.policy_key = Ed25519PrivateKey.generate()
         self.ledger_key = Ed25519PrivateKey.generate()
+        #: The declarations of the tools of the hosts built here: authorizations name them, as
+        #: the mesh's name the declaration a run pinned.
+        self.declared: dict[str, common_pb2.ToolSpec] = {}
 
     @property
     def policy_keys(self) -> dict[str, bytes]:
@@ -56,6 +59,8 @@ class LocalAuthority:
     ) -> ToolHost:
         """A host trusting only this authority's keys (it never contacts a mesh)."""
         extra: dict[str, Any] = {"clock": clock} if clock else {}
+        tools = list(tools)
+        self.declared.update({t.name: t.spec() for t in tools})
         return ToolHost(
             tools, state_path=state_path, policy_keys=self.policy_keys, ledger_keys=self.ledger_keys, **extra
         )
@@ -74,11 +79,21 @@ class LocalAuthority:
         capability_id: str = "",
         expires_in_ms: int = 60_000,
         acknowledged: bool = True,
+        declared: bool = True,
+        effect: str | None = None,
     ) -> toolhost_pb2.InvokeRequest:
         """An ``InvokeRequest`` for one call, authorized and (unless ``acknowledged`` is
-        false) acknowledged like the mesh would."""
+        false) acknowledged like the mesh would. The authorization names the tool's declaration
+        (digest and effect class) when a host built here declares it, unless ``declared`` is
+        false; ``effect`` overrides the class it names."""
         key = idempotency_key or f"{run_id}:{step_id}:{attempt}"
         now = int(time.time() * 1000)
+        spec = self.declared.get(tool) if declared else None
+        named: dict[str, str] = {}
+        if spec is not None:
+            named = {"tool_version": spec.version, "tool_sha256": declaration_sha256(spec), "effect": effect_name(spec)}
+        if effect is not None:
+            named["effect"] = effect
         claims = AuthorizationClaims(
             v=1,
             key_id="",
@@ -93,6 +108,7 @@ class LocalAuthority:
             capability_id=capability_id,
             issued_at_ms=now,
             expires_at_ms=now + expires_in_ms,
+            **named,
         )
         auth = sign_claims(claims, self.policy_key)
         req = toolhost_pb2.InvokeRequest(

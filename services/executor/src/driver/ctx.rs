@@ -60,6 +60,9 @@ pub(super) struct RunCtx {
     pub(super) appending: std::sync::Arc<tokio::sync::Mutex<()>>,
     /// The tools' declarations the run pinned (`tools_pinned`), set by the scheduler.
     pub(super) pinned: std::sync::Arc<std::collections::BTreeMap<String, warden_core::run::PinnedTool>>,
+    /// Failure memory (`RunView::failed_calls`) as the scheduler found it: calls that failed
+    /// or were denied for good in this run, never attempted again.
+    pub(super) failed_calls: std::sync::Arc<std::collections::BTreeMap<String, String>>,
 }
 
 /// One event to append, as the ledger takes it.

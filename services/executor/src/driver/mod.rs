@@ -120,6 +120,7 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
         deferred: Default::default(),
         appending: Default::default(),
         pinned: Default::default(),
+        failed_calls: Default::default(),
     };
     let mut result = match view {
         Some(view) => drive_view(&ctx, view).await,
@@ -500,15 +501,35 @@ fn pausing(ctx: &RunCtx) -> bool {
 
 /// Records that the run is paused, once the steps in flight settled: what waits is recorded
 /// with it, and the lease is released on the way out (`with_lease`), so no executor holds the
-/// run until it is resumed.
-async fn pause(ctx: &RunCtx) -> Result<(), DriveError> {
+/// run until it is resumed. A cancellation requested meanwhile wins: the run is not paused
+/// (the ledger refuses `run_paused` after a cancel request, so a request that raced this one
+/// is never left behind a pause) and `false` is returned with `ctx.cancel` fired, for the
+/// scheduler to cancel the run instead.
+async fn pause(ctx: &RunCtx) -> Result<bool, DriveError> {
     let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    if view.cancel_requested.is_some() {
+        ctx.cancel.cancel();
+        return Ok(false);
+    }
     let why = view.pause_requested.unwrap_or_default();
     let reason = if why.is_empty() { "paused on request".to_string() } else { format!("paused: {why}") };
     // One pause per drive: a run paused again after a resume is driven under a new epoch.
-    ctx.append(events::RUN_PAUSED, "", format!("run_paused:e{}", ctx.epoch), json!({"reason": reason})).await?;
+    let paused = ctx.append(events::RUN_PAUSED, "", format!("run_paused:e{}", ctx.epoch), json!({"reason": reason}));
+    match paused.await {
+        Ok(_) => {}
+        Err(DriveError::Ledger(s)) if s.code() == Code::FailedPrecondition => {
+            let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+            if view.cancel_requested.is_none() {
+                return Err(DriveError::Ledger(s));
+            }
+            tracing::info!(run_id = %ctx.run_id, "a cancellation overtook the pause");
+            ctx.cancel.cancel();
+            return Ok(false);
+        }
+        Err(e) => return Err(e),
+    }
     tracing::info!(run_id = %ctx.run_id, "run paused");
     warden_telemetry::metrics::run_reached("paused");
     tracing::Span::current().record("run.status", "paused");
-    Ok(())
+    Ok(true)
 }

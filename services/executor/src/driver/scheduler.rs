@@ -37,7 +37,9 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         .map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status }))
         .collect();
     let mut outputs = view.outputs();
-    if view.steps.iter().any(|s| s.status == StepStatus::Pending) {
+    // Steps to run (those whose outcome is unknown are asked again) may template from stored
+    // outputs.
+    if view.steps.iter().any(|s| s.status == StepStatus::Pending || s.outcome_unknown) {
         stored_outputs(ctx, &view, &mut outputs).await?;
     }
     let resume: HashMap<String, Resume> = view.steps.iter().map(|s| (s.id.clone(), Resume::of(s))).collect();
@@ -47,7 +49,11 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied) && view.in_plan(&s.id))
         .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
     let pinned = pin_tools(ctx, plan, &view).await?;
-    let ctx = &RunCtx { pinned: std::sync::Arc::new(pinned), ..ctx.clone() };
+    let ctx = &RunCtx {
+        pinned: std::sync::Arc::new(pinned),
+        failed_calls: std::sync::Arc::new(view.failed_calls.clone()),
+        ..ctx.clone()
+    };
     let limit = ctx.ex.inner.config.max_concurrency;
     let mut reconcile: Option<(String, String)> = None;
     // A step waiting for an approval: nothing new starts, the run blocks once the rest settles.
@@ -163,7 +169,11 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                 break;
             }
             if pausing(ctx) {
-                return pause(ctx).await.map(|_| None);
+                if pause(ctx).await? {
+                    return Ok(None);
+                }
+                // A cancellation overtook the pause: the next pass cancels what has not run.
+                continue;
             }
             // Every pending step is either ready or cancelled by the passes above, so an idle
             // loop here would be a scheduler bug: stop rather than spin.

@@ -11,6 +11,7 @@ use tracing::Instrument;
 use warden_core::canonical::{args_digest, canonical_json};
 use warden_core::events;
 use warden_core::plan::PlanStep;
+use warden_core::run::call_fingerprint;
 use warden_proto::v1 as pb;
 
 use super::DriveError;
@@ -349,6 +350,21 @@ pub(super) async fn execute_attempt(
         return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     }
     let args_json = canonical_json(&args);
+    // Failure memory (seed 001): a call that failed or was denied for good in this run — under
+    // any step, in any planning round — is never attempted again; the runtime does not try
+    // again blindly (a step's own retries, which its tool's retry policy asks for, go on).
+    if !asked_before
+        && retry_of.is_none()
+        && let Some(before) = ctx.failed_calls.get(&call_fingerprint(&step.tool, &args_digest(&args)))
+        && before != &step.id
+    {
+        let reason = format!(
+            "the same call ({} with the same arguments) already failed in this run as step '{before}'; it is not attempted again",
+            step.tool
+        );
+        let p = fail("repeated_failure", reason, json!({"failed_as": before}));
+        return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
+    }
     // K01/K19: without a recorded allow decision and its signed authorization, nothing runs.
     // Authorize is idempotent per call: a policy restart or a store blip is waited out (within
     // the outage grace), not turned into a failure; nothing runs meanwhile.
@@ -596,7 +612,19 @@ pub(super) async fn execute_attempt(
                     Err(e) => Err(failed("invalid_output", format!("tool output is not JSON: {e}"), json!({}))),
                 },
                 Some(pb::invoke_response::Outcome::Error(e)) => {
-                    Err(failed("tool_error", e.message, json!({"code": e.code, "retryable": e.retryable})))
+                    let extra = json!({"code": e.code, "retryable": e.retryable});
+                    match crate::output::vet_error(&ctx.ex.inner.output_rules, &e.message) {
+                        None => Err(failed("tool_error", e.message, extra)),
+                        // Withheld like an output: recorded, templated and shown nowhere.
+                        Some(rule) => {
+                            warden_telemetry::metrics::output_sanitized(&rule);
+                            let mut p = failed("tool_error", crate::output::SANITIZED.into(), extra);
+                            p["sanitized"] = json!({"rule": rule, "reason": "the tool's error message matched an output rule",
+                                                    "message_sha256": warden_core::canonical::sha256_hex(e.message.as_bytes()),
+                                                    "message_bytes": e.message.len()});
+                            Err(p)
+                        }
+                    }
                 }
                 None => Err(failed("invalid_output", "tool host returned no outcome".into(), json!({}))),
             }
@@ -611,6 +639,8 @@ pub(super) async fn execute_attempt(
             // canonical form (the ledger canonicalizes what it stores; a withheld output's digest
             // is taken canonically).
             let text = output.to_string();
+            // What the call cost is spent whether or not its output may be recorded.
+            let cost = output.get("cost").and_then(Value::as_f64);
             let declared = (step.tool.as_str(), entry.spec.output_schema_json.as_str());
             let withheld = crate::output::vet(&inner.output_rules, &inner.tool_schemas, declared, &output, &text);
             let output = match &withheld {
@@ -657,7 +687,7 @@ pub(super) async fn execute_attempt(
                 Ok(_) => {
                     // A tool that reports what it cost (`"cost": n` in its output) spends the
                     // run's and tenant's budgets; later calls are judged against them.
-                    if let Some(cost) = output.get("cost").and_then(Value::as_f64) {
+                    if let Some(cost) = cost {
                         record_cost(ctx, &step.id, attempt, cost).await;
                     }
                     Ok(StepOutcome::Completed(output))

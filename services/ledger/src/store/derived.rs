@@ -26,6 +26,7 @@ pub fn has_effects(event_type: &str) -> bool {
             | events::TX_ROLLED_BACK
             | events::PLAN_CREATED
             | events::PLAN_REVISED
+            | events::RUN_PAUSED
     )
 }
 
@@ -38,6 +39,7 @@ pub async fn apply(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedE
         events::TX_ROLLED_BACK => rollback(tx, e).await.map(|_| String::new()),
         events::PLAN_CREATED => plan_created(tx, e).await.map(|_| String::new()),
         events::PLAN_REVISED => plan_revised(tx, e).await.map(|_| String::new()),
+        events::RUN_PAUSED => not_cancelled(tx, e).await.map(|_| String::new()),
         _ => Ok(String::new()),
     }
 }
@@ -60,18 +62,116 @@ async fn plan_created(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerErr
 }
 
 /// A replanning round's plan becomes the run's plan (the policy signs only steps of it). Only
-/// a goal run's plan is revised: it had one from planning already.
+/// a goal run's plan is revised: it had one from planning already. The ledger holds a round
+/// to what replanning is (seed 000 §12), whoever appends it:
+/// - rounds come in order (`round` is one more than the rounds recorded);
+/// - every step that completed is kept, unchanged (it is never run again, nor rewritten);
+/// - every other step of the revised plan is new: its id was never used in the run, by an
+///   event or an earlier plan (a proposed step taking a used id is renamed `<id>_r<N>` by the
+///   planner), and `steps` lists exactly those (by id).
 async fn plan_revised(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
-    let plan = e.body.payload.get("plan").ok_or_else(|| LedgerError::invalid("payload_json.plan", "missing"))?;
+    use warden_core::plan::Plan;
+    let payload = &e.body.payload;
+    let plan = payload.get("plan").ok_or_else(|| LedgerError::invalid("payload_json.plan", "missing"))?;
     let text = warden_core::canonical_json(plan);
-    warden_core::plan::Plan::parse(&text).map_err(|err| LedgerError::invalid("payload_json.plan", err.to_string()))?;
-    let updated = sqlx::query("UPDATE runs SET plan_json = $2 WHERE run_id = $1 AND plan_json <> '' AND goal <> ''")
-        .bind(&e.body.run_id)
-        .bind(&text)
-        .execute(&mut **tx)
+    let revised = Plan::parse(&text).map_err(|err| LedgerError::invalid("payload_json.plan", err.to_string()))?;
+    let run_id = &e.body.run_id;
+    let row = sqlx::query("SELECT plan_json FROM runs WHERE run_id = $1 AND plan_json <> '' AND goal <> ''")
+        .bind(run_id)
+        .fetch_optional(&mut **tx)
         .await?;
-    if updated.rows_affected() != 1 {
-        return Err(LedgerError::Precondition(format!("run '{}' is not a planned goal run", e.body.run_id)));
+    let Some(row) = row else {
+        return Err(LedgerError::Precondition(format!("run '{run_id}' is not a planned goal run")));
+    };
+    let current = Plan::parse(&row.try_get::<String, _>(0)?)
+        .map_err(|err| LedgerError::Internal(format!("run '{run_id}' has a plan that does not parse: {err}")))?;
+    let rounds: i64 = sqlx::query("SELECT COUNT(*) FROM events WHERE run_id = $1 AND event_type = $2")
+        .bind(run_id)
+        .bind(events::PLAN_REVISED)
+        .fetch_one(&mut **tx)
+        .await?
+        .try_get(0)?;
+    let round = payload.get("round").and_then(Value::as_i64).unwrap_or_default();
+    if round != rounds + 1 {
+        return Err(LedgerError::invalid(
+            "payload_json.round",
+            format!("is {round}; the run has recorded {rounds} replanning rounds, so this one is {}", rounds + 1),
+        ));
+    }
+    let ids = |event_type: Option<&str>| {
+        let sql = match event_type {
+            Some(_) => "SELECT DISTINCT step_id FROM events WHERE run_id = $1 AND event_type = $2",
+            None => "SELECT DISTINCT step_id FROM events WHERE run_id = $1 AND step_id <> $2",
+        };
+        sqlx::query(sql).bind(run_id.clone()).bind(event_type.unwrap_or("").to_string())
+    };
+    let completed: std::collections::HashSet<String> = ids(Some(events::TOOL_COMPLETED))
+        .fetch_all(&mut **tx)
+        .await?
+        .iter()
+        .map(|r| r.try_get::<String, _>(0))
+        .collect::<Result<_, _>>()?;
+    let mut used: std::collections::HashSet<String> =
+        ids(None).fetch_all(&mut **tx).await?.iter().map(|r| r.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
+    // And every step of every earlier plan, run or not.
+    let plans = sqlx::query("SELECT payload_json FROM events WHERE run_id = $1 AND event_type IN ($2, $3)")
+        .bind(run_id)
+        .bind(events::PLAN_CREATED)
+        .bind(events::PLAN_REVISED)
+        .fetch_all(&mut **tx)
+        .await?;
+    for row in plans {
+        let recorded: Value = serde_json::from_str(&row.try_get::<String, _>(0)?).unwrap_or_default();
+        if let Some(steps) = recorded.pointer("/plan/steps").and_then(Value::as_array) {
+            used.extend(steps.iter().filter_map(|s| s.get("id").and_then(Value::as_str)).map(str::to_string));
+        }
+    }
+    for step in current.steps.iter().filter(|s| completed.contains(&s.id)) {
+        match revised.steps.iter().find(|r| r.id == step.id) {
+            Some(kept) if kept == step => {}
+            Some(_) => {
+                let why = format!("rewrites step '{}', which completed (a completed step is kept as it was)", step.id);
+                return Err(LedgerError::invalid("payload_json.plan", why));
+            }
+            None => {
+                let why = format!("drops step '{}', which completed (a completed step is kept)", step.id);
+                return Err(LedgerError::invalid("payload_json.plan", why));
+            }
+        }
+    }
+    let kept: std::collections::HashSet<&str> =
+        current.steps.iter().filter(|s| completed.contains(&s.id)).map(|s| s.id.as_str()).collect();
+    let new: Vec<&str> = revised.steps.iter().map(|s| s.id.as_str()).filter(|id| !kept.contains(id)).collect();
+    if let Some(id) = new.iter().find(|id| used.contains(**id) || current.steps.iter().any(|s| s.id == **id)) {
+        let why = format!("step '{id}' takes an id the run used before; a new step needs a new id");
+        return Err(LedgerError::invalid("payload_json.plan", why));
+    }
+    let listed: Vec<&str> = payload
+        .get("steps")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if listed != new {
+        return Err(LedgerError::invalid("payload_json.steps", "must list exactly the plan's new steps, in order"));
+    }
+    sqlx::query("UPDATE runs SET plan_json = $2 WHERE run_id = $1").bind(run_id).bind(&text).execute(&mut **tx).await?;
+    Ok(())
+}
+
+/// A run whose cancellation was requested is not paused: `Runs.CancelRun` resumes a paused
+/// run to cancel it, and a pause recorded after its request would leave the request behind
+/// the pause for good.
+async fn not_cancelled(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
+    let requested = sqlx::query("SELECT seq FROM events WHERE run_id = $1 AND event_type = $2 LIMIT 1")
+        .bind(&e.body.run_id)
+        .bind(events::RUN_CANCEL_REQUESTED)
+        .fetch_optional(&mut **tx)
+        .await?;
+    if requested.is_some() {
+        return Err(LedgerError::Precondition(format!(
+            "run '{}' has a cancellation requested; it is cancelled, not paused",
+            e.body.run_id
+        )));
     }
     Ok(())
 }
