@@ -94,12 +94,16 @@ pub enum RunCommand {
         #[arg(long)]
         operator: String,
     },
-    /// The run's execution trace: JSON (steps, attempts, decisions, edges), or with --dot a
-    /// Graphviz graph of the steps (`warden run trace RUN --dot | dot -Tsvg > trace.svg`).
+    /// The run's execution trace: JSON (steps, attempts, decisions, edges, and `dag`); with
+    /// --json only its execution DAG (frames, planner attempts, steps, branches, attempts,
+    /// results; seed 001); with --dot that DAG as a Graphviz graph, frames and steps as nested
+    /// clusters (`warden run trace RUN --dot | dot -Tsvg > trace.svg`).
     Trace {
         run_id: String,
-        #[arg(long)]
+        #[arg(long, conflicts_with = "json")]
         dot: bool,
+        #[arg(long)]
+        json: bool,
     },
     /// The run's lifecycle summary and steps.
     Status {
@@ -491,7 +495,7 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
             println!("{}", status_name(run.status));
             Ok(0)
         }
-        RunCommand::Trace { run_id, dot } => {
+        RunCommand::Trace { run_id, dot, json } => {
             let trace = runs_client(&target.endpoint)
                 .await?
                 .get_trace(pb::GetRunRequest { tenant: target.tenant.clone(), run_id })
@@ -501,6 +505,8 @@ pub async fn run(target: &Target, cmd: RunCommand) -> anyhow::Result<i32> {
             let t: serde_json::Value = serde_json::from_str(&trace.trace_json)?;
             if dot {
                 print!("{}", trace_dot(&t));
+            } else if json {
+                println!("{}", serde_json::to_string_pretty(&t["dag"])?);
             } else {
                 println!("{}", serde_json::to_string_pretty(&t)?);
             }
@@ -786,27 +792,120 @@ async fn artifacts(
     Ok(0)
 }
 
-/// The trace as a Graphviz digraph: a node per step (tool, status, attempts with their
-/// outcomes), an edge per dependency.
+/// The trace's execution DAG as a Graphviz digraph: the root frame a cluster holding its
+/// planner attempts and steps, each step a cluster holding its branches, attempts and result;
+/// nodes labelled by what ran (tool or step id) and status, never by payloads.
 fn trace_dot(t: &serde_json::Value) -> String {
     let quote = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
     let field = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or_default().to_string();
-    let mut out = format!("digraph \"{}\" {{\n  rankdir=LR;\n  node [shape=box];\n", quote(&field(t, "run_id")));
-    for s in t.get("steps").and_then(|x| x.as_array()).into_iter().flatten() {
-        let attempts: Vec<String> = s
-            .get("attempts")
-            .and_then(|x| x.as_array())
-            .into_iter()
-            .flatten()
-            .map(|a| format!("#{} {}", a.get("attempt").and_then(|n| n.as_u64()).unwrap_or(0), field(a, "outcome")))
-            .collect();
-        let parts = [field(s, "step_id"), field(s, "tool"), field(s, "status"), attempts.join(", ")];
-        let label: Vec<String> = parts.iter().map(|p| quote(p)).collect();
-        out.push_str(&format!("  \"{}\" [label=\"{}\"];\n", quote(&field(s, "step_id")), label.join("\\n")));
+    let dag = &t["dag"];
+    let nodes: Vec<&serde_json::Value> = dag.get("nodes").and_then(|x| x.as_array()).into_iter().flatten().collect();
+    let edges: Vec<&serde_json::Value> = dag.get("edges").and_then(|x| x.as_array()).into_iter().flatten().collect();
+    // Which step a node belongs to (branches, attempts, results), by the edges that reach it.
+    let mut owner: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    for e in &edges {
+        let (from, to) = (field(e, "from"), field(e, "to"));
+        if matches!(field(e, "kind").as_str(), "tries" | "backtracked_to" | "executes" | "produced") {
+            let step = if from.starts_with("step:") { Some(from.clone()) } else { owner.get(&from).cloned() };
+            if let Some(step) = step {
+                owner.insert(to, step);
+            }
+        }
     }
-    for e in t.get("edges").and_then(|x| x.as_array()).into_iter().flatten() {
-        out.push_str(&format!("  \"{}\" -> \"{}\";\n", quote(&field(e, "from")), quote(&field(e, "to"))));
+    let shape = |kind: &str| match kind {
+        "frame" => "folder",
+        "planner_attempt" => "note",
+        "step" => "box",
+        "branch" => "diamond",
+        "attempt" => "ellipse",
+        "result" => "doublecircle",
+        _ => "octagon",
+    };
+    let node_line = |n: &serde_json::Value| {
+        let label = format!("{}\\n{}", quote(&field(n, "label")), quote(&field(n, "status")));
+        format!("\"{}\" [shape={}, label=\"{label}\"];\n", quote(&field(n, "id")), shape(&field(n, "kind")))
+    };
+    let mut out = format!("digraph \"{}\" {{\n  rankdir=LR;\n  compound=true;\n", quote(&field(t, "run_id")));
+    for frame in nodes.iter().filter(|n| field(n, "kind") == "frame") {
+        let fid = field(frame, "id");
+        out.push_str(&format!(
+            "  subgraph \"cluster_{}\" {{\n    label=\"frame {} ({})\";\n",
+            quote(&fid),
+            quote(&field(frame, "label")),
+            quote(&field(frame, "status"))
+        ));
+        out.push_str(&format!("    {}", node_line(frame)));
+        for n in nodes.iter().filter(|n| field(n, "frame_id") == fid && field(n, "kind") == "planner_attempt") {
+            out.push_str(&format!("    {}", node_line(n)));
+        }
+        for step in nodes.iter().filter(|n| field(n, "frame_id") == fid && field(n, "kind") == "step") {
+            let sid = field(step, "id");
+            out.push_str(&format!(
+                "    subgraph \"cluster_{}\" {{\n      label=\"{}\";\n",
+                quote(&sid),
+                quote(&field(step, "label"))
+            ));
+            out.push_str(&format!("      {}", node_line(step)));
+            for n in nodes.iter().filter(|n| owner.get(&field(n, "id")) == Some(&sid)) {
+                out.push_str(&format!("      {}", node_line(n)));
+            }
+            out.push_str("    }\n");
+        }
+        out.push_str("  }\n");
+    }
+    for e in &edges {
+        out.push_str(&format!(
+            "  \"{}\" -> \"{}\" [label=\"{}\"];\n",
+            quote(&field(e, "from")),
+            quote(&field(e, "to")),
+            quote(&field(e, "kind"))
+        ));
     }
     out.push_str("}\n");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+    use warden_core::trace::TraceEvent;
+
+    /// The DAG renders as nested clusters: the root frame holds the step, the step holds its
+    /// branches, attempts and result; nodes are labelled by tool, not by payloads.
+    #[test]
+    fn a_trace_renders_as_nested_frame_and_step_clusters() {
+        let plan = json!({"plan": {"steps": [{"id": "a", "tool": "fail", "params": {"secret": "hunter2"},
+                                              "alternatives": [{"tool": "echo"}]}]}});
+        let evs = [
+            ("run_submitted", "", plan),
+            ("tool_requested", "a", json!({"attempt": 1})),
+            ("tool_failed", "a", json!({"attempt": 1, "reason": "no"})),
+            ("step_branched", "a", json!({"branch": 1, "tool": "echo", "attempt": 2})),
+            ("tool_requested", "a", json!({"attempt": 2})),
+            ("tool_completed", "a", json!({"attempt": 2, "output": {}})),
+        ];
+        let owned: Vec<TraceEvent<'_>> = evs
+            .iter()
+            .enumerate()
+            .map(|(i, (t, s, p))| TraceEvent {
+                seq: i as u64 + 1,
+                event_type: t,
+                step_id: s,
+                payload: p,
+                timestamp_ms: 0,
+            })
+            .collect();
+        let trace = warden_core::trace::build("r1", &owned);
+        let mut t = serde_json::to_value(&trace).expect("json");
+        t["dag"] = serde_json::to_value(warden_core::dag::of(&trace, "goal")).expect("dag");
+        let dot = super::trace_dot(&t);
+        let frame = dot.find("subgraph \"cluster_frame:root\"").expect("frame cluster");
+        let step = dot.find("subgraph \"cluster_step:a\"").expect("step cluster");
+        let branch = dot
+            .find("\"branch:a:1\" [shape=diamond, label=\"echo\\nsucceeded\"]")
+            .unwrap_or_else(|| panic!("branch node:\n{dot}"));
+        assert!(frame < step && step < branch, "nested in order:\n{dot}");
+        assert!(dot.contains("\"branch:a:0\" -> \"branch:a:1\" [label=\"backtracked_to\"]"), "{dot}");
+        assert!(!dot.contains("hunter2"), "payloads are not labels");
+    }
 }

@@ -3,6 +3,7 @@
 
 mod agent;
 mod bad_input;
+mod branches;
 mod conformance;
 mod console;
 mod deploy;

@@ -46,6 +46,10 @@ pub const PLAN_REVISED: &str = "plan_revised";
 /// tool whose host now declares it otherwise fails `tool_changed`; authorizations bind the
 /// pinned declaration.
 pub const TOOLS_PINNED: &str = "tools_pinned";
+/// A step whose call failed for good moves to its next alternative (seed 001 branches):
+/// `{"branch": n, "tool", "after": why the previous branch failed, "failed_kind"}`. The step is
+/// pending again under branch `n`; the failed branch stays on record.
+pub const STEP_BRANCHED: &str = "step_branched";
 /// A model call about to be made: cites the policy's allow for `model.call` (seed 002 fields).
 pub const MODEL_REQUESTED: &str = "model_requested";
 /// What the model answered: raw output, parsed plan or why it was refused, usage, cost.
@@ -98,6 +102,7 @@ pub const KNOWN: &[&str] = &[
     PLAN_CREATED,
     PLAN_REVISED,
     TOOLS_PINNED,
+    STEP_BRANCHED,
     MODEL_REQUESTED,
     MODEL_COMPLETED,
     MODEL_FAILED,

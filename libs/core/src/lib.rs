@@ -8,6 +8,7 @@ pub mod ack;
 pub mod auth;
 pub mod canonical;
 pub mod chain;
+pub mod dag;
 pub mod decision;
 pub mod events;
 pub mod export;

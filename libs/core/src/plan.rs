@@ -67,6 +67,40 @@ pub struct PlanStep {
     pub params: Value,
     #[serde(default)]
     pub depends_on: Vec<String>,
+    /// Branches (seed 001): what the step does instead, in order, when its call fails for
+    /// good — denied, refused, or failed after the retries its tool allows. The runtime moves
+    /// to the next alternative, never trying the same tool and arguments twice (failure
+    /// memory); the step fails when none is left. Alternatives template from the step's
+    /// dependencies like its params.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alternatives: Vec<Alternative>,
+}
+
+/// One alternative of a step: another tool call that serves the step's purpose.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Alternative {
+    pub tool: String,
+    #[serde(default = "empty_object")]
+    pub params: Value,
+}
+
+/// Most alternatives one step may name.
+pub const MAX_ALTERNATIVES: usize = 4;
+
+impl PlanStep {
+    /// The step's branches in order: its own call (branch 0), then its alternatives.
+    pub fn branch(&self, n: usize) -> Option<(&str, &Value)> {
+        match n {
+            0 => Some((self.tool.as_str(), &self.params)),
+            n => self.alternatives.get(n - 1).map(|a| (a.tool.as_str(), &a.params)),
+        }
+    }
+
+    /// Every tool the step may call: its own, then its alternatives'.
+    pub fn tools(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.tool.as_str()).chain(self.alternatives.iter().map(|a| a.tool.as_str()))
+    }
 }
 
 fn empty_object() -> Value {
@@ -167,6 +201,12 @@ pub enum PlanError {
     Template { step_id: String, error: TemplateError },
     #[error("step '{step_id}' references '{referenced}', which is not among its dependencies")]
     ReferenceNotDependency { step_id: String, referenced: String },
+    #[error("step '{step_id}' names {count} alternatives, more than the maximum of {max}")]
+    TooManyAlternatives { step_id: String, count: usize, max: usize },
+    #[error("step '{step_id}' alternative #{index} uses unknown tool '{tool}'")]
+    UnknownAlternativeTool { step_id: String, index: usize, tool: String },
+    #[error("step '{step_id}' alternative #{index}: {reason}")]
+    BadAlternative { step_id: String, index: usize, reason: String },
 }
 
 impl PlanError {
@@ -185,6 +225,13 @@ impl PlanError {
             | PlanError::Template { step_id, .. }
             | PlanError::ReferenceNotDependency { step_id, .. } => {
                 format!("plan_json.steps[{step_id}].params")
+            }
+            PlanError::TooManyAlternatives { step_id, .. } => format!("plan_json.steps[{step_id}].alternatives"),
+            PlanError::UnknownAlternativeTool { step_id, index, .. } => {
+                format!("plan_json.steps[{step_id}].alternatives[{index}].tool")
+            }
+            PlanError::BadAlternative { step_id, index, .. } => {
+                format!("plan_json.steps[{step_id}].alternatives[{index}].params")
             }
         }
     }
@@ -237,6 +284,7 @@ impl Plan {
                     return Err(PlanError::MissingDependency { step_id: s.id.clone(), dependency: d.clone() });
                 }
             }
+            check_alternatives(s, limits)?;
         }
         let order = self.topological_order(&index)?;
         self.check_references(&index)?;
@@ -262,8 +310,12 @@ impl Plan {
         let mut visited = vec![0usize; self.steps.len()];
         let mut stack: Vec<usize> = Vec::new();
         for (i, s) in self.steps.iter().enumerate() {
-            let refs = template::references(&s.params)
+            let mut refs = template::references(&s.params)
                 .map_err(|error| PlanError::Template { step_id: s.id.clone(), error })?;
+            for a in &s.alternatives {
+                // Their templates parsed in `check_alternatives`.
+                refs.extend(template::references(&a.params).unwrap_or_default());
+            }
             if refs.is_empty() {
                 continue;
             }
@@ -329,6 +381,33 @@ impl Plan {
     }
 }
 
+/// A step's alternatives: at most [`MAX_ALTERNATIVES`], each a known tool with object params
+/// whose templates parse, and none the same call as the step's own or an earlier alternative
+/// (failure memory would never attempt it).
+fn check_alternatives(s: &PlanStep, limits: &PlanLimits<'_>) -> Result<(), PlanError> {
+    if s.alternatives.len() > MAX_ALTERNATIVES {
+        return Err(PlanError::TooManyAlternatives {
+            step_id: s.id.clone(),
+            count: s.alternatives.len(),
+            max: MAX_ALTERNATIVES,
+        });
+    }
+    for (index, a) in s.alternatives.iter().enumerate() {
+        let bad = |reason: String| PlanError::BadAlternative { step_id: s.id.clone(), index, reason };
+        if !(limits.known_tool)(&a.tool) {
+            return Err(PlanError::UnknownAlternativeTool { step_id: s.id.clone(), index, tool: a.tool.clone() });
+        }
+        if !a.params.is_object() {
+            return Err(bad("params must be a JSON object".into()));
+        }
+        template::references(&a.params).map_err(|e| bad(e.to_string()))?;
+        if (0..=index).any(|b| s.branch(b) == Some((a.tool.as_str(), &a.params))) {
+            return Err(bad("repeats a call the step makes before it".into()));
+        }
+    }
+    Ok(())
+}
+
 /// A replanning round's proposal made to fit the run (seed 000 §12).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Revision {
@@ -370,7 +449,13 @@ pub fn revise(
             .map_err(|error| PlanError::Template { step_id: s.id.clone(), error })?;
         let depends_on = s.depends_on.iter().map(|d| lookup.get(d).cloned().unwrap_or_else(|| d.clone())).collect();
         let id = lookup.get(&s.id).cloned().unwrap_or_else(|| s.id.clone());
-        steps.push(PlanStep { id, tool: s.tool.clone(), params, depends_on });
+        let mut alternatives = Vec::with_capacity(s.alternatives.len());
+        for a in &s.alternatives {
+            let params = template::rename(&a.params, &lookup)
+                .map_err(|error| PlanError::Template { step_id: s.id.clone(), error })?;
+            alternatives.push(Alternative { tool: a.tool.clone(), params });
+        }
+        steps.push(PlanStep { id, tool: s.tool.clone(), params, depends_on, alternatives });
     }
     let plan = Plan {
         steps: kept.iter().cloned().chain(steps.iter().cloned()).collect(),
@@ -388,6 +473,7 @@ pub fn revise(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::canonical::canonical_json;
 
     fn known(t: &str) -> bool {
         matches!(t, "echo" | "text.upper")
@@ -477,6 +563,42 @@ mod tests {
     }
 
     #[test]
+    fn alternatives_are_checked_like_steps_and_name_their_field() {
+        let ok = r#"{"steps":[{"id":"a","tool":"echo"},
+            {"id":"b","tool":"text.upper","params":{"text":"x"},"depends_on":["a"],
+             "alternatives":[{"tool":"echo","params":{"v":"{{a.output}}"}},{"tool":"text.upper","params":{"text":"y"}}]}]}"#;
+        check(ok).unwrap();
+        let plan = Plan::parse(ok).unwrap();
+        assert_eq!(plan.steps[1].branch(2), Some(("text.upper", &serde_json::json!({"text": "y"}))));
+        assert_eq!(plan.steps[1].tools().collect::<Vec<_>>(), ["text.upper", "echo", "text.upper"]);
+        // A plan without alternatives serializes as before (its digests do not change).
+        assert!(
+            !canonical_json(&Plan::parse(r#"{"steps":[{"id":"a","tool":"echo"}]}"#).unwrap()).contains("alternatives")
+        );
+        let alt = |alts: &str| {
+            format!(
+                r#"{{"steps":[{{"id":"a","tool":"echo"}},{{"id":"b","tool":"echo","params":{{"n":1}},"alternatives":{alts}}}]}}"#
+            )
+        };
+        for (alts, field) in [
+            (r#"[{"tool":"rm.rf"}]"#.to_string(), "plan_json.steps[b].alternatives[0].tool"),
+            (r#"[{"tool":"echo","params":[1]}]"#.into(), "plan_json.steps[b].alternatives[0].params"),
+            (
+                r#"[{"tool":"echo","params":{"n":2}},{"tool":"echo","params":{"n":1}}]"#.into(),
+                "plan_json.steps[b].alternatives[1].params",
+            ),
+            (r#"[{"tool":"echo","params":{"v":"{{a.output"}}]"#.into(), "plan_json.steps[b].alternatives[0].params"),
+            (r#"[{"tool":"echo","params":{"v":"{{a.output}}"}}]"#.into(), "plan_json.steps[b].params"),
+            (format!("[{}]", [r#"{"tool":"echo"}"#; 5].join(",")), "plan_json.steps[b].alternatives"),
+        ] {
+            let e = check(&alt(&alts)).unwrap_err();
+            assert_eq!(e.field(), field, "{alts}: {e}");
+        }
+        let e = Plan::parse(&alt(r#"[{"tool":"echo","extra":1}]"#)).unwrap_err();
+        assert!(matches!(e, PlanError::Json(_)), "unknown fields are refused: {e}");
+    }
+
+    #[test]
     fn too_many_steps_is_an_error_not_a_truncation() {
         let steps: Vec<String> = (0..11).map(|i| format!(r#"{{"id":"s{i}","tool":"echo"}}"#)).collect();
         let e = check(&format!(r#"{{"steps":[{}]}}"#, steps.join(","))).unwrap_err();
@@ -535,6 +657,7 @@ mod tests {
                 tool: "echo".into(),
                 params: empty_object(),
                 depends_on: if i == 0 { Vec::new() } else { vec![format!("s{}", i - 1)] },
+                alternatives: Vec::new(),
             })
             .collect();
         if let Some(last) = steps.last_mut() {

@@ -42,6 +42,8 @@ pub struct StepView {
     /// The call the step's latest decision or request was about, as [`call_fingerprint`]
     /// gives it.
     pub call: Option<String>,
+    /// The branch the step is on (seed 001): 0 its own call, n its n-th alternative.
+    pub branch: u32,
 }
 
 /// A call as failure memory knows it: its tool and the SHA-256 of its canonical arguments.
@@ -64,6 +66,7 @@ impl StepView {
             retry_of: None,
             retry_not_before_ms: None,
             call: None,
+            branch: 0,
         }
     }
 
@@ -74,7 +77,9 @@ impl StepView {
         match (&self.retry_of, self.outcome_unknown) {
             (_, true) => (self.attempts.max(1), self.retry_of.clone().filter(|_| self.attempts > 1)),
             (Some(first), false) => (self.attempts + 1, Some(first.clone())),
-            (None, false) => (1, None),
+            // A fresh step starts at 1; one that moved to an alternative goes on counting (its
+            // branch's first attempt is recorded with the branch).
+            (None, false) => (self.attempts + 1, None),
         }
     }
 }
@@ -264,6 +269,18 @@ impl RunView {
                     memorized = Some((call, step.id.clone()));
                 }
             }
+            events::STEP_BRANCHED => {
+                step.status = StepStatus::Pending;
+                step.branch = payload.get("branch").and_then(Value::as_u64).unwrap_or(0) as u32;
+                let first = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
+                step.attempts = first.saturating_sub(1);
+                if let Some(tool) = str_field(payload, "tool") {
+                    step.tool = tool.to_string();
+                }
+                step.retry_of = None;
+                step.retry_not_before_ms = None;
+                step.outcome_unknown = false;
+            }
             events::STEP_CANCELLED => {
                 step.status = StepStatus::Cancelled;
                 step.error = str_field(payload, "reason").map(str::to_string);
@@ -334,6 +351,19 @@ mod tests {
         v.apply(1, events::RUN_SUBMITTED, "", &plan);
         v.apply(2, events::RUN_STARTED, "", &json!({}));
         v
+    }
+
+    #[test]
+    fn a_step_that_moved_to_an_alternative_resumes_on_it_counting_on() {
+        let mut v = started_two_step_run();
+        v.apply(3, events::TOOL_REQUESTED, "a", &json!({"attempt": 1, "tool": "echo", "args_sha256": "aa"}));
+        v.apply(4, events::TOOL_FAILED, "a", &json!({"attempt": 1, "kind": "tool_error", "reason": "x"}));
+        v.apply(5, events::STEP_BRANCHED, "a", &json!({"branch": 1, "tool": "text.upper", "attempt": 2}));
+        let a = v.step("a").expect("a");
+        assert_eq!((a.status, a.branch, a.tool.as_str()), (StepStatus::Pending, 1, "text.upper"));
+        assert_eq!(a.next_attempt(), (2, None), "the branch's first attempt, not attempt 1 again");
+        v.apply(6, events::TOOL_REQUESTED, "a", &json!({"attempt": 2, "tool": "text.upper", "args_sha256": "bb"}));
+        assert_eq!(v.step("a").expect("a").next_attempt(), (2, None), "asked again under the same attempt");
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! with every attempt in the order it happened (its decision, request and outcome), the
 //! step's policy and approval events, and the plan's dependency edges.
 //!
-//! Frames and branches belong to decomposing executors; plans here are flat, so the trace has
-//! one implicit root frame.
+//! A step that names alternatives moves along its branches (seed 001): each attempt says which
+//! branch it belongs to, and `branches` when each began and why. [`crate::dag`] turns the
+//! trace into seed 001's execution DAG (frames, branches, attempts, results).
 
 use serde::Serialize;
 use serde_json::Value;
@@ -33,6 +34,12 @@ pub struct Decision {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Attempt {
     pub attempt: u32,
+    /// The branch the attempt belongs to (0: the step's own call; n: its n-th alternative).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub branch: u32,
+    /// The tool the attempt called (its branch's).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub tool: String,
     /// The allow this attempt ran under (its last decision).
     pub decision: Option<Decision>,
     pub requested_at_ms: Option<i64>,
@@ -71,6 +78,10 @@ pub struct StepNode {
     pub policy_events: Vec<Decision>,
     /// Approval waits and their resolutions.
     pub approval_events: Vec<Value>,
+    /// The step's alternatives it moved to, in order (`step_branched`): `{"branch", "tool",
+    /// "attempt", "after", "failed_kind", "seq"}`. Empty while it stays on its own call.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub branches: Vec<Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -128,12 +139,27 @@ fn attempt_of(p: &Value) -> u32 {
 }
 
 impl StepNode {
-    /// The node's attempt `n`, appended in order on first mention.
+    /// The branch the step is on and its tool.
+    fn current_branch(&self) -> (u32, String) {
+        match self.branches.last() {
+            Some(b) => (b.get("branch").and_then(Value::as_u64).unwrap_or(0) as u32, text(b, "tool")),
+            None => (0, self.tool.clone()),
+        }
+    }
+
+    /// The node's attempt `n`, appended in order on first mention (on the current branch).
     fn attempt(&mut self, n: u32) -> &mut Attempt {
         let i = match self.attempts.iter().position(|a| a.attempt == n) {
             Some(i) => i,
             None => {
-                self.attempts.push(Attempt { attempt: n, outcome: "pending".into(), ..Attempt::default() });
+                let (branch, tool) = self.current_branch();
+                self.attempts.push(Attempt {
+                    attempt: n,
+                    branch,
+                    tool,
+                    outcome: "pending".into(),
+                    ..Attempt::default()
+                });
                 self.attempts.len() - 1
             }
         };
@@ -323,6 +349,12 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
                 a.error = Some(text(p, "reason"));
                 a.retry = retry;
                 a.reconciled_by = p.get("reconciled_by").and_then(Value::as_str).map(str::to_string);
+            }
+            events::STEP_BRANCHED => {
+                node.status = "pending".into();
+                let mut b = p.clone();
+                b["seq"] = Value::from(e.seq);
+                node.branches.push(b);
             }
             events::STEP_CANCELLED => {
                 node.status = "cancelled".into();

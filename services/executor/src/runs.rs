@@ -610,7 +610,7 @@ impl Runs for RunsService {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
-        let (_, evs) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
+        let (view, evs) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
         let payloads: Vec<serde_json::Value> =
             evs.iter().map(|e| serde_json::from_str(&e.payload_json).unwrap_or_default()).collect();
         let trace_events: Vec<warden_core::trace::TraceEvent<'_>> = evs
@@ -625,7 +625,12 @@ impl Runs for RunsService {
             })
             .collect();
         let trace = warden_core::trace::build(&r.run_id, &trace_events);
-        let trace_json = serde_json::to_string(&trace).map_err(|e| Status::internal(e.to_string()))?;
+        // The seed-001 DAG beside the per-step trace it is derived from.
+        let purpose = view.goal.as_deref().unwrap_or("the submitted plan");
+        let dag = warden_core::dag::of(&trace, purpose);
+        let mut json = serde_json::to_value(&trace).map_err(|e| Status::internal(e.to_string()))?;
+        json["dag"] = serde_json::to_value(&dag).map_err(|e| Status::internal(e.to_string()))?;
+        let trace_json = json.to_string();
         Ok(Response::new(pb::RunTrace { trace_json }))
     }
 

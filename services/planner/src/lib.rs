@@ -138,12 +138,17 @@ impl PlannerService {
         // refused before anything of it runs; a step with templates is checked by the
         // executor once its values are known.
         for (i, step) in plan.steps.iter().enumerate() {
-            if step.params.to_string().contains("{{") {
-                continue;
-            }
-            let Some(entry) = catalog.get(&step.tool) else { continue };
-            if let Err(refused) = self.input_schemas.check(&step.tool, &entry.spec.input_schema_json, &step.params) {
-                return Err(invalid_field(format!("steps[{i}].{}", refused.field), refused.reason));
+            // The step's own call, then its alternatives'.
+            for b in 0..=step.alternatives.len() {
+                let Some((tool, params)) = step.branch(b) else { continue };
+                if params.to_string().contains("{{") {
+                    continue;
+                }
+                let Some(entry) = catalog.get(tool) else { continue };
+                if let Err(refused) = self.input_schemas.check(tool, &entry.spec.input_schema_json, params) {
+                    let at = if b == 0 { format!("steps[{i}]") } else { format!("steps[{i}].alternatives[{}]", b - 1) };
+                    return Err(invalid_field(format!("{at}.{}", refused.field), refused.reason));
+                }
             }
         }
         let canonical = warden_core::canonical_json(&plan);

@@ -45,8 +45,8 @@ pub struct PolicyService {
     plans: Arc<std::sync::Mutex<HashMap<String, PlannedSteps>>>,
 }
 
-/// A recorded plan's steps: step id → the tool it calls.
-type PlannedSteps = Arc<HashMap<String, String>>;
+/// A recorded plan's steps: step id → the tools it may call (its own, then its alternatives').
+type PlannedSteps = Arc<HashMap<String, Vec<String>>>;
 
 /// Steps (over all plans) kept in [`PolicyService::plans`] before it is emptied.
 const CACHED_PLAN_STEPS: usize = 100_000;
@@ -284,7 +284,8 @@ impl PolicyService {
                     .filter(|p| p.direct_response.is_none())
                     .map(|p| p.steps)
                     .unwrap_or_default();
-                let steps: PlannedSteps = Arc::new(planned.into_iter().map(|s| (s.id, s.tool)).collect());
+                let steps: PlannedSteps =
+                    Arc::new(planned.iter().map(|s| (s.id.clone(), s.tools().map(str::to_string).collect())).collect());
                 let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
                 // Bounded by steps, not runs: plans differ in size.
                 if plans.values().map(|p| p.len() + 1).sum::<usize>() + steps.len() > CACHED_PLAN_STEPS {
@@ -299,9 +300,12 @@ impl PolicyService {
         };
         Ok(match steps.get(&r.step_id) {
             None => refuse(format!("step '{}' is not a step of the run's recorded plan", r.step_id)),
-            Some(tool) if *tool != r.tool => {
-                refuse(format!("step '{}' of the recorded plan calls '{tool}', not '{}'", r.step_id, r.tool))
-            }
+            Some(tools) if !tools.contains(&r.tool) => refuse(format!(
+                "step '{}' of the recorded plan calls {}, not '{}'",
+                r.step_id,
+                tools.iter().map(|t| format!("'{t}'")).collect::<Vec<_>>().join(" or "),
+                r.tool
+            )),
             Some(_) => None,
         })
     }

@@ -216,11 +216,12 @@ impl RunCtx {
         payload: Value,
     ) -> Result<StepOutcome, DriveError> {
         let reason = payload.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
+        let kind = payload.get("kind").and_then(Value::as_str).unwrap_or_default().to_string();
         let payload = traced(payload);
         let mut events: Vec<pb::EventInput> = decision.into_iter().collect();
         events.push(event(event_type, step_id, self.step_key(step_id, attempt, "failed"), payload));
         self.append_all(events).await?;
-        Ok(StepOutcome::Failed(reason))
+        Ok(StepOutcome::Failed { reason, kind })
     }
 
     pub(super) async fn step_cancelled(&self, step_id: &str, reason: &str) -> Result<StepOutcome, DriveError> {

@@ -123,31 +123,37 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             }
             status.insert(step.id.clone(), StepStatus::Running);
             launched = true;
-            match template::resolve(&step.params, &outputs) {
-                Ok(args) => {
-                    let (c, s) = (ctx.clone(), step.clone());
-                    let from = resume.get(&step.id).cloned().unwrap_or_default();
-                    let span = tracing::info_span!("step", step_id = %s.id, tool = %s.tool);
-                    running.spawn(
-                        async move {
-                            let id = s.id.clone();
-                            (id, execute_step(&c, &s, args, from).await)
-                        }
-                        .instrument(span),
-                    );
-                }
-                Err(e) => {
+            let from = resume.get(&step.id).cloned().unwrap_or_default();
+            let (tool, params) = step.branch(from.branch as usize).unwrap_or((&step.tool, &step.params));
+            // A step with alternatives left resolves them later, from the outputs as they are
+            // now (its dependencies completed); its own template failure is a branch failure.
+            let later = (from.branch as usize) < step.alternatives.len();
+            match template::resolve(params, &outputs) {
+                Err(e) if !later => {
                     let reason = format!("template resolution failed: {e}");
                     ctx.append(
                         events::STEP_FAILED,
                         &step.id,
-                        ctx.step_key(&step.id, 1, "failed"),
-                        traced(json!({"kind": "template", "reason": reason})),
+                        ctx.step_key(&step.id, from.attempt, "failed"),
+                        traced(json!({"kind": "template", "reason": reason, "attempt": from.attempt, "tool": tool})),
                     )
                     .await?;
                     warden_telemetry::metrics::step_settled("failed");
                     first_failure.get_or_insert(format!("step '{}' failed: {reason}", step.id));
                     status.insert(step.id.clone(), StepStatus::Failed);
+                }
+                resolved => {
+                    let (c, s) = (ctx.clone(), step.clone());
+                    let span = tracing::info_span!("step", step_id = %s.id, tool = %tool);
+                    let args = resolved.map_err(|e| e.to_string());
+                    let outputs = later.then(|| std::sync::Arc::new(outputs.clone()));
+                    running.spawn(
+                        async move {
+                            let id = s.id.clone();
+                            (id, execute_step(&c, &s, args, from, outputs).await)
+                        }
+                        .instrument(span),
+                    );
                 }
             }
         }
@@ -206,7 +212,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                 outputs.insert(step_id.clone(), out);
                 status.insert(step_id, StepStatus::Completed);
             }
-            StepOutcome::Failed(why) => {
+            StepOutcome::Failed { reason: why, .. } => {
                 first_failure.get_or_insert(format!("step '{step_id}' failed: {why}"));
                 status.insert(step_id, StepStatus::Failed);
             }
@@ -274,7 +280,7 @@ async fn pin_tools(
 ) -> Result<std::collections::BTreeMap<String, PinnedTool>, DriveError> {
     let mut pinned = view.pinned.clone();
     let unpinned: std::collections::BTreeSet<&str> =
-        plan.steps.iter().map(|s| s.tool.as_str()).filter(|t| !pinned.contains_key(*t)).collect();
+        plan.steps.iter().flat_map(|s| s.tools()).filter(|t| !pinned.contains_key(*t)).collect();
     if unpinned.is_empty() {
         return Ok(pinned);
     }

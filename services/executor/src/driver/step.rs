@@ -12,6 +12,7 @@ use warden_core::canonical::{args_digest, canonical_json};
 use warden_core::events;
 use warden_core::plan::PlanStep;
 use warden_core::run::call_fingerprint;
+use warden_core::template;
 use warden_proto::v1 as pb;
 
 use super::DriveError;
@@ -25,8 +26,12 @@ pub const FALLBACK_TIMEOUT: Duration = Duration::from_secs(60);
 /// What one step came to.
 pub(super) enum StepOutcome {
     Completed(Value),
-    /// Failed, denied or refused; the reason is recorded in the ledger.
-    Failed(String),
+    /// Failed, denied or refused; the reason is recorded in the ledger, `kind` says what
+    /// failed (the recorded `kind`: `tool_error`, `policy_denied`, …).
+    Failed {
+        reason: String,
+        kind: String,
+    },
     /// The tool may or may not have acted; nothing more can be known from here.
     Unknown(String),
     /// Policy wants a human approval first.
@@ -49,7 +54,7 @@ impl StepOutcome {
     pub(super) fn label(&self) -> &'static str {
         match self {
             StepOutcome::Completed(_) => "completed",
-            StepOutcome::Failed(_) => "failed",
+            StepOutcome::Failed { .. } => "failed",
             StepOutcome::Unknown(_) => "unknown",
             StepOutcome::Blocked { .. } => "blocked",
             StepOutcome::Cancelled => "cancelled",
@@ -70,19 +75,81 @@ pub(super) fn max_attempts(policy: i32) -> u32 {
 /// How often an idempotent tool is asked before an unknown outcome goes to an operator.
 pub(super) const UNKNOWN_OUTCOME_TRIES: usize = 3;
 
+/// Whether a step whose call failed this way moves to its next alternative: any failure for
+/// good of the call itself does; an outage of the policy or the catalog, which every
+/// alternative would meet too, does not (the step fails, and is no wiser).
+fn branches_on(kind: &str) -> bool {
+    !matches!(kind, "policy_unavailable" | "tool_catalog_unavailable")
+}
+
 /// One step: its attempts, from `attempt` (a retry names the allow it retries), with the
 /// backoff between them. A failure is retried only when the tool reported it retryable and
 /// its declared policy allows another attempt; denials are decisions, never retried (K07).
+/// A call that failed for good moves the step to its next alternative (seed 001 branches,
+/// `step_branched`), if it names one: `args` are the current branch's resolved arguments (or
+/// why they could not be resolved), `outputs` what a later branch's templates resolve from.
 pub(super) async fn execute_step(
     ctx: &RunCtx,
     step: &PlanStep,
-    args: Value,
+    args: Result<Value, String>,
     from: Resume,
+    outputs: Option<std::sync::Arc<std::collections::HashMap<String, Value>>>,
 ) -> Result<StepOutcome, DriveError> {
-    let Resume { mut attempt, mut retry_of, asked_before, not_before_ms } = from;
+    let Resume { mut attempt, mut retry_of, asked_before, not_before_ms, branch } = from;
+    let mut branch = branch as usize;
+    let mut args = args;
     // A retry that a previous executor scheduled keeps its backoff.
     let mut wait = not_before_ms
         .map_or(Duration::ZERO, |t| Duration::from_millis(t.saturating_sub(warden_grpc::now_ms()).max(0) as u64));
+    let mut asked_before = asked_before;
+    loop {
+        let Some((tool, params)) = step.branch(branch) else {
+            return Err(DriveError::Ledger(Status::internal(format!("step '{}' has no branch {branch}", step.id))));
+        };
+        let call =
+            PlanStep { tool: tool.to_string(), params: params.clone(), alternatives: Vec::new(), ..step.clone() };
+        let outcome = match args {
+            Ok(args) => {
+                let from = (attempt, retry_of.take(), asked_before, wait);
+                let (outcome, last) = execute_attempts(ctx, &call, args, from).await?;
+                attempt = last;
+                outcome
+            }
+            Err(reason) => {
+                let reason = format!("template resolution failed: {reason}");
+                let p = json!({"kind": "template", "reason": reason, "attempt": attempt, "tool": call.tool});
+                ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await?
+            }
+        };
+        asked_before = false;
+        wait = Duration::ZERO;
+        let (reason, kind) = match outcome {
+            StepOutcome::Failed { reason, kind } if branches_on(&kind) && step.branch(branch + 1).is_some() => {
+                (reason, kind)
+            }
+            other => return Ok(other),
+        };
+        // The next branch: recorded before it is tried, so a successor resumes on it.
+        branch += 1;
+        attempt += 1;
+        let Some((next, params)) = step.branch(branch) else { unreachable!("checked above") };
+        let payload = json!({"branch": branch, "tool": next, "attempt": attempt, "after": reason, "failed_kind": kind});
+        let key = ctx.step_key(&step.id, attempt, "branched");
+        ctx.append(events::STEP_BRANCHED, &step.id, key, traced(payload)).await?;
+        tracing::info!(run_id = %ctx.run_id, step_id = %step.id, branch, tool = %next, "step moved to its next alternative");
+        let empty = std::collections::HashMap::new();
+        args = template::resolve(params, outputs.as_deref().unwrap_or(&empty)).map_err(|e| e.to_string());
+    }
+}
+
+/// One branch's attempts, from `attempt` (see [`execute_step`]); returns the outcome and the
+/// last attempt made.
+async fn execute_attempts(
+    ctx: &RunCtx,
+    step: &PlanStep,
+    args: Value,
+    (mut attempt, mut retry_of, asked_before, mut wait): (u32, Option<String>, bool, Duration),
+) -> Result<(StepOutcome, u32), DriveError> {
     let mut asked_before = asked_before;
     loop {
         if !wait.is_zero() {
@@ -106,7 +173,7 @@ pub(super) async fn execute_step(
                 retry_of = Some(first);
                 attempt += 1;
             }
-            other => return Ok(other),
+            other => return Ok((other, attempt)),
         }
     }
 }
@@ -265,18 +332,26 @@ pub(super) struct Resume {
     pub(super) asked_before: bool,
     /// When a retry a previous executor scheduled may start.
     pub(super) not_before_ms: Option<i64>,
+    /// The branch it is on (0: its own call; n: its n-th alternative).
+    pub(super) branch: u32,
 }
 
 impl Default for Resume {
     fn default() -> Self {
-        Resume { attempt: 1, retry_of: None, asked_before: false, not_before_ms: None }
+        Resume { attempt: 1, retry_of: None, asked_before: false, not_before_ms: None, branch: 0 }
     }
 }
 
 impl Resume {
     pub(super) fn of(s: &warden_core::run::StepView) -> Resume {
         let (attempt, retry_of) = s.next_attempt();
-        Resume { attempt, retry_of, asked_before: s.outcome_unknown, not_before_ms: s.retry_not_before_ms }
+        Resume {
+            attempt,
+            retry_of,
+            asked_before: s.outcome_unknown,
+            not_before_ms: s.retry_not_before_ms,
+            branch: s.branch,
+        }
     }
 }
 
