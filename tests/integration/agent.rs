@@ -754,3 +754,130 @@ async fn a_critic_reviews_gated_calls_and_its_verdicts_are_recorded_and_replayed
     assert_eq!(of_type(&run_events(&mesh, &refused).await, "model_replayed").len(), 1);
     assert!(verify(&mut mesh.ledger(), "acme", &refused).await.valid);
 }
+
+/// Seed 001 child frames: a step with a `subgoal` opens a frame of its own — a goal run whose
+/// `run_submitted` names its parent run and step, planned by the model for the sub-goal — and
+/// completes with the frame's outputs, which later steps template from. `frame_opened` and
+/// `frame_closed` are on the step; the DAG shows the child frame under the root. The frame
+/// spends the root run's budget: with three calls for the whole tree, the child's model call
+/// and tool call leave the parent one, and a second spends it. Bad sub-goals and depths are
+/// refused naming the field; the ledger refuses a frame position that does not follow from
+/// its parent's, and a `frame_closed` citing a run that is not the step's frame.
+async fn child_frames(backend: Backend) {
+    let model = ScriptedModel::start(Reply::plan(plan_of(json!([
+        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
+    ]))))
+    .await;
+    let mesh = mesh_with(backend, replan_mesh_options(&model, "", Some(4))).await;
+    let work = json!({"max_depth": 1, "steps": [
+        {"id": "research", "subgoal": "Find the data"},
+        {"id": "report", "tool": "echo", "params": {"found": "{{research.output.outputs.fetch.v}}"}, "depends_on": ["research"]},
+    ]});
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
+    let run = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}\n{}", done.reason, mesh.logs());
+    let report = done.steps.iter().find(|s| s.id == "report").expect("report");
+    assert_eq!(report.output_json, json!({"found": "data"}).to_string(), "templated from the frame's output");
+
+    let evs = run_events(&mesh, &run).await;
+    let opened = payload(of_type(&evs, "frame_opened")[0]);
+    let child = opened["child_run_id"].as_str().expect("child").to_string();
+    assert_eq!((opened["subgoal"].clone(), opened["depth"].clone()), (json!("Find the data"), json!(1)));
+    let closed = payload(of_type(&evs, "frame_closed")[0]);
+    assert_eq!(closed["status"], "completed");
+    let child_evs = run_events(&mesh, &child).await;
+    let submitted = payload(&child_evs[0]);
+    assert_eq!(submitted["goal"], "Find the data");
+    assert_eq!(submitted["parent_run_id"], json!(run));
+    assert_eq!(
+        (
+            submitted["frame"]["depth"].clone(),
+            submitted["frame"]["root_run_id"].clone(),
+            submitted["frame"]["step_id"].clone()
+        ),
+        (json!(1), json!(run), json!("research"))
+    );
+    assert_eq!(of_type(&child_evs, "model_requested").len(), 1, "the frame was planned by the model");
+    assert!(
+        verify(&mut mesh.ledger(), "acme", &run).await.valid && verify(&mut mesh.ledger(), "acme", &child).await.valid
+    );
+
+    let t = trace(&mesh, &run).await;
+    let node = t["dag"]["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["id"] == json!(format!("frame:{child}")))
+        .cloned();
+    let node = node.expect("the child frame's node");
+    assert_eq!(
+        (node["kind"].clone(), node["parent_frame_id"].clone(), node["status"].clone()),
+        (json!("frame"), json!("frame:root"), json!("completed"))
+    );
+    let opens = json!({"from": "step:research", "to": format!("frame:{child}"), "kind": "opens"});
+    assert!(t["dag"]["edges"].as_array().expect("edges").contains(&opens));
+
+    // One budget for the tree: 4 calls; the child's model call and echo, the parent's echo
+    // (3 in all) fit; a second tree's child spends 2 of its own 4 — budgets are per root.
+    // Here a root whose two frames would need 4 calls plus its own step is refused its step.
+    let work = json!({"steps": [
+        {"id": "one", "subgoal": "Find one"},
+        {"id": "two", "subgoal": "Find two", "depends_on": ["one"]},
+        {"id": "last", "tool": "echo", "params": {}, "depends_on": ["two"]},
+    ]});
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
+    let run = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed, "{}", done.reason);
+    let last = done.steps.iter().find(|s| s.id == "last").expect("last");
+    assert_eq!(last.status(), pb::StepStatus::Denied, "{}", last.error);
+    assert!(last.error.contains("run_call_limit"), "the root's budget was spent by its frames: {}", last.error);
+
+    // Bad input.
+    for (plan_json, field) in [
+        (json!({"max_depth": 0, "steps": [{"id": "a", "subgoal": "x"}]}), "plan_json.max_depth"),
+        (json!({"max_depth": 99, "steps": [{"id": "a", "subgoal": "x"}]}), "plan_json.max_depth"),
+        (json!({"steps": [{"id": "a", "subgoal": ""}]}), "plan_json.steps[a].subgoal"),
+        (json!({"steps": [{"id": "a", "subgoal": "x", "tool": "echo"}]}), "plan_json.steps[a].subgoal"),
+        (json!({"steps": [{"id": "a", "subgoal": "y".repeat(3000)}]}), "plan_json.steps[a].subgoal"),
+        (json!({"steps": [{"id": "a", "subgoal": "{{b.output"}]}), "plan_json.steps[a].subgoal"),
+    ] {
+        let req =
+            pb::SubmitRunRequest { tenant: "acme".into(), plan_json: plan_json.to_string(), ..Default::default() };
+        let e = mesh.runs().submit_run(req).await.expect_err(field);
+        assert_field_violation(&e, field);
+    }
+    let mut ledger = mesh.ledger();
+    let forged = pb::CreateRunRequest {
+        tenant: "acme".into(),
+        goal: "Find the data".into(),
+        parent_run_id: run.clone(),
+        frame_json: json!({"depth": 2, "max_depth": 2, "goals": ["0".repeat(64), "1".repeat(64)], "root_run_id": run,
+                           "parent_run_id": run, "step_id": "one"})
+        .to_string(),
+        ..Default::default()
+    };
+    assert_field_violation(&ledger.create_run(forged).await.expect_err("a position not its parent's"), "frame_json");
+    let close = pb::AppendEventRequest {
+        tenant: "acme".into(),
+        run_id: run.clone(),
+        epoch: 1,
+        idempotency_key: "forged-close".into(),
+        event_type: "frame_closed".into(),
+        payload_json: json!({"child_run_id": child, "status": "completed", "output": {}}).to_string(),
+        step_id: "one".into(),
+    };
+    let e = ledger.append_event(close).await.expect_err("not this step's frame");
+    assert!(matches!(e.code(), Code::InvalidArgument | Code::FailedPrecondition), "{e:?}");
+}
+
+#[tokio::test]
+async fn a_subgoal_opens_a_child_frame_that_shares_the_budget_on_sqlite() {
+    child_frames(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_subgoal_opens_a_child_frame_that_shares_the_budget_on_postgres() {
+    child_frames(Backend::Postgres).await;
+}

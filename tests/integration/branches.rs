@@ -112,14 +112,37 @@ async fn alternatives(backend: Backend) {
     }
 
     // Every alternative failing: the step fails with its last branch's reason, the run too.
-    let work = json!({"steps": [{"id": "only", "tool": "fail", "params": {"message": "a"},
-                                 "alternatives": [{"tool": "fail", "params": {"message": "b"}}]}]});
+    let work = json!({"steps": [{"id": "only", "tool": "fail", "params": {"message": "first outage"},
+                                 "alternatives": [{"tool": "fail", "params": {"message": "second outage"}}]}]});
     let run = submit(&mesh, "acme", &work.to_string()).await;
     let done = settled(&mesh, "acme", &run).await;
     assert_eq!(done.status(), pb::RunStatus::Failed);
     let only = done.steps.iter().find(|s| s.id == "only").expect("only");
     assert_eq!(only.status(), pb::StepStatus::Failed);
-    assert!(only.error.contains('b'), "{}", only.error);
+    assert!(only.error.contains("second outage") && !only.error.contains("first"), "{}", only.error);
+
+    // A tenant that may call `flaky` and `sleep`.
+    let mut opts = warden_testkit::MeshOptions::default();
+    opts.tenants[0].1.extend(["flaky".to_string(), "sleep".to_string()]);
+    let mesh = mesh_with(backend, opts).await;
+    // Retries count within a branch: the third branch (attempts from 3) still gets the three
+    // attempts its tool's STANDARD policy allows, and succeeds on its third.
+    let work = json!({"steps": [{"id": "r", "tool": "fail", "params": {"message": "x"},
+        "alternatives": [{"tool": "fail", "params": {"message": "y"}}, {"tool": "flaky", "params": {"succeed_on_attempt": 5}}]}]});
+    let run = submit(&mesh, "acme", &work.to_string()).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}", done.reason);
+
+    // Cancelling a run whose step moved to an alternative ends it cancelled.
+    let work = json!({"steps": [{"id": "c", "tool": "fail", "params": {"message": "x"},
+        "alternatives": [{"tool": "sleep", "params": {"ms": 3000}}]}]});
+    let run = submit(&mesh, "acme", &work.to_string()).await;
+    first_event(&mesh, "acme", &run, |e| e.event_type == "step_branched").await;
+    let cancel = pb::CancelRunRequest { tenant: "acme".into(), run_id: run.clone(), reason: "stop".into() };
+    mesh.runs().cancel_run(cancel).await.expect("cancel");
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Cancelled, "{}\n{}", done.reason, mesh.logs());
+    assert!(verify(&mut mesh.ledger(), "acme", &run).await.valid);
 }
 
 #[tokio::test]

@@ -337,8 +337,9 @@ async fn console_in_a_browser_shows_a_goal_runs_planning_and_its_model_call() {
     // Tab-and-Enter on the planning round opens its detail: the model call, tokens and cost.
     b.press("[data-node=\"plan:0\"]", browser::ENTER).await.expect("open the planning round by keyboard");
     let detail = b
+        // The root frame's detail also totals the tokens: wait for the round's own (its step key).
         .wait_text("#node-detail", "the model call's tokens and cost", |t| {
-            t.contains("120 in · 30 out") && t.contains("0.00054")
+            t.contains("plan:r0:a1") && t.contains("120 in · 30 out") && t.contains("0.00054")
         })
         .await
         .expect("the model call");

@@ -5,8 +5,10 @@
 //! inputs and outputs are in each node's `detail`, outputs by reference (their SHA-256, read
 //! with `Runs.GetStepOutput`).
 //!
-//! Every run has one root frame today: a step's alternatives are branches inside it. Nothing
-//! is ever erased: a failed branch, a retried attempt and a replaced step keep their nodes.
+//! A run is its root frame; a sub-goal step opens a child frame (a run of its own: its node
+//! names the run, whose own DAG details it). A step's alternatives are branches inside its
+//! frame. Nothing is ever erased: a failed branch, a retried attempt and a replaced step keep
+//! their nodes.
 
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -50,7 +52,8 @@ pub struct Node {
 pub struct DagEdge {
     pub from: String,
     pub to: String,
-    /// `contains` (frame → its nodes), `planned` (planner attempt → step), `depends_on`,
+    /// `contains` (frame → its nodes), `opens` (sub-goal step → its child frame), `planned`
+    /// (planner attempt → step), `depends_on`,
     /// `replanned_as`, `tries` (step → its first branch), `backtracked_to` (branch → next
     /// branch), `executes` (branch → attempt), `retried_as` (attempt → next attempt of the
     /// branch), `produced` (attempt → result or failure).
@@ -130,6 +133,25 @@ pub fn of(trace: &RunTrace, purpose: &str) -> Dag {
         edges.push(edge(ROOT_FRAME, &step, "contains"));
         if trace.plan_rounds.iter().any(|r| r.get("round").and_then(Value::as_u64) == Some(s.round as u64)) {
             edges.push(edge(&format!("planner:{}", s.round), &step, "planned"));
+        }
+        // A sub-goal step opens a child frame (a run of its own, with a DAG of its own).
+        if let Some(f) = &s.frame {
+            let child = f.get("child_run_id").and_then(Value::as_str).unwrap_or_default();
+            let id = format!("frame:{child}");
+            let at = |k: &str| f.get(k).and_then(Value::as_i64);
+            nodes.push(Node {
+                id: id.clone(),
+                kind: "frame",
+                label: child.to_string(),
+                frame_id: id.clone(),
+                parent_frame_id: Some(ROOT_FRAME.into()),
+                status: f.get("status").and_then(Value::as_str).unwrap_or("running").to_string(),
+                duration_ms: span(at("opened_at_ms"), at("closed_at_ms")),
+                detail: json!({"purpose": f.get("subgoal"), "depth": f.get("depth"), "run_id": child,
+                               "reason": f.get("reason"), "read_with": format!("GetTrace {child}")}),
+            });
+            edges.push(edge(&step, &id, "opens"));
+            continue;
         }
         // Branches: the step's own call, then each alternative it moved to.
         let mut branches: Vec<(u32, String, Value)> = vec![(0, s.tool.clone(), json!({"params": s.input_params}))];

@@ -50,6 +50,13 @@ pub const TOOLS_PINNED: &str = "tools_pinned";
 /// `{"branch": n, "tool", "after": why the previous branch failed, "failed_kind"}`. The step is
 /// pending again under branch `n`; the failed branch stays on record.
 pub const STEP_BRANCHED: &str = "step_branched";
+/// A sub-goal step opened its child frame (seed 001): `{"child_run_id", "subgoal", "depth"}`.
+/// The child is a goal run of its own whose `run_submitted` names this run and step.
+pub const FRAME_OPENED: &str = "frame_opened";
+/// The child frame ended: `{"child_run_id", "status"}` and, when it completed, the step's
+/// `output` (`{"run_id", "outputs": {step: output}}`), else `reason`. The ledger takes it only
+/// when the child run is this step's frame and ended so.
+pub const FRAME_CLOSED: &str = "frame_closed";
 /// A model call about to be made: cites the policy's allow for `model.call` (seed 002 fields).
 pub const MODEL_REQUESTED: &str = "model_requested";
 /// What the model answered: raw output, parsed plan or why it was refused, usage, cost.
@@ -103,6 +110,8 @@ pub const KNOWN: &[&str] = &[
     PLAN_REVISED,
     TOOLS_PINNED,
     STEP_BRANCHED,
+    FRAME_OPENED,
+    FRAME_CLOSED,
     MODEL_REQUESTED,
     MODEL_COMPLETED,
     MODEL_FAILED,

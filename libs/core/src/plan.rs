@@ -55,14 +55,33 @@ pub struct Plan {
     /// When present the run returns it without executing anything (seed 000 §3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub direct_response: Option<String>,
+    /// How deep child frames may nest below this run (seed 001 `maxDepth`; 1 ..=
+    /// [`MAX_FRAME_DEPTH`]); absent: [`DEFAULT_MAX_DEPTH`]. A child frame inherits its parent's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_depth: Option<u32>,
 }
+
+/// Frames nest at most this deep below a root run, whatever a plan asks.
+pub const MAX_FRAME_DEPTH: u32 = 8;
+/// How deep frames nest when a plan does not say.
+pub const DEFAULT_MAX_DEPTH: u32 = 2;
+/// Longest sub-goal a step may name (bytes).
+pub const MAX_SUBGOAL_BYTES: usize = 2048;
 
 /// One step of a plan. Like [`Plan`], it deserializes only from a JSON object.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(remote = "Self", deny_unknown_fields)]
 pub struct PlanStep {
     pub id: String,
+    /// The tool the step calls; empty for a step with a `subgoal`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tool: String,
+    /// A sub-goal (seed 001): instead of calling a tool, the step opens a child frame — a
+    /// goal run of its own, planned for this sub-goal, bounded by the plan's `max_depth` and
+    /// sharing the run's budget — and completes with what the frame produced. May template
+    /// from the step's dependencies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subgoal: Option<String>,
     #[serde(default = "empty_object")]
     pub params: Value,
     #[serde(default)]
@@ -97,9 +116,11 @@ impl PlanStep {
         }
     }
 
-    /// Every tool the step may call: its own, then its alternatives'.
+    /// Every tool the step may call: its own, then its alternatives' (none for a sub-goal).
     pub fn tools(&self) -> impl Iterator<Item = &str> {
-        std::iter::once(self.tool.as_str()).chain(self.alternatives.iter().map(|a| a.tool.as_str()))
+        std::iter::once(self.tool.as_str())
+            .filter(|t| !t.is_empty())
+            .chain(self.alternatives.iter().map(|a| a.tool.as_str()))
     }
 }
 
@@ -207,6 +228,10 @@ pub enum PlanError {
     UnknownAlternativeTool { step_id: String, index: usize, tool: String },
     #[error("step '{step_id}' alternative #{index}: {reason}")]
     BadAlternative { step_id: String, index: usize, reason: String },
+    #[error("step '{step_id}' {reason}")]
+    BadSubgoal { step_id: String, reason: String },
+    #[error("max_depth {0} is out of range: 1 to {MAX_FRAME_DEPTH}")]
+    BadMaxDepth(u32),
 }
 
 impl PlanError {
@@ -233,6 +258,8 @@ impl PlanError {
             PlanError::BadAlternative { step_id, index, .. } => {
                 format!("plan_json.steps[{step_id}].alternatives[{index}].params")
             }
+            PlanError::BadSubgoal { step_id, .. } => format!("plan_json.steps[{step_id}].subgoal"),
+            PlanError::BadMaxDepth(_) => "plan_json.max_depth".into(),
         }
     }
 }
@@ -251,6 +278,11 @@ impl Plan {
         }
         if self.steps.len() > limits.max_steps {
             return Err(PlanError::TooManySteps { count: self.steps.len(), max: limits.max_steps });
+        }
+        if let Some(d) = self.max_depth
+            && !(1..=MAX_FRAME_DEPTH).contains(&d)
+        {
+            return Err(PlanError::BadMaxDepth(d));
         }
         let mut index: HashMap<&str, usize> = HashMap::with_capacity(self.steps.len());
         for (i, s) in self.steps.iter().enumerate() {
@@ -273,7 +305,9 @@ impl Plan {
             }
         }
         for s in &self.steps {
-            if !(limits.known_tool)(&s.tool) {
+            if s.subgoal.is_some() {
+                check_subgoal(s)?;
+            } else if !(limits.known_tool)(&s.tool) {
                 return Err(PlanError::UnknownTool { step_id: s.id.clone(), tool: s.tool.clone() });
             }
             if !s.params.is_object() {
@@ -312,6 +346,10 @@ impl Plan {
         for (i, s) in self.steps.iter().enumerate() {
             let mut refs = template::references(&s.params)
                 .map_err(|error| PlanError::Template { step_id: s.id.clone(), error })?;
+            if let Some(goal) = &s.subgoal {
+                // Its template parsed in `check_subgoal`.
+                refs.extend(template::references(&Value::String(goal.clone())).unwrap_or_default());
+            }
             for a in &s.alternatives {
                 // Their templates parsed in `check_alternatives`.
                 refs.extend(template::references(&a.params).unwrap_or_default());
@@ -408,6 +446,28 @@ fn check_alternatives(s: &PlanStep, limits: &PlanLimits<'_>) -> Result<(), PlanE
     Ok(())
 }
 
+/// A sub-goal step: a bounded, non-empty goal whose templates parse, and nothing of a tool
+/// call beside it (no tool, params or alternatives).
+fn check_subgoal(s: &PlanStep) -> Result<(), PlanError> {
+    let bad = |reason: &str| Err(PlanError::BadSubgoal { step_id: s.id.clone(), reason: reason.into() });
+    let goal = s.subgoal.as_deref().unwrap_or_default();
+    if goal.trim().is_empty() {
+        return bad("has an empty subgoal");
+    }
+    if goal.len() > MAX_SUBGOAL_BYTES {
+        return bad(&format!("has a subgoal of {} bytes, over the maximum of {MAX_SUBGOAL_BYTES}", goal.len()));
+    }
+    if goal.contains('\0') {
+        return bad("has a subgoal with a NUL character");
+    }
+    if !s.tool.is_empty() || !s.alternatives.is_empty() || s.params.as_object().is_some_and(|p| !p.is_empty()) {
+        return bad("names a subgoal and a tool call: a step does one or the other");
+    }
+    template::references(&Value::String(goal.to_string()))
+        .map_err(|e| PlanError::BadSubgoal { step_id: s.id.clone(), reason: format!("subgoal: {e}") })?;
+    Ok(())
+}
+
 /// A replanning round's proposal made to fit the run (seed 000 §12).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Revision {
@@ -455,17 +515,27 @@ pub fn revise(
                 .map_err(|error| PlanError::Template { step_id: s.id.clone(), error })?;
             alternatives.push(Alternative { tool: a.tool.clone(), params });
         }
-        steps.push(PlanStep { id, tool: s.tool.clone(), params, depends_on, alternatives });
+        let subgoal = match &s.subgoal {
+            Some(goal) => match template::rename(&Value::String(goal.clone()), &lookup) {
+                Ok(Value::String(renamed)) => Some(renamed),
+                Ok(_) => Some(goal.clone()),
+                Err(error) => return Err(PlanError::Template { step_id: s.id.clone(), error }),
+            },
+            None => None,
+        };
+        steps.push(PlanStep { id, tool: s.tool.clone(), subgoal, params, depends_on, alternatives });
     }
     let plan = Plan {
         steps: kept.iter().cloned().chain(steps.iter().cloned()).collect(),
         reasoning: proposal.reasoning.clone(),
         direct_response: None,
+        max_depth: None,
     };
     let known_kept: HashSet<&str> = kept.iter().map(|s| s.id.as_str()).collect();
     // Kept steps were checked when they were planned; their tools may since have left the offer.
-    let known =
-        |t: &str| (limits.known_tool)(t) || kept.iter().any(|k| k.tool == t && known_kept.contains(k.id.as_str()));
+    let known = |t: &str| {
+        (limits.known_tool)(t) || kept.iter().any(|k| k.tools().any(|kt| kt == t) && known_kept.contains(k.id.as_str()))
+    };
     plan.validate(&PlanLimits { max_steps: kept.len() + limits.max_steps, known_tool: &known })?;
     Ok(Revision { steps, renamed, plan })
 }
@@ -655,6 +725,7 @@ mod tests {
             .map(|i| PlanStep {
                 id: format!("s{i}"),
                 tool: "echo".into(),
+                subgoal: None,
                 params: empty_object(),
                 depends_on: if i == 0 { Vec::new() } else { vec![format!("s{}", i - 1)] },
                 alternatives: Vec::new(),
@@ -663,7 +734,7 @@ mod tests {
         if let Some(last) = steps.last_mut() {
             last.params = serde_json::json!({"v": "{{s0.output}}"});
         }
-        let plan = Plan { steps, reasoning: None, direct_response: None };
+        let plan = Plan { steps, reasoning: None, direct_response: None, max_depth: None };
         let order = plan.validate(&PlanLimits { max_steps: n, known_tool: &known }).unwrap();
         assert_eq!(order, (0..n).collect::<Vec<_>>());
     }

@@ -44,6 +44,37 @@ pub struct StepView {
     pub call: Option<String>,
     /// The branch the step is on (seed 001): 0 its own call, n its n-th alternative.
     pub branch: u32,
+    /// A sub-goal step's child frame (its goal run), once opened (`frame_opened`).
+    pub frame_run_id: Option<String>,
+    /// The first attempt of the branch the step is on (retries count within a branch).
+    pub branch_first_attempt: u32,
+    /// The attempt of the call `call` names.
+    pub call_attempt: u32,
+    /// How the step's last attempt failed for good (`kind`), while it stands failed: a step
+    /// with alternatives left that failed so moves to its next one.
+    pub failed_kind: Option<String>,
+}
+
+/// Whether a step whose call failed this way moves to its next alternative: any failure for
+/// good of the call itself does; an outage of the policy or the catalog, which every
+/// alternative would meet too, does not.
+pub fn branches_on(kind: &str) -> bool {
+    !matches!(kind, "policy_unavailable" | "tool_catalog_unavailable" | "")
+}
+
+/// Whether failure memory keeps a call that failed this way: failures of the call itself
+/// (its tool's error, a denial, a refusal of its authorization, an unusable output), not an
+/// outage the call met.
+pub fn memorable_failure(kind: &str) -> bool {
+    matches!(
+        kind,
+        "tool_error"
+            | "policy_denied"
+            | "authorization_refused"
+            | "invalid_output"
+            | "output_rejected"
+            | "invalid_arguments"
+    )
 }
 
 /// A call as failure memory knows it: its tool and the SHA-256 of its canonical arguments.
@@ -67,6 +98,10 @@ impl StepView {
             retry_not_before_ms: None,
             call: None,
             branch: 0,
+            frame_run_id: None,
+            branch_first_attempt: 1,
+            call_attempt: 0,
+            failed_kind: None,
         }
     }
 
@@ -125,6 +160,49 @@ pub struct RunView {
     /// failed or was denied for good in this run, with the step it failed as. The same call is
     /// never attempted again in the run, whatever step a later plan proposes it as.
     pub failed_calls: BTreeMap<String, String>,
+    /// Where the run stands among frames (seed 001), from `run_submitted`'s `frame`: a root
+    /// run is depth 0; a child frame knows its depth, the bound it inherited and the goals
+    /// (SHA-256) of the frames above it.
+    pub frame: FramePosition,
+}
+
+impl FramePosition {
+    /// The position of a child frame opened by a run at `self` (whose own goal is `goal`),
+    /// bounded by `max_depth`, from `step_id` of `run_id`.
+    pub fn child(&self, run_id: &str, step_id: &str, goal: Option<&str>, max_depth: u32) -> FramePosition {
+        let mut goals = self.goals.clone();
+        goals.push(crate::sha256_hex(goal.unwrap_or_default().as_bytes()));
+        FramePosition {
+            depth: self.depth + 1,
+            max_depth: Some(self.max_depth.unwrap_or(max_depth)),
+            goals,
+            root_run_id: if self.root_run_id.is_empty() { run_id.to_string() } else { self.root_run_id.clone() },
+            parent_run_id: run_id.to_string(),
+            step_id: step_id.to_string(),
+        }
+    }
+}
+
+/// A run's place among frames (see [`RunView::frame`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FramePosition {
+    #[serde(default)]
+    pub depth: u32,
+    /// The bound inherited from the root (`None` at a root: its plan's `max_depth`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_depth: Option<u32>,
+    /// SHA-256 of the goals of the frames above, root first.
+    #[serde(default)]
+    pub goals: Vec<String>,
+    /// The root run of the frame tree: its budget is the whole tree's (seed 001: a child
+    /// inherits the remaining budget minus what was spent).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub root_run_id: String,
+    /// The run and step that opened this frame.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub parent_run_id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub step_id: String,
 }
 
 impl Default for RunView {
@@ -145,6 +223,7 @@ impl Default for RunView {
             last_seq: 0,
             waiting: BTreeMap::new(),
             failed_calls: BTreeMap::new(),
+            frame: FramePosition::default(),
         }
     }
 }
@@ -214,6 +293,9 @@ impl RunView {
             self.cancel_policy = payload.get("cancel_policy").and_then(Value::as_i64).unwrap_or_default();
             self.goal = str_field(payload, "goal").map(str::to_string);
             self.replay_policy = payload.get("replay_policy").and_then(Value::as_i64).unwrap_or_default() as i32;
+            if let Some(frame) = payload.get("frame").and_then(|f| serde_json::from_value(f.clone()).ok()) {
+                self.frame = frame;
+            }
             if let Some(plan) = payload.get("plan").and_then(|p| serde_json::from_value::<Plan>(p.clone()).ok()) {
                 self.set_plan(plan);
             }
@@ -236,11 +318,13 @@ impl RunView {
             events::POLICY_DECISION => {
                 if let Some(call) = fingerprint() {
                     step.call = Some(call);
+                    step.call_attempt = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
                 }
             }
             events::TOOL_REQUESTED => {
                 if let Some(call) = fingerprint() {
                     step.call = Some(call);
+                    step.call_attempt = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
                 }
                 step.status = StepStatus::Running;
                 step.attempts = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
@@ -265,8 +349,31 @@ impl RunView {
                     step.status = StepStatus::Pending;
                     step.retry_of = Some(first.to_string());
                     step.retry_not_before_ms = payload["retry"].get("not_before_ms").and_then(Value::as_i64);
-                } else if let Some(call) = step.call.clone() {
-                    memorized = Some((call, step.id.clone()));
+                } else {
+                    let kind = str_field(payload, "kind").unwrap_or_default();
+                    step.failed_kind = Some(kind.to_string());
+                    // Only the call that failed, by the attempt that failed, and only for a
+                    // failure of the call itself.
+                    let attempt = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
+                    if memorable_failure(kind)
+                        && attempt == step.call_attempt
+                        && let Some(call) = step.call.clone()
+                    {
+                        memorized = Some((call, step.id.clone()));
+                    }
+                }
+            }
+            events::FRAME_OPENED => {
+                step.status = StepStatus::Running;
+                step.frame_run_id = str_field(payload, "child_run_id").map(str::to_string);
+            }
+            events::FRAME_CLOSED => {
+                if str_field(payload, "status") == Some("completed") {
+                    step.status = StepStatus::Completed;
+                    step.output = payload.get("output").cloned();
+                } else {
+                    step.status = StepStatus::Failed;
+                    step.error = str_field(payload, "reason").map(str::to_string);
                 }
             }
             events::STEP_BRANCHED => {
@@ -274,6 +381,8 @@ impl RunView {
                 step.branch = payload.get("branch").and_then(Value::as_u64).unwrap_or(0) as u32;
                 let first = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
                 step.attempts = first.saturating_sub(1);
+                step.branch_first_attempt = first;
+                step.failed_kind = None;
                 if let Some(tool) = str_field(payload, "tool") {
                     step.tool = tool.to_string();
                 }

@@ -82,6 +82,9 @@ pub struct StepNode {
     /// "attempt", "after", "failed_kind", "seq"}`. Empty while it stays on its own call.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub branches: Vec<Value>,
+    /// A sub-goal step's child frame: `{"child_run_id", "subgoal", "depth", "status"}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frame: Option<Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -349,6 +352,24 @@ pub fn build(run_id: &str, events_in_order: &[TraceEvent<'_>]) -> RunTrace {
                 a.error = Some(text(p, "reason"));
                 a.retry = retry;
                 a.reconciled_by = p.get("reconciled_by").and_then(Value::as_str).map(str::to_string);
+            }
+            events::FRAME_OPENED => {
+                node.status = "running".into();
+                let mut f = p.clone();
+                f["status"] = Value::from("running");
+                f["opened_at_ms"] = Value::from(e.timestamp_ms);
+                node.frame = Some(f);
+            }
+            events::FRAME_CLOSED => {
+                let status = text(p, "status");
+                node.status = if status == "completed" { "completed" } else { "failed" }.into();
+                if let Some(f) = node.frame.as_mut() {
+                    f["status"] = Value::from(status);
+                    f["closed_at_ms"] = Value::from(e.timestamp_ms);
+                    if let Some(reason) = p.get("reason") {
+                        f["reason"] = reason.clone();
+                    }
+                }
             }
             events::STEP_BRANCHED => {
                 node.status = "pending".into();

@@ -177,6 +177,7 @@ impl Runs for RunsService {
                 run_id: run_id.clone(),
                 started_by: lease.as_ref().map(|_| self.ex.inner.id.clone()).unwrap_or_default(),
                 epoch: lease.as_ref().map(|l| l.epoch).unwrap_or_default(),
+                frame_json: String::new(),
             })
             .await;
         let created = match created {

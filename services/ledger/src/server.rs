@@ -118,6 +118,53 @@ fn run_to_proto(r: RunRow) -> pb::LedgerRun {
 }
 
 impl LedgerService {
+    /// A child frame's `frame_json`: its shape and bounds, and a parent of the same tenant
+    /// that exists. Returns what `run_submitted` records as `frame`.
+    async fn check_frame(&self, r: &pb::CreateRunRequest) -> Result<Option<serde_json::Value>, Status> {
+        use warden_core::run::FramePosition;
+        if r.frame_json.is_empty() {
+            return Ok(None);
+        }
+        let bad = |why: String| invalid_field("frame_json", why);
+        let frame: FramePosition =
+            serde_json::from_str(&r.frame_json).map_err(|e| bad(format!("not a frame position: {e}")))?;
+        let max = frame.max_depth.unwrap_or(0);
+        if frame.depth == 0 || max > warden_core::plan::MAX_FRAME_DEPTH || frame.depth > max {
+            return Err(bad(format!(
+                "depth {} with max_depth {max}: a child frame is 1 ..= max_depth <= {}",
+                frame.depth,
+                warden_core::plan::MAX_FRAME_DEPTH
+            )));
+        }
+        if frame.goals.len() != frame.depth as usize || frame.goals.iter().any(|g| g.len() != 64) {
+            return Err(bad("goals: one SHA-256 (64 hex digits) per frame above".into()));
+        }
+        if r.goal.is_empty() || frame.parent_run_id != r.parent_run_id || frame.parent_run_id.is_empty() {
+            return Err(bad("a child frame is a goal run naming its parent run (parent_run_id)".into()));
+        }
+        warden_core::ids::check_step_id(&frame.step_id).map_err(|e| bad(format!("step_id: {e}")))?;
+        let parent = match self.store.get_run(&frame.parent_run_id).await? {
+            Some(parent) if parent.tenant == r.tenant => parent,
+            _ => return Err(Status::not_found(format!("parent run '{}'", frame.parent_run_id))),
+        };
+        // The position follows from the parent's own: depth, bound, goals and root.
+        let submitted = self.store.events(&parent.run_id, 0, 1).await?;
+        let theirs: FramePosition = submitted
+            .first()
+            .and_then(|e| e.body.payload.get("frame"))
+            .and_then(|f| serde_json::from_value(f.clone()).ok())
+            .unwrap_or_default();
+        let goal = (!parent.goal.is_empty()).then_some(parent.goal.as_str());
+        let expected = theirs.child(&parent.run_id, &frame.step_id, goal, max);
+        if frame != expected {
+            return Err(bad(format!(
+                "does not follow from the parent's position (expected {})",
+                serde_json::to_string(&expected).unwrap_or_default()
+            )));
+        }
+        serde_json::to_value(&frame).map(Some).map_err(|e| Status::internal(e.to_string()))
+    }
+
     pub fn new(
         store: LedgerStore,
         max_payload_bytes: usize,
@@ -571,6 +618,7 @@ impl Ledger for LedgerService {
         if !r.parent_run_id.is_empty() {
             id_field("parent_run_id", &r.parent_run_id)?;
         }
+        let frame = self.check_frame(&r).await?;
         let run_id = if r.run_id.is_empty() {
             uuid::Uuid::now_v7().to_string()
         } else {
@@ -597,6 +645,7 @@ impl Ledger for LedgerService {
                 started_by: (!r.started_by.is_empty()).then_some((r.started_by.as_str(), r.epoch)),
                 replay_policy: r.replay_policy,
                 parent_run_id: &r.parent_run_id,
+                frame,
             })
             .await?;
         Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated }))

@@ -121,6 +121,8 @@ pub struct NewRun<'a> {
     /// A goal run's replay policy (proto enum number) and, for a fork, its parent.
     pub replay_policy: i32,
     pub parent_run_id: &'a str,
+    /// A child frame's place among frames (recorded as `frame`), already checked.
+    pub frame: Option<Value>,
 }
 
 /// One event to append.
@@ -371,6 +373,9 @@ impl LedgerStore {
         }
         let mut payload = events::submitted_payload(new.tenant, new.cancel_policy, new.plan, new.goal, new.agent);
         events::add_goal_fields(&mut payload, new.replay_policy, new.parent_run_id);
+        if let Some(frame) = &new.frame {
+            payload["frame"] = frame.clone();
+        }
         let first = link(
             EventBody {
                 run_id: new.run_id.to_string(),

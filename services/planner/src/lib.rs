@@ -261,7 +261,12 @@ impl Planner for PlannerService {
                     }
                 }
                 let steps = context.kept.iter().cloned().chain(round_plan.steps).collect();
-                Some(warden_core::plan::Plan { steps, reasoning: round_plan.reasoning, direct_response: None })
+                Some(warden_core::plan::Plan {
+                    steps,
+                    reasoning: round_plan.reasoning,
+                    direct_response: None,
+                    max_depth: None,
+                })
             }
             (plan, _) => plan,
         };

@@ -193,6 +193,7 @@ impl Planning<'_> {
             steps: Vec::new(),
             reasoning: Some("planning produced no valid plan; nothing is executed".into()),
             direct_response: Some(format!("No safe plan was produced for this goal. {}", out.reason)),
+            max_depth: None,
         });
         Ok(out)
     }

@@ -229,7 +229,7 @@ pub fn parse_and_validate(
         Some((n, context)) if plan.direct_response.is_none() => {
             let revised = warden_core::plan::revise(&context.kept, &context.taken(), &plan, n, &limits)
                 .map_err(|e| format!("{}: {e}", e.field()))?;
-            Plan { steps: revised.steps, reasoning: plan.reasoning, direct_response: None }
+            Plan { steps: revised.steps, reasoning: plan.reasoning, direct_response: None, max_depth: None }
         }
         _ => {
             plan.validate(&limits).map_err(|e| format!("{}: {e}", e.field()))?;

@@ -33,7 +33,9 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
     if !has_limits(&t) {
         return Ok(rule);
     }
-    let run = svc.store().usage(&format!("run:{}", r.run_id)).await?;
+    // A child frame spends its root run's budget: what is left of it (seed 001).
+    let budget_run = svc.budget_run(&r.tenant, &r.run_id).await?;
+    let run = svc.store().usage(&format!("run:{budget_run}")).await?;
     let tenant = svc.store().usage(&format!("tenant:{}", r.tenant)).await?;
     let deny =
         |rule_id: &str, reason: String| Ok(RuleDecision { verdict: Verdict::Deny, rule_id: rule_id.into(), reason });
@@ -79,7 +81,8 @@ pub async fn count(svc: &PolicyService, r: &pb::AuthorizeRequest, decision_id: &
     if !svc.config().tenants.get(&r.tenant).is_some_and(has_limits) {
         return Ok(());
     }
-    svc.store().count_call(&r.tenant, &r.run_id, decision_id).await?;
+    let budget_run = svc.budget_run(&r.tenant, &r.run_id).await?;
+    svc.store().count_call(&r.tenant, &budget_run, decision_id).await?;
     Ok(())
 }
 
@@ -103,6 +106,7 @@ pub async fn record_cost(svc: &PolicyService, r: pb::RecordCostRequest) -> Resul
         ));
     }
     let key = format!("{}:{}:{}", r.run_id, r.step_id, r.attempt);
-    svc.store().record_cost(&r.tenant, &r.run_id, &key, r.cost).await?;
+    let budget_run = svc.budget_run(&r.tenant, &r.run_id).await?;
+    svc.store().record_cost(&r.tenant, &budget_run, &key, r.cost).await?;
     Ok(())
 }

@@ -43,6 +43,9 @@ pub struct PolicyService {
     /// Recorded plans, step id → tool, of runs decided on recently (plans do not change once
     /// recorded; a step missing here is looked up again before it is refused).
     plans: Arc<std::sync::Mutex<HashMap<String, PlannedSteps>>>,
+    /// Runs → the root run of their frame tree, whose budget they spend (seed 001). A run's
+    /// root never changes once it is recorded.
+    budget_roots: Arc<std::sync::Mutex<HashMap<String, String>>>,
 }
 
 /// A recorded plan's steps: step id → the tools it may call (its own, then its alternatives').
@@ -183,7 +186,30 @@ impl PolicyService {
             rate,
             approval_changes: Arc::new(tokio::sync::watch::Sender::new(0)),
             plans: Arc::default(),
+            budget_roots: Arc::default(),
         }
+    }
+
+    /// The run whose budget `run_id` spends: the root of its frame tree (a child frame's
+    /// `run_submitted` names it), else the run itself. Read from the ledger once per run.
+    pub async fn budget_run(&self, tenant: &str, run_id: &str) -> Result<String, Status> {
+        if let Some(root) = self.budget_roots.lock().unwrap_or_else(|p| p.into_inner()).get(run_id) {
+            return Ok(root.clone());
+        }
+        let req = pb::StreamEventsRequest { tenant: tenant.into(), run_id: run_id.into(), since_seq: 0, follow: false };
+        let mut stream = self.ledger.clone().stream_events(req).await?.into_inner();
+        let first = stream.message().await?;
+        let root = first
+            .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.payload_json).ok())
+            .and_then(|p| p.pointer("/frame/root_run_id").and_then(serde_json::Value::as_str).map(str::to_string))
+            .filter(|r| !r.is_empty())
+            .unwrap_or_else(|| run_id.to_string());
+        let mut roots = self.budget_roots.lock().unwrap_or_else(|p| p.into_inner());
+        if roots.len() >= CACHED_PLAN_STEPS {
+            roots.clear();
+        }
+        roots.insert(run_id.to_string(), root.clone());
+        Ok(root)
     }
 
     /// The live Cedar policy set, if any.

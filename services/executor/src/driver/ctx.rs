@@ -62,7 +62,20 @@ pub(super) struct RunCtx {
     pub(super) pinned: std::sync::Arc<std::collections::BTreeMap<String, warden_core::run::PinnedTool>>,
     /// Failure memory (`RunView::failed_calls`) as the scheduler found it: calls that failed
     /// or were denied for good in this run, never attempted again.
-    pub(super) failed_calls: std::sync::Arc<std::collections::BTreeMap<String, String>>,
+    pub(super) failed_calls: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>,
+    /// Where the run stands among frames, for the child frames its sub-goal steps open.
+    pub(super) frame: std::sync::Arc<FrameCtx>,
+}
+
+/// What a sub-goal step needs to open a child frame (see `frame::open_frame`).
+#[derive(Default)]
+pub(super) struct FrameCtx {
+    pub(super) position: warden_core::run::FramePosition,
+    /// The run's own goal (none for a submitted plan).
+    pub(super) goal: Option<String>,
+    /// The bound on depth: the inherited one, or the root plan's `max_depth`.
+    pub(super) max_depth: u32,
+    pub(super) replay_policy: i32,
 }
 
 /// One event to append, as the ledger takes it.
@@ -224,8 +237,13 @@ impl RunCtx {
         Ok(StepOutcome::Failed { reason, kind })
     }
 
-    pub(super) async fn step_cancelled(&self, step_id: &str, reason: &str) -> Result<StepOutcome, DriveError> {
-        self.step_cancelled_after(None, step_id, reason).await
+    pub(super) async fn step_cancelled(
+        &self,
+        step_id: &str,
+        attempt: u32,
+        reason: &str,
+    ) -> Result<StepOutcome, DriveError> {
+        self.step_cancelled_after(None, step_id, attempt, reason).await
     }
 
     /// A step cancelled after its decision: the decision is recorded with the cancellation.
@@ -233,12 +251,16 @@ impl RunCtx {
         &self,
         decision: Option<pb::EventInput>,
         step_id: &str,
+        attempt: u32,
         reason: &str,
     ) -> Result<StepOutcome, DriveError> {
-        let key = self.step_key(step_id, 0, "cancelled");
+        // Keyed and receipted by the attempt it cancels: an earlier attempt (or branch) of the
+        // step may have a receipt already.
+        let key = self.step_key(step_id, attempt, "cancelled");
         let reason = format!("{reason} ({})", policy_name(self.cancel_policy));
         let mut events: Vec<pb::EventInput> = decision.into_iter().collect();
-        events.push(event(events::STEP_CANCELLED, step_id, key, traced(json!({"reason": reason}))));
+        let payload = json!({"reason": reason, "attempt": attempt});
+        events.push(event(events::STEP_CANCELLED, step_id, key, traced(payload)));
         self.append_all(events).await?;
         Ok(StepOutcome::Cancelled)
     }

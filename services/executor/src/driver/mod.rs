@@ -6,6 +6,7 @@
 //! - [`step`]: the step pipeline (validate → authorize → record → invoke → vet → record).
 
 mod ctx;
+mod frame;
 mod scheduler;
 mod step;
 
@@ -121,6 +122,7 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
         appending: Default::default(),
         pinned: Default::default(),
         failed_calls: Default::default(),
+        frame: Default::default(),
     };
     let mut result = match view {
         Some(view) => drive_view(&ctx, view).await,

@@ -34,7 +34,14 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
     let mut status: HashMap<String, StepStatus> = view
         .steps
         .iter()
-        .map(|s| (s.id.clone(), if s.outcome_unknown { StepStatus::Pending } else { s.status }))
+        // A call whose outcome is unknown is asked again; a child frame still open is waited
+        // on again.
+        .map(|s| {
+            let again = s.outcome_unknown
+                || (s.frame_run_id.is_some() && s.status == StepStatus::Running)
+                || unbranched(plan, s);
+            (s.id.clone(), if again { StepStatus::Pending } else { s.status })
+        })
         .collect();
     let mut outputs = view.outputs();
     // Steps to run (those whose outcome is unknown are asked again) may template from stored
@@ -42,16 +49,41 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
     if view.steps.iter().any(|s| s.status == StepStatus::Pending || s.outcome_unknown) {
         stored_outputs(ctx, &view, &mut outputs).await?;
     }
-    let resume: HashMap<String, Resume> = view.steps.iter().map(|s| (s.id.clone(), Resume::of(s))).collect();
+    let resume: HashMap<String, Resume> = view
+        .steps
+        .iter()
+        .map(|s| {
+            let mut from = Resume::of(s);
+            // Failed for good with an alternative left, and its branch never recorded (the
+            // driver stopped in between, or an operator reconciled the call as failed): it
+            // moves to that alternative now.
+            if unbranched(plan, s) {
+                from.attempt = s.attempts.max(s.call_attempt) + 1;
+                from.retry_of = None;
+                from.branch_after =
+                    Some((s.error.clone().unwrap_or_default(), s.failed_kind.clone().unwrap_or_default()));
+            }
+            (s.id.clone(), from)
+        })
+        .collect();
     let mut first_failure: Option<String> = view
         .steps
         .iter()
-        .find(|s| matches!(s.status, StepStatus::Failed | StepStatus::Denied) && view.in_plan(&s.id))
+        .find(|s| {
+            matches!(s.status, StepStatus::Failed | StepStatus::Denied) && view.in_plan(&s.id) && !unbranched(plan, s)
+        })
         .map(|s| format!("step '{}' failed: {}", s.id, s.error.clone().unwrap_or_default()));
     let pinned = pin_tools(ctx, plan, &view).await?;
+    let frame = super::ctx::FrameCtx {
+        position: view.frame.clone(),
+        goal: view.goal.clone(),
+        max_depth: plan.max_depth.unwrap_or(warden_core::plan::DEFAULT_MAX_DEPTH),
+        replay_policy: view.replay_policy,
+    };
     let ctx = &RunCtx {
         pinned: std::sync::Arc::new(pinned),
-        failed_calls: std::sync::Arc::new(view.failed_calls.clone()),
+        failed_calls: std::sync::Arc::new(std::sync::Mutex::new(view.failed_calls.clone())),
+        frame: std::sync::Arc::new(frame),
         ..ctx.clone()
     };
     let limit = ctx.ex.inner.config.max_concurrency;
@@ -70,13 +102,14 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             for &i in &order {
                 let step = &plan.steps[i];
                 if status[&step.id] == StepStatus::Pending && !resume[&step.id].asked_before {
+                    // Receipted by the attempt it would have made (an earlier one may have one).
+                    let attempt = resume[&step.id].attempt;
+                    let reason = format!("the run was cancelled ({})", policy_name(ctx.cancel_policy));
                     ctx.append(
                         events::STEP_CANCELLED,
                         &step.id,
-                        ctx.step_key(&step.id, 0, "cancelled"),
-                        traced(
-                            json!({"reason": format!("the run was cancelled ({})", policy_name(ctx.cancel_policy))}),
-                        ),
+                        ctx.step_key(&step.id, attempt, "cancelled"),
+                        traced(json!({"reason": reason, "attempt": attempt})),
                     )
                     .await?;
                     warden_telemetry::metrics::step_settled("cancelled");
@@ -97,11 +130,12 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             });
             if let Some(dep) = blocked {
                 let reason = format!("dependency '{dep}' did not complete");
+                let attempt = resume[&step.id].attempt;
                 ctx.append(
                     events::STEP_CANCELLED,
                     &step.id,
-                    ctx.step_key(&step.id, 0, "cancelled"),
-                    traced(json!({"reason": reason})),
+                    ctx.step_key(&step.id, attempt, "cancelled"),
+                    traced(json!({"reason": reason, "attempt": attempt})),
                 )
                 .await?;
                 warden_telemetry::metrics::step_settled("cancelled");
@@ -123,11 +157,31 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             }
             status.insert(step.id.clone(), StepStatus::Running);
             launched = true;
+            if let Some(goal) = &step.subgoal {
+                let goal = match template::resolve(&Value::String(goal.clone()), &outputs) {
+                    Ok(Value::String(g)) => Ok(g),
+                    Ok(other) => Ok(other.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                let (c, s) = (ctx.clone(), step.clone());
+                let span = tracing::info_span!("frame", step_id = %s.id);
+                running.spawn(
+                    async move {
+                        let id = s.id.clone();
+                        (id, super::frame::open_frame(&c, &s, goal).await)
+                    }
+                    .instrument(span),
+                );
+                continue;
+            }
             let from = resume.get(&step.id).cloned().unwrap_or_default();
             let (tool, params) = step.branch(from.branch as usize).unwrap_or((&step.tool, &step.params));
             // A step with alternatives left resolves them later, from the outputs as they are
             // now (its dependencies completed); its own template failure is a branch failure.
             let later = (from.branch as usize) < step.alternatives.len();
+            // A step whose branch is still to be recorded resolves its next branch's arguments
+            // itself (after recording it).
+            let params = if from.branch_after.is_some() { &Value::Null } else { params };
             match template::resolve(params, &outputs) {
                 Err(e) if !later => {
                     let reason = format!("template resolution failed: {e}");
@@ -252,7 +306,20 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         // block (keyed by this drive's epoch), never deduplicated into an `active` run that
         // the sweeper would restart forever.
         let key = format!("run_blocked:{decision_id}:{}", ctx.epoch);
-        ctx.append(events::RUN_BLOCKED, "", key, payload).await?;
+        match ctx.append(events::RUN_BLOCKED, "", key, payload).await {
+            Ok(_) => {}
+            // A cancellation requested meanwhile wins (the ledger blocks no run after one):
+            // the scheduler runs again, cancelled, and ends the run so.
+            Err(DriveError::Ledger(s)) if s.code() == tonic::Code::FailedPrecondition => {
+                let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+                if view.cancel_requested.is_none() {
+                    return Err(DriveError::Ledger(s));
+                }
+                ctx.cancel.cancel();
+                return Box::pin(run_dag(ctx, plan, view)).await;
+            }
+            Err(e) => return Err(e),
+        }
         tracing::info!(run_id = %ctx.run_id, step_id = %step_id, "run blocked on an approval");
         warden_telemetry::metrics::run_reached("blocked");
         tracing::Span::current().record("run.status", "blocked");
@@ -268,6 +335,14 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         None => finish(ctx, events::RUN_COMPLETED, json!({"reason": "", "summary": summary})).await.map(|_| None),
         Some(reason) => Ok(Some(PlanFailed { reason, summary })),
     }
+}
+
+/// Whether `s` failed for good in a way that moves it to an alternative it has left, without
+/// the move recorded.
+fn unbranched(plan: &Plan, s: &warden_core::run::StepView) -> bool {
+    matches!(s.status, StepStatus::Failed | StepStatus::Denied)
+        && s.failed_kind.as_deref().is_some_and(warden_core::run::branches_on)
+        && plan.step(&s.id).is_some_and(|p| p.alternatives.len() > s.branch as usize)
 }
 
 /// The declarations of the plan's tools as the run pinned them, pinning (`tools_pinned`) those

@@ -75,12 +75,7 @@ pub(super) fn max_attempts(policy: i32) -> u32 {
 /// How often an idempotent tool is asked before an unknown outcome goes to an operator.
 pub(super) const UNKNOWN_OUTCOME_TRIES: usize = 3;
 
-/// Whether a step whose call failed this way moves to its next alternative: any failure for
-/// good of the call itself does; an outage of the policy or the catalog, which every
-/// alternative would meet too, does not (the step fails, and is no wiser).
-fn branches_on(kind: &str) -> bool {
-    !matches!(kind, "policy_unavailable" | "tool_catalog_unavailable")
-}
+use warden_core::run::branches_on;
 
 /// One step: its attempts, from `attempt` (a retry names the allow it retries), with the
 /// backoff between them. A failure is retried only when the tool reported it retryable and
@@ -95,7 +90,10 @@ pub(super) async fn execute_step(
     from: Resume,
     outputs: Option<std::sync::Arc<std::collections::HashMap<String, Value>>>,
 ) -> Result<StepOutcome, DriveError> {
-    let Resume { mut attempt, mut retry_of, asked_before, not_before_ms, branch } = from;
+    let Resume { mut attempt, mut retry_of, asked_before, not_before_ms, branch, branch_first, branch_after } = from;
+    let mut branch_first = branch_first;
+    // A move to the next branch that a previous driver did not get to record.
+    let mut pending = branch_after.map(|(reason, kind)| StepOutcome::Failed { reason, kind });
     let mut branch = branch as usize;
     let mut args = args;
     // A retry that a previous executor scheduled keeps its backoff.
@@ -108,14 +106,29 @@ pub(super) async fn execute_step(
         };
         let call =
             PlanStep { tool: tool.to_string(), params: params.clone(), alternatives: Vec::new(), ..step.clone() };
-        let outcome = match args {
-            Ok(args) => {
+        let outcome = match (pending.take(), args) {
+            (Some(failed), _) => {
+                // The branch failed before; `attempt` is the next branch's first.
+                attempt -= 1;
+                failed
+            }
+            (None, Ok(args)) => {
                 let from = (attempt, retry_of.take(), asked_before, wait);
-                let (outcome, last) = execute_attempts(ctx, &call, args, from).await?;
+                let (outcome, last) = execute_attempts(ctx, &call, args.clone(), from, branch_first).await?;
+                if let StepOutcome::Failed { kind, .. } = &outcome
+                    && warden_core::run::memorable_failure(kind)
+                {
+                    let call = call_fingerprint(&call.tool, &args_digest(&args));
+                    ctx.failed_calls
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .entry(call)
+                        .or_insert_with(|| step.id.clone());
+                }
                 attempt = last;
                 outcome
             }
-            Err(reason) => {
+            (None, Err(reason)) => {
                 let reason = format!("template resolution failed: {reason}");
                 let p = json!({"kind": "template", "reason": reason, "attempt": attempt, "tool": call.tool});
                 ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await?
@@ -132,6 +145,7 @@ pub(super) async fn execute_step(
         // The next branch: recorded before it is tried, so a successor resumes on it.
         branch += 1;
         attempt += 1;
+        branch_first = attempt;
         let Some((next, params)) = step.branch(branch) else { unreachable!("checked above") };
         let payload = json!({"branch": branch, "tool": next, "attempt": attempt, "after": reason, "failed_kind": kind});
         let key = ctx.step_key(&step.id, attempt, "branched");
@@ -149,6 +163,7 @@ async fn execute_attempts(
     step: &PlanStep,
     args: Value,
     (mut attempt, mut retry_of, asked_before, mut wait): (u32, Option<String>, bool, Duration),
+    first: u32,
 ) -> Result<(StepOutcome, u32), DriveError> {
     let mut asked_before = asked_before;
     loop {
@@ -161,7 +176,7 @@ async fn execute_attempts(
             }
         }
         let span = tracing::info_span!("attempt", attempt, outcome = tracing::field::Empty);
-        let outcome = execute_attempt(ctx, step, args.clone(), attempt, retry_of.as_deref(), asked_before)
+        let outcome = execute_attempt(ctx, step, args.clone(), (attempt, first), retry_of.as_deref(), asked_before)
             .instrument(span.clone())
             .await?;
         warden_telemetry::metrics::attempt_settled(outcome.label());
@@ -332,13 +347,26 @@ pub(super) struct Resume {
     pub(super) asked_before: bool,
     /// When a retry a previous executor scheduled may start.
     pub(super) not_before_ms: Option<i64>,
-    /// The branch it is on (0: its own call; n: its n-th alternative).
+    /// The branch it is on (0: its own call; n: its n-th alternative) and that branch's first
+    /// attempt (retries count within a branch).
     pub(super) branch: u32,
+    pub(super) branch_first: u32,
+    /// The branch failed for good (why, and the failure's kind) but the move to the next one
+    /// was not recorded: the step records it first.
+    pub(super) branch_after: Option<(String, String)>,
 }
 
 impl Default for Resume {
     fn default() -> Self {
-        Resume { attempt: 1, retry_of: None, asked_before: false, not_before_ms: None, branch: 0 }
+        Resume {
+            attempt: 1,
+            retry_of: None,
+            asked_before: false,
+            not_before_ms: None,
+            branch: 0,
+            branch_first: 1,
+            branch_after: None,
+        }
     }
 }
 
@@ -351,6 +379,8 @@ impl Resume {
             asked_before: s.outcome_unknown,
             not_before_ms: s.retry_not_before_ms,
             branch: s.branch,
+            branch_first: s.branch_first_attempt.max(1),
+            branch_after: None,
         }
     }
 }
@@ -361,7 +391,7 @@ pub(super) async fn execute_attempt(
     ctx: &RunCtx,
     step: &PlanStep,
     args: Value,
-    attempt: u32,
+    (attempt, first): (u32, u32),
     retry_of: Option<&str>,
     asked_before: bool,
 ) -> Result<StepOutcome, DriveError> {
@@ -376,7 +406,7 @@ pub(super) async fn execute_attempt(
     };
     // A call asked before (its outcome unknown) is finished, not cancelled: see `run_dag`.
     if ctx.cancel.is_cancelled() && !asked_before {
-        return ctx.step_cancelled(&step.id, "the run was cancelled before the step started").await;
+        return ctx.step_cancelled(&step.id, attempt, "the run was cancelled before the step started").await;
     }
     let tools = match ctx.ex.inner.catalog.tools().await {
         Ok(t) => t,
@@ -428,11 +458,13 @@ pub(super) async fn execute_attempt(
     // Failure memory (seed 001): a call that failed or was denied for good in this run — under
     // any step, in any planning round — is never attempted again; the runtime does not try
     // again blindly (a step's own retries, which its tool's retry policy asks for, go on).
-    if !asked_before
-        && retry_of.is_none()
-        && let Some(before) = ctx.failed_calls.get(&call_fingerprint(&step.tool, &args_digest(&args)))
-        && before != &step.id
-    {
+    let before = if asked_before || retry_of.is_some() {
+        None
+    } else {
+        let memory = ctx.failed_calls.lock().unwrap_or_else(|p| p.into_inner());
+        if memory.is_empty() { None } else { memory.get(&call_fingerprint(&step.tool, &args_digest(&args))).cloned() }
+    };
+    if let Some(before) = before {
         let reason = format!(
             "the same call ({} with the same arguments) already failed in this run as step '{before}'; it is not attempted again",
             step.tool
@@ -522,7 +554,9 @@ pub(super) async fn execute_attempt(
     };
     // Immediate cancellation: an allowed call whose tool was not invoked yet never is.
     if ctx.cancel.is_cancelled() && ctx.cancel_policy == pb::CancelPolicy::Immediate && !asked_before {
-        return ctx.step_cancelled_after(record, &step.id, "the run was cancelled before the tool was invoked").await;
+        return ctx
+            .step_cancelled_after(record, &step.id, attempt, "the run was cancelled before the tool was invoked")
+            .await;
     }
     // K08: the timeout comes only from the tool's declaration (the 60 s fallback when it
     // declares none); the request records the one that applies.
@@ -596,7 +630,7 @@ pub(super) async fn execute_attempt(
                 format!("the run was cancelled before the tool was invoked ({})", policy_name(ctx.cancel_policy));
             let payload =
                 json!({"reason": reason, "decision_id": decision.decision_id, "attempt": attempt, "tool": step.tool});
-            let key = ctx.step_key(&step.id, 0, "cancelled");
+            let key = ctx.step_key(&step.id, attempt, "cancelled");
             ctx.append_all(vec![event(events::STEP_CANCELLED, &step.id, key, traced(payload))]).await?;
             return Ok(StepOutcome::Cancelled);
         }
@@ -780,12 +814,14 @@ pub(super) async fn execute_attempt(
         Err(mut payload) => {
             cite_trace(&mut payload, &invoke_span);
             let retryable = payload.get("retryable") == Some(&Value::Bool(true));
-            if !retryable || attempt >= max_attempts(entry.spec.retry_policy) {
+            // The retries the tool allows count within the branch (its first attempt is `first`).
+            let nth = attempt.saturating_sub(first) + 1;
+            if !retryable || nth >= max_attempts(entry.spec.retry_policy) {
                 return ctx.step_failed(events::TOOL_FAILED, &step.id, attempt, payload).await;
             }
             let first = retry_of.map(str::to_string).unwrap_or_else(|| decision.decision_id.clone());
             let base = ctx.ex.inner.config.retry_backoff_base_ms;
-            let backoff = Duration::from_millis(base.saturating_mul(1 << (attempt - 1).min(16)));
+            let backoff = Duration::from_millis(base.saturating_mul(1 << (nth - 1).min(16)));
             let not_before_ms = warden_grpc::now_ms().saturating_add(backoff.as_millis() as i64);
             payload["retry"] = json!({"next_attempt": attempt + 1, "backoff_ms": backoff.as_millis() as u64,
                                       "not_before_ms": not_before_ms, "retry_of": first});

@@ -6,7 +6,7 @@
 use serde_json::Value;
 use sqlx::{Any, Row, Transaction};
 use warden_core::chain::ChainedEvent;
-use warden_core::events;
+use warden_core::events::{self, RunStatus};
 
 use super::Backend;
 use crate::error::LedgerError;
@@ -27,6 +27,8 @@ pub fn has_effects(event_type: &str) -> bool {
             | events::PLAN_CREATED
             | events::PLAN_REVISED
             | events::RUN_PAUSED
+            | events::RUN_BLOCKED
+            | events::FRAME_CLOSED
     )
 }
 
@@ -39,7 +41,8 @@ pub async fn apply(tx: &mut Tx<'_>, backend: Backend, tenant: &str, e: &ChainedE
         events::TX_ROLLED_BACK => rollback(tx, e).await.map(|_| String::new()),
         events::PLAN_CREATED => plan_created(tx, e).await.map(|_| String::new()),
         events::PLAN_REVISED => plan_revised(tx, e).await.map(|_| String::new()),
-        events::RUN_PAUSED => not_cancelled(tx, e).await.map(|_| String::new()),
+        events::RUN_PAUSED | events::RUN_BLOCKED => not_cancelled(tx, e).await.map(|_| String::new()),
+        events::FRAME_CLOSED => frame_closed(tx, e).await.map(|_| String::new()),
         _ => Ok(String::new()),
     }
 }
@@ -158,9 +161,38 @@ async fn plan_revised(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerErr
     Ok(())
 }
 
-/// A run whose cancellation was requested is not paused: `Runs.CancelRun` resumes a paused
-/// run to cancel it, and a pause recorded after its request would leave the request behind
-/// the pause for good.
+/// A child frame's end is recorded on its parent's step only as it is: the child run is the
+/// frame that step opened (its `run_submitted` names this run and step) and ended with the
+/// status the event says. A step's result cannot be made up without its frame's record.
+async fn frame_closed(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
+    let child = text(&e.body.payload, "child_run_id");
+    let said = text(&e.body.payload, "status");
+    let row = sqlx::query("SELECT r.status, ev.payload_json FROM runs r JOIN events ev ON ev.run_id = r.run_id AND ev.seq = 1 WHERE r.run_id = $1")
+        .bind(child)
+        .fetch_optional(&mut **tx)
+        .await?;
+    let Some(row) = row else {
+        return Err(LedgerError::invalid("payload_json.child_run_id", format!("no run '{child}'")));
+    };
+    let status: String = row.try_get(0)?;
+    let submitted: Value = serde_json::from_str(&row.try_get::<String, _>(1)?).unwrap_or_default();
+    let frame = submitted.get("frame").cloned().unwrap_or_default();
+    if text(&frame, "parent_run_id") != e.body.run_id || text(&frame, "step_id") != e.body.step_id {
+        return Err(LedgerError::invalid(
+            "payload_json.child_run_id",
+            format!("run '{child}' is not the frame step '{}' of this run opened", e.body.step_id),
+        ));
+    }
+    let ended = RunStatus::parse(&status).is_some_and(RunStatus::is_terminal);
+    if !ended || status != said {
+        return Err(LedgerError::Precondition(format!("frame run '{child}' is {status}, not {said}")));
+    }
+    Ok(())
+}
+
+/// A run whose cancellation was requested is not paused nor blocked: `Runs.CancelRun` resumes
+/// a paused or blocked run to cancel it, and a pause or block recorded after its request would
+/// leave the request behind it for good.
 async fn not_cancelled(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerError> {
     let requested = sqlx::query("SELECT seq FROM events WHERE run_id = $1 AND event_type = $2 LIMIT 1")
         .bind(&e.body.run_id)
@@ -169,7 +201,7 @@ async fn not_cancelled(tx: &mut Tx<'_>, e: &ChainedEvent) -> Result<(), LedgerEr
         .await?;
     if requested.is_some() {
         return Err(LedgerError::Precondition(format!(
-            "run '{}' has a cancellation requested; it is cancelled, not paused",
+            "run '{}' has a cancellation requested; it is cancelled, not paused or blocked",
             e.body.run_id
         )));
     }

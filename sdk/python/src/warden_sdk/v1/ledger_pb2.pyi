@@ -134,6 +134,7 @@ class CreateRunRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     PARENT_RUN_ID_FIELD_NUMBER: _builtins.int
     REPLAY_POLICY_FIELD_NUMBER: _builtins.int
+    FRAME_JSON_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     plan_json: _builtins.str
     """The normalized plan (canonical JSON); empty when the run starts from a goal."""
@@ -153,6 +154,12 @@ class CreateRunRequest(_message.Message):
     """A fork's parent run (fork_on_drift), recorded in run_submitted."""
     replay_policy: _common_pb2.ReplayPolicy.ValueType
     """A goal run's replay policy, recorded in run_submitted."""
+    frame_json: _builtins.str
+    """A child frame (seed 001): its place among frames as JSON
+    `{"depth", "max_depth", "goals", "parent_run_id", "step_id"}` (`warden_core::run::
+    FramePosition`), recorded in run_submitted as `frame`. Needs `parent_run_id` (the same),
+    a goal, depth 1 ..= max_depth <= 8. Empty: not a child frame.
+    """
     def __init__(
         self,
         *,
@@ -167,10 +174,11 @@ class CreateRunRequest(_message.Message):
         epoch: _builtins.int = ...,
         parent_run_id: _builtins.str = ...,
         replay_policy: _common_pb2.ReplayPolicy.ValueType = ...,
+        frame_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "cancel_policy", b"cancel_policy", "epoch", b"epoch", "goal", b"goal", "idempotency_key", b"idempotency_key", "parent_run_id", b"parent_run_id", "plan_json", b"plan_json", "replay_policy", b"replay_policy", "run_id", b"run_id", "started_by", b"started_by", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "cancel_policy", b"cancel_policy", "epoch", b"epoch", "frame_json", b"frame_json", "goal", b"goal", "idempotency_key", b"idempotency_key", "parent_run_id", b"parent_run_id", "plan_json", b"plan_json", "replay_policy", b"replay_policy", "run_id", b"run_id", "started_by", b"started_by", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
