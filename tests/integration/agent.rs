@@ -768,7 +768,9 @@ async fn child_frames(backend: Backend) {
         {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
     ]))))
     .await;
-    let mesh = mesh_with(backend, replan_mesh_options(&model, "", Some(4))).await;
+    let mut opts = replan_mesh_options(&model, "", Some(4));
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(backend, opts).await;
     let work = json!({"max_depth": 1, "steps": [
         {"id": "research", "subgoal": "Find the data"},
         {"id": "report", "tool": "echo", "params": {"found": "{{research.output.outputs.fetch.v}}"}, "depends_on": ["research"]},
@@ -834,6 +836,21 @@ async fn child_frames(backend: Backend) {
     assert_eq!(last.status(), pb::StepStatus::Denied, "{}", last.error);
     assert!(last.error.contains("run_call_limit"), "the root's budget was spent by its frames: {}", last.error);
 
+    // Cancelling a run cancels the frame it waits on.
+    model.push(Reply::plan(plan_of(json!([{"id": "nap", "tool": "sleep", "params": {"ms": 5000}, "depends_on": []}]))));
+    let work = json!({"steps": [{"id": "slow", "subgoal": "Take a nap"}]});
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
+    let parent = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let opened = crate::first_event(&mesh, "acme", &parent, |e| e.event_type == "frame_opened").await;
+    let nap = payload(&opened)["child_run_id"].as_str().expect("child").to_string();
+    crate::first_event(&mesh, "acme", &nap, |e| e.event_type == "tool_requested").await;
+    let cancel = pb::CancelRunRequest { tenant: "acme".into(), run_id: parent.clone(), reason: "enough".into() };
+    mesh.runs().cancel_run(cancel).await.expect("cancel");
+    let done = settled(&mesh, "acme", &parent).await;
+    assert_eq!(done.status(), pb::RunStatus::Cancelled, "{}\n{}", done.reason, mesh.logs());
+    let child_run = settled(&mesh, "acme", &nap).await;
+    assert_eq!(child_run.status(), pb::RunStatus::Cancelled, "the frame ended with its parent: {}", child_run.reason);
+
     // Bad input.
     for (plan_json, field) in [
         (json!({"max_depth": 0, "steps": [{"id": "a", "subgoal": "x"}]}), "plan_json.max_depth"),
@@ -849,27 +866,41 @@ async fn child_frames(backend: Backend) {
         assert_field_violation(&e, field);
     }
     let mut ledger = mesh.ledger();
-    let forged = pb::CreateRunRequest {
+    let live = crate::empty_run(&mut ledger, "acme").await;
+    let frame = |depth: u32, parent: &str| pb::CreateRunRequest {
         tenant: "acme".into(),
         goal: "Find the data".into(),
-        parent_run_id: run.clone(),
-        frame_json: json!({"depth": 2, "max_depth": 2, "goals": ["0".repeat(64), "1".repeat(64)], "root_run_id": run,
-                           "parent_run_id": run, "step_id": "one"})
+        parent_run_id: parent.to_string(),
+        frame_json: json!({"depth": depth, "max_depth": 2, "goals": vec!["0".repeat(64); depth as usize],
+                           "root_run_id": parent, "parent_run_id": parent, "step_id": "one"})
         .to_string(),
         ..Default::default()
     };
-    assert_field_violation(&ledger.create_run(forged).await.expect_err("a position not its parent's"), "frame_json");
+    let e = ledger.create_run(frame(2, &live)).await.expect_err("a position not its parent's");
+    assert_field_violation(&e, "frame_json");
+    let e = ledger.create_run(frame(1, &run)).await.expect_err("an ended parent");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    // A live run citing another run's frame as its step's: refused, nothing written.
     let close = pb::AppendEventRequest {
         tenant: "acme".into(),
-        run_id: run.clone(),
+        run_id: live.clone(),
         epoch: 1,
         idempotency_key: "forged-close".into(),
         event_type: "frame_closed".into(),
         payload_json: json!({"child_run_id": child, "status": "completed", "output": {}}).to_string(),
-        step_id: "one".into(),
+        step_id: "research".into(),
     };
     let e = ledger.append_event(close).await.expect_err("not this step's frame");
-    assert!(matches!(e.code(), Code::InvalidArgument | Code::FailedPrecondition), "{e:?}");
+    assert_field_violation(&e, "payload_json.child_run_id");
+    assert_eq!(events(&mut ledger, "acme", &live).await.len(), 1, "nothing written");
+    // A frame's key is the mesh's: a submission may not take it.
+    let req = pb::SubmitRunRequest {
+        tenant: "acme".into(),
+        goal: "x".into(),
+        idempotency_key: format!("frame:{live}:a"),
+        ..Default::default()
+    };
+    assert_field_violation(&mesh.runs().submit_run(req).await.expect_err("reserved key"), "idempotency_key");
 }
 
 #[tokio::test]

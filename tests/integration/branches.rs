@@ -182,3 +182,25 @@ async fn bad_alternatives_are_refused_naming_the_field_and_nothing_is_written() 
         mesh.ledger().list_runs(pb::ListLedgerRunsRequest { tenant: "acme".into(), ..Default::default() }).await;
     assert!(listed.expect("runs").into_inner().runs.is_empty(), "nothing written");
 }
+
+/// Semantic idempotency sees branches: a call that claimed a key and failed frees it when its
+/// step goes on to another alternative — the alternative's success is not that call's — so the
+/// same call later is not a `semantic_duplicate`; a call that succeeded still blocks its key.
+#[tokio::test]
+async fn a_semantic_key_claimed_by_a_failed_branch_is_freed() {
+    let extra = "[[policy.semantic_keys]]\ntool = \"fail\"\ntemplate = \"fail:{message}\"\n";
+    let opts = warden_testkit::MeshOptions { policy_extra: extra.into(), ..warden_testkit::MeshOptions::default() };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let work = json!({"steps": [{"id": "s", "tool": "fail", "params": {"message": "m"},
+                                 "alternatives": [{"tool": "echo", "params": {"ok": true}}]}]});
+    let run = submit(&mesh, "acme", &work.to_string()).await;
+    assert_eq!(settled(&mesh, "acme", &run).await.status(), pb::RunStatus::Completed);
+    let again = json!({"steps": [{"id": "t", "tool": "fail", "params": {"message": "m"}}]});
+    let run = submit(&mesh, "acme", &again.to_string()).await;
+    let done = settled(&mesh, "acme", &run).await;
+    let t = done.steps.iter().find(|s| s.id == "t").expect("t");
+    assert_eq!(t.status(), pb::StepStatus::Failed, "{}", t.error);
+    assert!(!t.error.contains("semantic_duplicate"), "the key was freed by the failed branch: {}", t.error);
+    let evs = events(&mut mesh.ledger(), "acme", &run).await;
+    assert!(evs.iter().any(|e| e.event_type == "tool_requested"), "the call was allowed and made");
+}

@@ -375,6 +375,22 @@ async fn an_output_off_its_schema_or_leaking_a_credential_is_sanitized_and_the_s
     let receipts = receipts_of(&mesh, "acme", &id, "").await;
     assert_eq!(receipts.iter().filter(|r| r.status == "ok").count(), 4, "one ok receipt per call");
     assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+
+    // A tool's error message goes through the rules too: the failure is recorded, its secret
+    // is not.
+    let p = plan(&[("oops", "fail", json!({"message": format!("auth failed for {secret}")}), &[])]);
+    let id = submit(&mesh, "acme", &p).await;
+    let run = settled(&mesh, "acme", &id).await;
+    let oops = run.steps.iter().find(|s| s.id == "oops").expect("oops");
+    assert_eq!((oops.status(), oops.error.as_str()), (pb::StepStatus::Failed, "[Output sanitized]"));
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let failed = evs.iter().find(|e| e.event_type == "tool_failed").expect("tool_failed");
+    assert_eq!(payload(failed)["sanitized"]["rule"], "output_rule:openai_key");
+    let outcomes = evs.iter().filter(|e| matches!(e.event_type.as_str(), "tool_failed" | "run_failed"));
+    assert!(
+        outcomes.clone().count() == 2 && outcomes.clone().all(|e| !e.payload_json.contains(secret)),
+        "no outcome carries it"
+    );
 }
 
 /// `Runs.PauseRun` / `ResumeRun`: a pause lets the step in flight settle and starts nothing

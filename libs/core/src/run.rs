@@ -50,6 +50,8 @@ pub struct StepView {
     pub branch_first_attempt: u32,
     /// The attempt of the call `call` names.
     pub call_attempt: u32,
+    /// The attempt the step's last final failure was recorded under.
+    pub failed_attempt: u32,
     /// How the step's last attempt failed for good (`kind`), while it stands failed: a step
     /// with alternatives left that failed so moves to its next one.
     pub failed_kind: Option<String>,
@@ -101,6 +103,7 @@ impl StepView {
             frame_run_id: None,
             branch_first_attempt: 1,
             call_attempt: 0,
+            failed_attempt: 0,
             failed_kind: None,
         }
     }
@@ -355,6 +358,7 @@ impl RunView {
                     // Only the call that failed, by the attempt that failed, and only for a
                     // failure of the call itself.
                     let attempt = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
+                    step.failed_attempt = attempt;
                     if memorable_failure(kind)
                         && attempt == step.call_attempt
                         && let Some(call) = step.call.clone()

@@ -350,9 +350,13 @@
 
     function redraw(keepFocus) {
       if (!data) return;
-      const hadFocus = dag.contains(document.activeElement);
+      // A redraw (live updates) keeps the keyboard where it was: on the node that had focus,
+      // not the selected one — a user tabbing through the graph is never moved.
+      const active = dag.contains(document.activeElement) ? document.activeElement.getAttribute("data-node") : null;
       const el = window.WardenDag.draw(dag, data.trace || {}, selected, select);
-      if (el && (hadFocus || keepFocus)) el.focus();
+      const same = active && dag.querySelector(`[data-node="${CSS.escape(active)}"]`);
+      if (same) same.focus();
+      else if (el && (active || keepFocus)) el.focus();
     }
 
     function renderDetail() {

@@ -62,6 +62,13 @@ impl Runs for RunsService {
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
             id_field("idempotency_key", &r.idempotency_key)?;
+            // Keys of child frames are the mesh's own (`frame:<run>:<step>`).
+            if r.idempotency_key.starts_with("frame:") {
+                return Err(invalid_field(
+                    "idempotency_key",
+                    "keys starting with 'frame:' are reserved for child frames",
+                ));
+            }
         }
         if !agent.is_empty() {
             id_field("agent", &agent)?;

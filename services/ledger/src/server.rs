@@ -147,6 +147,13 @@ impl LedgerService {
             Some(parent) if parent.tenant == r.tenant => parent,
             _ => return Err(Status::not_found(format!("parent run '{}'", frame.parent_run_id))),
         };
+        if parent.status.is_terminal() {
+            return Err(Status::failed_precondition(format!(
+                "parent run '{}' ended {}; it opens no frame",
+                parent.run_id,
+                parent.status.as_str()
+            )));
+        }
         // The position follows from the parent's own: depth, bound, goals and root.
         let submitted = self.store.events(&parent.run_id, 0, 1).await?;
         let theirs: FramePosition = submitted
@@ -645,9 +652,19 @@ impl Ledger for LedgerService {
                 started_by: (!r.started_by.is_empty()).then_some((r.started_by.as_str(), r.epoch)),
                 replay_policy: r.replay_policy,
                 parent_run_id: &r.parent_run_id,
-                frame,
+                frame: frame.clone(),
             })
             .await?;
+        // A frame's key found another run: it is that frame only if it was created as it.
+        if deduplicated && let Some(frame) = &frame {
+            let first = self.store.events(&run.run_id, 0, 1).await?;
+            if first.first().and_then(|e| e.body.payload.get("frame")) != Some(frame) {
+                return Err(Status::failed_precondition(format!(
+                    "idempotency key '{}' names run {}, which is not this frame",
+                    r.idempotency_key, run.run_id
+                )));
+            }
+        }
         Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated }))
     }
 

@@ -38,8 +38,8 @@ enum Outcome {
     Unknown,
 }
 
-/// What the ledger says became of the call holding a key — the claiming step, over all its
-/// attempts: completed in any attempt is a success; a final failure (no retry follows), a
+/// What the ledger says became of the call holding a key — the claiming step, over all the
+/// attempts of the claiming call's branch: completed in any attempt is a success; a final failure (no retry follows), a
 /// denial or a cancellation frees the key; a request without an outcome is unknown. A call
 /// never requested within an authorization's lifetime can no longer act (the host refuses an
 /// expired authorization, and nothing acts unrecorded): it frees the key too.
@@ -54,12 +54,28 @@ async fn outcome(svc: &PolicyService, tenant: &str, claim: &SemanticClaim) -> Re
         })
         .await?
         .into_inner();
-    let (mut requested, mut failed) = (false, false);
+    // The claiming step's events, from the claiming decision on (when it is on record): a step
+    // that moved to another alternative (`step_branched`) ended the claiming call's branch —
+    // what a later branch does is not that call's outcome.
+    let mut mine = Vec::new();
     while let Some(e) = stream.message().await? {
-        if e.step_id != claim.step_id {
-            continue;
+        if e.step_id == claim.step_id {
+            mine.push(e);
         }
+    }
+    let claimed_at = mine.iter().position(|e| {
+        e.event_type == events::POLICY_DECISION
+            && serde_json::from_str::<Value>(&e.payload_json)
+                .ok()
+                .is_some_and(|p| p.get("decision_id").and_then(Value::as_str) == Some(claim.decision_id.as_str()))
+    });
+    let (mut requested, mut failed) = (false, false);
+    for e in mine.into_iter().skip(claimed_at.unwrap_or(0)) {
         match e.event_type.as_str() {
+            events::STEP_BRANCHED => {
+                failed = true;
+                break;
+            }
             events::TOOL_COMPLETED => return Ok(Outcome::Succeeded),
             events::TOOL_REQUESTED => requested = true,
             events::TOOL_FAILED => {

@@ -57,6 +57,32 @@ pub(super) async fn open_frame(
         let reason = "the subgoal is the goal of this frame or of one above it (a cycle)".to_string();
         return ctx.step_failed(events::STEP_FAILED, &step.id, 1, fail("cyclic_subgoal", reason)).await;
     }
+    // The sub-goal may carry what an earlier step output: bounded and redacted by the planner
+    // like any submitted goal before it is recorded or shown to a model.
+    let goal = if goal.len() > warden_core::plan::MAX_SUBGOAL_BYTES {
+        let reason = format!(
+            "the resolved subgoal is {} bytes, over the maximum of {}",
+            goal.len(),
+            warden_core::plan::MAX_SUBGOAL_BYTES
+        );
+        return ctx.step_failed(events::STEP_FAILED, &step.id, 1, fail("invalid_subgoal", reason)).await;
+    } else {
+        let check = pb::CreatePlanRequest {
+            tenant: ctx.tenant.clone(),
+            goal: goal.clone(),
+            agent: ctx.agent.clone(),
+            check_only: true,
+            ..Default::default()
+        };
+        match ctx.ex.inner.planner.clone().create_plan(check).await {
+            Ok(checked) => checked.into_inner().goal,
+            Err(s) if matches!(s.code(), tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition) => {
+                let p = fail("invalid_subgoal", format!("the subgoal was refused: {}", s.message()));
+                return ctx.step_failed(events::STEP_FAILED, &step.id, 1, p).await;
+            }
+            Err(s) => return Err(DriveError::Ledger(s)),
+        }
+    };
     let create = pb::CreateRunRequest {
         tenant: ctx.tenant.clone(),
         goal: goal.clone(),
@@ -70,7 +96,12 @@ pub(super) async fn open_frame(
     let created = ctx.ex.inner.ledger.clone().create_run(create).await;
     let child = match created {
         Ok(r) => r.into_inner().run.map(|r| r.run_id).unwrap_or_default(),
-        Err(s) if s.code() == tonic::Code::InvalidArgument => {
+        Err(s)
+            if matches!(
+                s.code(),
+                tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::NotFound
+            ) =>
+        {
             let p = fail("frame_refused", format!("the child frame was refused: {}", s.message()));
             return ctx.step_failed(events::STEP_FAILED, &step.id, 1, p).await;
         }
@@ -98,9 +129,9 @@ async fn wait(ctx: &RunCtx, child: &str) -> Result<pb::LedgerRun, DriveError> {
                 if status.is_some_and(RunStatus::is_terminal) {
                     return Ok(run);
                 }
+                // Asked until the request is on the child's record (a stale epoch is read again).
                 if ctx.cancel.is_cancelled() && !cancelled {
-                    cancel_child(ctx, &run).await?;
-                    cancelled = true;
+                    cancelled = cancel_child(ctx, &run).await?;
                 }
             }
             Err(s) if super::step::transient(&s) => {}
@@ -109,15 +140,16 @@ async fn wait(ctx: &RunCtx, child: &str) -> Result<pb::LedgerRun, DriveError> {
         tokio::select! {
             _ = tokio::time::sleep(poll) => {}
             _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
-            _ = ctx.cancel.cancelled(), if !cancelled => {}
+            _ = ctx.cancel.cancelled(), if !ctx.cancel.is_cancelled() => {}
         }
         poll = (poll * 2).min(MAX_POLL);
     }
 }
 
 /// Asks the child frame to end as this run does (`run_cancel_requested`, signalled to its
-/// driver; a frame no executor holds is resumed to be cancelled).
-async fn cancel_child(ctx: &RunCtx, run: &pb::LedgerRun) -> Result<(), DriveError> {
+/// driver; a frame no executor holds is resumed to be cancelled). `false` when the request
+/// could not be recorded yet (the child moved on meanwhile): the caller asks again.
+pub(super) async fn cancel_child(ctx: &RunCtx, run: &pb::LedgerRun) -> Result<bool, DriveError> {
     let append = |event_type: &str, key: &str, payload: Value| pb::AppendEventRequest {
         tenant: ctx.tenant.clone(),
         run_id: run.run_id.clone(),
@@ -131,18 +163,44 @@ async fn cancel_child(ctx: &RunCtx, run: &pb::LedgerRun) -> Result<(), DriveErro
     let why = json!({"reason": format!("its parent run {} was cancelled", ctx.run_id)});
     match ledger.append_event(append(events::RUN_CANCEL_REQUESTED, "cancel_requested", why)).await {
         Ok(_) => {}
-        // It ended or moved meanwhile: the next look tells.
-        Err(s) if s.code() == tonic::Code::FailedPrecondition => return Ok(()),
+        // It ended or moved to a new epoch meanwhile: the next look tells, and asks again.
+        Err(s) if s.code() == tonic::Code::FailedPrecondition || warden_grpc::is_fenced(&s) => return Ok(false),
+        Err(s) if super::step::transient(&s) => return Ok(false),
         Err(s) => return Err(DriveError::Ledger(s)),
     }
     ctx.ex.signal_here(&run.run_id, warden_lease::RunSignal::Cancel);
     let _ = ctx.ex.inner.leases.signal(&run.run_id, warden_lease::RunSignal::Cancel).await;
-    if matches!(run.status(), pb::RunStatus::Blocked | pb::RunStatus::Paused) {
+    // Read again: a frame paused or blocked by now (the ledger takes neither after the
+    // request, so this reading stands) is resumed to be cancelled.
+    let get = pb::GetLedgerRunRequest { tenant: ctx.tenant.clone(), run_id: run.run_id.clone() };
+    if let Ok(now) = ledger.get_run(get).await.map(|r| r.into_inner())
+        && matches!(now.status(), pb::RunStatus::Blocked | pb::RunStatus::Paused)
+    {
         let resumed = append(events::RUN_RESUMED, "resumed:cancel", json!({"reason": "resumed to be cancelled"}));
-        let _ = ledger.append_event(resumed).await;
+        let _ = ledger.append_event(pb::AppendEventRequest { epoch: now.max_epoch, ..resumed }).await;
     }
     ctx.ex.dispatch(run.run_id.clone());
-    Ok(())
+    Ok(true)
+}
+
+/// Cancels the frame a sub-goal step opened, when the run is cancelled before the step is
+/// waited on again (after a restart): the frame does not go on acting for a cancelled run.
+/// Waits for nothing; the frame ends on its own driver.
+pub(super) async fn cancel_open_frame(ctx: &RunCtx, child: &str) -> Result<(), DriveError> {
+    for _ in 0..5 {
+        let get = pb::GetLedgerRunRequest { tenant: ctx.tenant.clone(), run_id: child.to_string() };
+        let run = ctx.ex.inner.ledger.clone().get_run(get).await.map_err(DriveError::Ledger)?.into_inner();
+        let ended = pb::RunStatus::try_from(run.status)
+            .ok()
+            .and_then(warden_grpc::convert::status_from_proto)
+            .is_some_and(RunStatus::is_terminal);
+        if ended || cancel_child(ctx, &run).await? {
+            return Ok(());
+        }
+    }
+    Err(DriveError::Ledger(tonic::Status::aborted(format!(
+        "child frame {child} kept changing; cancelled on the next drive"
+    ))))
 }
 
 /// Records how the frame ended on the step (`frame_closed`): a completed frame's output is
@@ -165,6 +223,18 @@ async fn close(ctx: &RunCtx, step: &PlanStep, child: &str, run: pb::LedgerRun) -
             (None, None) => Value::Null,
         };
         outputs.insert(s.id.clone(), shown);
+    }
+    // Bounded like an inline output: past the limit each output is cited by its digest and
+    // size instead (read with `GetStepOutput` on the child run).
+    let inline = Value::Object(outputs.clone()).to_string().len() <= ctx.ex.inner.config.inline_output_max_bytes;
+    if !inline {
+        for (id, out) in outputs.iter_mut() {
+            if out.get("output_ref").is_none() {
+                let text = warden_core::canonical::canonical_json(out);
+                *out = json!({"output_ref": {"run_id": child, "step_id": id,
+                    "sha256": warden_core::canonical::sha256_hex(text.as_bytes()), "bytes": text.len()}});
+            }
+        }
     }
     let mut output = json!({"run_id": child, "outputs": outputs});
     if view.status == RunStatus::Completed && !view.reason.is_empty() {

@@ -44,9 +44,16 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         })
         .collect();
     let mut outputs = view.outputs();
+    // The child frames sub-goal steps opened and may still wait on.
+    let view_frames: HashMap<String, String> = view
+        .steps
+        .iter()
+        .filter(|s| s.status == StepStatus::Running)
+        .filter_map(|s| Some((s.id.clone(), s.frame_run_id.clone()?)))
+        .collect();
     // Steps to run (those whose outcome is unknown are asked again) may template from stored
     // outputs.
-    if view.steps.iter().any(|s| s.status == StepStatus::Pending || s.outcome_unknown) {
+    if status.values().any(|s| *s == StepStatus::Pending) {
         stored_outputs(ctx, &view, &mut outputs).await?;
     }
     let resume: HashMap<String, Resume> = view
@@ -58,7 +65,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             // driver stopped in between, or an operator reconciled the call as failed): it
             // moves to that alternative now.
             if unbranched(plan, s) {
-                from.attempt = s.attempts.max(s.call_attempt) + 1;
+                from.attempt = s.attempts.max(s.call_attempt).max(s.failed_attempt) + 1;
                 from.retry_of = None;
                 from.branch_after =
                     Some((s.error.clone().unwrap_or_default(), s.failed_kind.clone().unwrap_or_default()));
@@ -102,6 +109,10 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             for &i in &order {
                 let step = &plan.steps[i];
                 if status[&step.id] == StepStatus::Pending && !resume[&step.id].asked_before {
+                    // A frame it opened before a restart ends with the run.
+                    if let Some(child) = view_frames.get(&step.id) {
+                        super::frame::cancel_open_frame(ctx, child).await?;
+                    }
                     // Receipted by the attempt it would have made (an earlier one may have one).
                     let attempt = resume[&step.id].attempt;
                     let reason = format!("the run was cancelled ({})", policy_name(ctx.cancel_policy));

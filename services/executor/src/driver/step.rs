@@ -335,6 +335,24 @@ pub(super) async fn store_output(
     }
 }
 
+/// A failure `payload` whose `reason` is a tool's or host's own `message`, through the output
+/// rules like an output: a message that matches one is withheld — recorded, templated and
+/// shown to a planner nowhere — as `[Output sanitized]`, with the rule and the message's
+/// digest beside it.
+fn vetted(ctx: &RunCtx, mut payload: Value, message: &str) -> Value {
+    match crate::output::vet_error(&ctx.ex.inner.output_rules, message) {
+        None => payload["reason"] = json!(message),
+        Some(rule) => {
+            warden_telemetry::metrics::output_sanitized(&rule);
+            payload["reason"] = json!(crate::output::SANITIZED);
+            payload["sanitized"] = json!({"rule": rule, "reason": "the error message matched an output rule",
+                                          "message_sha256": warden_core::canonical::sha256_hex(message.as_bytes()),
+                                          "message_bytes": message.len()});
+        }
+    }
+    payload
+}
+
 /// Where a driver picks a pending step up.
 #[derive(Clone)]
 pub(super) struct Resume {
@@ -711,7 +729,7 @@ pub(super) async fn execute_attempt(
     let outcome = match answer {
         Err(s) => {
             let kind = if s.code() == Code::PermissionDenied { "authorization_refused" } else { "tool_host_error" };
-            Err(failed(kind, s.message().to_string(), json!({})))
+            Err(vetted(ctx, failed(kind, String::new(), json!({})), s.message()))
         }
         Ok(resp) => {
             let resp = resp.into_inner();
@@ -722,18 +740,7 @@ pub(super) async fn execute_attempt(
                 },
                 Some(pb::invoke_response::Outcome::Error(e)) => {
                     let extra = json!({"code": e.code, "retryable": e.retryable});
-                    match crate::output::vet_error(&ctx.ex.inner.output_rules, &e.message) {
-                        None => Err(failed("tool_error", e.message, extra)),
-                        // Withheld like an output: recorded, templated and shown nowhere.
-                        Some(rule) => {
-                            warden_telemetry::metrics::output_sanitized(&rule);
-                            let mut p = failed("tool_error", crate::output::SANITIZED.into(), extra);
-                            p["sanitized"] = json!({"rule": rule, "reason": "the tool's error message matched an output rule",
-                                                    "message_sha256": warden_core::canonical::sha256_hex(e.message.as_bytes()),
-                                                    "message_bytes": e.message.len()});
-                            Err(p)
-                        }
-                    }
+                    Err(vetted(ctx, failed("tool_error", String::new(), extra), &e.message))
                 }
                 None => Err(failed("invalid_output", "tool host returned no outcome".into(), json!({}))),
             }
