@@ -104,8 +104,18 @@ pub(super) async fn execute_step(
         let Some((tool, params)) = step.branch(branch) else {
             return Err(DriveError::Ledger(Status::internal(format!("step '{}' has no branch {branch}", step.id))));
         };
-        let call =
-            PlanStep { tool: tool.to_string(), params: params.clone(), alternatives: Vec::new(), ..step.clone() };
+        // The branch's call as a step of its own (the step itself while it has no alternatives:
+        // nothing is copied on the hot path).
+        let call: std::borrow::Cow<'_, PlanStep> = if step.alternatives.is_empty() {
+            std::borrow::Cow::Borrowed(step)
+        } else {
+            std::borrow::Cow::Owned(PlanStep {
+                tool: tool.to_string(),
+                params: params.clone(),
+                alternatives: Vec::new(),
+                ..step.clone()
+            })
+        };
         let outcome = match (pending.take(), args) {
             (Some(failed), _) => {
                 // The branch failed before; `attempt` is the next branch's first.
