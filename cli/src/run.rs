@@ -806,7 +806,9 @@ fn trace_dot(t: &serde_json::Value) -> String {
     for e in &edges {
         let (from, to) = (field(e, "from"), field(e, "to"));
         if matches!(field(e, "kind").as_str(), "tries" | "backtracked_to" | "executes" | "produced") {
-            let step = if from.starts_with("step:") { Some(from.clone()) } else { owner.get(&from).cloned() };
+            // Ids of nested frames' nodes are prefixed by their run (`<run>/step:…`).
+            let local = from.rsplit('/').next().unwrap_or_default();
+            let step = if local.starts_with("step:") { Some(from.clone()) } else { owner.get(&from).cloned() };
             if let Some(step) = step {
                 owner.insert(to, step);
             }
@@ -826,32 +828,53 @@ fn trace_dot(t: &serde_json::Value) -> String {
         format!("\"{}\" [shape={}, label=\"{label}\"];\n", quote(&field(n, "id")), shape(&field(n, "kind")))
     };
     let mut out = format!("digraph \"{}\" {{\n  rankdir=LR;\n  compound=true;\n", quote(&field(t, "run_id")));
-    for frame in nodes.iter().filter(|n| field(n, "kind") == "frame") {
+    // A frame's cluster holds its planner attempts, its steps (each a cluster of its branches,
+    // attempts and result) and, nested, the frames its steps opened.
+    fn cluster(
+        out: &mut String,
+        frame: &serde_json::Value,
+        nodes: &[&serde_json::Value],
+        owner: &std::collections::HashMap<String, String>,
+        line: &dyn Fn(&serde_json::Value) -> String,
+        depth: usize,
+    ) {
+        let field = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or_default().to_string();
+        let quote = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
+        let pad = "  ".repeat(depth + 1);
         let fid = field(frame, "id");
         out.push_str(&format!(
-            "  subgraph \"cluster_{}\" {{\n    label=\"frame {} ({})\";\n",
+            "{pad}subgraph \"cluster_{}\" {{\n{pad}  label=\"frame {} ({})\";\n{pad}  {}",
             quote(&fid),
             quote(&field(frame, "label")),
-            quote(&field(frame, "status"))
+            quote(&field(frame, "status")),
+            line(frame)
         ));
-        out.push_str(&format!("    {}", node_line(frame)));
-        for n in nodes.iter().filter(|n| field(n, "frame_id") == fid && field(n, "kind") == "planner_attempt") {
-            out.push_str(&format!("    {}", node_line(n)));
+        let inside = |n: &&&serde_json::Value| field(n, "frame_id") == fid && field(n, "kind") != "frame";
+        for n in nodes.iter().filter(inside).filter(|n| field(n, "kind") == "planner_attempt") {
+            out.push_str(&format!("{pad}  {}", line(n)));
         }
-        for step in nodes.iter().filter(|n| field(n, "frame_id") == fid && field(n, "kind") == "step") {
+        for step in nodes.iter().filter(inside).filter(|n| field(n, "kind") == "step") {
             let sid = field(step, "id");
             out.push_str(&format!(
-                "    subgraph \"cluster_{}\" {{\n      label=\"{}\";\n",
+                "{pad}  subgraph \"cluster_{}\" {{\n{pad}    label=\"{}\";\n",
                 quote(&sid),
                 quote(&field(step, "label"))
             ));
-            out.push_str(&format!("      {}", node_line(step)));
+            out.push_str(&format!("{pad}    {}", line(step)));
             for n in nodes.iter().filter(|n| owner.get(&field(n, "id")) == Some(&sid)) {
-                out.push_str(&format!("      {}", node_line(n)));
+                out.push_str(&format!("{pad}    {}", line(n)));
             }
-            out.push_str("    }\n");
+            out.push_str(&format!("{pad}  }}\n"));
         }
-        out.push_str("  }\n");
+        if depth <= warden_core::plan::MAX_FRAME_DEPTH as usize {
+            for child in nodes.iter().filter(|n| field(n, "kind") == "frame" && field(n, "parent_frame_id") == fid) {
+                cluster(out, child, nodes, owner, line, depth + 1);
+            }
+        }
+        out.push_str(&format!("{pad}}}\n"));
+    }
+    for root in nodes.iter().filter(|n| field(n, "kind") == "frame" && n.get("parent_frame_id").is_none()) {
+        cluster(&mut out, root, &nodes, &owner, &node_line, 0);
     }
     for e in &edges {
         out.push_str(&format!(
@@ -907,5 +930,35 @@ mod tests {
         assert!(frame < step && step < branch, "nested in order:\n{dot}");
         assert!(dot.contains("\"branch:a:0\" -> \"branch:a:1\" [label=\"backtracked_to\"]"), "{dot}");
         assert!(!dot.contains("hunter2"), "payloads are not labels");
+
+        // A child frame's DAG nests inside the frame node of the step that opened it.
+        let parent = [
+            ("run_submitted", "", json!({"plan": {"steps": [{"id": "research", "subgoal": "find"}]}})),
+            ("frame_opened", "research", json!({"child_run_id": "c1", "subgoal": "find", "depth": 1})),
+        ];
+        let owned: Vec<TraceEvent<'_>> = parent
+            .iter()
+            .enumerate()
+            .map(|(i, (t, s, p))| TraceEvent {
+                seq: i as u64 + 1,
+                event_type: t,
+                step_id: s,
+                payload: p,
+                timestamp_ms: 0,
+            })
+            .collect();
+        let parent_trace = warden_core::trace::build("r2", &owned);
+        let mut dag = warden_core::dag::of(&parent_trace, "plan");
+        let mut child = warden_core::dag::of(&trace, "find");
+        child.run_id = "c1".into();
+        dag.nest("frame:c1", child);
+        let mut t = serde_json::to_value(&parent_trace).expect("json");
+        t["dag"] = serde_json::to_value(dag).expect("dag");
+        let dot = super::trace_dot(&t);
+        let root = dot.find("subgraph \"cluster_frame:root\"").expect("root cluster");
+        let frame = dot.find("subgraph \"cluster_frame:c1\"").unwrap_or_else(|| panic!("child cluster:\n{dot}"));
+        let inner = dot.find("subgraph \"cluster_c1/step:a\"").unwrap_or_else(|| panic!("the child's step:\n{dot}"));
+        let closes = dot[frame..].find("\n    }\n").map(|i| i + frame).expect("the child cluster closes");
+        assert!(root < frame && frame < inner && inner < closes, "nested:\n{dot}");
     }
 }

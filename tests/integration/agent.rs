@@ -819,6 +819,14 @@ async fn child_frames(backend: Backend) {
     );
     let opens = json!({"from": "step:research", "to": format!("frame:{child}"), "kind": "opens"});
     assert!(t["dag"]["edges"].as_array().expect("edges").contains(&opens));
+    // The frame's own DAG is nested inside it.
+    let fetch = t["dag"]["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["id"] == json!(format!("{child}/step:fetch")))
+        .cloned();
+    assert_eq!(fetch.expect("the child's step, nested")["frame_id"], json!(format!("frame:{child}")));
 
     // One budget for the tree: 4 calls; the child's model call and echo, the parent's echo
     // (3 in all) fit; a second tree's child spends 2 of its own 4 — budgets are per root.

@@ -245,6 +245,39 @@ pub fn of(trace: &RunTrace, purpose: &str) -> Dag {
     Dag { run_id: trace.run_id.clone(), root_frame: ROOT_FRAME.into(), status: trace.status.clone(), nodes, edges }
 }
 
+impl Dag {
+    /// The child frames this DAG opens and does not hold yet: `(frame node id, child run id)`.
+    pub fn open_frames(&self) -> Vec<(String, String)> {
+        self.nodes
+            .iter()
+            .filter(|n| n.kind == "frame" && n.id != self.root_frame)
+            .filter(|n| !self.nodes.iter().any(|m| m.frame_id == n.id && m.id != n.id))
+            .filter_map(|n| Some((n.id.clone(), n.detail.get("run_id")?.as_str()?.to_string())))
+            .collect()
+    }
+
+    /// Nests `child` — the DAG of the run a frame node (`frame`) of this DAG stands for — inside
+    /// that frame: its nodes join this DAG under ids prefixed by the child run's id, in the
+    /// frame (`frame_id`), and its root frame is that frame node. Nested frames stay nested
+    /// (their parent is the frame they were opened in).
+    pub fn nest(&mut self, frame: &str, child: Dag) {
+        let prefix = format!("{}/", child.run_id);
+        let rename = |id: &str| if id == child.root_frame { frame.to_string() } else { format!("{prefix}{id}") };
+        for mut n in child.nodes {
+            if n.id == child.root_frame {
+                continue;
+            }
+            n.id = rename(&n.id);
+            n.frame_id = rename(&n.frame_id);
+            n.parent_frame_id = n.parent_frame_id.as_deref().map(rename);
+            self.nodes.push(n);
+        }
+        for e in child.edges {
+            self.edges.push(DagEdge { from: rename(&e.from), to: rename(&e.to), kind: e.kind });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,5 +331,46 @@ mod tests {
         assert!(has("attempt:a:1", "attempt:a:2", "retried_as"));
         assert!(has("attempt:a:3", "result:a", "produced"));
         assert_eq!(node("frame:root").duration_ms, Some(10));
+    }
+
+    #[test]
+    fn a_child_frames_dag_nests_inside_its_frame_node() {
+        let parent_plan = json!({"plan": {"steps": [{"id": "research", "subgoal": "find"}]}});
+        let child_plan = json!({"plan": {"steps": [{"id": "fetch", "tool": "echo"}]}});
+        let events_of = |evs: &[(&'static str, &'static str, Value)]| -> RunTrace {
+            let owned: Vec<TraceEvent<'_>> = evs
+                .iter()
+                .enumerate()
+                .map(|(i, (t, s, p))| TraceEvent {
+                    seq: i as u64 + 1,
+                    event_type: t,
+                    step_id: s,
+                    payload: p,
+                    timestamp_ms: 0,
+                })
+                .collect();
+            build("r", &owned)
+        };
+        let parent = events_of(&[
+            (events::RUN_SUBMITTED, "", parent_plan),
+            (events::FRAME_OPENED, "research", json!({"child_run_id": "c1", "subgoal": "find", "depth": 1})),
+            (events::FRAME_CLOSED, "research", json!({"child_run_id": "c1", "status": "completed"})),
+        ]);
+        let mut child = of(
+            &events_of(&[
+                (events::RUN_SUBMITTED, "", child_plan),
+                (events::TOOL_COMPLETED, "fetch", json!({"output": {}})),
+            ]),
+            "find",
+        );
+        child.run_id = "c1".into();
+        let mut dag = of(&parent, "the submitted plan");
+        assert_eq!(dag.open_frames(), [("frame:c1".to_string(), "c1".to_string())]);
+        dag.nest("frame:c1", child);
+        assert!(dag.open_frames().is_empty(), "nested once");
+        let fetch = dag.nodes.iter().find(|n| n.id == "c1/step:fetch").expect("the child's step");
+        assert_eq!(fetch.frame_id, "frame:c1");
+        assert!(dag.edges.iter().any(|e| e.from == "frame:c1" && e.to == "c1/step:fetch" && e.kind == "contains"));
+        assert!(dag.edges.iter().any(|e| e.from == "step:research" && e.to == "frame:c1" && e.kind == "opens"));
     }
 }

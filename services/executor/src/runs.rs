@@ -618,24 +618,23 @@ impl Runs for RunsService {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
-        let (view, evs) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
-        let payloads: Vec<serde_json::Value> =
-            evs.iter().map(|e| serde_json::from_str(&e.payload_json).unwrap_or_default()).collect();
-        let trace_events: Vec<warden_core::trace::TraceEvent<'_>> = evs
-            .iter()
-            .zip(&payloads)
-            .map(|(e, payload)| warden_core::trace::TraceEvent {
-                seq: e.seq,
-                event_type: &e.event_type,
-                step_id: &e.step_id,
-                payload,
-                timestamp_ms: e.timestamp_ms,
-            })
-            .collect();
-        let trace = warden_core::trace::build(&r.run_id, &trace_events);
-        // The seed-001 DAG beside the per-step trace it is derived from.
-        let purpose = view.goal.as_deref().unwrap_or("the submitted plan");
-        let dag = warden_core::dag::of(&trace, purpose);
+        let (trace, mut dag) = trace_of(&self.ex, &r.tenant, &r.run_id).await?;
+        // Child frames nest inside the frame nodes that opened them (each a run of its own),
+        // as deep as frames go; a frame's run that cannot be read stays a node of its own.
+        let mut nested = std::collections::HashSet::new();
+        for _ in 0..=warden_core::plan::MAX_FRAME_DEPTH {
+            let open: Vec<(String, String)> =
+                dag.open_frames().into_iter().filter(|(frame, _)| nested.insert(frame.clone())).collect();
+            if open.is_empty() {
+                break;
+            }
+            for (frame, child) in open {
+                match trace_of(&self.ex, &r.tenant, &child).await {
+                    Ok((_, child_dag)) => dag.nest(&frame, child_dag),
+                    Err(s) => tracing::warn!(run_id = %r.run_id, child = %child, error = %s, "child frame not nested"),
+                }
+            }
+        }
         let mut json = serde_json::to_value(&trace).map_err(|e| Status::internal(e.to_string()))?;
         json["dag"] = serde_json::to_value(&dag).map_err(|e| Status::internal(e.to_string()))?;
         let trace_json = json.to_string();
@@ -778,4 +777,30 @@ impl RunsService {
 fn settled(status: pb::RunStatus) -> bool {
     matches!(status, pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation | pb::RunStatus::Paused)
         || warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal())
+}
+
+/// A run's trace and its execution DAG (its purpose: the goal, or the submitted plan), from
+/// its events.
+async fn trace_of(
+    ex: &crate::Executor,
+    tenant: &str,
+    run_id: &str,
+) -> Result<(warden_core::trace::RunTrace, warden_core::dag::Dag), Status> {
+    let (view, evs) = load_view(ex, tenant, run_id).await?;
+    let payloads: Vec<serde_json::Value> =
+        evs.iter().map(|e| serde_json::from_str(&e.payload_json).unwrap_or_default()).collect();
+    let trace_events: Vec<warden_core::trace::TraceEvent<'_>> = evs
+        .iter()
+        .zip(&payloads)
+        .map(|(e, payload)| warden_core::trace::TraceEvent {
+            seq: e.seq,
+            event_type: &e.event_type,
+            step_id: &e.step_id,
+            payload,
+            timestamp_ms: e.timestamp_ms,
+        })
+        .collect();
+    let trace = warden_core::trace::build(run_id, &trace_events);
+    let dag = warden_core::dag::of(&trace, view.goal.as_deref().unwrap_or("the submitted plan"));
+    Ok((trace, dag))
 }
