@@ -907,17 +907,7 @@ mod tests {
             ("tool_requested", "a", json!({"attempt": 2})),
             ("tool_completed", "a", json!({"attempt": 2, "output": {}})),
         ];
-        let owned: Vec<TraceEvent<'_>> = evs
-            .iter()
-            .enumerate()
-            .map(|(i, (t, s, p))| TraceEvent {
-                seq: i as u64 + 1,
-                event_type: t,
-                step_id: s,
-                payload: p,
-                timestamp_ms: 0,
-            })
-            .collect();
+        let owned = TraceEvent::numbered(&evs);
         let trace = warden_core::trace::build("r1", &owned);
         let mut t = serde_json::to_value(&trace).expect("json");
         t["dag"] = serde_json::to_value(warden_core::dag::of(&trace, "goal")).expect("dag");
@@ -936,17 +926,7 @@ mod tests {
             ("run_submitted", "", json!({"plan": {"steps": [{"id": "research", "subgoal": "find"}]}})),
             ("frame_opened", "research", json!({"child_run_id": "c1", "subgoal": "find", "depth": 1})),
         ];
-        let owned: Vec<TraceEvent<'_>> = parent
-            .iter()
-            .enumerate()
-            .map(|(i, (t, s, p))| TraceEvent {
-                seq: i as u64 + 1,
-                event_type: t,
-                step_id: s,
-                payload: p,
-                timestamp_ms: 0,
-            })
-            .collect();
+        let owned = TraceEvent::numbered(&parent);
         let parent_trace = warden_core::trace::build("r2", &owned);
         let mut dag = warden_core::dag::of(&parent_trace, "plan");
         let mut child = warden_core::dag::of(&trace, "find");

@@ -886,6 +886,9 @@ async fn child_frames(backend: Backend) {
     };
     let e = ledger.create_run(frame(2, &live)).await.expect_err("a position not its parent's");
     assert_field_violation(&e, "frame_json");
+    let huge =
+        pb::CreateRunRequest { frame_json: format!("{{\"goals\": [{}]}}", "\"x\",".repeat(2000)), ..frame(1, &live) };
+    assert_field_violation(&ledger.create_run(huge).await.expect_err("an oversized position"), "frame_json");
     let e = ledger.create_run(frame(1, &run)).await.expect_err("an ended parent");
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     // A live run citing another run's frame as its step's: refused, nothing written.

@@ -338,17 +338,7 @@ mod tests {
         let parent_plan = json!({"plan": {"steps": [{"id": "research", "subgoal": "find"}]}});
         let child_plan = json!({"plan": {"steps": [{"id": "fetch", "tool": "echo"}]}});
         let events_of = |evs: &[(&'static str, &'static str, Value)]| -> RunTrace {
-            let owned: Vec<TraceEvent<'_>> = evs
-                .iter()
-                .enumerate()
-                .map(|(i, (t, s, p))| TraceEvent {
-                    seq: i as u64 + 1,
-                    event_type: t,
-                    step_id: s,
-                    payload: p,
-                    timestamp_ms: 0,
-                })
-                .collect();
+            let owned = TraceEvent::numbered(evs);
             build("r", &owned)
         };
         let parent = events_of(&[

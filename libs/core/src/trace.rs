@@ -22,6 +22,24 @@ pub struct TraceEvent<'a> {
     pub timestamp_ms: i64,
 }
 
+impl<'a> TraceEvent<'a> {
+    /// `events` as `(event_type, step_id, payload)`, numbered from seq 1 at time 0 (a trace
+    /// built from literal events, as tests and tools write them).
+    pub fn numbered(events: &'a [(&'a str, &'a str, Value)]) -> Vec<TraceEvent<'a>> {
+        events
+            .iter()
+            .enumerate()
+            .map(|(i, (t, s, p))| TraceEvent {
+                seq: i as u64 + 1,
+                event_type: t,
+                step_id: s,
+                payload: p,
+                timestamp_ms: 0,
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Decision {
     pub seq: u64,

@@ -126,6 +126,10 @@ impl LedgerService {
             return Ok(None);
         }
         let bad = |why: String| invalid_field("frame_json", why);
+        // A position is small (at most 8 goal digests): bounded before it is parsed.
+        if r.frame_json.len() > 4096 {
+            return Err(bad(format!("{} bytes is over the maximum of 4096", r.frame_json.len())));
+        }
         let frame: FramePosition =
             serde_json::from_str(&r.frame_json).map_err(|e| bad(format!("not a frame position: {e}")))?;
         let max = frame.max_depth.unwrap_or(0);

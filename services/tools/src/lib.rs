@@ -385,11 +385,16 @@ mod tests {
 
     /// A host over `dir` (outbox and default state file there) trusting [`policy_key`].
     fn host(dir: &std::path::Path) -> ToolHostService {
+        host_with(dir, ToolsConfig::default())
+    }
+
+    /// [`host`], configured otherwise by `config` (its outbox and policy endpoint are set).
+    fn host_with(dir: &std::path::Path, config: ToolsConfig) -> ToolHostService {
         let config = ToolsConfig {
             outbox_path: dir.join("outbox.jsonl").display().to_string(),
             // Never contacted: the signing key is known already.
             policy_endpoint: "http://127.0.0.1:9".into(),
-            ..ToolsConfig::default()
+            ..config
         };
         let service = ToolHostService::new(&config).expect("service");
         let vk = policy_key().verifying_key();
@@ -505,20 +510,8 @@ mod tests {
     #[tokio::test]
     async fn a_consequential_tool_refuses_a_call_decided_under_a_milder_class_or_blind() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let host = {
-            let config = ToolsConfig {
-                outbox_path: dir.path().join("outbox.jsonl").display().to_string(),
-                policy_endpoint: "http://127.0.0.1:9".into(),
-                effects: [("email.send".to_string(), "consequential".to_string())].into(),
-                ..ToolsConfig::default()
-            };
-            let service = ToolHostService::new(&config).expect("service");
-            let vk = policy_key().verifying_key();
-            service.keys.install([(key_id(&vk), vk.as_bytes().to_vec())]);
-            let lk = ledger_key().verifying_key();
-            service.ledger_keys.install([(key_id(&lk), lk.as_bytes().to_vec())]);
-            service
-        };
+        let effects = [("email.send".to_string(), "consequential".to_string())].into();
+        let host = host_with(dir.path(), ToolsConfig { effects, ..ToolsConfig::default() });
         let mail = json!({"to": "ops@example.com", "subject": "s", "body": "b"});
         let spec = host.specs.iter().find(|s| s.name == "email.send").expect("declared").clone();
         assert_eq!(warden_grpc::catalog::effect_name(&spec), "consequential");
