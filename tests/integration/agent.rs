@@ -852,12 +852,21 @@ async fn child_frames(backend: Backend) {
     let opened = crate::first_event(&mesh, "acme", &parent, |e| e.event_type == "frame_opened").await;
     let nap = payload(&opened)["child_run_id"].as_str().expect("child").to_string();
     crate::first_event(&mesh, "acme", &nap, |e| e.event_type == "tool_requested").await;
+    // A person asks the frame itself to end first (the nap settles before it does); the
+    // parent's own request follows under a key of its own — no conflict with the person's.
+    let person = pb::CancelRunRequest { tenant: "acme".into(), run_id: nap.clone(), reason: "stop it".into() };
+    mesh.runs().cancel_run(person).await.expect("cancel the frame");
     let cancel = pb::CancelRunRequest { tenant: "acme".into(), run_id: parent.clone(), reason: "enough".into() };
     mesh.runs().cancel_run(cancel).await.expect("cancel");
     let done = settled(&mesh, "acme", &parent).await;
     assert_eq!(done.status(), pb::RunStatus::Cancelled, "{}\n{}", done.reason, mesh.logs());
     let child_run = settled(&mesh, "acme", &nap).await;
     assert_eq!(child_run.status(), pb::RunStatus::Cancelled, "the frame ended with its parent: {}", child_run.reason);
+    let asked = run_events(&mesh, &nap).await;
+    let reasons: Vec<Value> =
+        of_type(&asked, "run_cancel_requested").iter().map(|e| payload(e)["reason"].clone()).collect();
+    let parents = json!(format!("its parent run {parent} was cancelled"));
+    assert!(reasons.contains(&json!("stop it")) && reasons.contains(&parents), "{reasons:?}");
 
     // Bad input.
     for (plan_json, field) in [
@@ -922,4 +931,95 @@ async fn a_subgoal_opens_a_child_frame_that_shares_the_budget_on_sqlite() {
 #[tokio::test]
 async fn a_subgoal_opens_a_child_frame_that_shares_the_budget_on_postgres() {
     child_frames(Backend::Postgres).await;
+}
+
+/// Seed 001's time budget: a run tree has `max_run_ms` from its root's submission, and a
+/// child frame has what is left of it. Past it every further call is denied `run_time_limit`
+/// — the root's own next step, and the model call that would plan its child frame, which is
+/// never asked.
+#[tokio::test]
+async fn a_frame_inherits_what_is_left_of_its_roots_time_budget() {
+    let model = ScriptedModel::start(Reply::plan(plan_of(json!([
+        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
+    ]))))
+    .await;
+    let mut opts = replan_mesh_options(&model, "", None);
+    opts.tenants[0].1.push("sleep".into());
+    opts.tenant_extra = vec![("acme".into(), "max_run_ms = 1500".into())];
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let work = json!({"steps": [
+        {"id": "nap", "tool": "sleep", "params": {"ms": 1700}},
+        {"id": "after", "tool": "echo", "params": {}, "depends_on": ["nap"]},
+        {"id": "research", "subgoal": "Find the data", "depends_on": ["nap"]},
+    ]});
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
+    let run = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed, "{}\n{}", done.reason, mesh.logs());
+    let step = |id: &str| done.steps.iter().find(|s| s.id == id).expect("step").clone();
+    assert_eq!(step("nap").status(), pb::StepStatus::Completed, "in time: {}", step("nap").error);
+    assert_eq!(step("after").status(), pb::StepStatus::Denied, "{}", step("after").error);
+    assert!(step("after").error.contains("run_time_limit"), "{}", step("after").error);
+    let research = step("research");
+    assert_eq!(research.status(), pb::StepStatus::Failed, "{}", research.error);
+    let evs = run_events(&mesh, &run).await;
+    let opened = of_type(&evs, "frame_opened");
+    let child =
+        payload(opened.first().expect("the frame was opened"))["child_run_id"].as_str().expect("child").to_string();
+    let child_run = settled(&mesh, "acme", &child).await;
+    assert_eq!(child_run.status(), pb::RunStatus::Failed, "{}", child_run.reason);
+    assert!(child_run.reason.contains("run_time_limit"), "the frame had no time left: {}", child_run.reason);
+    assert!(model.received().is_empty(), "the frame's model call was denied before it was made");
+}
+
+/// The model plans branches and decompositions itself: the strict schema offers each step
+/// `alternatives` and a `subgoal` step kind. A goal run whose model answer names an
+/// alternative for a failing call and a sub-goal completes: the call moves to its alternative
+/// (`step_branched`), the sub-goal opens a child frame planned by the model in turn, and a
+/// later step templates from the frame's output. A frame the model opens at the depth limit
+/// fails `frame_depth_exhausted` — recorded, never an unbounded recursion.
+#[tokio::test]
+async fn the_model_plans_alternatives_and_subgoals() {
+    // Asked first: the root's plan; every later answer (the frame's): one fetch.
+    let model = ScriptedModel::start(Reply::plan(plan_of(json!([
+        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": [], "alternatives": []},
+    ]))))
+    .await;
+    model.push(Reply::plan(plan_of(json!([
+        {"id": "send", "tool": "fail", "params": {"message": "smtp down"}, "depends_on": [],
+         "alternatives": [{"tool": "echo", "params": {"sent": "by echo"}}]},
+        {"id": "research", "subgoal": "Find the data", "depends_on": []},
+        {"id": "report", "tool": "echo", "params": {"found": "{{research.output.outputs.fetch.v}}"},
+         "depends_on": ["research", "send"], "alternatives": []},
+    ]))));
+    let mesh = mesh_with(Backend::Sqlite, replan_mesh_options(&model, "", None)).await;
+    let run = submit_goal(&mesh, "Send the data and report it.", pb::ReplayPolicy::Strict).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}\n{}", done.reason, mesh.logs());
+    let step = |id: &str| done.steps.iter().find(|s| s.id == id).unwrap_or_else(|| panic!("{id}")).clone();
+    assert_eq!(step("send").output_json, json!({"sent": "by echo"}).to_string());
+    assert_eq!(step("report").output_json, json!({"found": "data"}).to_string());
+    let schema = &model.received()[0].body["response_format"]["json_schema"]["schema"];
+    let kinds = schema["properties"]["steps"]["items"]["anyOf"].as_array().expect("kinds");
+    assert!(kinds.iter().any(|k| k["required"] == json!(["id", "subgoal", "depends_on"])), "{schema}");
+    let evs = run_events(&mesh, &run).await;
+    assert_eq!(of_type(&evs, "step_branched").len(), 1);
+    let child = payload(of_type(&evs, "frame_opened")[0])["child_run_id"].as_str().expect("child").to_string();
+    assert_eq!(of_type(&run_events(&mesh, &child).await, "model_requested").len(), 1, "the frame was planned");
+
+    // A frame that would open below the depth limit (max_depth 1: the root's frame may not
+    // open one of its own) fails its step, structured; the frame's replanning sees it (and
+    // here completes with the fetch it is answered next).
+    model.push(Reply::plan(plan_of(json!([{"id": "deeper", "subgoal": "Go deeper", "depends_on": []}]))));
+    let work = json!({"max_depth": 1, "steps": [{"id": "dive", "subgoal": "Dive"}]});
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
+    let root = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    settled(&mesh, "acme", &root).await;
+    let evs = run_events(&mesh, &root).await;
+    let frame = payload(of_type(&evs, "frame_opened")[0])["child_run_id"].as_str().expect("child").to_string();
+    let frame_evs = run_events(&mesh, &frame).await;
+    let failed = of_type(&frame_evs, "step_failed");
+    let kinds: Vec<Value> = failed.iter().map(|e| payload(e)["kind"].clone()).collect();
+    assert!(kinds.contains(&json!("frame_depth_exhausted")), "{kinds:?}\n{}", mesh.logs());
+    assert!(of_type(&frame_evs, "frame_opened").is_empty(), "nothing opened past the limit");
 }

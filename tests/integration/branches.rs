@@ -204,3 +204,28 @@ async fn a_semantic_key_claimed_by_a_failed_branch_is_freed() {
     let evs = events(&mut mesh.ledger(), "acme", &run).await;
     assert!(evs.iter().any(|e| e.event_type == "tool_requested"), "the call was allowed and made");
 }
+
+/// An alternative whose call renders the same semantic key as the failed call before it takes
+/// the key over: what the key's holder came to is then the alternative's success, so a later
+/// call with that key is a `semantic_duplicate` (a payment made by a later branch is never made
+/// twice).
+#[tokio::test]
+async fn an_alternative_with_the_same_semantic_key_holds_it_when_it_succeeds() {
+    let extra = "[[policy.semantic_keys]]\ntool = \"fail\"\ntemplate = \"pay:{message}\"\n\
+                 [[policy.semantic_keys]]\ntool = \"echo\"\ntemplate = \"pay:{message}\"\n";
+    let opts = warden_testkit::MeshOptions { policy_extra: extra.into(), ..warden_testkit::MeshOptions::default() };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let work = json!({"steps": [{"id": "s", "tool": "fail", "params": {"message": "bob"},
+                                 "alternatives": [{"tool": "echo", "params": {"message": "bob"}}]}]});
+    let run = submit(&mesh, "acme", &work.to_string()).await;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Completed, "{}\n{}", done.reason, mesh.logs());
+    let again = json!({"steps": [{"id": "t", "tool": "echo", "params": {"message": "bob"}}]});
+    let run = submit(&mesh, "acme", &again.to_string()).await;
+    let done = settled(&mesh, "acme", &run).await;
+    let t = done.steps.iter().find(|s| s.id == "t").expect("t");
+    assert_eq!(t.status(), pb::StepStatus::Denied, "the payment is not made twice: {}", t.error);
+    assert!(t.error.contains("semantic_duplicate"), "{}", t.error);
+    let evs = events(&mut mesh.ledger(), "acme", &run).await;
+    assert!(!evs.iter().any(|e| e.event_type == "tool_requested"), "the duplicate never reached the tool");
+}

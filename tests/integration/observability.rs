@@ -263,7 +263,10 @@ async fn spans_reach_an_http_protobuf_receiver() {
     let spans = receiver
         .wait_for(Duration::from_secs(60), |spans| {
             let services = services_in(spans, &receipt.trace_id);
-            SERVICES.iter().all(|s| services.contains(*s))
+            // The SubmitRun span ends (and is exported) after its answer: waited for too.
+            let submitted =
+                spans.iter().any(|s| s.trace_id == receipt.trace_id && s.name == "/warden.v1.Runs/SubmitRun");
+            SERVICES.iter().all(|s| services.contains(*s)) && submitted
         })
         .await;
     let services = services_in(&spans, &receipt.trace_id);

@@ -1059,3 +1059,26 @@ async fn a_declared_effect_class_is_honoured_and_pinned_for_the_run() {
     assert_eq!(mesh.outbox().len(), 1, "only the earlier run's mail went out");
     assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
 }
+
+/// A call that waited for an approval holds its semantic key under the decision that was
+/// recorded (the approved one): once it succeeded, the same call elsewhere is a
+/// `semantic_duplicate` — it neither waits on an outcome nobody can find nor, once the
+/// authorization lapsed, goes ahead a second time.
+#[tokio::test]
+async fn an_approved_call_holds_its_semantic_key_under_the_recorded_decision() {
+    let extra = "[[policy.semantic_keys]]\ntool = \"email.send\"\ntemplate = \"mail:{to}:{subject}\"\n";
+    let opts = MeshOptions {
+        policy_extra: extra.into(),
+        approval_rules: vec![("acme".into(), vec!["email.send".into()], vec!["alice".into()])],
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let first = submit(&mesh, "acme", &mail("ops@example.com")).await;
+    assert_eq!(crate::conformance::approve_pending(&mesh, &first, true).await, 1);
+    assert_eq!(settled(&mesh, "acme", &first).await.status(), pb::RunStatus::Completed);
+    let again = submit(&mesh, "acme", &mail("ops@example.com")).await;
+    let run = settled(&mesh, "acme", &again).await;
+    assert_eq!(run.status(), pb::RunStatus::Failed, "{}", run.reason);
+    assert!(run.reason.contains("semantic_duplicate"), "{}", run.reason);
+    assert_eq!(mesh.outbox().len(), 1, "the mail went out once");
+}

@@ -133,6 +133,12 @@ pub struct TenantPolicy {
     pub max_calls_per_run: u64,
     pub max_cost_per_run: f64,
     pub max_cost_per_tenant: f64,
+    /// Wall time a run may take, in ms from its submission (0 = unlimited): past it every
+    /// further call — a model call included — is denied `run_time_limit`. A child frame has
+    /// what is left of its root run's (seed 001). A retry of a call allowed in time is that
+    /// same call (like the call limit, it is not counted again). Measured by the ledger's
+    /// clock at the start and the policy's at the call: keep the mesh's clocks in sync (NTP).
+    pub max_run_ms: u64,
     /// Calls per minute across the tenant's runs (0 = unlimited), counted in Redis so every
     /// policy replica shares the window.
     pub rate_limit_per_minute: u64,

@@ -45,6 +45,20 @@ pub fn vet_error(rules: &OutputRules, message: &str) -> Option<String> {
     rules.matched(message).map(|name| format!("output_rule:{name}"))
 }
 
+/// A message quoted inside a reason of the record (a tool host's status: an unknown outcome, a
+/// wait), through the output rules: one that matches a rule is quoted as `[Output sanitized]`
+/// with the rule, the message's digest and size instead.
+pub fn quote_vetted(rules: &OutputRules, message: &str) -> String {
+    match vet_error(rules, message) {
+        None => message.to_string(),
+        Some(rule) => {
+            warden_telemetry::metrics::output_sanitized(&rule);
+            let digest = sha256_hex(message.as_bytes());
+            format!("{SANITIZED} ({rule}; message sha256 {digest}, {} bytes)", message.len())
+        }
+    }
+}
+
 /// Why an output was withheld; recorded as the `sanitized` field of its `tool_completed`.
 #[derive(Debug, PartialEq)]
 pub struct Sanitized {
@@ -114,6 +128,17 @@ mod tests {
 
     fn rules() -> OutputRules {
         OutputRules::new(&warden_config::default_output_rules()).expect("default rules compile")
+    }
+
+    #[test]
+    fn a_host_message_quoted_in_a_reason_is_vetted_like_an_output() {
+        let secret = "sk-abcdefghijklmnopqrstuvwx0123";
+        assert_eq!(quote_vetted(&rules(), "connection reset by peer"), "connection reset by peer");
+        let said = format!("in doubt: the call to {secret} was started before");
+        let quoted = quote_vetted(&rules(), &said);
+        assert!(!quoted.contains(secret), "{quoted}");
+        assert!(quoted.starts_with(SANITIZED) && quoted.contains("output_rule:openai_key"), "{quoted}");
+        assert!(quoted.contains(&sha256_hex(said.as_bytes())), "{quoted}");
     }
 
     #[test]

@@ -620,15 +620,27 @@ impl Runs for RunsService {
         id_field("run_id", &r.run_id)?;
         let (trace, mut dag) = trace_of(&self.ex, &r.tenant, &r.run_id).await?;
         // Child frames nest inside the frame nodes that opened them (each a run of its own),
-        // as deep as frames go; a frame's run that cannot be read stays a node of its own.
-        let mut nested = std::collections::HashSet::new();
-        for _ in 0..=warden_core::plan::MAX_FRAME_DEPTH {
+        // as deep as frames go; a frame's run that cannot be read stays a node of its own. Each
+        // run is nested once (a record naming a run twice, or the root, nests nothing more), and
+        // at most `MAX_TRACE_FRAMES` runs are: past that the frames stay unopened nodes and the
+        // trace says it is cut short (`dag_truncated`).
+        let mut nested = std::collections::HashSet::from([r.run_id.clone()]);
+        let mut frames = std::collections::HashSet::new();
+        let mut truncated = false;
+        'depth: for _ in 0..=warden_core::plan::MAX_FRAME_DEPTH {
             let open: Vec<(String, String)> =
-                dag.open_frames().into_iter().filter(|(frame, _)| nested.insert(frame.clone())).collect();
+                dag.open_frames().into_iter().filter(|(frame, _)| frames.insert(frame.clone())).collect();
             if open.is_empty() {
                 break;
             }
             for (frame, child) in open {
+                if !nested.insert(child.clone()) {
+                    continue;
+                }
+                if nested.len() > MAX_TRACE_FRAMES + 1 {
+                    truncated = true;
+                    break 'depth;
+                }
                 match trace_of(&self.ex, &r.tenant, &child).await {
                     Ok((_, child_dag)) => dag.nest(&frame, child_dag),
                     Err(s) => tracing::warn!(run_id = %r.run_id, child = %child, error = %s, "child frame not nested"),
@@ -637,6 +649,9 @@ impl Runs for RunsService {
         }
         let mut json = serde_json::to_value(&trace).map_err(|e| Status::internal(e.to_string()))?;
         json["dag"] = serde_json::to_value(&dag).map_err(|e| Status::internal(e.to_string()))?;
+        if truncated {
+            json["dag_truncated"] = serde_json::Value::Bool(true);
+        }
         let trace_json = json.to_string();
         Ok(Response::new(pb::RunTrace { trace_json }))
     }
@@ -778,6 +793,9 @@ fn settled(status: pb::RunStatus) -> bool {
     matches!(status, pb::RunStatus::Blocked | pb::RunStatus::RequiresReconciliation | pb::RunStatus::Paused)
         || warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal())
 }
+
+/// How many child frames' runs one trace nests at most (each is read whole).
+const MAX_TRACE_FRAMES: usize = 64;
 
 /// A run's trace and its execution DAG (its purpose: the goal, or the submitted plan), from
 /// its events.

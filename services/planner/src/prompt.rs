@@ -8,7 +8,7 @@ use warden_core::canonical::sha256_hex;
 use crate::schema::Offer;
 
 /// Recorded with every call; bump on any change to the text below.
-pub const CONTEXT_BUILDER_VERSION: &str = "warden-planner-prompt/1";
+pub const CONTEXT_BUILDER_VERSION: &str = "warden-planner-prompt/2";
 /// Planning sends the whole conversation; nothing is compacted.
 pub const COMPACTION_VERSION: &str = "none";
 
@@ -27,7 +27,11 @@ pub fn system_prompt(offer: &Offer, max_steps: usize) -> String {
          - Each step has a unique \"id\" (letters, digits, '-' or '_'), a \"tool\", \"params\" and \"depends_on\" \
          (ids of earlier steps it needs; [] for none).\n\
          - A step may use an earlier step's output in a string parameter as {{<id>.output}} or \
-         {{<id>.output.<field>}}, and must then list that step in depends_on.\n",
+         {{<id>.output.<field>}}, and must then list that step in depends_on.\n\
+         - \"alternatives\" lists other calls ({\"tool\", \"params\"}) that serve the step's purpose, tried in order \
+         if its call fails; [] for none.\n\
+         - A part of the goal no listed tool does in one call may be a step with a \"subgoal\" (a smaller goal, \
+         planned on its own) instead of a tool; later steps use its result as {{<id>.output}}.\n",
     );
     s.push_str(&format!("- At most {max_steps} steps.\n"));
     s.push_str(

@@ -71,31 +71,71 @@ impl Offer {
     }
 
     /// The answer's JSON Schema. A step is one of one object schema per tool, whose `tool` is
-    /// that tool's name and whose `params` is its input schema made strict.
+    /// that tool's name, whose `params` is its input schema made strict, and whose
+    /// `alternatives` are other calls of the offer serving the same purpose, tried in order
+    /// when the call fails for good (seed 001's branches); or a decomposition — a step with a
+    /// `subgoal` instead of a tool, which opens a child frame planned for that sub-goal.
+    ///
+    /// Each call shape is defined once (`$defs`) and referred to, so the schema grows with the
+    /// offer, not with its square.
     pub fn response_schema(&self, max_steps: usize) -> Value {
-        let step_kinds: Vec<Value> = self
+        let mut defs = Map::new();
+        for (i, t) in self.tools.iter().enumerate() {
+            let call = json!({
+                "type": "object",
+                "additionalProperties": false,
+                "required": ["tool", "params"],
+                "properties": {
+                    "tool": {"type": "string", "enum": [t.name]},
+                    "params": {"$ref": format!("#/$defs/params{i}")},
+                },
+            });
+            defs.insert(format!("params{i}"), strict(&t.schema));
+            defs.insert(format!("call{i}"), call);
+        }
+        let calls: Vec<Value> = (0..self.tools.len()).map(|i| json!({"$ref": format!("#/$defs/call{i}")})).collect();
+        defs.insert(
+            "alternatives".into(),
+            json!({"type": "array", "maxItems": warden_core::plan::MAX_ALTERNATIVES, "items": {"anyOf": calls}}),
+        );
+        let mut step_kinds: Vec<Value> = self
             .tools
             .iter()
-            .map(|t| {
+            .enumerate()
+            .map(|(i, t)| {
                 json!({
                     "type": "object",
                     "additionalProperties": false,
-                    "required": ["id", "tool", "params", "depends_on"],
+                    "required": ["id", "tool", "params", "depends_on", "alternatives"],
                     "properties": {
                         "id": {"type": "string"},
                         "tool": {"type": "string", "enum": [t.name]},
-                        "params": strict(&t.schema),
+                        "params": {"$ref": format!("#/$defs/params{i}")},
                         "depends_on": {"type": "array", "items": {"type": "string"}},
+                        "alternatives": {"$ref": "#/$defs/alternatives"},
                     },
                 })
             })
             .collect();
+        // A decomposition; its sub-goal's size is checked when the answer is read (in bytes).
+        if !step_kinds.is_empty() {
+            step_kinds.push(json!({
+                "type": "object",
+                "additionalProperties": false,
+                "required": ["id", "subgoal", "depends_on"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "subgoal": {"type": "string"},
+                    "depends_on": {"type": "array", "items": {"type": "string"}},
+                },
+            }));
+        }
         let steps = if step_kinds.is_empty() {
             json!({"type": "array", "maxItems": 0, "items": {"type": "object", "additionalProperties": false, "properties": {}, "required": []}})
         } else {
             json!({"type": "array", "maxItems": max_steps, "items": {"anyOf": step_kinds}})
         };
-        json!({
+        let mut schema = json!({
             "type": "object",
             "additionalProperties": false,
             "required": ["reasoning", "steps", "direct_response"],
@@ -104,7 +144,11 @@ impl Offer {
                 "steps": steps,
                 "direct_response": {"type": ["string", "null"]},
             },
-        })
+        });
+        if !self.tools.is_empty() {
+            schema["$defs"] = Value::Object(defs);
+        }
+        schema
     }
 }
 
@@ -167,6 +211,15 @@ fn drop_null_optionals(params: &mut Value, schema: &Value) {
     }
 }
 
+/// Drops the `null`s the strict schema allowed in one call's (a step's or an alternative's)
+/// `params`, by its tool's declared schema.
+fn drop_call_nulls(call: &mut Value, validators: &Validators) {
+    let tool = call.get("tool").and_then(Value::as_str).unwrap_or_default().to_string();
+    if let (Some(params), Some((schema, _))) = (call.get_mut("params"), validators.by_tool.get(&tool)) {
+        drop_null_optionals(params, schema);
+    }
+}
+
 /// Compiled input-schema validators of the offered tools.
 pub struct Validators {
     by_tool: HashMap<String, (Value, Option<jsonschema::Validator>)>,
@@ -209,9 +262,15 @@ pub fn parse_and_validate(
         }
         if let Some(steps) = obj.get_mut("steps").and_then(Value::as_array_mut) {
             for step in steps {
-                let tool = step.get("tool").and_then(Value::as_str).unwrap_or_default().to_string();
-                if let (Some(params), Some((schema, _))) = (step.get_mut("params"), validators.by_tool.get(&tool)) {
-                    drop_null_optionals(params, schema);
+                drop_call_nulls(step, validators);
+                // No alternatives is an empty list the strict schema asks for.
+                if step.get("alternatives").and_then(Value::as_array).is_some_and(Vec::is_empty)
+                    && let Some(o) = step.as_object_mut()
+                {
+                    o.remove("alternatives");
+                }
+                for alt in step.get_mut("alternatives").and_then(Value::as_array_mut).into_iter().flatten() {
+                    drop_call_nulls(alt, validators);
                 }
             }
         }
@@ -237,21 +296,33 @@ pub fn parse_and_validate(
         }
     };
     for (i, step) in plan.steps.iter().enumerate() {
-        // A templated value is resolved at run time; its type is checked then, by the host.
-        if step.params.to_string().contains("{{") {
+        // A decomposition calls nothing itself: its frame is planned for its sub-goal.
+        if step.subgoal.is_some() {
             continue;
         }
-        match validators.by_tool.get(&step.tool) {
-            Some((_, Some(v))) => {
-                if let Some(err) = v.iter_errors(&step.params).next() {
-                    let at = err.instance_path.to_string();
-                    return Err(format!("steps[{i}].params{at}: {err} (tool '{}')", step.tool));
+        let calls = std::iter::once((format!("steps[{i}]"), &step.tool, &step.params)).chain(
+            step.alternatives
+                .iter()
+                .enumerate()
+                .map(|(j, a)| (format!("steps[{i}].alternatives[{j}]"), &a.tool, &a.params)),
+        );
+        for (at, tool, params) in calls {
+            // A templated value is resolved at run time; its type is checked then, by the host.
+            if params.to_string().contains("{{") {
+                continue;
+            }
+            match validators.by_tool.get(tool) {
+                Some((_, Some(v))) => {
+                    if let Some(err) = v.iter_errors(params).next() {
+                        let path = err.instance_path.to_string();
+                        return Err(format!("{at}.params{path}: {err} (tool '{tool}')"));
+                    }
                 }
+                Some((_, None)) => {
+                    return Err(format!("{at}: tool '{tool}' declares an input schema that does not compile"));
+                }
+                None => return Err(format!("{at}.tool: '{tool}' is not offered")),
             }
-            Some((_, None)) => {
-                return Err(format!("steps[{i}]: tool '{}' declares an input schema that does not compile", step.tool));
-            }
-            None => return Err(format!("steps[{i}].tool: '{}' is not offered", step.tool)),
         }
     }
     Ok(plan)
@@ -278,6 +349,14 @@ mod tests {
         ])
     }
 
+    /// Follows a local `$ref` of the schema.
+    fn resolve<'a>(schema: &'a Value, v: &'a Value) -> &'a Value {
+        match v["$ref"].as_str() {
+            Some(r) => schema.pointer(r.trim_start_matches('#')).expect("the reference resolves"),
+            None => v,
+        }
+    }
+
     #[test]
     fn schema_is_strict_and_names_tools_as_enums() {
         let s = offer().response_schema(10);
@@ -285,10 +364,59 @@ mod tests {
         assert_eq!(s["required"], json!(["reasoning", "steps", "direct_response"]));
         let kinds = s["properties"]["steps"]["items"]["anyOf"].as_array().unwrap();
         assert_eq!(kinds[0]["properties"]["tool"]["enum"], json!(["echo"]));
-        let kv = &kinds[1]["properties"]["params"];
+        let kv = resolve(&s, &kinds[1]["properties"]["params"]);
         assert_eq!(kv["required"], json!(["key", "ttl"]));
         assert_eq!(kv["properties"]["ttl"]["type"], json!(["integer", "null"]));
         assert_eq!(kv["additionalProperties"], json!(false));
+    }
+
+    #[test]
+    fn the_schema_offers_alternatives_and_decompositions() {
+        let s = offer().response_schema(10);
+        let kinds = s["properties"]["steps"]["items"]["anyOf"].as_array().unwrap();
+        assert_eq!(kinds.len(), 3, "one kind per tool and a decomposition");
+        let alts = resolve(&s, &kinds[0]["properties"]["alternatives"]);
+        assert_eq!(alts["maxItems"], json!(warden_core::plan::MAX_ALTERNATIVES));
+        let kv = resolve(&s, &alts["items"]["anyOf"][1]);
+        assert_eq!(kv["properties"]["tool"]["enum"], json!(["kv.put"]));
+        assert_eq!(resolve(&s, &kv["properties"]["params"])["required"], json!(["key", "ttl"]));
+        assert_eq!(kinds[2]["required"], json!(["id", "subgoal", "depends_on"]));
+        assert!(Offer::new(vec![]).response_schema(10)["properties"]["steps"]["maxItems"] == json!(0));
+        // Every reference resolves, and the schema is a JSON Schema an answer validates against.
+        let answer = json!({"reasoning": "r", "direct_response": null, "steps": [
+            {"id": "a", "tool": "echo", "params": {"text": "x"}, "depends_on": [],
+             "alternatives": [{"tool": "kv.put", "params": {"key": "k", "ttl": null}}]},
+            {"id": "b", "subgoal": "more", "depends_on": ["a"]},
+        ]});
+        let validator = jsonschema::validator_for(&s).expect("a JSON Schema");
+        assert!(validator.is_valid(&answer));
+        let wrong = json!({"reasoning": "r", "direct_response": null, "steps": [
+            {"id": "a", "tool": "echo", "params": {"text": "x"}, "depends_on": [],
+             "alternatives": [{"tool": "kv.put", "params": {"text": "x"}}]}]});
+        assert!(!validator.is_valid(&wrong), "an alternative is held to its own tool's params");
+    }
+
+    #[test]
+    fn alternatives_and_subgoals_are_read_and_checked_like_steps() {
+        let o = offer();
+        let v = Validators::new(&o);
+        let answer = json!({"reasoning": "r", "direct_response": null, "steps": [
+            {"id": "a", "tool": "echo", "params": {"text": "x"}, "depends_on": [],
+             "alternatives": [{"tool": "kv.put", "params": {"key": "k", "ttl": null}}]},
+            {"id": "b", "subgoal": "Find what a missed", "depends_on": ["a"]},
+            {"id": "c", "tool": "echo", "params": {"text": "{{b.output}}"}, "depends_on": ["b"], "alternatives": []},
+        ]});
+        let plan = parse_and_validate(&answer.to_string(), &o, &v, 10, None).unwrap();
+        assert_eq!(plan.steps[0].alternatives[0].params, json!({"key": "k"}), "optional nulls dropped");
+        assert_eq!(plan.steps[1].subgoal.as_deref(), Some("Find what a missed"));
+        assert!(plan.steps[2].alternatives.is_empty());
+        let bad_alt = json!({"steps": [{"id": "a", "tool": "echo", "params": {"text": "x"}, "depends_on": [],
+                                        "alternatives": [{"tool": "kv.put", "params": {"ttl": 3}}]}]});
+        let e = parse_and_validate(&bad_alt.to_string(), &o, &v, 10, None).unwrap_err();
+        assert!(e.contains("steps[0].alternatives[0].params"), "{e}");
+        let unoffered = json!({"steps": [{"id": "a", "tool": "echo", "params": {"text": "x"}, "depends_on": [],
+                                          "alternatives": [{"tool": "shell", "params": {}}]}]});
+        assert!(parse_and_validate(&unoffered.to_string(), &o, &v, 10, None).unwrap_err().contains("shell"));
     }
 
     #[test]

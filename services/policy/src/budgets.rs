@@ -1,4 +1,4 @@
-//! Budgets (seed 000 §13, K15): per run and per tenant, calls and cost, monotonic. The
+//! Budgets (seed 000 §13, K15): per run and per tenant, calls, cost and time, monotonic. The
 //! limits stage runs before approval gates and invariants (Artana's order); a breach denies
 //! every further call, so a run over budget stops scheduling.
 
@@ -34,8 +34,8 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
         return Ok(rule);
     }
     // A child frame spends its root run's budget: what is left of it (seed 001).
-    let budget_run = svc.budget_run(&r.tenant, &r.run_id).await?;
-    let run = svc.store().usage(&format!("run:{budget_run}")).await?;
+    let root = svc.budget_run(&r.tenant, &r.run_id).await?;
+    let run = svc.store().usage(&format!("run:{}", root.run_id)).await?;
     let tenant = svc.store().usage(&format!("tenant:{}", r.tenant)).await?;
     let deny =
         |rule_id: &str, reason: String| Ok(RuleDecision { verdict: Verdict::Deny, rule_id: rule_id.into(), reason });
@@ -43,6 +43,14 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
         return deny(
             "run_call_limit",
             format!("the run made {} calls, its limit is {}", run.calls, t.max_calls_per_run),
+        );
+    }
+    // The tree's time, from the root's submission: a frame has what is left of it.
+    let elapsed = warden_grpc::now_ms().saturating_sub(root.started_ms).max(0) as u64;
+    if t.max_run_ms > 0 && elapsed >= t.max_run_ms {
+        return deny(
+            "run_time_limit",
+            format!("the run has been going {elapsed} ms, its limit is {} ms", t.max_run_ms),
         );
     }
     if t.max_cost_per_run > 0.0 && run.cost >= t.max_cost_per_run {
@@ -72,7 +80,11 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
 }
 
 fn has_limits(t: &warden_config::TenantPolicy) -> bool {
-    t.max_calls_per_run > 0 || t.max_cost_per_run > 0.0 || t.max_cost_per_tenant > 0.0 || t.rate_limit_per_minute > 0
+    t.max_calls_per_run > 0
+        || t.max_cost_per_run > 0.0
+        || t.max_cost_per_tenant > 0.0
+        || t.rate_limit_per_minute > 0
+        || t.max_run_ms > 0
 }
 
 /// Counts an allowed call once per decision (a retried Authorize of the same call is not
@@ -81,8 +93,8 @@ pub async fn count(svc: &PolicyService, r: &pb::AuthorizeRequest, decision_id: &
     if !svc.config().tenants.get(&r.tenant).is_some_and(has_limits) {
         return Ok(());
     }
-    let budget_run = svc.budget_run(&r.tenant, &r.run_id).await?;
-    svc.store().count_call(&r.tenant, &budget_run, decision_id).await?;
+    let root = svc.budget_run(&r.tenant, &r.run_id).await?;
+    svc.store().count_call(&r.tenant, &root.run_id, decision_id).await?;
     Ok(())
 }
 
@@ -106,7 +118,7 @@ pub async fn record_cost(svc: &PolicyService, r: pb::RecordCostRequest) -> Resul
         ));
     }
     let key = format!("{}:{}:{}", r.run_id, r.step_id, r.attempt);
-    let budget_run = svc.budget_run(&r.tenant, &r.run_id).await?;
-    svc.store().record_cost(&r.tenant, &budget_run, &key, r.cost).await?;
+    let root = svc.budget_run(&r.tenant, &r.run_id).await?;
+    svc.store().record_cost(&r.tenant, &root.run_id, &key, r.cost).await?;
     Ok(())
 }

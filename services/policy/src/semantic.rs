@@ -35,14 +35,19 @@ pub fn render(template: &str, args: &Value) -> Option<String> {
 enum Outcome {
     Succeeded,
     Failed,
-    Unknown,
+    /// Neither yet; `recorded` says whether the claiming decision is on record.
+    Unknown {
+        recorded: bool,
+    },
 }
 
 /// What the ledger says became of the call holding a key — the claiming step, over all the
-/// attempts of the claiming call's branch: completed in any attempt is a success; a final failure (no retry follows), a
-/// denial or a cancellation frees the key; a request without an outcome is unknown. A call
-/// never requested within an authorization's lifetime can no longer act (the host refuses an
-/// expired authorization, and nothing acts unrecorded): it frees the key too.
+/// attempts of the claiming call's branch: completed in any attempt is a success; a final
+/// failure (no retry follows), a denial, a cancellation or a move to another alternative frees
+/// the key; a request without an outcome is unknown. A call never requested within an
+/// authorization's lifetime can no longer act (the host refuses an expired authorization, and
+/// nothing acts unrecorded): it frees the key too. Until the claiming decision is on record
+/// nothing of the step's history is that call's, so the answer is unknown until it lapses.
 async fn outcome(svc: &PolicyService, tenant: &str, claim: &SemanticClaim) -> Result<Outcome, Status> {
     let mut stream = svc
         .ledger()
@@ -69,8 +74,12 @@ async fn outcome(svc: &PolicyService, tenant: &str, claim: &SemanticClaim) -> Re
                 .ok()
                 .is_some_and(|p| p.get("decision_id").and_then(Value::as_str) == Some(claim.decision_id.as_str()))
     });
+    let lapsed = warden_grpc::now_ms() > claim.claimed_at_ms.saturating_add(svc.config().authorization_ttl_ms as i64);
+    let Some(claimed_at) = claimed_at else {
+        return Ok(if lapsed { Outcome::Failed } else { Outcome::Unknown { recorded: false } });
+    };
     let (mut requested, mut failed) = (false, false);
-    for e in mine.into_iter().skip(claimed_at.unwrap_or(0)) {
+    for e in mine.into_iter().skip(claimed_at) {
         match e.event_type.as_str() {
             events::STEP_BRANCHED => {
                 failed = true;
@@ -87,11 +96,10 @@ async fn outcome(svc: &PolicyService, tenant: &str, claim: &SemanticClaim) -> Re
             _ => {}
         }
     }
-    let lapsed = warden_grpc::now_ms() > claim.claimed_at_ms.saturating_add(svc.config().authorization_ttl_ms as i64);
     Ok(match (failed, requested) {
         (true, _) => Outcome::Failed,
         (false, false) if lapsed => Outcome::Failed,
-        _ => Outcome::Unknown,
+        _ => Outcome::Unknown { recorded: true },
     })
 }
 
@@ -129,14 +137,23 @@ pub async fn check(
     };
     let held = svc.store().semantic_claim(&r.tenant, &key).await?;
     let replacing = match &held {
-        // This very call (another attempt, or asked again after an approval) holds it already.
-        Some(h) if h.run_id == mine.run_id && h.step_id == mine.step_id => return Ok((rule, None)),
+        Some(h) if h.run_id == mine.run_id && h.step_id == mine.step_id => match outcome(svc, &r.tenant, h).await? {
+            // This very call (another attempt of its branch, or asked again after an approval)
+            // holds it already; its history from the claiming decision on is this call's.
+            Outcome::Succeeded | Outcome::Unknown { recorded: true } => return Ok((rule, None)),
+            Outcome::Unknown { recorded: false } if h.decision_id == mine.decision_id => return Ok((rule, None)),
+            // The step moved on — another alternative, or a call after the holder failed — or
+            // the holder's decision never reached the record (its executor was fenced before
+            // recording it): the claim moves to this decision, so what this call comes to is
+            // what the key's holder comes to.
+            Outcome::Failed | Outcome::Unknown { recorded: false } => Some(h),
+        },
         Some(h) => match outcome(svc, &r.tenant, h).await? {
             Outcome::Succeeded => {
                 let why = format!("'{key}' already succeeded (run {}, step {})", h.run_id, h.step_id);
                 return Ok((deny("semantic_duplicate", why), None));
             }
-            Outcome::Unknown => {
+            Outcome::Unknown { .. } => {
                 let why = format!("'{key}' has an unresolved earlier call (run {}, step {})", h.run_id, h.step_id);
                 return Ok((deny("semantic_requires_reconciliation", why), None));
             }

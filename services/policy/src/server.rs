@@ -45,7 +45,7 @@ pub struct PolicyService {
     plans: Arc<std::sync::Mutex<HashMap<String, PlannedSteps>>>,
     /// Runs → the root run of their frame tree, whose budget they spend (seed 001). A run's
     /// root never changes once it is recorded.
-    budget_roots: Arc<std::sync::Mutex<HashMap<String, String>>>,
+    budget_roots: Arc<std::sync::Mutex<HashMap<String, BudgetRoot>>>,
 }
 
 /// A recorded plan's steps: step id → the tools it may call (its own, then its alternatives').
@@ -142,6 +142,14 @@ fn check_args(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
     })
 }
 
+/// The run whose budget a run spends (the root of its frame tree) and when it was submitted.
+#[derive(Debug, Clone)]
+pub struct BudgetRoot {
+    pub run_id: String,
+    /// The root's `run_submitted` time, by the ledger's clock.
+    pub started_ms: i64,
+}
+
 /// Same request, same decision id: a retried `Authorize` records nothing twice.
 fn decision_id(r: &pb::AuthorizeRequest, c: &Checked) -> String {
     let args_sha256 = c.args_sha256.as_str();
@@ -191,25 +199,45 @@ impl PolicyService {
     }
 
     /// The run whose budget `run_id` spends: the root of its frame tree (a child frame's
-    /// `run_submitted` names it), else the run itself. Read from the ledger once per run.
-    pub async fn budget_run(&self, tenant: &str, run_id: &str) -> Result<String, Status> {
+    /// `run_submitted` names it), else the run itself, with when the root was submitted (the
+    /// start of the tree's time budget). Read from the ledger once per run.
+    pub async fn budget_run(&self, tenant: &str, run_id: &str) -> Result<BudgetRoot, Status> {
         if let Some(root) = self.budget_roots.lock().unwrap_or_else(|p| p.into_inner()).get(run_id) {
             return Ok(root.clone());
         }
-        let req = pb::StreamEventsRequest { tenant: tenant.into(), run_id: run_id.into(), since_seq: 0, follow: false };
-        let mut stream = self.ledger.clone().stream_events(req).await?.into_inner();
-        let first = stream.message().await?;
-        let root = first
+        let first = self.first_event(tenant, run_id).await?;
+        let named = first
+            .as_ref()
             .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.payload_json).ok())
             .and_then(|p| p.pointer("/frame/root_run_id").and_then(serde_json::Value::as_str).map(str::to_string))
-            .filter(|r| !r.is_empty())
-            .unwrap_or_else(|| run_id.to_string());
+            .filter(|r| !r.is_empty() && r != run_id);
+        // A run with no record yet has spent nothing; it is not remembered until it has one.
+        let Some(first) = first else {
+            return Ok(BudgetRoot { run_id: run_id.to_string(), started_ms: warden_grpc::now_ms() });
+        };
+        let root = match named {
+            None => BudgetRoot { run_id: run_id.to_string(), started_ms: first.timestamp_ms },
+            Some(root) => {
+                let Some(root_first) = self.first_event(tenant, &root).await? else {
+                    return Err(Status::failed_precondition(format!("the root run {root} has no record")));
+                };
+                let started_ms = root_first.timestamp_ms;
+                BudgetRoot { run_id: root, started_ms }
+            }
+        };
         let mut roots = self.budget_roots.lock().unwrap_or_else(|p| p.into_inner());
         if roots.len() >= CACHED_PLAN_STEPS {
             roots.clear();
         }
         roots.insert(run_id.to_string(), root.clone());
         Ok(root)
+    }
+
+    /// A run's first event (`run_submitted`), if it has any.
+    async fn first_event(&self, tenant: &str, run_id: &str) -> Result<Option<pb::Event>, Status> {
+        let req = pb::StreamEventsRequest { tenant: tenant.into(), run_id: run_id.into(), since_seq: 0, follow: false };
+        let mut stream = self.ledger.clone().stream_events(req).await?.into_inner();
+        stream.message().await
     }
 
     /// The live Cedar policy set, if any.
@@ -274,6 +302,18 @@ impl PolicyService {
         checked.semantic_claim = claim;
         let rule = crate::budgets::limits(self, r, rule).await?;
         let rule = crate::approvals::gate(self, r, checked, rule).await?;
+        // The decision's id names its gate (an approval, a critic's verdict): the claim moves to
+        // the id that will be recorded, or the key's holder could never be found on record.
+        let id = decision_id(r, checked);
+        if let Some((key, claim)) = &mut checked.semantic_claim
+            && claim.decision_id != id
+        {
+            let moved = crate::store::SemanticClaim { decision_id: id, ..claim.clone() };
+            if !self.store().claim_semantic(&r.tenant, key, &moved, Some(claim)).await? {
+                return Err(Status::aborted(format!("the semantic key '{key}' changed hands meanwhile; ask again")));
+            }
+            *claim = moved;
+        }
         Ok(crate::invariants::check(&self.config.invariants, &r.tool, &checked.args, rule).await)
     }
 

@@ -543,7 +543,7 @@ impl PolicyStore {
             Some(held) => {
                 sqlx::query(
                     "UPDATE semantic_keys SET run_id = $3, step_id = $4, decision_id = $5, claimed_at_ms = $6
-                 WHERE tenant = $1 AND semantic_key = $2 AND run_id = $7 AND step_id = $8",
+                 WHERE tenant = $1 AND semantic_key = $2 AND run_id = $7 AND step_id = $8 AND decision_id = $9",
                 )
                 .bind(tenant)
                 .bind(key)
@@ -553,6 +553,7 @@ impl PolicyStore {
                 .bind(c.claimed_at_ms)
                 .bind(&held.run_id)
                 .bind(&held.step_id)
+                .bind(&held.decision_id)
                 .execute(&self.pool)
                 .await?
             }
@@ -563,12 +564,14 @@ impl PolicyStore {
     /// Gives a key back when the call that claimed it was refused before anything could act.
     pub async fn release_semantic(&self, tenant: &str, key: &str, c: &SemanticClaim) -> Result<(), StoreError> {
         sqlx::query(
-            "DELETE FROM semantic_keys WHERE tenant = $1 AND semantic_key = $2 AND run_id = $3 AND step_id = $4",
+            "DELETE FROM semantic_keys
+             WHERE tenant = $1 AND semantic_key = $2 AND run_id = $3 AND step_id = $4 AND decision_id = $5",
         )
         .bind(tenant)
         .bind(key)
         .bind(&c.run_id)
         .bind(&c.step_id)
+        .bind(&c.decision_id)
         .execute(&self.pool)
         .await?;
         Ok(())

@@ -52,11 +52,6 @@ pub(super) async fn open_frame(
             format!("frame depth exhausted: a frame here would be {} deep, the plan allows {max}", position.depth);
         return ctx.step_failed(events::STEP_FAILED, &step.id, 1, fail("frame_depth_exhausted", reason)).await;
     }
-    let digest = warden_core::canonical::sha256_hex(goal.as_bytes());
-    if position.goals.contains(&digest) {
-        let reason = "the subgoal is the goal of this frame or of one above it (a cycle)".to_string();
-        return ctx.step_failed(events::STEP_FAILED, &step.id, 1, fail("cyclic_subgoal", reason)).await;
-    }
     // The sub-goal may carry what an earlier step output: bounded and redacted by the planner
     // like any submitted goal before it is recorded or shown to a model.
     let goal = if goal.len() > warden_core::plan::MAX_SUBGOAL_BYTES {
@@ -83,6 +78,12 @@ pub(super) async fn open_frame(
             Err(s) => return Err(DriveError::Ledger(s)),
         }
     };
+    // Compared as recorded: the goals above are digests of their recorded (redacted) goals.
+    let digest = warden_core::canonical::sha256_hex(goal.as_bytes());
+    if position.goals.contains(&digest) {
+        let reason = "the subgoal is the goal of this frame or of one above it (a cycle)".to_string();
+        return ctx.step_failed(events::STEP_FAILED, &step.id, 1, fail("cyclic_subgoal", reason)).await;
+    }
     let create = pb::CreateRunRequest {
         tenant: ctx.tenant.clone(),
         goal: goal.clone(),
@@ -161,7 +162,10 @@ pub(super) async fn cancel_child(ctx: &RunCtx, run: &pb::LedgerRun) -> Result<bo
     };
     let mut ledger = ctx.ex.inner.ledger.clone();
     let why = json!({"reason": format!("its parent run {} was cancelled", ctx.run_id)});
-    match ledger.append_event(append(events::RUN_CANCEL_REQUESTED, "cancel_requested", why)).await {
+    // A key of its own: a person's `CancelRun` of the child (`cancel_requested`, another reason)
+    // is no conflict, and asking again repeats this very request.
+    let key = "cancel_requested:parent";
+    match ledger.append_event(append(events::RUN_CANCEL_REQUESTED, key, why)).await {
         Ok(_) => {}
         // It ended or moved to a new epoch meanwhile: the next look tells, and asks again.
         Err(s) if s.code() == tonic::Code::FailedPrecondition || warden_grpc::is_fenced(&s) => return Ok(false),
@@ -216,9 +220,15 @@ async fn close(ctx: &RunCtx, step: &PlanStep, child: &str, run: pb::LedgerRun) -
     }
     let (view, _) = load_view(&ctx.ex, &ctx.tenant, child).await.map_err(DriveError::Ledger)?;
     let mut outputs = Map::new();
+    // Steps whose output is stored (cited by reference already): an inline output that merely
+    // has an `output_ref` member of its own is bounded like any other.
+    let mut stored = std::collections::HashSet::new();
     for s in view.steps.iter().filter(|s| s.status == StepStatus::Completed) {
         let shown = match (&s.output, &s.output_ref) {
-            (_, Some((sha256, bytes))) => json!({"output_ref": {"run_id": child, "sha256": sha256, "bytes": bytes}}),
+            (_, Some((sha256, bytes))) => {
+                stored.insert(s.id.clone());
+                json!({"output_ref": {"run_id": child, "sha256": sha256, "bytes": bytes}})
+            }
             (Some(out), None) => out.clone(),
             (None, None) => Value::Null,
         };
@@ -229,7 +239,7 @@ async fn close(ctx: &RunCtx, step: &PlanStep, child: &str, run: pb::LedgerRun) -
     let inline = Value::Object(outputs.clone()).to_string().len() <= ctx.ex.inner.config.inline_output_max_bytes;
     if !inline {
         for (id, out) in outputs.iter_mut() {
-            if out.get("output_ref").is_none() {
+            if !stored.contains(id) {
                 let text = warden_core::canonical::canonical_json(out);
                 *out = json!({"output_ref": {"run_id": child, "step_id": id,
                     "sha256": warden_core::canonical::sha256_hex(text.as_bytes()), "bytes": text.len()}});

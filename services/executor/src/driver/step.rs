@@ -363,6 +363,14 @@ fn vetted(ctx: &RunCtx, mut payload: Value, message: &str) -> Value {
     payload
 }
 
+/// What a tool host said (a status message), quoted in a reason of the step's record — an
+/// unknown outcome, a wait, an unreachable host — through the output rules like a tool's own
+/// error: a message that matches one is quoted as `[Output sanitized]` with the rule and the
+/// message's digest instead.
+fn host_said(ctx: &RunCtx, message: &str) -> String {
+    crate::output::quote_vetted(&ctx.ex.inner.output_rules, message)
+}
+
 /// Where a driver picks a pending step up.
 #[derive(Clone)]
 pub(super) struct Resume {
@@ -439,7 +447,7 @@ pub(super) async fn execute_attempt(
     let tools = match ctx.ex.inner.catalog.tools().await {
         Ok(t) => t,
         Err(s) => {
-            let p = fail("tool_catalog_unavailable", s.message().to_string(), json!({}));
+            let p = fail("tool_catalog_unavailable", host_said(ctx, s.message()), json!({}));
             return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
         }
     };
@@ -676,23 +684,24 @@ pub(super) async fn execute_attempt(
                         unknown = format!(
                             "the call was asked before and the tool host stayed unreachable for {} ms: {}",
                             grace.as_millis(),
-                            s.message()
+                            host_said(ctx, s.message())
                         );
                         break;
                     }
-                    let reason = format!("tool host unreachable for {} ms: {}", grace.as_millis(), s.message());
+                    let said = host_said(ctx, s.message());
+                    let reason = format!("tool host unreachable for {} ms: {said}", grace.as_millis());
                     answer = Some(Err(failed("tool_host_unavailable", reason, json!({}))));
                     break;
                 }
                 if !said_waiting {
                     said_waiting = true;
-                    ctx.record_wait("tool_host", (&step.id, attempt), s.message()).await;
+                    ctx.record_wait("tool_host", (&step.id, attempt), &host_said(ctx, s.message())).await;
                 }
             }
             // The host itself says the call may have acted without a recorded outcome: asking
             // again cannot tell more; an operator establishes what happened.
             Ok(Err(s)) if in_doubt(&s) => {
-                unknown = format!("the tool host says: {}", s.message());
+                unknown = format!("the tool host says: {}", host_said(ctx, s.message()));
                 break;
             }
             // The connection broke off under the call — a status the host sent for it, or the
@@ -703,7 +712,7 @@ pub(super) async fn execute_attempt(
                     || broke_off(&s) =>
             {
                 asked += 1;
-                unknown = format!("tool host call broke off: {}", s.message());
+                unknown = format!("tool host call broke off: {}", host_said(ctx, s.message()));
             }
             Ok(r) => {
                 answer = Some(Ok(r));
@@ -727,7 +736,7 @@ pub(super) async fn execute_attempt(
             return Ok(StepOutcome::Unknown(format!(
                 "the call was asked before; asked again, the tool host answers {:?}: {}",
                 s.code(),
-                s.message()
+                host_said(ctx, s.message())
             )));
         }
         Some(Err(mut not_sent)) => {
