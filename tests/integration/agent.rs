@@ -1023,3 +1023,35 @@ async fn the_model_plans_alternatives_and_subgoals() {
     assert!(kinds.contains(&json!("frame_depth_exhausted")), "{kinds:?}\n{}", mesh.logs());
     assert!(of_type(&frame_evs, "frame_opened").is_empty(), "nothing opened past the limit");
 }
+
+/// The number of frames a run tree opens is bounded too (`ledger.max_frames_per_root`), so a
+/// plan whose frames open frames cannot fan out without end: past it the ledger refuses the
+/// frame (FAILED_PRECONDITION, nothing written) and the step fails `frame_refused`.
+#[tokio::test]
+async fn a_run_tree_opens_at_most_its_frame_limit() {
+    let model = ScriptedModel::start(Reply::plan(plan_of(json!([
+        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
+    ]))))
+    .await;
+    let mut opts = replan_mesh_options(&model, "", None);
+    opts.env.push(("WARDEN_LEDGER__MAX_FRAMES_PER_ROOT".into(), "1".into()));
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let work = json!({"steps": [
+        {"id": "one", "subgoal": "Find one"},
+        {"id": "two", "subgoal": "Find two", "depends_on": ["one"]},
+    ]});
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
+    let run = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let done = settled(&mesh, "acme", &run).await;
+    assert_eq!(done.status(), pb::RunStatus::Failed, "{}\n{}", done.reason, mesh.logs());
+    let step = |id: &str| done.steps.iter().find(|s| s.id == id).expect("step").clone();
+    assert_eq!(step("one").status(), pb::StepStatus::Completed, "{}", step("one").error);
+    assert_eq!(step("two").status(), pb::StepStatus::Failed);
+    assert!(step("two").error.contains("max_frames_per_root"), "{}", step("two").error);
+    let evs = run_events(&mesh, &run).await;
+    assert_eq!(of_type(&evs, "frame_opened").len(), 1, "one frame opened, the second refused");
+    let failed = of_type(&evs, "step_failed");
+    assert!(failed.iter().any(|e| payload(e)["kind"] == "frame_refused"), "structured");
+    let all = mesh.runs().list_runs(pb::ListRunsRequest { tenant: "acme".into(), ..Default::default() }).await;
+    assert_eq!(all.expect("list").into_inner().runs.len(), 2, "the root and its one frame: nothing else written");
+}

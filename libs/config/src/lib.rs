@@ -87,6 +87,11 @@ pub struct LedgerConfig {
     /// The policy service, whose published keys verify every `policy_decision` before it is
     /// recorded (decisions travel with the executor's appends; none can be forged).
     pub policy_endpoint: String,
+    /// Most child frames one run tree opens, all depths together (seed 001's frames are
+    /// bounded in depth by the plan; this bounds their number, so a plan — a model's
+    /// included — cannot fan out exponentially). Past it `CreateRun` of a frame is
+    /// FAILED_PRECONDITION and the step fails `frame_refused`.
+    pub max_frames_per_root: u64,
 }
 
 impl Default for LedgerConfig {
@@ -101,6 +106,7 @@ impl Default for LedgerConfig {
             write_lanes: 4,
             max_batch: 128,
             policy_endpoint: "http://127.0.0.1:7102".into(),
+            max_frames_per_root: 100,
         }
     }
 }

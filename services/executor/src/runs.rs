@@ -795,7 +795,7 @@ fn settled(status: pb::RunStatus) -> bool {
 }
 
 /// How many child frames' runs one trace nests at most (each is read whole).
-const MAX_TRACE_FRAMES: usize = 64;
+const MAX_TRACE_FRAMES: usize = 100;
 
 /// A run's trace and its execution DAG (its purpose: the goal, or the submitted plan), from
 /// its events.

@@ -26,7 +26,7 @@ pub async fn open(config: &LedgerConfig) -> Result<LedgerService, LedgerError> {
         .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
     let store = LedgerStore::connect(&config.database_url, config.max_connections, key).await?;
     LedgerService::new(store, config.max_payload_bytes, config.write_lanes, config.max_batch, &config.policy_endpoint)
-        .map(|s| s.with_max_output_bytes(config.max_output_bytes))
+        .map(|s| s.with_max_output_bytes(config.max_output_bytes).with_max_frames(config.max_frames_per_root))
         .map_err(|e| LedgerError::Unavailable(e.message().to_string()))
 }
 

@@ -80,6 +80,7 @@ pub struct LedgerService {
     max_payload_bytes: usize,
     /// Largest output stored by reference (`PutOutput`).
     max_output_bytes: usize,
+    max_frames: u64,
     /// Runs being followed: the write lanes publish each event as it commits, so a follower
     /// that has caught up reads nothing more from the database.
     followers: Arc<Followers>,
@@ -196,6 +197,7 @@ impl LedgerService {
             store,
             max_payload_bytes,
             max_output_bytes: 6 << 20,
+            max_frames: 100,
             followers,
             recent: Default::default(),
         })
@@ -204,6 +206,12 @@ impl LedgerService {
     /// Sets the largest output `PutOutput` stores (`ledger.max_output_bytes`).
     pub fn with_max_output_bytes(mut self, max: usize) -> LedgerService {
         self.max_output_bytes = max;
+        self
+    }
+
+    /// Most child frames one run tree opens (`ledger.max_frames_per_root`).
+    pub fn with_max_frames(mut self, max: u64) -> LedgerService {
+        self.max_frames = max;
         self
     }
 
@@ -657,6 +665,7 @@ impl Ledger for LedgerService {
                 replay_policy: r.replay_policy,
                 parent_run_id: &r.parent_run_id,
                 frame: frame.clone(),
+                max_frames: self.max_frames,
             })
             .await?;
         // A frame's key found another run: it is that frame only if it was created as it.

@@ -123,6 +123,8 @@ pub struct NewRun<'a> {
     pub parent_run_id: &'a str,
     /// A child frame's place among frames (recorded as `frame`), already checked.
     pub frame: Option<Value>,
+    /// Most frames the frame's run tree opens: counted with the run's creation, all or nothing.
+    pub max_frames: u64,
 }
 
 /// One event to append.
@@ -446,6 +448,24 @@ impl LedgerStore {
                 return Ok((run, true));
             }
             return Err(e.into());
+        }
+        if let Some(root) = new.frame.as_ref().and_then(|f| f.get("root_run_id")).and_then(Value::as_str) {
+            let counted = sqlx::query(
+                "INSERT INTO frame_counts (root_run_id, opened) VALUES ($1, 1)
+                 ON CONFLICT (root_run_id) DO UPDATE SET opened = frame_counts.opened + 1
+                 WHERE frame_counts.opened < $2",
+            )
+            .bind(root)
+            .bind(new.max_frames.min(i64::MAX as u64) as i64)
+            .execute(&mut *tx)
+            .await?;
+            if counted.rows_affected() == 0 || new.max_frames == 0 {
+                drop(tx);
+                return Err(LedgerError::Precondition(format!(
+                    "run tree '{root}' opened its {} child frames (ledger.max_frames_per_root): no more",
+                    new.max_frames
+                )));
+            }
         }
         batch::insert_events(&mut tx, &chain).await?;
         tx.commit().await?;
