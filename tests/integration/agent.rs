@@ -528,6 +528,15 @@ fn plan_of(steps: Value) -> Value {
     json!({"reasoning": "scripted", "direct_response": null, "steps": steps})
 }
 
+/// A scripted model whose every answer (once its queue is empty) is one fetch: `echo` of
+/// `{"v": "data"}` — what a child frame plans in these tests.
+async fn fetching_model() -> ScriptedModel {
+    ScriptedModel::start(Reply::plan(plan_of(json!([
+        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
+    ]))))
+    .await
+}
+
 fn replan_mesh_options(model: &ScriptedModel, executor_extra: &str, budget: Option<u64>) -> MeshOptions {
     MeshOptions {
         tenants: vec![("acme".into(), tools(&["fail"]))],
@@ -764,10 +773,7 @@ async fn a_critic_reviews_gated_calls_and_its_verdicts_are_recorded_and_replayed
 /// refused naming the field; the ledger refuses a frame position that does not follow from
 /// its parent's, and a `frame_closed` citing a run that is not the step's frame.
 async fn child_frames(backend: Backend) {
-    let model = ScriptedModel::start(Reply::plan(plan_of(json!([
-        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
-    ]))))
-    .await;
+    let model = fetching_model().await;
     let mut opts = replan_mesh_options(&model, "", Some(4));
     opts.tenants[0].1.push("sleep".into());
     let mesh = mesh_with(backend, opts).await;
@@ -939,10 +945,7 @@ async fn a_subgoal_opens_a_child_frame_that_shares_the_budget_on_postgres() {
 /// never asked.
 #[tokio::test]
 async fn a_frame_inherits_what_is_left_of_its_roots_time_budget() {
-    let model = ScriptedModel::start(Reply::plan(plan_of(json!([
-        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
-    ]))))
-    .await;
+    let model = fetching_model().await;
     let mut opts = replan_mesh_options(&model, "", None);
     opts.tenants[0].1.push("sleep".into());
     opts.tenant_extra = vec![("acme".into(), "max_run_ms = 1500".into())];
@@ -1029,10 +1032,7 @@ async fn the_model_plans_alternatives_and_subgoals() {
 /// frame (FAILED_PRECONDITION, nothing written) and the step fails `frame_refused`.
 #[tokio::test]
 async fn a_run_tree_opens_at_most_its_frame_limit() {
-    let model = ScriptedModel::start(Reply::plan(plan_of(json!([
-        {"id": "fetch", "tool": "echo", "params": {"v": "data"}, "depends_on": []},
-    ]))))
-    .await;
+    let model = fetching_model().await;
     let mut opts = replan_mesh_options(&model, "", None);
     opts.env.push(("WARDEN_LEDGER__MAX_FRAMES_PER_ROOT".into(), "1".into()));
     let mesh = mesh_with(Backend::Sqlite, opts).await;
