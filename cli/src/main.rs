@@ -1,5 +1,10 @@
 //! `warden`: start a development mesh, submit and inspect runs, verify ledgers, benchmark.
 
+/// mimalloc rather than glibc's malloc, which spent about a sixth of the mesh's CPU under load
+/// managing its free lists (BENCHMARKS.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod approvals;
 mod bench;
 mod bench_ledger;
