@@ -1028,15 +1028,20 @@ async fn the_model_plans_alternatives_and_subgoals() {
 }
 
 /// The number of frames a run tree opens is bounded too (`ledger.max_frames_per_root`), so a
-/// plan whose frames open frames cannot fan out without end: past it the ledger refuses the
-/// frame (FAILED_PRECONDITION, nothing written) and the step fails `frame_refused`.
-#[tokio::test]
-async fn a_run_tree_opens_at_most_its_frame_limit() {
+/// plan whose frames open frames cannot fan out without end. The count is the whole tree's:
+/// with a limit of 2, the root's first frame and the frame it opens in turn spend it, and the
+/// root's second frame is refused (FAILED_PRECONDITION, nothing written) — its step fails
+/// `frame_refused`.
+async fn frame_limit(backend: Backend) {
     let model = fetching_model().await;
+    // The first frame's plan opens a frame of its own; every later answer is one fetch.
+    model.push(Reply::plan(plan_of(json!([
+        {"id": "deeper", "subgoal": "Go deeper", "depends_on": []},
+    ]))));
     let mut opts = replan_mesh_options(&model, "", None);
-    opts.env.push(("WARDEN_LEDGER__MAX_FRAMES_PER_ROOT".into(), "1".into()));
-    let mesh = mesh_with(Backend::Sqlite, opts).await;
-    let work = json!({"steps": [
+    opts.env.push(("WARDEN_LEDGER__MAX_FRAMES_PER_ROOT".into(), "2".into()));
+    let mesh = mesh_with(backend, opts).await;
+    let work = json!({"max_depth": 2, "steps": [
         {"id": "one", "subgoal": "Find one"},
         {"id": "two", "subgoal": "Find two", "depends_on": ["one"]},
     ]});
@@ -1049,9 +1054,22 @@ async fn a_run_tree_opens_at_most_its_frame_limit() {
     assert_eq!(step("two").status(), pb::StepStatus::Failed);
     assert!(step("two").error.contains("max_frames_per_root"), "{}", step("two").error);
     let evs = run_events(&mesh, &run).await;
-    assert_eq!(of_type(&evs, "frame_opened").len(), 1, "one frame opened, the second refused");
+    assert_eq!(of_type(&evs, "frame_opened").len(), 1, "the root's second frame was refused");
     let failed = of_type(&evs, "step_failed");
     assert!(failed.iter().any(|e| payload(e)["kind"] == "frame_refused"), "structured");
+    let child = payload(of_type(&evs, "frame_opened")[0])["child_run_id"].as_str().expect("child").to_string();
+    let nested = of_type(&run_events(&mesh, &child).await, "frame_opened").len();
+    assert_eq!(nested, 1, "the first frame opened one of its own, counted against the root");
     let all = mesh.runs().list_runs(pb::ListRunsRequest { tenant: "acme".into(), ..Default::default() }).await;
-    assert_eq!(all.expect("list").into_inner().runs.len(), 2, "the root and its one frame: nothing else written");
+    assert_eq!(all.expect("list").into_inner().runs.len(), 3, "the root and its two frames: nothing else written");
+}
+
+#[tokio::test]
+async fn a_run_tree_opens_at_most_its_frame_limit_on_sqlite() {
+    frame_limit(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_run_tree_opens_at_most_its_frame_limit_on_postgres() {
+    frame_limit(Backend::Postgres).await;
 }

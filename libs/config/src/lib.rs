@@ -709,6 +709,7 @@ impl WardenConfig {
             ("executor.inline_output_max_bytes", self.executor.inline_output_max_bytes as u64),
             ("ledger.write_lanes", self.ledger.write_lanes as u64),
             ("ledger.max_batch", self.ledger.max_batch as u64),
+            ("ledger.max_frames_per_root", self.ledger.max_frames_per_root),
             ("planner.max_steps", self.planner.max_steps as u64),
             ("executor.max_concurrency", self.executor.max_concurrency as u64),
             ("executor.max_plan_bytes", self.executor.max_plan_bytes as u64),

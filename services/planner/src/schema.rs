@@ -76,8 +76,8 @@ impl Offer {
     /// when the call fails for good (seed 001's branches); or a decomposition — a step with a
     /// `subgoal` instead of a tool, which opens a child frame planned for that sub-goal.
     ///
-    /// Each call shape is defined once (`$defs`) and referred to, so the schema grows with the
-    /// offer, not with its square.
+    /// Each call shape is defined once (`$defs`, under `warden_` names no tool's own reference
+    /// means) and referred to, so the schema grows with the offer, not with its square.
     pub fn response_schema(&self, max_steps: usize) -> Value {
         let mut defs = Map::new();
         for (i, t) in self.tools.iter().enumerate() {
@@ -87,15 +87,16 @@ impl Offer {
                 "required": ["tool", "params"],
                 "properties": {
                     "tool": {"type": "string", "enum": [t.name]},
-                    "params": {"$ref": format!("#/$defs/params{i}")},
+                    "params": {"$ref": format!("#/$defs/warden_params_{i}")},
                 },
             });
-            defs.insert(format!("params{i}"), strict(&t.schema));
-            defs.insert(format!("call{i}"), call);
+            defs.insert(format!("warden_params_{i}"), strict(&t.schema));
+            defs.insert(format!("warden_call_{i}"), call);
         }
-        let calls: Vec<Value> = (0..self.tools.len()).map(|i| json!({"$ref": format!("#/$defs/call{i}")})).collect();
+        let calls: Vec<Value> =
+            (0..self.tools.len()).map(|i| json!({"$ref": format!("#/$defs/warden_call_{i}")})).collect();
         defs.insert(
-            "alternatives".into(),
+            "warden_alternatives".into(),
             json!({"type": "array", "maxItems": warden_core::plan::MAX_ALTERNATIVES, "items": {"anyOf": calls}}),
         );
         let mut step_kinds: Vec<Value> = self
@@ -110,9 +111,9 @@ impl Offer {
                     "properties": {
                         "id": {"type": "string"},
                         "tool": {"type": "string", "enum": [t.name]},
-                        "params": {"$ref": format!("#/$defs/params{i}")},
+                        "params": {"$ref": format!("#/$defs/warden_params_{i}")},
                         "depends_on": {"type": "array", "items": {"type": "string"}},
-                        "alternatives": {"$ref": "#/$defs/alternatives"},
+                        "alternatives": {"$ref": "#/$defs/warden_alternatives"},
                     },
                 })
             })
