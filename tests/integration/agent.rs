@@ -781,8 +781,7 @@ async fn child_frames(backend: Backend) {
         {"id": "research", "subgoal": "Find the data"},
         {"id": "report", "tool": "echo", "params": {"found": "{{research.output.outputs.fetch.v}}"}, "depends_on": ["research"]},
     ]});
-    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
-    let run = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let run = crate::submit(&mesh, "acme", &work.to_string()).await;
     let done = settled(&mesh, "acme", &run).await;
     assert_eq!(done.status(), pb::RunStatus::Completed, "{}\n{}", done.reason, mesh.logs());
     let report = done.steps.iter().find(|s| s.id == "report").expect("report");
@@ -842,8 +841,7 @@ async fn child_frames(backend: Backend) {
         {"id": "two", "subgoal": "Find two", "depends_on": ["one"]},
         {"id": "last", "tool": "echo", "params": {}, "depends_on": ["two"]},
     ]});
-    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
-    let run = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let run = crate::submit(&mesh, "acme", &work.to_string()).await;
     let done = settled(&mesh, "acme", &run).await;
     assert_eq!(done.status(), pb::RunStatus::Failed, "{}", done.reason);
     let last = done.steps.iter().find(|s| s.id == "last").expect("last");
@@ -853,8 +851,7 @@ async fn child_frames(backend: Backend) {
     // Cancelling a run cancels the frame it waits on.
     model.push(Reply::plan(plan_of(json!([{"id": "nap", "tool": "sleep", "params": {"ms": 5000}, "depends_on": []}]))));
     let work = json!({"steps": [{"id": "slow", "subgoal": "Take a nap"}]});
-    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
-    let parent = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let parent = crate::submit(&mesh, "acme", &work.to_string()).await;
     let opened = crate::first_event(&mesh, "acme", &parent, |e| e.event_type == "frame_opened").await;
     let nap = payload(&opened)["child_run_id"].as_str().expect("child").to_string();
     crate::first_event(&mesh, "acme", &nap, |e| e.event_type == "tool_requested").await;
@@ -955,8 +952,7 @@ async fn a_frame_inherits_what_is_left_of_its_roots_time_budget() {
         {"id": "after", "tool": "echo", "params": {}, "depends_on": ["nap"]},
         {"id": "research", "subgoal": "Find the data", "depends_on": ["nap"]},
     ]});
-    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
-    let run = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let run = crate::submit(&mesh, "acme", &work.to_string()).await;
     let done = settled(&mesh, "acme", &run).await;
     assert_eq!(done.status(), pb::RunStatus::Failed, "{}\n{}", done.reason, mesh.logs());
     let step = |id: &str| done.steps.iter().find(|s| s.id == id).expect("step").clone();
@@ -1015,8 +1011,7 @@ async fn the_model_plans_alternatives_and_subgoals() {
     // here completes with the fetch it is answered next).
     model.push(Reply::plan(plan_of(json!([{"id": "deeper", "subgoal": "Go deeper", "depends_on": []}]))));
     let work = json!({"max_depth": 1, "steps": [{"id": "dive", "subgoal": "Dive"}]});
-    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
-    let root = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let root = crate::submit(&mesh, "acme", &work.to_string()).await;
     settled(&mesh, "acme", &root).await;
     let evs = run_events(&mesh, &root).await;
     let frame = payload(of_type(&evs, "frame_opened")[0])["child_run_id"].as_str().expect("child").to_string();
@@ -1045,8 +1040,7 @@ async fn frame_limit(backend: Backend) {
         {"id": "one", "subgoal": "Find one"},
         {"id": "two", "subgoal": "Find two", "depends_on": ["one"]},
     ]});
-    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: work.to_string(), ..Default::default() };
-    let run = mesh.runs().submit_run(req).await.expect("submit").into_inner().run_id;
+    let run = crate::submit(&mesh, "acme", &work.to_string()).await;
     let done = settled(&mesh, "acme", &run).await;
     assert_eq!(done.status(), pb::RunStatus::Failed, "{}\n{}", done.reason, mesh.logs());
     let step = |id: &str| done.steps.iter().find(|s| s.id == id).expect("step").clone();

@@ -509,17 +509,7 @@ mod tests {
             (events::PLAN_CREATED, "", json!({"source": "model", "plan": {"steps": [{"id": "a", "tool": "echo"}]}})),
             (events::MODEL_REPLAYED, "plan-r0", json!({"step_key": "plan:r0:a2"})),
         ];
-        let evs: Vec<TraceEvent<'_>> = raw
-            .iter()
-            .enumerate()
-            .map(|(i, (t, s, p))| TraceEvent {
-                seq: i as u64 + 1,
-                event_type: t,
-                step_id: s,
-                payload: p,
-                timestamp_ms: 0,
-            })
-            .collect();
+        let evs = TraceEvent::numbered(&raw);
         let t = build("r", &evs);
         let calls: Vec<(&str, &str, u64, u32)> =
             t.llm_calls.iter().map(|c| (c.step_key.as_str(), c.outcome.as_str(), c.input_tokens, c.replayed)).collect();

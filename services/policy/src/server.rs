@@ -304,8 +304,8 @@ impl PolicyService {
         let rule = crate::approvals::gate(self, r, checked, rule).await?;
         // The decision's id names its gate (an approval, a critic's verdict): the claim moves to
         // the id that will be recorded, or the key's holder could never be found on record.
-        let id = decision_id(r, checked);
-        if let Some((key, claim)) = &mut checked.semantic_claim
+        let id = checked.semantic_claim.is_some().then(|| decision_id(r, checked));
+        if let (Some((key, claim)), Some(id)) = (&mut checked.semantic_claim, id)
             && claim.decision_id != id
         {
             let moved = crate::store::SemanticClaim { decision_id: id, ..claim.clone() };
