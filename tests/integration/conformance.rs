@@ -258,6 +258,70 @@ async fn k03_every_decision_is_in_the_ledger_with_rule_and_reason(backend: Backe
     }
 }
 
+/// K03 when the executor that was to carry its decisions never does (it died, or it
+/// misbehaves): the policy records each decision itself shortly after answering, the allow and
+/// the deny alike, and a decision the executor did record is not recorded twice.
+async fn k03_decisions_an_executor_never_records_still_reach_the_ledger(backend: Backend) {
+    let mesh = services_on(backend).await;
+    let run = planned_run(&mesh, "acme", &[("s1", "echo"), ("s2", "echo")]).await;
+    let ask = |step: &str, tool: &str| pb::AuthorizeRequest {
+        step_id: step.into(),
+        tool: tool.into(),
+        idempotency_key: format!("{run}:{step}:1"),
+        caller_records: true,
+        ..authorize_request(&run, &json!({"text": "hi"}))
+    };
+    let mut policy = mesh.policy();
+    let allow = policy.authorize(ask("s1", "echo")).await.expect("decide").into_inner();
+    let deny = policy.authorize(ask("s2", "kv.put")).await.expect("decide").into_inner();
+    // One decision the caller records itself, as the executor does, with its request.
+    let carried = policy.authorize(ask("s2", "echo")).await.expect("decide").into_inner();
+    let record = pb::AppendEventRequest {
+        tenant: "acme".into(),
+        run_id: run.clone(),
+        epoch: 0,
+        idempotency_key: warden_core::events::decision_key(&carried.decision.clone().expect("decision").decision_id),
+        event_type: "policy_decision".into(),
+        payload_json: carried.decision_event_json.clone(),
+        step_id: "s2".into(),
+    };
+    let mut ledger = mesh.ledger();
+    ledger.append_event(record).await.expect("the caller's own copy");
+    let ids: Vec<String> =
+        [&allow, &deny, &carried].iter().map(|d| d.decision.clone().expect("decision").decision_id).collect();
+    let outcome = |d: &pb::AuthorizeResponse| d.decision.as_ref().expect("decision").outcome();
+    assert_eq!(outcome(&allow), pb::Outcome::Allow);
+    assert_eq!(outcome(&deny), pb::Outcome::Deny);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let decisions = loop {
+        let evs = events(&mut ledger, "acme", &run).await;
+        let decisions: Vec<Value> = evs.iter().filter(|e| e.event_type == "policy_decision").map(payload).collect();
+        if ids.iter().all(|id| decisions.iter().any(|d| d["decision_id"] == json!(id))) {
+            break decisions;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "decisions never recorded: {decisions:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // Given the policy time to record its own copy of the carried decision too.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let evs = events(&mut ledger, "acme", &run).await;
+    let decisions_now = evs.iter().filter(|e| e.event_type == "policy_decision").count();
+    assert_eq!(decisions_now, 3, "each decision once: {decisions:?}");
+    for d in &decisions {
+        assert!(d["rule_id"].as_str().is_some_and(|r| !r.is_empty()), "{d}");
+    }
+}
+
+#[tokio::test]
+async fn k03_decisions_an_executor_never_records_still_reach_the_ledger_on_sqlite() {
+    k03_decisions_an_executor_never_records_still_reach_the_ledger(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn k03_decisions_an_executor_never_records_still_reach_the_ledger_on_postgres() {
+    k03_decisions_an_executor_never_records_still_reach_the_ledger(Backend::Postgres).await;
+}
+
 #[tokio::test]
 async fn k03_every_decision_is_in_the_ledger_with_rule_and_reason_on_sqlite() {
     k03_every_decision_is_in_the_ledger_with_rule_and_reason(Backend::Sqlite).await;

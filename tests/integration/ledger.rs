@@ -67,6 +67,60 @@ async fn concurrent_appends_are_contiguous_and_idempotent_on_postgres() {
     concurrent_appends_are_contiguous_and_idempotent(Backend::Postgres).await;
 }
 
+/// A brief append answers every event without its payload, and otherwise as a whole answer
+/// would: the seqs and hashes stored, and a repeat marked as such (with what was stored).
+async fn brief_appends_answer_without_payloads(backend: Backend) {
+    let Fixture { mesh: _mesh, mut ledger, run_id } = fixture(backend).await;
+    let input = |key: &str| {
+        let n = note(&run_id, key);
+        pb::EventInput {
+            idempotency_key: n.idempotency_key,
+            event_type: n.event_type,
+            payload_json: n.payload_json,
+            step_id: n.step_id,
+        }
+    };
+    let append = |events: Vec<pb::EventInput>, brief: bool| pb::AppendEventsRequest {
+        tenant: "acme".into(),
+        run_id: run_id.clone(),
+        epoch: 1,
+        events,
+        brief,
+    };
+    let brief = ledger.append_events(append(vec![input("a"), input("b")], true)).await.expect("brief").into_inner();
+    let whole = ledger.append_events(append(vec![input("b"), input("c")], false)).await.expect("whole").into_inner();
+    let stored = events(&mut ledger, "acme", &run_id).await;
+    let by_key = |key: &str| stored.iter().find(|e| e.idempotency_key == key).expect("stored").clone();
+    for (answer, key) in brief.appended.iter().zip(["a", "b"]) {
+        let event = answer.event.clone().expect("event");
+        assert!(event.payload_json.is_empty(), "brief: {event:?}");
+        assert!(!answer.deduplicated);
+        let stored = by_key(key);
+        assert_eq!((event.seq, &event.hash, &event.prev_hash), (stored.seq, &stored.hash, &stored.prev_hash));
+        assert_eq!(event.idempotency_key, key);
+    }
+    // Whole answers carry the payload, the stored one for a repeat.
+    assert!(whole.appended[0].deduplicated);
+    for (answer, key) in whole.appended.iter().zip(["b", "c"]) {
+        let event = answer.event.clone().expect("event");
+        assert_eq!(event.payload_json, by_key(key).payload_json);
+        assert_eq!(event.seq, by_key(key).seq);
+    }
+    let repeat = ledger.append_events(append(vec![input("c")], true)).await.expect("repeat").into_inner();
+    assert!(repeat.appended[0].deduplicated, "a brief repeat is a repeat");
+    assert_eq!(repeat.appended[0].event.as_ref().map(|e| e.seq), Some(by_key("c").seq));
+}
+
+#[tokio::test]
+async fn brief_appends_answer_without_payloads_on_sqlite() {
+    brief_appends_answer_without_payloads(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn brief_appends_answer_without_payloads_on_postgres() {
+    brief_appends_answer_without_payloads(Backend::Postgres).await;
+}
+
 async fn bad_appends_write_nothing(backend: Backend) {
     let Fixture { mesh: _mesh, mut ledger, run_id } = fixture(backend).await;
     let cases: Vec<(pb::AppendEventRequest, tonic::Code, &str)> = vec![

@@ -516,6 +516,7 @@ async fn a_signed_allow_alone_cannot_make_a_tool_act_outside_the_record() {
                 step_id: forged.step_id.clone(),
             })
             .collect(),
+        brief: false,
     };
     for token in [ACME, MAILER] {
         let e = mesh.ledger_as(token).append_events(batch(1)).await.expect_err("nor in a batch");
@@ -523,6 +524,30 @@ async fn a_signed_allow_alone_cannot_make_a_tool_act_outside_the_record() {
     }
     let e = mesh.ledger_as(OPS).append_events(batch(65)).await.expect_err("over the batch limit");
     assert_field_violation(&e, "events");
+    // The policy's late decision records take decisions only, and only from the mesh.
+    let decisions = |n: usize, event_type: &str| pb::RecordDecisionsRequest {
+        decisions: (0..n)
+            .map(|i| pb::AppendEventRequest {
+                idempotency_key: format!("late-{i}"),
+                event_type: event_type.to_string(),
+                ..forged.clone()
+            })
+            .collect(),
+    };
+    for token in [ACME, MAILER] {
+        let e = mesh
+            .ledger_as(token)
+            .record_decisions(decisions(1, "policy_decision"))
+            .await
+            .expect_err("a tenant records no decisions");
+        assert_eq!(e.code(), Code::PermissionDenied, "{token}");
+    }
+    let e = mesh.ledger_as(OPS).record_decisions(decisions(1, "tool_requested")).await.expect_err("decisions only");
+    assert_field_violation(&e, "decisions[0].event_type");
+    let e = mesh.ledger_as(OPS).record_decisions(decisions(257, "policy_decision")).await.expect_err("over the limit");
+    assert_field_violation(&e, "decisions");
+    let e = mesh.ledger_as(OPS).record_decisions(decisions(0, "policy_decision")).await.expect_err("empty");
+    assert_field_violation(&e, "decisions");
     assert!(mesh.outbox().is_empty(), "no effect happened");
     let recorded = events(&mut mesh.ledger(), "acme", &run).await;
     assert!(recorded.iter().all(|e| e.event_type != "tool_requested" && e.event_type != "tool_completed"));

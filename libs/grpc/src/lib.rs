@@ -215,11 +215,17 @@ pub mod convert {
     }
 
     pub fn event_to_proto(e: &warden_core::chain::ChainedEvent) -> pb::Event {
+        pb::Event { payload_json: warden_core::canonical::canonical_value(&e.body.payload), ..event_without_payload(e) }
+    }
+
+    /// [`event_to_proto`] without the payload (`payload_json` empty): for callers that asked
+    /// not to have their own events sent back.
+    pub fn event_without_payload(e: &warden_core::chain::ChainedEvent) -> pb::Event {
         pb::Event {
             run_id: e.body.run_id.clone(),
             seq: e.body.seq,
             event_type: e.body.event_type.clone(),
-            payload_json: warden_core::canonical_json(&e.body.payload),
+            payload_json: String::new(),
             step_id: e.body.step_id.clone(),
             epoch: e.body.epoch,
             idempotency_key: e.body.idempotency_key.clone(),

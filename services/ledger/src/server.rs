@@ -13,7 +13,7 @@ use warden_core::head::Head;
 use warden_core::ids::{check_id, check_step_id};
 use warden_core::receipt::{Receipt, expected_capability, receipt_for};
 use warden_core::run::{RunView, StepStatus};
-use warden_grpc::convert::{event_to_proto, status_to_proto, statuses};
+use warden_grpc::convert::{event_to_proto, event_without_payload, status_to_proto, statuses};
 use warden_grpc::{invalid_field, now_ms, prefix_field};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_server::Ledger;
@@ -33,6 +33,8 @@ const FOLLOW_POLL: Duration = Duration::from_millis(500);
 
 /// Most events one `AppendEvents` call may carry.
 pub const MAX_EVENTS_PER_APPEND: usize = 64;
+/// Most decisions one `RecordDecisions` call carries.
+pub const MAX_DECISIONS_PER_RECORD: usize = 256;
 
 /// Decisions kept in memory to answer the policy's own (late) records of them.
 const RECENT_DECISIONS: usize = 65_536;
@@ -66,7 +68,9 @@ impl RecentDecisions {
         let same = t == tenant
             && e.body.event_type == r.event_type
             && e.body.step_id == r.step_id
-            && warden_core::canonical_json(&e.body.payload) == warden_core::canonical_json(payload);
+            // Equal values are the same content (a value written otherwise — `1.0` for `1` —
+            // is not taken for a repeat here and goes the database's way).
+            && e.body.payload == *payload;
         same.then(|| e.clone())
     }
 }
@@ -293,6 +297,11 @@ impl LedgerService {
     /// The answer for one appended event (with the request acknowledgement of a
     /// `tool_requested`: the tool host's proof that the call is on the record before it acts).
     fn appended(&self, tenant: &str, event: &ChainedEvent, deduplicated: bool) -> pb::AppendEventResponse {
+        self.answer(tenant, event, deduplicated, false)
+    }
+
+    /// [`Self::appended`], without the event's payload when `brief` (the caller asked so).
+    fn answer(&self, tenant: &str, event: &ChainedEvent, deduplicated: bool, brief: bool) -> pb::AppendEventResponse {
         let request_ack = (event.body.event_type == events::TOOL_REQUESTED).then(|| {
             let signed = self.store.acknowledge(tenant, event);
             pb::SignedAuthorization {
@@ -301,7 +310,31 @@ impl LedgerService {
                 key_id: signed.key_id,
             }
         });
-        pb::AppendEventResponse { event: Some(event_to_proto(event)), deduplicated, request_ack }
+        let event = if brief { event_without_payload(event) } else { event_to_proto(event) };
+        pb::AppendEventResponse { event: Some(event), deduplicated, request_ack }
+    }
+
+    /// Records one event as `AppendEvent` does; a `policy_decision` this replica committed
+    /// lately is answered from memory.
+    async fn append_one(&self, r: pb::AppendEventRequest) -> Result<pb::AppendEventResponse, Status> {
+        id_field("tenant", &r.tenant)?;
+        id_field("run_id", &r.run_id)?;
+        if r.event_type == events::POLICY_DECISION {
+            // Parsed before the lock: the lock is held only for the lookup.
+            let payload: Option<Value> = serde_json::from_str(&r.payload_json).ok();
+            let known =
+                payload.and_then(|p| self.recent.lock().unwrap_or_else(|x| x.into_inner()).repeat(&r.tenant, &r, &p));
+            if let Some(event) = known {
+                return Ok(self.appended(&r.tenant, &event, true));
+            }
+        }
+        let payload = self
+            .check_event((&r.tenant, &r.run_id), &r.idempotency_key, &r.event_type, &r.payload_json, &r.step_id)
+            .await?;
+        let (event, deduplicated) =
+            self.append(&r.tenant, &r.run_id, r.epoch, &r.idempotency_key, &r.event_type, payload, &r.step_id).await?;
+        self.remember_decisions(&r.tenant, [&event]);
+        Ok(self.appended(&r.tenant, &event, deduplicated))
     }
 
     pub fn store(&self) -> &LedgerStore {
@@ -689,25 +722,42 @@ impl Ledger for LedgerService {
         // Decisions, tool outcomes and run transitions record what the mesh decided and did:
         // only its services (and operators) write them, never a tenant's or an agent's token.
         warden_grpc::auth::require_mesh(&req, "AppendEvent")?;
+        self.append_one(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn record_decisions(
+        &self,
+        req: Request<pb::RecordDecisionsRequest>,
+    ) -> Result<Response<pb::RecordDecisionsResponse>, Status> {
+        // Decisions of any tenant: the policy's (and operators') alone.
+        warden_grpc::auth::require_mesh(&req, "RecordDecisions")?;
         let r = req.into_inner();
-        id_field("tenant", &r.tenant)?;
-        id_field("run_id", &r.run_id)?;
-        if r.event_type == events::POLICY_DECISION {
-            // Parsed before the lock: the lock is held only for the lookup.
-            let payload: Option<Value> = serde_json::from_str(&r.payload_json).ok();
-            let known =
-                payload.and_then(|p| self.recent.lock().unwrap_or_else(|x| x.into_inner()).repeat(&r.tenant, &r, &p));
-            if let Some(event) = known {
-                return Ok(Response::new(self.appended(&r.tenant, &event, true)));
+        if r.decisions.is_empty() || r.decisions.len() > MAX_DECISIONS_PER_RECORD {
+            return Err(invalid_field("decisions", format!("1 to {MAX_DECISIONS_PER_RECORD} decisions")));
+        }
+        for (i, d) in r.decisions.iter().enumerate() {
+            if d.event_type != events::POLICY_DECISION {
+                return Err(invalid_field(
+                    format!("decisions[{i}].event_type"),
+                    format!("must be '{}'", events::POLICY_DECISION),
+                ));
             }
         }
-        let payload = self
-            .check_event((&r.tenant, &r.run_id), &r.idempotency_key, &r.event_type, &r.payload_json, &r.step_id)
-            .await?;
-        let (event, deduplicated) =
-            self.append(&r.tenant, &r.run_id, r.epoch, &r.idempotency_key, &r.event_type, payload, &r.step_id).await?;
-        self.remember_decisions(&r.tenant, [&event]);
-        Ok(Response::new(self.appended(&r.tenant, &event, deduplicated)))
+        // Each on its own (one refused decision refuses no other), all at once: those not
+        // answered from memory share the write lanes' commits.
+        let results = futures::future::join_all(r.decisions.into_iter().map(|d| self.append_one(d))).await;
+        let results = results
+            .into_iter()
+            .map(|r| match r {
+                Ok(_) => pb::DecisionRecorded { code: tonic::Code::Ok as i32, message: String::new(), fenced: false },
+                Err(s) => pb::DecisionRecorded {
+                    code: s.code() as i32,
+                    fenced: warden_grpc::is_fenced(&s),
+                    message: s.message().to_string(),
+                },
+            })
+            .collect();
+        Ok(Response::new(pb::RecordDecisionsResponse { results }))
     }
 
     async fn append_events(
@@ -746,7 +796,7 @@ impl Ledger for LedgerService {
         let appended = self.writer.append_group(group).await?;
         self.remember_decisions(&r.tenant, appended.iter().map(|(e, _)| e));
         Ok(Response::new(pb::AppendEventsResponse {
-            appended: appended.iter().map(|(e, dup)| self.appended(&r.tenant, e, *dup)).collect(),
+            appended: appended.iter().map(|(e, dup)| self.answer(&r.tenant, e, *dup, r.brief)).collect(),
         }))
     }
 

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use ed25519_dalek::SigningKey;
 use serde_json::Value;
+use sqlx::ConnectOptions as _;
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::migrate::Migrator;
 use sqlx::{AnyPool, Row};
@@ -147,7 +148,12 @@ pub struct LedgerStore {
     key: Arc<SigningKey>,
     /// Runs appended to lately, whole, so their appends read nothing.
     hot: Arc<hot::HotRuns>,
+    /// Connections kept for the one-statement append between uses (see [`Self::write_conn`]).
+    kept: Arc<std::sync::Mutex<Vec<sqlx::pool::PoolConnection<sqlx::Any>>>>,
 }
+
+/// Connections kept out of the pool for appends at most (about one per write lane).
+const KEPT_CONNECTIONS: usize = 4;
 
 const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
 pub(crate) const EVENT_COLUMNS: &str =
@@ -226,7 +232,9 @@ impl LedgerStore {
             (Backend::Postgres, url.to_string())
         };
         let options = AnyConnectOptions::from_str(&url)
-            .map_err(|e| LedgerError::invalid("ledger.database_url", e.to_string()))?;
+            .map_err(|e| LedgerError::invalid("ledger.database_url", e.to_string()))?
+            // A statement or more per request: not logged one by one (slow ones still are).
+            .log_statements(log::LevelFilter::Off);
         let pool = AnyPoolOptions::new()
             // No round trip to ping the database before every statement, only before using a
             // connection idle long enough for the database or a proxy to have closed it. One
@@ -265,7 +273,7 @@ impl LedgerStore {
             Backend::Postgres => &POSTGRES_MIGRATIONS,
         };
         migrator.run(&pool).await.map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
-        Ok(LedgerStore { pool, backend, key: Arc::new(key), hot: Default::default() })
+        Ok(LedgerStore { pool, backend, key: Arc::new(key), hot: Default::default(), kept: Default::default() })
     }
 
     pub fn verifying_key(&self) -> ed25519_dalek::VerifyingKey {
@@ -558,6 +566,28 @@ impl LedgerStore {
     /// Appends one event; returns it and whether it was a duplicate of an earlier append.
     /// A write transaction. SQLite's starts IMMEDIATE: it reads before it writes, and a
     /// deferred transaction could not upgrade after another writer committed.
+    /// A connection for the one-statement append. sqlx tests every connection given back to
+    /// its pool with a ping — a database round trip, and a wake-up of the database, per
+    /// statement — so the append's connections are kept apart between appends instead
+    /// ([`Self::keep`]). A kept connection the database dropped meanwhile fails its statement
+    /// and is let go (given back to the pool, whose ping closes it); the append is tried again
+    /// on another (`try_groups_again`).
+    pub(crate) async fn write_conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Any>, sqlx::Error> {
+        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match kept {
+            Some(conn) => Ok(conn),
+            None => self.pool.acquire().await,
+        }
+    }
+
+    /// Keeps a connection whose statement succeeded for the next append (or gives it back).
+    pub(crate) fn keep(&self, conn: sqlx::pool::PoolConnection<sqlx::Any>) {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() < KEPT_CONNECTIONS {
+            kept.push(conn);
+        }
+    }
+
     async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, sqlx::Error> {
         match self.backend {
             Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,

@@ -259,8 +259,13 @@ impl Critic<'_> {
     }
 
     async fn append(&self, r: &pb::CritiqueRequest, events: Vec<pb::EventInput>) -> Result<(), Status> {
-        let req =
-            pb::AppendEventsRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), epoch: r.epoch, events };
+        let req = pb::AppendEventsRequest {
+            tenant: r.tenant.clone(),
+            run_id: r.run_id.clone(),
+            epoch: r.epoch,
+            events,
+            brief: true,
+        };
         self.ledger.clone().append_events(req).await.map(|_| ())
     }
 }

@@ -464,6 +464,7 @@ impl Planning<'_> {
                 run_id: ask.run_id.to_string(),
                 epoch: ask.epoch,
                 events,
+                brief: true,
             })
             .await?;
         Ok(())

@@ -5,6 +5,11 @@
 //! a little later and idempotently (the event's key is the decision id, its content the
 //! signed record): by then the executor's copy is usually there and the append is a no-op.
 //!
+//! Decisions due are recorded together, one `Ledger.RecordDecisions` call for all of them
+//! (at most 256): the ledger answers each decision it committed itself from memory, so the
+//! steady state costs one call per half second, not one per decision. A decision the call did
+//! not record is then recorded on its own, with retries, as before.
+//!
 //! The queue is bounded; when it is full the decision is recorded before answering instead
 //! (backpressure, never loss). A decision the ledger refuses as stale (a newer executor
 //! holds the run) is recorded at the run's current epoch: the decision is a fact whoever
@@ -26,24 +31,52 @@ const IN_FLIGHT: usize = 32;
 /// How long a decision is retried before it is given up (logged).
 const GIVE_UP: Duration = Duration::from_secs(600);
 
+/// Decisions one `Ledger.RecordDecisions` call carries at most (the ledger's limit).
+const BATCH: usize = 256;
+
+type Queued = (tokio::time::Instant, pb::AppendEventRequest);
+
 #[derive(Clone)]
 pub struct DecisionRecorder {
-    queue: mpsc::Sender<(tokio::time::Instant, pb::AppendEventRequest)>,
+    queue: mpsc::Sender<Queued>,
     ledger: LedgerClient<warden_grpc::auth::Ch>,
 }
 
 impl DecisionRecorder {
     pub fn start(ledger: LedgerClient<warden_grpc::auth::Ch>) -> DecisionRecorder {
-        let (queue, mut rx) = mpsc::channel::<(tokio::time::Instant, pb::AppendEventRequest)>(QUEUE);
+        let (queue, mut rx) = mpsc::channel::<Queued>(QUEUE);
         let writer = ledger.clone();
         tokio::spawn(async move {
             let permits = std::sync::Arc::new(Semaphore::new(IN_FLIGHT));
-            while let Some((at, req)) = rx.recv().await {
-                tokio::time::sleep_until(at + DELAY).await;
+            // A decision taken from the queue that was not due yet: the next batch's first.
+            let mut next: Option<Queued> = None;
+            loop {
+                let first = match next.take() {
+                    Some(q) => q,
+                    None => match rx.recv().await {
+                        Some(q) => q,
+                        None => return,
+                    },
+                };
+                tokio::time::sleep_until(first.0 + DELAY).await;
+                // Every decision due by now goes in one call (decisions are queued in the
+                // order they were taken, so the first not yet due ends the batch).
+                let now = tokio::time::Instant::now();
+                let mut batch = vec![first.1];
+                while batch.len() < BATCH {
+                    match rx.try_recv() {
+                        Ok((at, req)) if at + DELAY <= now => batch.push(req),
+                        Ok(later) => {
+                            next = Some(later);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
                 let Ok(permit) = permits.clone().acquire_owned().await else { return };
                 let ledger = writer.clone();
                 tokio::spawn(async move {
-                    record_with_retries(ledger, req).await;
+                    record_batch(ledger, batch).await;
                     drop(permit);
                 });
             }
@@ -59,6 +92,30 @@ impl DecisionRecorder {
                 self.ledger.clone().append_event(req).await.map(|_| ())
             }
         }
+    }
+}
+
+/// Records `batch` in one call; a decision the call could not record (the call failed, or
+/// its answer for that decision is an error) is then recorded on its own, with retries.
+async fn record_batch(mut ledger: LedgerClient<warden_grpc::auth::Ch>, batch: Vec<pb::AppendEventRequest>) {
+    let answered = ledger.record_decisions(pb::RecordDecisionsRequest { decisions: batch.clone() }).await;
+    let left: Vec<pb::AppendEventRequest> = match answered {
+        Ok(r) => {
+            let results = r.into_inner().results;
+            batch
+                .into_iter()
+                .enumerate()
+                .filter(|(i, _)| results.get(*i).is_none_or(|d| d.code != tonic::Code::Ok as i32))
+                .map(|(_, req)| req)
+                .collect()
+        }
+        Err(s) => {
+            tracing::debug!(error = %s, decisions = batch.len(), "decision batch not recorded; recording one by one");
+            batch
+        }
+    };
+    for req in left {
+        record_with_retries(ledger.clone(), req).await;
     }
 }
 

@@ -5,6 +5,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use serde_json::Value;
+use sqlx::ConnectOptions as _;
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::migrate::Migrator;
 use sqlx::{AnyPool, Row};
@@ -113,7 +114,9 @@ impl PolicyStore {
             url.to_string()
         };
         let options = AnyConnectOptions::from_str(&url)
-            .map_err(|e| StoreError::Unavailable(format!("policy.database_url: {e}")))?;
+            .map_err(|e| StoreError::Unavailable(format!("policy.database_url: {e}")))?
+            // A statement or more per request: not logged one by one (slow ones still are).
+            .log_statements(log::LevelFilter::Off);
         let pool = AnyPoolOptions::new()
             // A SQLite connection is a file handle in this process: nothing to ping.
             .test_before_acquire(!sqlite)

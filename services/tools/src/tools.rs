@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use sqlx::ConnectOptions as _;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use warden_proto::v1 as pb;
 
@@ -100,7 +101,12 @@ pub struct ToolState {
     schema: tokio::sync::OnceCell<()>,
     outbox: PathBuf,
     outbox_lock: Mutex<()>,
+    /// Connections kept between outcome reads and writes (see [`ToolState::conn`]).
+    kept: Mutex<Vec<sqlx::pool::PoolConnection<sqlx::Sqlite>>>,
 }
+
+/// Connections [`ToolState`] keeps out of its pool at most.
+const KEPT_CONNECTIONS: usize = 2;
 
 impl ToolState {
     /// Opens (lazily: the first use connects and creates the tables) the state file at
@@ -118,7 +124,9 @@ impl ToolState {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(10));
+            .busy_timeout(Duration::from_secs(10))
+            // Two statements a call: not logged one by one (slow ones still are).
+            .log_statements(log::LevelFilter::Off);
         // No ping before each use: a SQLite connection is a file handle in this process.
         let pool = SqlitePoolOptions::new()
             .test_before_acquire(false)
@@ -131,7 +139,27 @@ impl ToolState {
             schema: tokio::sync::OnceCell::new(),
             outbox: outbox.into(),
             outbox_lock: Mutex::default(),
+            kept: Mutex::default(),
         })
+    }
+
+    /// A connection for an outcome's read or write. sqlx tests every connection given back
+    /// to its pool (a round trip to the connection's worker thread), which every call would
+    /// pay twice; so these connections are kept apart between uses ([`Self::keep`]). One whose
+    /// statement failed is not kept (the pool's test closes it if it is broken).
+    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StateError> {
+        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match kept {
+            Some(conn) => Ok(conn),
+            None => Ok(self.db().await?.acquire().await?),
+        }
+    }
+
+    fn keep(&self, conn: sqlx::pool::PoolConnection<sqlx::Sqlite>) {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() < KEPT_CONNECTIONS {
+            kept.push(conn);
+        }
     }
 
     /// The pool, once the tables exist.
@@ -157,13 +185,15 @@ impl ToolState {
 
     /// The outcome first recorded for `key` of `tenant`, if any.
     pub async fn outcome(&self, tenant: &str, key: &str) -> Result<Option<Recorded>, StateError> {
+        let mut conn = self.conn().await?;
         let row: Option<(String, String, String)> = sqlx::query_as(
             "SELECT tool, args_sha256, outcome_json FROM outcomes WHERE tenant = ? AND idempotency_key = ?",
         )
         .bind(tenant)
         .bind(key)
-        .fetch_optional(self.db().await?)
+        .fetch_optional(&mut *conn)
         .await?;
+        self.keep(conn);
         row.map(|(tool, args_sha256, json)| {
             let stored: StoredOutcome =
                 serde_json::from_str(&json).map_err(|e| StateError::Corrupt(format!("outcome of key '{key}': {e}")))?;
@@ -209,6 +239,7 @@ impl ToolState {
     ) -> Result<(Recorded, bool), StateError> {
         let json = serde_json::to_string(&StoredOutcome::from(&recorded.outcome))
             .map_err(|e| StateError::Corrupt(e.to_string()))?;
+        let mut conn = self.conn().await?;
         let inserted = sqlx::query(
             "INSERT INTO outcomes (tenant, idempotency_key, tool, args_sha256, outcome_json, recorded_at_ms)
              VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, idempotency_key) DO NOTHING",
@@ -219,10 +250,11 @@ impl ToolState {
         .bind(&recorded.args_sha256)
         .bind(json)
         .bind(now_ms)
-        .execute(self.db().await?)
+        .execute(&mut *conn)
         .await?
         .rows_affected()
             == 1;
+        self.keep(conn);
         if inserted {
             return Ok((recorded.clone(), true));
         }

@@ -111,7 +111,8 @@ impl RunCtx {
         key: String,
         payload: Value,
     ) -> Result<pb::Event, DriveError> {
-        let mut appended = self.append_all(vec![event(event_type, step_id, key, payload)]).await?;
+        // Answered whole: a repeat answers the event recorded first, which callers read.
+        let mut appended = self.append_all_as(vec![event(event_type, step_id, key, payload)], false).await?;
         appended
             .pop()
             .and_then(|a| a.event)
@@ -136,26 +137,35 @@ impl RunCtx {
 
     /// Appends `events` of this run in one ledger transaction — all or nothing — after the
     /// deferred outcomes, retrying transient failures with the same idempotency keys (so a
-    /// retry never doubles an event). Answers for `events` only.
+    /// retry never doubles an event). Answers for `events` only, brief (no payloads: the
+    /// step pipeline needs seqs and request acknowledgements, not its own events back).
     pub(super) async fn append_all(
         &self,
         events: Vec<pb::EventInput>,
+    ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
+        self.append_all_as(events, true).await
+    }
+
+    async fn append_all_as(
+        &self,
+        events: Vec<pb::EventInput>,
+        brief: bool,
     ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
         let _turn = self.appending.lock().await;
         let deferred: Vec<pb::EventInput> =
             std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
         if deferred.is_empty() {
-            return self.append_group(events).await;
+            return self.append_group(events, brief).await;
         }
         let n = deferred.len();
         let mut all = deferred.clone();
         all.extend(events.iter().cloned());
-        match self.append_group(all).await {
+        match self.append_group(all, brief).await {
             Ok(mut appended) => Ok(appended.split_off(n.min(appended.len()))),
             // Refused as a whole: keep the outcomes apart from whatever was refused.
             Err(DriveError::Ledger(s)) if !retryable(&s) => {
-                self.append_group(deferred).await?;
-                if events.is_empty() { Ok(Vec::new()) } else { self.append_group(events).await }
+                self.append_group(deferred, true).await?;
+                if events.is_empty() { Ok(Vec::new()) } else { self.append_group(events, brief).await }
             }
             Err(e) => {
                 // Not written (or not known to be): they wait for the next try.
@@ -171,23 +181,26 @@ impl RunCtx {
     pub(super) async fn append_group(
         &self,
         events: Vec<pb::EventInput>,
+        brief: bool,
     ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
         if events.is_empty() {
             return Ok(Vec::new());
         }
         let span = tracing::info_span!("ledger.append", otel.kind = "client", events = events.len());
-        self.append_group_traced(events).instrument(span).await
+        self.append_group_traced(events, brief).instrument(span).await
     }
 
     pub(super) async fn append_group_traced(
         &self,
         events: Vec<pb::EventInput>,
+        brief: bool,
     ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
         let req = pb::AppendEventsRequest {
             tenant: self.tenant.clone(),
             run_id: self.run_id.clone(),
             epoch: self.epoch,
             events,
+            brief,
         };
         // Appends are idempotent by key: a ledger restart or a database blip is waited out
         // within the outage grace.
@@ -296,6 +309,7 @@ impl RunCtx {
             run_id: self.run_id.clone(),
             epoch: self.epoch,
             events: all,
+            brief: true,
         };
         self.ex.inner.ledger.clone().append_events(req).await?;
         // Recorded: the outcomes taken no longer wait (the first `n`: steps may have deferred

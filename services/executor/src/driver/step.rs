@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tonic::{Code, Status};
 use tracing::Instrument;
-use warden_core::canonical::{args_digest, canonical_json};
+use warden_core::canonical::{args_digest, canonical_value};
 use warden_core::events;
 use warden_core::plan::PlanStep;
 use warden_core::run::call_fingerprint;
@@ -490,7 +490,7 @@ pub(super) async fn execute_attempt(
         let p = fail("invalid_arguments", refused.reason, json!({"field": refused.field}));
         return ctx.step_failed(events::STEP_FAILED, &step.id, attempt, p).await;
     }
-    let args_json = canonical_json(&args);
+    let args_json = canonical_value(&args);
     // Failure memory (seed 001): a call that failed or was denied for good in this run — under
     // any step, in any planning round — is never attempted again; the runtime does not try
     // again blindly (a step's own retries, which its tool's retry policy asks for, go on).

@@ -119,7 +119,7 @@ fn bind_event<'q>(q: Query<'q>, e: &'q ChainedEvent) -> Query<'q> {
     q.bind(&e.body.run_id)
         .bind(e.body.seq as i64)
         .bind(&e.body.event_type)
-        .bind(warden_core::canonical_json(&e.body.payload))
+        .bind(warden_core::canonical::canonical_value(&e.body.payload))
         .bind(&e.body.step_id)
         .bind(e.body.epoch as i64)
         .bind(&e.body.idempotency_key)
@@ -493,7 +493,9 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
     for r in &d.receipts {
         q = bind_receipt(q, r);
     }
-    let whole: bool = q.fetch_one(store.pool()).await?.try_get(0)?;
+    let mut conn = store.write_conn().await?;
+    let whole: bool = q.fetch_one(&mut *conn).await?.try_get(0)?;
+    store.keep(conn);
     if !whole {
         return Err(moved(&d.touched.join(", ")));
     }

@@ -51,7 +51,8 @@ pub fn check_tenant(head: &RunHead, new: &NewEvent<'_>) -> Result<(), LedgerErro
 pub fn check_duplicate(existing: &ChainedEvent, new: &NewEvent<'_>) -> Result<(), LedgerError> {
     let same = existing.body.event_type == new.event_type
         && existing.body.step_id == new.step_id
-        && warden_core::canonical_json(&existing.body.payload) == warden_core::canonical_json(&new.payload);
+        && warden_core::canonical::canonical_value(&existing.body.payload)
+            == warden_core::canonical::canonical_value(&new.payload);
     if !same {
         return Err(LedgerError::invalid(
             "idempotency_key",

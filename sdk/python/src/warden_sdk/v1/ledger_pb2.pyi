@@ -252,9 +252,15 @@ class AppendEventsRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    BRIEF_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     run_id: _builtins.str
     epoch: _builtins.int
+    brief: _builtins.bool
+    """Answer each event without its payload (Event.payload_json empty; seq, hash, timestamps,
+    deduplication and the request acknowledgement as always): for a caller that keeps what it
+    appended and need not have it sent back.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventInput]:
         """At most 64 events; summaries and transactions have their own RPCs."""
@@ -266,14 +272,86 @@ class AppendEventsRequest(_message.Message):
         run_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
         events: _abc.Iterable[Global___EventInput] | None = ...,
+        brief: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "events", b"events", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["brief", b"brief", "epoch", b"epoch", "events", b"events", "run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AppendEventsRequest: _TypeAlias = AppendEventsRequest  # noqa: Y015
+
+@_typing.final
+class RecordDecisionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECISIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendEventRequest]:
+        """1 to 256 `policy_decision` events."""
+
+    def __init__(
+        self,
+        *,
+        decisions: _abc.Iterable[Global___AppendEventRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordDecisionsRequest: _TypeAlias = RecordDecisionsRequest  # noqa: Y015
+
+@_typing.final
+class RecordDecisionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecisionRecorded]:
+        """One per decision, in the request's order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___DecisionRecorded] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordDecisionsResponse: _TypeAlias = RecordDecisionsResponse  # noqa: Y015
+
+@_typing.final
+class DecisionRecorded(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FENCED_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """google.rpc.Code: OK when recorded now or before."""
+    message: _builtins.str
+    fenced: _builtins.bool
+    """The refusal was fencing (the run's epoch is higher than the one the decision names)."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        fenced: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "fenced", b"fenced", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecisionRecorded: _TypeAlias = DecisionRecorded  # noqa: Y015
 
 @_typing.final
 class EventInput(_message.Message):

@@ -51,6 +51,11 @@ class LedgerStub:
                 request_serializer=warden_dot_v1_dot_ledger__pb2.AppendEventsRequest.SerializeToString,
                 response_deserializer=warden_dot_v1_dot_ledger__pb2.AppendEventsResponse.FromString,
                 _registered_method=True)
+        self.RecordDecisions = channel.unary_unary(
+                '/warden.v1.Ledger/RecordDecisions',
+                request_serializer=warden_dot_v1_dot_ledger__pb2.RecordDecisionsRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_ledger__pb2.RecordDecisionsResponse.FromString,
+                _registered_method=True)
         self.GetRun = channel.unary_unary(
                 '/warden.v1.Ledger/GetRun',
                 request_serializer=warden_dot_v1_dot_ledger__pb2.GetLedgerRunRequest.SerializeToString,
@@ -178,6 +183,16 @@ class LedgerServicer:
         event refuses the whole batch and writes nothing). Each event is idempotent by its key,
         as with AppendEvent. This is the executor's write path: a step's outcome, the next
         step's decision and its request in one commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordDecisions(self, request, context):
+        """The policy's own copies of its decisions, recorded shortly after it answered so that no
+        decision is lost (one the executor already recorded is a repeat, answered as such).
+        Several decisions of any runs and tenants in one call; each is recorded on its own, as
+        AppendEvent would, and answered in order. Only the mesh's services and operators call it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -338,6 +353,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.AppendEvents,
                     request_deserializer=warden_dot_v1_dot_ledger__pb2.AppendEventsRequest.FromString,
                     response_serializer=warden_dot_v1_dot_ledger__pb2.AppendEventsResponse.SerializeToString,
+            ),
+            'RecordDecisions': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordDecisions,
+                    request_deserializer=warden_dot_v1_dot_ledger__pb2.RecordDecisionsRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_ledger__pb2.RecordDecisionsResponse.SerializeToString,
             ),
             'GetRun': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRun,
@@ -522,6 +542,33 @@ class Ledger:
             '/warden.v1.Ledger/AppendEvents',
             warden_dot_v1_dot_ledger__pb2.AppendEventsRequest.SerializeToString,
             warden_dot_v1_dot_ledger__pb2.AppendEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordDecisions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Ledger/RecordDecisions',
+            warden_dot_v1_dot_ledger__pb2.RecordDecisionsRequest.SerializeToString,
+            warden_dot_v1_dot_ledger__pb2.RecordDecisionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,12 @@ class LedgerStub:
     as with AppendEvent. This is the executor's write path: a step's outcome, the next
     step's decision and its request in one commit.
     """
+    RecordDecisions: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.RecordDecisionsRequest, _ledger_pb2.RecordDecisionsResponse]
+    """The policy's own copies of its decisions, recorded shortly after it answered so that no
+    decision is lost (one the executor already recorded is a repeat, answered as such).
+    Several decisions of any runs and tenants in one call; each is recorded on its own, as
+    AppendEvent would, and answered in order. Only the mesh's services and operators call it.
+    """
     GetRun: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.GetLedgerRunRequest, _ledger_pb2.LedgerRun]
     ListRuns: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ListLedgerRunsRequest, _ledger_pb2.ListLedgerRunsResponse]
     StreamEvents: _grpc.UnaryStreamMultiCallable[_ledger_pb2.StreamEventsRequest, _common_pb2.Event]
@@ -108,6 +114,12 @@ class LedgerAsyncStub(LedgerStub):
     event refuses the whole batch and writes nothing). Each event is idempotent by its key,
     as with AppendEvent. This is the executor's write path: a step's outcome, the next
     step's decision and its request in one commit.
+    """
+    RecordDecisions: _aio.UnaryUnaryMultiCallable[_ledger_pb2.RecordDecisionsRequest, _ledger_pb2.RecordDecisionsResponse]  # type: ignore[assignment]
+    """The policy's own copies of its decisions, recorded shortly after it answered so that no
+    decision is lost (one the executor already recorded is a repeat, answered as such).
+    Several decisions of any runs and tenants in one call; each is recorded on its own, as
+    AppendEvent would, and answered in order. Only the mesh's services and operators call it.
     """
     GetRun: _aio.UnaryUnaryMultiCallable[_ledger_pb2.GetLedgerRunRequest, _ledger_pb2.LedgerRun]  # type: ignore[assignment]
     ListRuns: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ListLedgerRunsRequest, _ledger_pb2.ListLedgerRunsResponse]  # type: ignore[assignment]
@@ -184,6 +196,18 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         event refuses the whole batch and writes nothing). Each event is idempotent by its key,
         as with AppendEvent. This is the executor's write path: a step's outcome, the next
         step's decision and its request in one commit.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordDecisions(
+        self,
+        request: _ledger_pb2.RecordDecisionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.RecordDecisionsResponse, _abc.Awaitable[_ledger_pb2.RecordDecisionsResponse]]:
+        """The policy's own copies of its decisions, recorded shortly after it answered so that no
+        decision is lost (one the executor already recorded is a repeat, answered as such).
+        Several decisions of any runs and tenants in one call; each is recorded on its own, as
+        AppendEvent would, and answered in order. Only the mesh's services and operators call it.
         """
 
     @_abc_1.abstractmethod
