@@ -148,12 +148,20 @@ pub struct LedgerStore {
     key: Arc<SigningKey>,
     /// Runs appended to lately, whole, so their appends read nothing.
     hot: Arc<hot::HotRuns>,
-    /// Connections kept for the one-statement append between uses (see [`Self::write_conn`]).
-    kept: Arc<std::sync::Mutex<Vec<sqlx::pool::PoolConnection<sqlx::Any>>>>,
+    /// Connections kept for the one-statement append between uses (see [`Self::write_conn`]),
+    /// with when each was last used.
+    kept: Arc<std::sync::Mutex<Vec<KeptConnection>>>,
+    /// How many connections may be kept: at most 4 (about one per write lane) and never more
+    /// than a quarter of the pool, so readers and the slow path always find connections.
+    keep_at_most: usize,
 }
 
-/// Connections kept out of the pool for appends at most (about one per write lane).
-const KEPT_CONNECTIONS: usize = 4;
+/// A connection kept for appends, with when it was last used.
+type KeptConnection = (sqlx::pool::PoolConnection<sqlx::Any>, std::time::Instant);
+
+/// A kept connection idle longer than this goes back to the pool (whose test before use
+/// pings connections idle this long) instead of being used.
+const KEPT_IDLE: Duration = Duration::from_secs(30);
 
 const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
 pub(crate) const EVENT_COLUMNS: &str =
@@ -273,7 +281,14 @@ impl LedgerStore {
             Backend::Postgres => &POSTGRES_MIGRATIONS,
         };
         migrator.run(&pool).await.map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
-        Ok(LedgerStore { pool, backend, key: Arc::new(key), hot: Default::default(), kept: Default::default() })
+        Ok(LedgerStore {
+            pool,
+            backend,
+            key: Arc::new(key),
+            hot: Default::default(),
+            kept: Default::default(),
+            keep_at_most: (max_connections as usize / 4).min(4),
+        })
     }
 
     pub fn verifying_key(&self) -> ed25519_dalek::VerifyingKey {
@@ -563,31 +578,35 @@ impl LedgerStore {
         rows.iter().map(event_from_row).collect()
     }
 
-    /// Appends one event; returns it and whether it was a duplicate of an earlier append.
-    /// A write transaction. SQLite's starts IMMEDIATE: it reads before it writes, and a
-    /// deferred transaction could not upgrade after another writer committed.
     /// A connection for the one-statement append. sqlx tests every connection given back to
     /// its pool with a ping — a database round trip, and a wake-up of the database, per
     /// statement — so the append's connections are kept apart between appends instead
-    /// ([`Self::keep`]). A kept connection the database dropped meanwhile fails its statement
-    /// and is let go (given back to the pool, whose ping closes it); the append is tried again
-    /// on another (`try_groups_again`).
+    /// ([`Self::keep`]): at most a quarter of the pool, and one idle over 30 s is given back
+    /// (the pool pings it before its next use). A kept connection the database dropped
+    /// meanwhile fails its statement and is let go (given back to the pool, whose ping closes
+    /// it); the append is tried again on another (`try_groups_again`).
     pub(crate) async fn write_conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Any>, sqlx::Error> {
         let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        match kept {
-            Some(conn) => Ok(conn),
-            None => self.pool.acquire().await,
+        if let Some((conn, used)) = kept {
+            if used.elapsed() < KEPT_IDLE {
+                return Ok(conn);
+            }
+            // Back to the pool, which pings it before handing it out again.
+            drop(conn);
         }
+        self.pool.acquire().await
     }
 
     /// Keeps a connection whose statement succeeded for the next append (or gives it back).
     pub(crate) fn keep(&self, conn: sqlx::pool::PoolConnection<sqlx::Any>) {
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-        if kept.len() < KEPT_CONNECTIONS {
-            kept.push(conn);
+        if kept.len() < self.keep_at_most {
+            kept.push((conn, std::time::Instant::now()));
         }
     }
 
+    /// A write transaction. SQLite's starts IMMEDIATE: it reads before it writes, and a
+    /// deferred transaction could not upgrade after another writer committed.
     async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, sqlx::Error> {
         match self.backend {
             Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,

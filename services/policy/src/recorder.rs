@@ -5,9 +5,9 @@
 //! a little later and idempotently (the event's key is the decision id, its content the
 //! signed record): by then the executor's copy is usually there and the append is a no-op.
 //!
-//! Decisions due are recorded together, one `Ledger.RecordDecisions` call for all of them
-//! (at most 256): the ledger answers each decision it committed itself from memory, so the
-//! steady state costs one call per half second, not one per decision. A decision the call did
+//! Decisions due are recorded together: every 100 ms, one `Ledger.RecordDecisions` call for
+//! all of them (at most 256 a call). The ledger answers each decision it committed itself
+//! from memory, so the steady state costs a call per tenth of a second, not one per decision. A decision the call did
 //! not record is then recorded on its own, with retries, as before.
 //!
 //! The queue is bounded; when it is full the decision is recorded before answering instead
@@ -15,15 +15,19 @@
 //! holds the run) is recorded at the run's current epoch: the decision is a fact whoever
 //! asked for it.
 
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tonic::Status;
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 
 /// How long a decision waits before the policy records it itself.
 const DELAY: Duration = Duration::from_millis(500);
+/// How often the decisions due are sent (so a decision waits DELAY to DELAY + FLUSH).
+const FLUSH: Duration = Duration::from_millis(100);
 /// Decisions waiting at most; beyond, `Authorize` records before answering.
 const QUEUE: usize = 65_536;
 /// Appends in flight at once.
@@ -47,38 +51,36 @@ impl DecisionRecorder {
         let (queue, mut rx) = mpsc::channel::<Queued>(QUEUE);
         let writer = ledger.clone();
         tokio::spawn(async move {
-            let permits = std::sync::Arc::new(Semaphore::new(IN_FLIGHT));
-            // A decision taken from the queue that was not due yet: the next batch's first.
-            let mut next: Option<Queued> = None;
+            let permits = Arc::new(Semaphore::new(IN_FLIGHT));
+            // Taken from the channel, in the order they were queued, until due. Bounded like
+            // the channel: nothing more is taken while it holds QUEUE, so a full channel
+            // makes `Authorize` record before answering.
+            let mut waiting: VecDeque<Queued> = VecDeque::new();
+            let mut tick = tokio::time::interval(FLUSH);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                let first = match next.take() {
-                    Some(q) => q,
-                    None => match rx.recv().await {
-                        Some(q) => q,
-                        None => return,
+                tokio::select! {
+                    got = rx.recv(), if waiting.len() < QUEUE => match got {
+                        Some(q) => waiting.push_back(q),
+                        None if waiting.is_empty() => return,
+                        None => tokio::time::sleep(FLUSH).await,
                     },
-                };
-                tokio::time::sleep_until(first.0 + DELAY).await;
-                // Every decision due by now goes in one call (decisions are queued in the
-                // order they were taken, so the first not yet due ends the batch).
-                let now = tokio::time::Instant::now();
-                let mut batch = vec![first.1];
-                while batch.len() < BATCH {
-                    match rx.try_recv() {
-                        Ok((at, req)) if at + DELAY <= now => batch.push(req),
-                        Ok(later) => {
-                            next = Some(later);
-                            break;
+                    _ = tick.tick() => {
+                        // Every decision due goes out now, BATCH to a call.
+                        let now = tokio::time::Instant::now();
+                        while waiting.front().is_some_and(|(at, _)| *at + DELAY <= now) {
+                            let mut batch = Vec::new();
+                            while batch.len() < BATCH && waiting.front().is_some_and(|(at, _)| *at + DELAY <= now) {
+                                if let Some((_, req)) = waiting.pop_front() {
+                                    batch.push(req);
+                                }
+                            }
+                            let Ok(permit) = permits.clone().acquire_owned().await else { return };
+                            let (ledger, permits) = (writer.clone(), permits.clone());
+                            tokio::spawn(record_batch(ledger, batch, permit, permits));
                         }
-                        Err(_) => break,
                     }
                 }
-                let Ok(permit) = permits.clone().acquire_owned().await else { return };
-                let ledger = writer.clone();
-                tokio::spawn(async move {
-                    record_batch(ledger, batch).await;
-                    drop(permit);
-                });
             }
         });
         DecisionRecorder { queue, ledger }
@@ -95,9 +97,15 @@ impl DecisionRecorder {
     }
 }
 
-/// Records `batch` in one call; a decision the call could not record (the call failed, or
-/// its answer for that decision is an error) is then recorded on its own, with retries.
-async fn record_batch(mut ledger: LedgerClient<warden_grpc::auth::Ch>, batch: Vec<pb::AppendEventRequest>) {
+/// Records `batch` in one call, holding `permit`; a decision the call could not record (the
+/// call failed, or its answer for that decision is an error) is then recorded on its own, with
+/// retries, each on its own task under a permit of `permits` (as many at once as before).
+async fn record_batch(
+    mut ledger: LedgerClient<warden_grpc::auth::Ch>,
+    batch: Vec<pb::AppendEventRequest>,
+    permit: OwnedSemaphorePermit,
+    permits: Arc<Semaphore>,
+) {
     let answered = ledger.record_decisions(pb::RecordDecisionsRequest { decisions: batch.clone() }).await;
     let left: Vec<pb::AppendEventRequest> = match answered {
         Ok(r) => {
@@ -114,8 +122,15 @@ async fn record_batch(mut ledger: LedgerClient<warden_grpc::auth::Ch>, batch: Ve
             batch
         }
     };
+    // Given back first: this task waits for permits below, and must not hold one meanwhile.
+    drop(permit);
     for req in left {
-        record_with_retries(ledger.clone(), req).await;
+        let Ok(permit) = permits.clone().acquire_owned().await else { return };
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            record_with_retries(ledger, req).await;
+            drop(permit);
+        });
     }
 }
 
