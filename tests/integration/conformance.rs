@@ -272,9 +272,8 @@ async fn k03_decisions_an_executor_never_records_still_reach_the_ledger(backend:
         ..authorize_request(&run, &json!({"text": "hi"}))
     };
     let mut policy = mesh.policy();
-    let allow = policy.authorize(ask("s1", "echo")).await.expect("decide").into_inner();
-    let deny = policy.authorize(ask("s2", "kv.put")).await.expect("decide").into_inner();
-    // One decision the caller records itself, as the executor does, with its request.
+    // One decision the caller records itself, as the executor does, with its request. Asked
+    // first, so the policy's own copy of it is sent no later than those of the two below.
     let carried = policy.authorize(ask("s2", "echo")).await.expect("decide").into_inner();
     let record = pb::AppendEventRequest {
         tenant: "acme".into(),
@@ -287,23 +286,38 @@ async fn k03_decisions_an_executor_never_records_still_reach_the_ledger(backend:
     };
     let mut ledger = mesh.ledger();
     ledger.append_event(record).await.expect("the caller's own copy");
+    let allow = policy.authorize(ask("s1", "echo")).await.expect("decide").into_inner();
+    let deny = policy.authorize(ask("s2", "kv.put")).await.expect("decide").into_inner();
     let ids: Vec<String> =
         [&allow, &deny, &carried].iter().map(|d| d.decision.clone().expect("decision").decision_id).collect();
     let outcome = |d: &pb::AuthorizeResponse| d.decision.as_ref().expect("decision").outcome();
     assert_eq!(outcome(&allow), pb::Outcome::Allow);
     assert_eq!(outcome(&deny), pb::Outcome::Deny);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let decisions = loop {
-        let evs = events(&mut ledger, "acme", &run).await;
-        let decisions: Vec<Value> = evs.iter().filter(|e| e.event_type == "policy_decision").map(payload).collect();
-        if ids.iter().all(|id| decisions.iter().any(|d| d["decision_id"] == json!(id))) {
-            break decisions;
+    // Followed as the ledger commits: done once every decision is on record.
+    let mut feed = ledger
+        .stream_events(pb::StreamEventsRequest {
+            tenant: "acme".into(),
+            run_id: run.clone(),
+            since_seq: 0,
+            follow: true,
+        })
+        .await
+        .expect("follow")
+        .into_inner();
+    let mut decisions: Vec<Value> = Vec::new();
+    let all_recorded = tokio::time::timeout(Duration::from_secs(20), async {
+        while !ids.iter().all(|id| decisions.iter().any(|d| d["decision_id"] == json!(id))) {
+            match feed.message().await.expect("event") {
+                Some(e) if e.event_type == "policy_decision" => decisions.push(payload(&e)),
+                Some(_) => {}
+                None => break,
+            }
         }
-        assert!(tokio::time::Instant::now() < deadline, "decisions never recorded: {decisions:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    // Given the policy time to record its own copy of the carried decision too.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    })
+    .await;
+    assert!(all_recorded.is_ok(), "decisions never recorded: {decisions:?}");
+    // The carried decision's own copy went out with or before the others' (a repeat, which
+    // writes nothing): what is on record now is all there will be.
     let evs = events(&mut ledger, "acme", &run).await;
     let decisions_now = evs.iter().filter(|e| e.event_type == "policy_decision").count();
     assert_eq!(decisions_now, 3, "each decision once: {decisions:?}");

@@ -11,14 +11,15 @@ use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use serde_json::Value;
 
 use crate::auth::{AuthError, key_id};
-use crate::canonical::canonical_json;
+use crate::canonical::canonical_value;
 
 /// Signs a decision payload (an object): sets `key_id`, then adds `signature`.
 pub fn sign_decision(mut payload: Value, key: &SigningKey) -> Value {
+    let Some(obj) = payload.as_object_mut() else { return payload };
+    obj.remove("signature");
+    obj.insert("key_id".into(), Value::String(key_id(&key.verifying_key())));
+    let signature = key.sign(canonical_value(&payload).as_bytes());
     if let Some(obj) = payload.as_object_mut() {
-        obj.remove("signature");
-        obj.insert("key_id".into(), Value::String(key_id(&key.verifying_key())));
-        let signature = key.sign(canonical_json(&*obj).as_bytes());
         obj.insert("signature".into(), Value::String(hex::encode(signature.to_bytes())));
     }
     payload
@@ -36,7 +37,7 @@ pub fn verify_decision(payload: &Value, keys: impl Fn(&str) -> Option<VerifyingK
     let sig = Signature::from_slice(&bytes).map_err(|_| AuthError::BadSignature)?;
     let mut signed = obj.clone();
     signed.remove("signature");
-    key.verify(canonical_json(&signed).as_bytes(), &sig).map_err(|_| AuthError::BadSignature)
+    key.verify(canonical_value(&Value::Object(signed)).as_bytes(), &sig).map_err(|_| AuthError::BadSignature)
 }
 
 #[cfg(test)]
