@@ -16,8 +16,10 @@ use hdrhistogram::Histogram;
 use serde_json::{Value, json};
 use warden_config::WardenConfig;
 use warden_proto::v1 as pb;
+use warden_proto::v1::ledger_client::LedgerClient;
+use warden_proto::v1::runs_client::RunsClient;
 
-use crate::run::{describe, runs_client};
+use crate::run::describe;
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Shape {
@@ -96,9 +98,21 @@ fn chain(n: usize) -> String {
 
 /// Submits one plan and waits for its end the way a client does (`Runs.WaitRun`): the wall
 /// time is submit → terminal status as the client sees it.
+/// A client as an outside one sees the mesh: over the network even when the dev mesh is
+/// served by this process (its own services call each other in memory).
+pub(crate) fn runs_client(endpoint: &str) -> anyhow::Result<RunsClient<warden_grpc::auth::Ch>> {
+    Ok(RunsClient::new(warden_grpc::network_channel(endpoint)?))
+}
+
+/// [`runs_client`]'s ledger.
+pub(crate) fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<warden_grpc::auth::Ch>> {
+    Ok(LedgerClient::new(warden_grpc::network_channel(endpoint)?)
+        .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES))
+}
+
 async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Duration> {
     let started = Instant::now();
-    let mut runs = runs_client(&ep.runs).await?;
+    let mut runs = runs_client(&ep.runs)?;
     let run_id = runs
         .submit_run(pb::SubmitRunRequest { tenant: tenant.into(), plan_json: plan.into(), ..Default::default() })
         .await
@@ -395,8 +409,7 @@ async fn takeover(n: usize) -> anyhow::Result<()> {
         // Alternate which replica submits (and so drives), restarting the one killed before.
         let (victim, survivor) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
         let runs_ep = mesh.executors[victim].endpoint.clone();
-        let run_id = runs_client(&runs_ep)
-            .await?
+        let run_id = runs_client(&runs_ep)?
             .submit_run(pb::SubmitRunRequest {
                 tenant: "default".into(),
                 plan_json: plan.clone(),
@@ -405,8 +418,7 @@ async fn takeover(n: usize) -> anyhow::Result<()> {
             .await?
             .into_inner()
             .run_id;
-        let mut stream = crate::run::ledger_client(&mesh.ledger.endpoint)
-            .await?
+        let mut stream = ledger_client(&mesh.ledger.endpoint)?
             .stream_events(pb::StreamEventsRequest {
                 tenant: "default".into(),
                 run_id: run_id.clone(),

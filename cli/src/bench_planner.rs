@@ -15,7 +15,7 @@ use serde_json::Value;
 use warden_config::WardenConfig;
 use warden_proto::v1 as pb;
 
-use crate::run::{describe, runs_client};
+use crate::run::describe;
 
 #[derive(clap::Args, Clone)]
 pub struct PlannerBenchArgs {
@@ -58,8 +58,8 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<()> {
     base.planner.model.timeout_secs = 300;
     let config = crate::dev::dev_config(base, &dir, &endpoint);
     let mesh = crate::dev::start(config, listener).await?;
-    let mut runs = runs_client(&endpoint).await?;
-    let mut ledger = crate::run::ledger_client(&endpoint).await?;
+    let mut runs = crate::bench::runs_client(&endpoint)?;
+    let mut ledger = crate::bench::ledger_client(&endpoint)?;
     let (mut planning, mut per_call, mut replays) = (hist(), hist(), hist());
     let (mut input_tokens, mut output_tokens, mut calls) = (0u64, 0u64, 0u64);
     let mut sources: std::collections::BTreeMap<String, usize> = Default::default();

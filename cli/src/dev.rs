@@ -1,6 +1,7 @@
 //! `warden dev`: the whole mesh in one process on one loopback port, SQLite under a local
-//! directory, in-process leases. With `--demo PLAN`, it submits the plan, prints the run's
-//! events and the ledger verification, and keeps serving.
+//! directory, in-process leases; the services call each other in memory. With `--demo PLAN`,
+//! it submits the plan, prints the run's events and the ledger verification, and keeps
+//! serving.
 
 use std::path::{Path, PathBuf};
 
@@ -109,6 +110,9 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
     // Before any client is built: each channel captures the token it presents when created,
     // so with `[auth] tokens` set the services reach each other as the mesh.
     warden_grpc::auth::set_client_token(&config.auth.token);
+    // Also before: the services' channels to this process's own endpoint connect in memory,
+    // not through loopback TCP (outside clients and other tool hosts use the network).
+    let inproc = warden_grpc::inproc::register(&warden_grpc::endpoint_of(listener.local_addr()?));
     let ledger = warden_ledger::open(&config.ledger).await.context("opening the ledger")?;
     let policy = warden_policy::build(&config.policy).await?;
     let planner = warden_planner::PlannerService::new(&config.planner)?;
@@ -132,7 +136,7 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(async move {
         let sweeper = tokio::spawn(executor.sweep_forever());
-        let r = warden_grpc::serve(listener, routes.routes(), &services, async {
+        let r = warden_grpc::serve_with_inproc(listener, Some(inproc), routes.routes(), &services, async {
             let _ = rx.await;
         })
         .await;

@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod catalog;
+pub mod inproc;
 pub mod keyfile;
 pub mod launch;
 pub mod tool_schema;
@@ -47,6 +48,18 @@ pub async fn serve(
     services: &[&str],
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    serve_with_inproc(listener, None, routes, services, shutdown).await
+}
+
+/// [`serve`], and the same routes, layers included, to this process's own clients through
+/// `inproc` (see [`inproc`]).
+pub async fn serve_with_inproc(
+    listener: TcpListener,
+    inproc: Option<inproc::Incoming>,
+    routes: Routes,
+    services: &[&str],
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
     for s in services {
@@ -60,16 +73,34 @@ pub async fn serve(
     };
     let routes =
         routes.add_service(health).add_service(reflection().build_v1()?).add_service(reflection().build_v1alpha()?);
+    let server = || {
+        Server::builder()
+            // Outermost, so the span and the RED metrics cover everything a request meets,
+            // authentication refusals included; the caller's trace context becomes its parent.
+            .layer(warden_telemetry::grpc::ServerLayer)
+            .add_routes(routes.clone())
+    };
+    // One stop for both servers.
+    let (stop, stopping) = tokio::sync::watch::channel(());
+    let stopped = |mut stopping: tokio::sync::watch::Receiver<()>| async move {
+        let _ = stopping.changed().await;
+    };
+    let signal = async move {
+        shutdown.await;
+        let _ = stop.send(());
+        Ok(())
+    };
     // Agents' steps are latency-bound request/response calls: no Nagle delay (set on the
     // incoming stream, which owns the accepted sockets).
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    Server::builder()
-        // Outermost, so the span and the RED metrics cover everything a request meets,
-        // authentication refusals included; the caller's trace context becomes its parent.
-        .layer(warden_telemetry::grpc::ServerLayer)
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
+    let network = server().serve_with_incoming_shutdown(incoming, stopped(stopping.clone()));
+    let local = async {
+        match inproc {
+            Some(connections) => server().serve_with_incoming_shutdown(connections, stopped(stopping.clone())).await,
+            None => Ok(()),
+        }
+    };
+    tokio::try_join!(signal, network, local)?;
     Ok(())
 }
 
@@ -84,13 +115,26 @@ pub fn channel_with_token(endpoint: &str, token: &str) -> Result<auth::Ch, Statu
     Ok(tonic::service::interceptor::InterceptedService::new(raw_channel(endpoint)?, auth::Bearer::new(Some(token))?))
 }
 
+/// A channel that never connects in memory (see [`inproc`]), even to an endpoint this process
+/// serves: for a client that must see what a remote client sees (`warden bench`).
+pub fn network_channel(endpoint: &str) -> Result<auth::Ch, Status> {
+    Ok(tonic::service::interceptor::InterceptedService::new(network(endpoint)?.connect_lazy(), auth::Bearer::process()))
+}
+
 fn raw_channel(endpoint: &str) -> Result<Channel, Status> {
+    let network = network(endpoint)?;
+    Ok(match inproc::connector(endpoint) {
+        Some(connector) => network.connect_with_connector_lazy(connector),
+        None => network.connect_lazy(),
+    })
+}
+
+fn network(endpoint: &str) -> Result<Endpoint, Status> {
     Ok(Endpoint::from_shared(endpoint.to_string())
         .map_err(|e| Status::invalid_argument(format!("invalid endpoint '{endpoint}': {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(20))
-        .connect_lazy())
+        .http2_keep_alive_interval(Duration::from_secs(20)))
 }
 
 /// `INVALID_ARGUMENT` with a field violation: the client learns which field and why.

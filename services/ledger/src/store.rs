@@ -614,6 +614,17 @@ impl LedgerStore {
         }
     }
 
+    /// [`Self::begin_write`] on a connection the caller holds (a kept one).
+    async fn begin_write_on<'c>(
+        &self,
+        conn: &'c mut sqlx::AnyConnection,
+    ) -> Result<sqlx::Transaction<'c, sqlx::Any>, sqlx::Error> {
+        match self.backend {
+            Backend::Sqlite => sqlx::Connection::begin_with(conn, "BEGIN IMMEDIATE").await,
+            Backend::Postgres => sqlx::Connection::begin(conn).await,
+        }
+    }
+
     /// Appends one event in its own transaction; returns it and whether it was a duplicate.
     pub async fn append(&self, new: NewEvent<'_>) -> Result<(ChainedEvent, bool), LedgerError> {
         self.hot.forget(new.run_id);
@@ -694,9 +705,14 @@ impl LedgerStore {
                     if self.backend == Backend::Postgres && decided.fits_one_statement() {
                         batch::write_one_statement(self, &decided).await?;
                     } else if !decided.touched.is_empty() {
-                        let mut tx = self.begin_write().await?;
+                        // On a kept connection, as the one statement above: SQLite's pool
+                        // would otherwise ping the connection on its worker thread after
+                        // every batch.
+                        let mut conn = self.write_conn().await?;
+                        let mut tx = self.begin_write_on(&mut conn).await?;
                         batch::write(self, &mut tx, &decided).await?;
                         tx.commit().await?;
+                        self.keep(conn);
                     }
                     self.hot.put(decided.states.into_values());
                     return Ok(decided.results);
