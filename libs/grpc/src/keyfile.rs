@@ -68,16 +68,20 @@ pub struct PublishedKey {
 /// up on every verification; refreshed from the publisher when an unknown id shows up, so a
 /// rotated key is learned without a restart.
 #[derive(Clone, Default)]
-pub struct KeyRing(std::sync::Arc<std::sync::RwLock<std::collections::HashMap<String, VerifyingKey>>>);
+pub struct KeyRing {
+    keys: std::sync::Arc<std::sync::RwLock<std::collections::HashMap<String, VerifyingKey>>>,
+    /// Held while asking the publisher (see [`KeyRing::learn`]).
+    fetching: std::sync::Arc<tokio::sync::Mutex<()>>,
+}
 
 impl KeyRing {
     pub fn get(&self, key_id: &str) -> Option<VerifyingKey> {
-        self.0.read().unwrap_or_else(|p| p.into_inner()).get(key_id).copied()
+        self.keys.read().unwrap_or_else(|p| p.into_inner()).get(key_id).copied()
     }
 
     /// Adds `(key id, raw 32-byte public key)` pairs; malformed keys are skipped.
     pub fn install(&self, keys: impl IntoIterator<Item = (String, Vec<u8>)>) {
-        let mut map = self.0.write().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.keys.write().unwrap_or_else(|p| p.into_inner());
         for (id, bytes) in keys {
             if let Ok(bytes) = <[u8; 32]>::try_from(bytes.as_slice())
                 && let Ok(vk) = VerifyingKey::from_bytes(&bytes)
@@ -85,5 +89,69 @@ impl KeyRing {
                 map.insert(id, vk);
             }
         }
+    }
+
+    /// Learns `key_id` from its publisher: unless the ring knows it by then, runs `fetch` and
+    /// installs the keys it returns. One fetch at a time per ring: callers that meet an unknown
+    /// id together (after a rotation, every request in flight at once) wait for the fetch
+    /// under way and find the key installed, instead of each asking the publisher.
+    pub async fn learn<E, Fut>(&self, key_id: &str, fetch: impl FnOnce() -> Fut) -> Result<(), E>
+    where
+        Fut: std::future::Future<Output = Result<Vec<(String, Vec<u8>)>, E>>,
+    {
+        if self.get(key_id).is_some() {
+            return Ok(());
+        }
+        let _one_at_a_time = self.fetching.lock().await;
+        if self.get(key_id).is_some() {
+            return Ok(());
+        }
+        self.install(fetch().await?);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use ed25519_dalek::SigningKey;
+
+    use super::KeyRing;
+
+    /// Two hundred requests meet a rotated key at once: the publisher is asked once, and each
+    /// request finds the key. An id the publisher does not have is asked for again each time.
+    #[tokio::test]
+    async fn requests_meeting_an_unknown_key_together_ask_the_publisher_once() {
+        let ring = KeyRing::default();
+        let asked = Arc::new(AtomicUsize::new(0));
+        let public = SigningKey::from_bytes(&[7; 32]).verifying_key().to_bytes().to_vec();
+        let tasks: Vec<_> = (0..200)
+            .map(|_| {
+                let (ring, asked, public) = (ring.clone(), asked.clone(), public.clone());
+                tokio::spawn(async move {
+                    ring.learn("k2", || async move {
+                        asked.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        Ok::<_, ()>(vec![("k2".to_string(), public)])
+                    })
+                    .await
+                    .expect("fetched");
+                    ring.get("k2").is_some()
+                })
+            })
+            .collect();
+        for t in tasks {
+            assert!(t.await.expect("task"), "the key is installed for every waiter");
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+
+        for _ in 0..2 {
+            let r = ring.learn("forged", || async { Ok::<_, ()>(vec![("k2".to_string(), public.clone())]) }).await;
+            assert!(r.is_ok() && ring.get("forged").is_none());
+        }
+        let failed = ring.learn("k3", || async { Err::<Vec<(String, Vec<u8>)>, _>("publisher down") }).await;
+        assert_eq!(failed, Err("publisher down"));
     }
 }

@@ -234,17 +234,22 @@ impl LedgerService {
             let Some(policy) = &self.policy else {
                 return Err(Status::failed_precondition("no policy endpoint configured: decisions cannot be verified"));
             };
-            // A key not seen yet (first decision, or a rotation): ask the policy.
-            let keys = policy
-                .clone()
-                .get_verification_keys(pb::GetVerificationKeysRequest {})
+            // A key not seen yet (first decision, or a rotation): ask the policy, once for all
+            // the decisions that meet it together.
+            self.policy_keys
+                .learn(&kid, || async {
+                    let keys = policy
+                        .clone()
+                        .get_verification_keys(pb::GetVerificationKeysRequest {})
+                        .await?
+                        .into_inner()
+                        .keys;
+                    Ok::<_, Status>(keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
+                })
                 .await
                 .map_err(|e| {
                     Status::unavailable(format!("policy keys unavailable; decision not verified: {}", e.message()))
-                })?
-                .into_inner()
-                .keys;
-            self.policy_keys.install(keys.into_iter().map(|k| (k.key_id, k.public_key)));
+                })?;
         }
         warden_core::decision::verify_decision(payload, |id| self.policy_keys.get(id)).map_err(|e| {
             Status::permission_denied(format!("policy_decision refused: not as the policy signed it: {e}"))

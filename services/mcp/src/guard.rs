@@ -44,15 +44,23 @@ impl Guard {
     }
 
     pub async fn refresh_policy_keys(&self) -> Result<(), Status> {
-        let keys = self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner();
-        self.policy_keys.install(keys.keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        self.policy_keys.install(self.published_policy_keys().await?);
         Ok(())
     }
 
     pub async fn refresh_ledger_keys(&self) -> Result<(), Status> {
-        let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner();
-        self.ledger_keys.install(keys.keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        self.ledger_keys.install(self.published_ledger_keys().await?);
         Ok(())
+    }
+
+    async fn published_policy_keys(&self) -> Result<Vec<(String, Vec<u8>)>, Status> {
+        let keys = self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner();
+        Ok(keys.keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
+    }
+
+    async fn published_ledger_keys(&self) -> Result<Vec<(String, Vec<u8>)>, Status> {
+        let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner();
+        Ok(keys.keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
     }
 
     /// `PERMISSION_DENIED` unless the call carries policy's allow of exactly this call (tenant,
@@ -60,9 +68,10 @@ impl Guard {
     /// acknowledgement that its request, citing that allow, is recorded.
     pub async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<auth::AuthorizationClaims, Status> {
         let signed = from_wire(r.authorization.as_ref());
-        if !signed.key_id.is_empty() && self.policy_keys.get(&signed.key_id).is_none() {
-            // Possibly a rotated key: ask the policy once. Failure leaves the key unknown.
-            let _ = self.refresh_policy_keys().await;
+        if !signed.key_id.is_empty() {
+            // Possibly a rotated key: ask the policy (once for every call meeting it together).
+            // Failure leaves the key unknown.
+            let _ = self.policy_keys.learn(&signed.key_id, || self.published_policy_keys()).await;
         }
         let call = CallIdentity {
             tenant: &r.tenant,
@@ -80,8 +89,8 @@ impl Guard {
         let claims =
             auth::verify(&signed, |id| self.policy_keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
         let ack = from_wire(r.request_ack.as_ref());
-        if !ack.key_id.is_empty() && self.ledger_keys.get(&ack.key_id).is_none() {
-            let _ = self.refresh_ledger_keys().await;
+        if !ack.key_id.is_empty() {
+            let _ = self.ledger_keys.learn(&ack.key_id, || self.published_ledger_keys()).await;
         }
         let acked = AckedCall {
             tenant: &r.tenant,

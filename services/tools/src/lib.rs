@@ -192,19 +192,27 @@ impl ToolHostService {
         self.state.ready().await
     }
 
-    /// Fetches the policy's verification keys (on start and when an unknown key id shows up).
+    /// Fetches the policy's verification keys (on start).
     pub async fn refresh_keys(&self) -> Result<(), Status> {
-        let keys =
-            self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner().keys;
-        self.keys.install(keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        self.keys.install(self.policy_keys().await?);
         Ok(())
     }
 
-    /// Fetches the ledger's keys (on start and when an unknown key id shows up).
+    /// Fetches the ledger's keys (on start).
     pub async fn refresh_ledger_keys(&self) -> Result<(), Status> {
-        let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner().keys;
-        self.ledger_keys.install(keys.into_iter().map(|k| (k.key_id, k.public_key)));
+        self.ledger_keys.install(self.published_ledger_keys().await?);
         Ok(())
+    }
+
+    async fn policy_keys(&self) -> Result<Vec<(String, Vec<u8>)>, Status> {
+        let keys =
+            self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner().keys;
+        Ok(keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
+    }
+
+    async fn published_ledger_keys(&self) -> Result<Vec<(String, Vec<u8>)>, Status> {
+        let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner().keys;
+        Ok(keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
     }
 
     /// Both proofs every call needs before anything happens: policy allowed exactly this call
@@ -212,9 +220,10 @@ impl ToolHostService {
     /// (the acknowledgement) — so no effect happens outside the record.
     async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<(), Status> {
         let signed = from_wire(r.authorization.as_ref());
-        if !signed.key_id.is_empty() && self.keys.get(&signed.key_id).is_none() {
-            // Possibly a rotated key: ask the policy once. Failure leaves the key unknown.
-            let _ = self.refresh_keys().await;
+        if !signed.key_id.is_empty() {
+            // Possibly a rotated key: ask the policy (once for every call meeting it together).
+            // Failure leaves the key unknown.
+            let _ = self.keys.learn(&signed.key_id, || self.policy_keys()).await;
         }
         let call = CallIdentity {
             tenant: &r.tenant,
@@ -236,8 +245,8 @@ impl ToolHostService {
                 .map_err(|e| refused(e, "decided for another declaration of the tool: "))?;
         }
         let ack = from_wire(r.request_ack.as_ref());
-        if !ack.key_id.is_empty() && self.ledger_keys.get(&ack.key_id).is_none() {
-            let _ = self.refresh_ledger_keys().await;
+        if !ack.key_id.is_empty() {
+            let _ = self.ledger_keys.learn(&ack.key_id, || self.published_ledger_keys()).await;
         }
         let acked = AckedCall {
             tenant: &r.tenant,
