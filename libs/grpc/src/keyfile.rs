@@ -70,8 +70,24 @@ pub struct PublishedKey {
 #[derive(Clone, Default)]
 pub struct KeyRing {
     keys: std::sync::Arc<std::sync::RwLock<std::collections::HashMap<String, VerifyingKey>>>,
-    /// Held while asking the publisher (see [`KeyRing::learn`]).
-    fetching: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// Held while asking the publisher; whether the last fetch failed (see [`KeyRing::learn`]).
+    fetching: std::sync::Arc<tokio::sync::Mutex<bool>>,
+    /// Fetches started so far (counted under `fetching`).
+    started: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// How long [`KeyRing::learn`] waits for the publisher's answer.
+pub const KEY_FETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Why [`KeyRing::learn`] could not ask the publisher.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum LearnError<E> {
+    #[error("{0}")]
+    Fetch(E),
+    #[error("the publisher did not answer within {KEY_FETCH_TIMEOUT:?}")]
+    TimedOut,
+    #[error("the publisher could not be asked (a fetch shared with other requests failed)")]
+    SharedFetchFailed,
 }
 
 impl KeyRing {
@@ -91,22 +107,39 @@ impl KeyRing {
         }
     }
 
-    /// Learns `key_id` from its publisher: unless the ring knows it by then, runs `fetch` and
-    /// installs the keys it returns. One fetch at a time per ring: callers that meet an unknown
-    /// id together (after a rotation, every request in flight at once) wait for the fetch
-    /// under way and find the key installed, instead of each asking the publisher.
-    pub async fn learn<E, Fut>(&self, key_id: &str, fetch: impl FnOnce() -> Fut) -> Result<(), E>
+    /// Learns `key_id` from its publisher unless the ring knows it: runs `fetch` (for at most
+    /// [`KEY_FETCH_TIMEOUT`]) and installs the keys it returns. `Ok` says the publisher was
+    /// asked, not that it knew the id.
+    ///
+    /// One fetch at a time per ring, and shared: a request that waited while a fetch ran which
+    /// began after the request arrived takes that fetch's answer (the publisher published every
+    /// key it signed the request with before that fetch asked) instead of asking again. So a
+    /// wave of requests meeting a rotated key — or a wave of forged key ids — costs the
+    /// publisher one or two calls, not one per request.
+    pub async fn learn<E, Fut>(&self, key_id: &str, fetch: impl FnOnce() -> Fut) -> Result<(), LearnError<E>>
     where
         Fut: std::future::Future<Output = Result<Vec<(String, Vec<u8>)>, E>>,
     {
+        use std::sync::atomic::Ordering::SeqCst;
         if self.get(key_id).is_some() {
             return Ok(());
         }
-        let _one_at_a_time = self.fetching.lock().await;
+        let arrived = self.started.load(SeqCst);
+        let mut last_failed = self.fetching.lock().await;
         if self.get(key_id).is_some() {
             return Ok(());
         }
-        self.install(fetch().await?);
+        if self.started.load(SeqCst) > arrived {
+            return if *last_failed { Err(LearnError::SharedFetchFailed) } else { Ok(()) };
+        }
+        self.started.fetch_add(1, SeqCst);
+        *last_failed = true;
+        let keys = tokio::time::timeout(KEY_FETCH_TIMEOUT, fetch())
+            .await
+            .map_err(|_| LearnError::TimedOut)?
+            .map_err(LearnError::Fetch)?;
+        self.install(keys);
+        *last_failed = false;
         Ok(())
     }
 }
@@ -115,13 +148,14 @@ impl KeyRing {
 mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
 
     use ed25519_dalek::SigningKey;
 
-    use super::KeyRing;
+    use super::{KeyRing, LearnError};
 
     /// Two hundred requests meet a rotated key at once: the publisher is asked once, and each
-    /// request finds the key. An id the publisher does not have is asked for again each time.
+    /// request finds the key.
     #[tokio::test]
     async fn requests_meeting_an_unknown_key_together_ask_the_publisher_once() {
         let ring = KeyRing::default();
@@ -133,7 +167,7 @@ mod tests {
                 tokio::spawn(async move {
                     ring.learn("k2", || async move {
                         asked.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
                         Ok::<_, ()>(vec![("k2".to_string(), public)])
                     })
                     .await
@@ -146,12 +180,62 @@ mod tests {
             assert!(t.await.expect("task"), "the key is installed for every waiter");
         }
         assert_eq!(asked.load(Ordering::SeqCst), 1);
+    }
 
-        for _ in 0..2 {
-            let r = ring.learn("forged", || async { Ok::<_, ()>(vec![("k2".to_string(), public.clone())]) }).await;
-            assert!(r.is_ok() && ring.get("forged").is_none());
+    /// Forged key ids, many at once: they share fetches (at most one running and one waiting
+    /// per wave), each is answered, and none is installed.
+    #[tokio::test]
+    async fn forged_key_ids_share_the_publishers_answers() {
+        let ring = KeyRing::default();
+        let asked = Arc::new(AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..100)
+            .map(|i| {
+                let (ring, asked) = (ring.clone(), asked.clone());
+                tokio::spawn(async move {
+                    let id = format!("forged-{i}");
+                    ring.learn(&id, || async move {
+                        asked.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Ok::<_, ()>(vec![])
+                    })
+                    .await
+                    .expect("asked");
+                    ring.get(&id).is_none()
+                })
+            })
+            .collect();
+        for t in tasks {
+            assert!(t.await.expect("task"), "a forged id is never installed");
         }
-        let failed = ring.learn("k3", || async { Err::<Vec<(String, Vec<u8>)>, _>("publisher down") }).await;
-        assert_eq!(failed, Err("publisher down"));
+        assert!(asked.load(Ordering::SeqCst) <= 2, "asked {} times", asked.load(Ordering::SeqCst));
+    }
+
+    /// A failed fetch fails the requests that shared it (the key stays unknown: try again), and
+    /// a publisher that never answers is given up on.
+    #[tokio::test]
+    async fn a_failed_or_hung_fetch_is_an_error_for_everyone_who_waited_on_it() {
+        let ring = KeyRing::default();
+        let tasks: Vec<_> = (0..10)
+            .map(|_| {
+                let ring = ring.clone();
+                tokio::spawn(async move {
+                    ring.learn("k3", || async {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Err::<Vec<(String, Vec<u8>)>, _>("publisher down")
+                    })
+                    .await
+                })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for t in tasks {
+            answers.push(t.await.expect("task").expect_err("no key"));
+        }
+        assert!(answers.contains(&LearnError::Fetch("publisher down")), "{answers:?}");
+        assert!(answers.iter().all(|e| matches!(e, LearnError::Fetch(_) | LearnError::SharedFetchFailed)));
+        assert!(ring.get("k3").is_none());
+
+        let hung = ring.learn("k4", std::future::pending::<Result<Vec<(String, Vec<u8>)>, ()>>).await;
+        assert_eq!(hung, Err(LearnError::TimedOut));
     }
 }

@@ -248,7 +248,11 @@ impl LedgerService {
                 })
                 .await
                 .map_err(|e| {
-                    Status::unavailable(format!("policy keys unavailable; decision not verified: {}", e.message()))
+                    let why = match e {
+                        warden_grpc::keyfile::LearnError::Fetch(s) => s.message().to_string(),
+                        other => other.to_string(),
+                    };
+                    Status::unavailable(format!("policy keys unavailable; decision not verified: {why}"))
                 })?;
         }
         warden_core::decision::verify_decision(payload, |id| self.policy_keys.get(id)).map_err(|e| {
