@@ -96,8 +96,6 @@ fn chain(n: usize) -> String {
     json!({"steps": steps}).to_string()
 }
 
-/// Submits one plan and waits for its end the way a client does (`Runs.WaitRun`): the wall
-/// time is submit → terminal status as the client sees it.
 /// A client as an outside one sees the mesh: over the network even when the dev mesh is
 /// served by this process (its own services call each other in memory).
 pub(crate) fn runs_client(endpoint: &str) -> anyhow::Result<RunsClient<warden_grpc::auth::Ch>> {
@@ -110,6 +108,8 @@ pub(crate) fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<warde
         .max_decoding_message_size(warden_grpc::MAX_MESSAGE_BYTES))
 }
 
+/// Submits one plan and waits for its end the way a client does (`Runs.WaitRun`): the wall
+/// time is submit → terminal status as the client sees it.
 async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Duration> {
     let started = Instant::now();
     let mut runs = runs_client(&ep.runs)?;

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 use std::task::{Context, Poll};
 
 use hyper_util::rt::TokioIo;
@@ -25,14 +25,14 @@ use tokio_util::either::Either;
 /// bounds what is in flight; a larger message passes through in pieces).
 const BUFFER_BYTES: usize = 256 << 10;
 
-type Registry = Mutex<HashMap<String, Arc<mpsc::UnboundedSender<DuplexStream>>>>;
+type Registry = Mutex<HashMap<String, mpsc::UnboundedSender<DuplexStream>>>;
 
 fn registry() -> &'static Registry {
     static REGISTRY: OnceLock<Registry> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
 }
 
-fn lock() -> std::sync::MutexGuard<'static, HashMap<String, Arc<mpsc::UnboundedSender<DuplexStream>>>> {
+fn lock() -> std::sync::MutexGuard<'static, HashMap<String, mpsc::UnboundedSender<DuplexStream>>> {
     // The map holds no invariant a panicking holder could break: use it as left.
     registry().lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -41,7 +41,7 @@ fn lock() -> std::sync::MutexGuard<'static, HashMap<String, Arc<mpsc::UnboundedS
 /// server-side halves for [`crate::serve_with_inproc`].
 pub struct Incoming {
     endpoint: String,
-    sender: Arc<mpsc::UnboundedSender<DuplexStream>>,
+    sender: mpsc::UnboundedSender<DuplexStream>,
     connections: mpsc::UnboundedReceiver<DuplexStream>,
 }
 
@@ -49,8 +49,7 @@ pub struct Incoming {
 /// `http://127.0.0.1:7100`): channels built for it from now on connect in memory. A second
 /// registration of the same endpoint replaces the first.
 pub fn register(endpoint: &str) -> Incoming {
-    let (tx, connections) = mpsc::unbounded_channel();
-    let sender = Arc::new(tx);
+    let (sender, connections) = mpsc::unbounded_channel();
     lock().insert(endpoint.to_string(), sender.clone());
     Incoming { endpoint: endpoint.to_string(), sender, connections }
 }
@@ -59,7 +58,7 @@ impl Drop for Incoming {
     fn drop(&mut self) {
         let mut map = lock();
         // Only this registration's entry: a later one for the same endpoint stays.
-        if map.get(&self.endpoint).is_some_and(|s| Arc::ptr_eq(s, &self.sender)) {
+        if map.get(&self.endpoint).is_some_and(|s| s.same_channel(&self.sender)) {
             map.remove(&self.endpoint);
         }
     }

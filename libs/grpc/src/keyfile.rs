@@ -76,6 +76,24 @@ pub struct KeyRing {
     started: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
+/// The policy's published verification keys, as [`KeyRing::install`] takes them.
+pub async fn policy_keys(
+    policy: &warden_proto::v1::policy_client::PolicyClient<crate::auth::Ch>,
+) -> Result<Vec<(String, Vec<u8>)>, tonic::Status> {
+    let ask = warden_proto::v1::GetVerificationKeysRequest {};
+    let keys = policy.clone().get_verification_keys(ask).await?.into_inner().keys;
+    Ok(keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
+}
+
+/// The ledger's published keys (they sign chain heads and request acknowledgements), as
+/// [`KeyRing::install`] takes them.
+pub async fn ledger_keys(
+    ledger: &warden_proto::v1::ledger_client::LedgerClient<crate::auth::Ch>,
+) -> Result<Vec<(String, Vec<u8>)>, tonic::Status> {
+    let keys = ledger.clone().get_ledger_keys(warden_proto::v1::GetLedgerKeysRequest {}).await?.into_inner().keys;
+    Ok(keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
+}
+
 /// How long [`KeyRing::learn`] waits for the publisher's answer.
 pub const KEY_FETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
@@ -148,38 +166,74 @@ impl KeyRing {
 mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Duration;
 
     use ed25519_dalek::SigningKey;
+    use tokio::sync::{mpsc, watch};
 
     use super::{KeyRing, LearnError};
+
+    type Keys = Vec<(String, Vec<u8>)>;
+
+    /// `n` requests meet `id(i)` at once; each fetch holds until every request has arrived (a
+    /// request says so, then asks in the same poll of this single-threaded runtime, so it has
+    /// looked at the ring before the test opens the gate). Returns each request's answer and
+    /// how often the publisher was asked.
+    async fn wave<T: Send + 'static>(
+        ring: &KeyRing,
+        n: usize,
+        id: impl Fn(usize) -> String,
+        answer: Result<Keys, &'static str>,
+        seen: impl Fn(&KeyRing, &str, Result<(), LearnError<&'static str>>) -> T + Clone + Send + 'static,
+    ) -> (Vec<T>, usize) {
+        let asked = Arc::new(AtomicUsize::new(0));
+        let (open, gate) = watch::channel(false);
+        let (arrive, mut arrivals) = mpsc::unbounded_channel();
+        let tasks: Vec<_> = (0..n)
+            .map(|i| {
+                let (ring, asked, gate, arrive, seen) =
+                    (ring.clone(), asked.clone(), gate.clone(), arrive.clone(), seen.clone());
+                let (id, answer) = (id(i), answer.clone());
+                tokio::spawn(async move {
+                    let _ = arrive.send(());
+                    let r = ring
+                        .learn(&id, || async move {
+                            asked.fetch_add(1, Ordering::SeqCst);
+                            let mut gate = gate;
+                            let _ = gate.wait_for(|open| *open).await;
+                            answer
+                        })
+                        .await;
+                    seen(&ring, &id, r)
+                })
+            })
+            .collect();
+        for _ in 0..n {
+            arrivals.recv().await.expect("a request arrives");
+        }
+        let _ = open.send(true);
+        let mut answers = Vec::new();
+        for t in tasks {
+            answers.push(t.await.expect("task"));
+        }
+        (answers, asked.load(Ordering::SeqCst))
+    }
 
     /// Two hundred requests meet a rotated key at once: the publisher is asked once, and each
     /// request finds the key.
     #[tokio::test]
     async fn requests_meeting_an_unknown_key_together_ask_the_publisher_once() {
         let ring = KeyRing::default();
-        let asked = Arc::new(AtomicUsize::new(0));
         let public = SigningKey::from_bytes(&[7; 32]).verifying_key().to_bytes().to_vec();
-        let tasks: Vec<_> = (0..200)
-            .map(|_| {
-                let (ring, asked, public) = (ring.clone(), asked.clone(), public.clone());
-                tokio::spawn(async move {
-                    ring.learn("k2", || async move {
-                        asked.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        Ok::<_, ()>(vec![("k2".to_string(), public)])
-                    })
-                    .await
-                    .expect("fetched");
-                    ring.get("k2").is_some()
-                })
-            })
-            .collect();
-        for t in tasks {
-            assert!(t.await.expect("task"), "the key is installed for every waiter");
-        }
-        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        let (found, asked) = wave(
+            &ring,
+            200,
+            |_| "k2".into(),
+            Ok(vec![("k2".to_string(), public)]),
+            |ring, id, r| r.is_ok() && ring.get(id).is_some(),
+        )
+        .await;
+        assert!(found.iter().all(|f| *f), "the key is installed for every waiter");
+        assert_eq!(asked, 1);
     }
 
     /// Forged key ids, many at once: they share fetches (at most one running and one waiting
@@ -187,27 +241,11 @@ mod tests {
     #[tokio::test]
     async fn forged_key_ids_share_the_publishers_answers() {
         let ring = KeyRing::default();
-        let asked = Arc::new(AtomicUsize::new(0));
-        let tasks: Vec<_> = (0..100)
-            .map(|i| {
-                let (ring, asked) = (ring.clone(), asked.clone());
-                tokio::spawn(async move {
-                    let id = format!("forged-{i}");
-                    ring.learn(&id, || async move {
-                        asked.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        Ok::<_, ()>(vec![])
-                    })
-                    .await
-                    .expect("asked");
-                    ring.get(&id).is_none()
-                })
-            })
-            .collect();
-        for t in tasks {
-            assert!(t.await.expect("task"), "a forged id is never installed");
-        }
-        assert!(asked.load(Ordering::SeqCst) <= 2, "asked {} times", asked.load(Ordering::SeqCst));
+        let (unknown, asked) =
+            wave(&ring, 100, |i| format!("forged-{i}"), Ok(vec![]), |ring, id, r| r.is_ok() && ring.get(id).is_none())
+                .await;
+        assert!(unknown.iter().all(|u| *u), "a forged id is answered and never installed");
+        assert!(asked <= 2, "asked {asked} times");
     }
 
     /// A failed fetch fails the requests that shared it (the key stays unknown: try again), and
@@ -215,27 +253,15 @@ mod tests {
     #[tokio::test]
     async fn a_failed_or_hung_fetch_is_an_error_for_everyone_who_waited_on_it() {
         let ring = KeyRing::default();
-        let tasks: Vec<_> = (0..10)
-            .map(|_| {
-                let ring = ring.clone();
-                tokio::spawn(async move {
-                    ring.learn("k3", || async {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        Err::<Vec<(String, Vec<u8>)>, _>("publisher down")
-                    })
-                    .await
-                })
-            })
-            .collect();
-        let mut answers = Vec::new();
-        for t in tasks {
-            answers.push(t.await.expect("task").expect_err("no key"));
-        }
-        assert!(answers.contains(&LearnError::Fetch("publisher down")), "{answers:?}");
-        assert!(answers.iter().all(|e| matches!(e, LearnError::Fetch(_) | LearnError::SharedFetchFailed)));
+        let (answers, _) = wave(&ring, 10, |_| "k3".into(), Err("publisher down"), |_, _, r| r).await;
+        assert!(answers.contains(&Err(LearnError::Fetch("publisher down"))), "{answers:?}");
+        assert!(
+            answers.iter().all(|a| matches!(a, Err(LearnError::Fetch(_) | LearnError::SharedFetchFailed))),
+            "{answers:?}"
+        );
         assert!(ring.get("k3").is_none());
 
-        let hung = ring.learn("k4", std::future::pending::<Result<Vec<(String, Vec<u8>)>, ()>>).await;
+        let hung = ring.learn("k4", std::future::pending::<Result<Keys, ()>>).await;
         assert_eq!(hung, Err(LearnError::TimedOut));
     }
 }

@@ -236,24 +236,13 @@ impl LedgerService {
             };
             // A key not seen yet (first decision, or a rotation): ask the policy, once for all
             // the decisions that meet it together.
-            self.policy_keys
-                .learn(&kid, || async {
-                    let keys = policy
-                        .clone()
-                        .get_verification_keys(pb::GetVerificationKeysRequest {})
-                        .await?
-                        .into_inner()
-                        .keys;
-                    Ok::<_, Status>(keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
-                })
-                .await
-                .map_err(|e| {
-                    let why = match e {
-                        warden_grpc::keyfile::LearnError::Fetch(s) => s.message().to_string(),
-                        other => other.to_string(),
-                    };
-                    Status::unavailable(format!("policy keys unavailable; decision not verified: {why}"))
-                })?;
+            self.policy_keys.learn(&kid, || warden_grpc::keyfile::policy_keys(policy)).await.map_err(|e| {
+                let why = match e {
+                    warden_grpc::keyfile::LearnError::Fetch(s) => s.message().to_string(),
+                    other => other.to_string(),
+                };
+                Status::unavailable(format!("policy keys unavailable; decision not verified: {why}"))
+            })?;
         }
         warden_core::decision::verify_decision(payload, |id| self.policy_keys.get(id)).map_err(|e| {
             Status::permission_denied(format!("policy_decision refused: not as the policy signed it: {e}"))

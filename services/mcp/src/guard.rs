@@ -11,7 +11,7 @@ use tonic::Status;
 use warden_core::ack::{AckedCall, verify_ack};
 use warden_core::auth::{self, CallIdentity, SignedClaims};
 use warden_grpc::auth::Ch;
-use warden_grpc::now_ms;
+use warden_grpc::{keyfile, now_ms};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 use warden_proto::v1::policy_client::PolicyClient;
@@ -44,23 +44,13 @@ impl Guard {
     }
 
     pub async fn refresh_policy_keys(&self) -> Result<(), Status> {
-        self.policy_keys.install(self.published_policy_keys().await?);
+        self.policy_keys.install(keyfile::policy_keys(&self.policy).await?);
         Ok(())
     }
 
     pub async fn refresh_ledger_keys(&self) -> Result<(), Status> {
-        self.ledger_keys.install(self.published_ledger_keys().await?);
+        self.ledger_keys.install(keyfile::ledger_keys(&self.ledger).await?);
         Ok(())
-    }
-
-    async fn published_policy_keys(&self) -> Result<Vec<(String, Vec<u8>)>, Status> {
-        let keys = self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner();
-        Ok(keys.keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
-    }
-
-    async fn published_ledger_keys(&self) -> Result<Vec<(String, Vec<u8>)>, Status> {
-        let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner();
-        Ok(keys.keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
     }
 
     /// `PERMISSION_DENIED` unless the call carries policy's allow of exactly this call (tenant,
@@ -71,7 +61,7 @@ impl Guard {
         if !signed.key_id.is_empty() {
             // Possibly a rotated key: ask the policy (once for every call meeting it together).
             // Failure leaves the key unknown.
-            let _ = self.policy_keys.learn(&signed.key_id, || self.published_policy_keys()).await;
+            let _ = self.policy_keys.learn(&signed.key_id, || keyfile::policy_keys(&self.policy)).await;
         }
         let call = CallIdentity {
             tenant: &r.tenant,
@@ -90,7 +80,7 @@ impl Guard {
             auth::verify(&signed, |id| self.policy_keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
         let ack = from_wire(r.request_ack.as_ref());
         if !ack.key_id.is_empty() {
-            let _ = self.ledger_keys.learn(&ack.key_id, || self.published_ledger_keys()).await;
+            let _ = self.ledger_keys.learn(&ack.key_id, || keyfile::ledger_keys(&self.ledger)).await;
         }
         let acked = AckedCall {
             tenant: &r.tenant,

@@ -32,7 +32,7 @@ use warden_core::ack::{AckedCall, verify_ack};
 use warden_core::auth::{self, CallIdentity, SignedClaims};
 use warden_core::canonical::args_digest;
 use warden_core::ids::{check_id, check_step_id};
-use warden_grpc::{invalid_field, now_ms};
+use warden_grpc::{invalid_field, keyfile, now_ms};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 use warden_proto::v1::policy_client::PolicyClient;
@@ -194,25 +194,14 @@ impl ToolHostService {
 
     /// Fetches the policy's verification keys (on start).
     pub async fn refresh_keys(&self) -> Result<(), Status> {
-        self.keys.install(self.policy_keys().await?);
+        self.keys.install(keyfile::policy_keys(&self.policy).await?);
         Ok(())
     }
 
     /// Fetches the ledger's keys (on start).
     pub async fn refresh_ledger_keys(&self) -> Result<(), Status> {
-        self.ledger_keys.install(self.published_ledger_keys().await?);
+        self.ledger_keys.install(keyfile::ledger_keys(&self.ledger).await?);
         Ok(())
-    }
-
-    async fn policy_keys(&self) -> Result<Vec<(String, Vec<u8>)>, Status> {
-        let keys =
-            self.policy.clone().get_verification_keys(pb::GetVerificationKeysRequest {}).await?.into_inner().keys;
-        Ok(keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
-    }
-
-    async fn published_ledger_keys(&self) -> Result<Vec<(String, Vec<u8>)>, Status> {
-        let keys = self.ledger.clone().get_ledger_keys(pb::GetLedgerKeysRequest {}).await?.into_inner().keys;
-        Ok(keys.into_iter().map(|k| (k.key_id, k.public_key)).collect())
     }
 
     /// Both proofs every call needs before anything happens: policy allowed exactly this call
@@ -223,7 +212,7 @@ impl ToolHostService {
         if !signed.key_id.is_empty() {
             // Possibly a rotated key: ask the policy (once for every call meeting it together).
             // Failure leaves the key unknown.
-            let _ = self.keys.learn(&signed.key_id, || self.policy_keys()).await;
+            let _ = self.keys.learn(&signed.key_id, || keyfile::policy_keys(&self.policy)).await;
         }
         let call = CallIdentity {
             tenant: &r.tenant,
@@ -246,7 +235,7 @@ impl ToolHostService {
         }
         let ack = from_wire(r.request_ack.as_ref());
         if !ack.key_id.is_empty() {
-            let _ = self.ledger_keys.learn(&ack.key_id, || self.published_ledger_keys()).await;
+            let _ = self.ledger_keys.learn(&ack.key_id, || keyfile::ledger_keys(&self.ledger)).await;
         }
         let acked = AckedCall {
             tenant: &r.tenant,
