@@ -75,6 +75,23 @@ pub struct BenchArgs {
     /// Sequential steps in each run of the batch.
     #[arg(long, default_value_t = 10)]
     batch_steps: usize,
+    /// Tokio worker threads of each production-shape service. Default: the machine's cores
+    /// shared among the five services (at least one each), as CPU limits would share a node
+    /// among their pods; `TOKIO_WORKER_THREADS`, when set, wins.
+    #[arg(long)]
+    workers_per_service: Option<usize>,
+}
+
+/// Services of the production shape that share the machine's cores (ledger, policy,
+/// planner, executor, tool host).
+const PROD_SERVICES: usize = 5;
+
+/// Worker threads per production-shape service: `TOKIO_WORKER_THREADS`, else the flag, else
+/// the machine's cores over [`PROD_SERVICES`] (at least one).
+fn workers_per_service(flag: Option<usize>) -> usize {
+    let env = std::env::var("TOKIO_WORKER_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|n| *n > 0);
+    let cores = std::thread::available_parallelism().map(usize::from).unwrap_or(1);
+    env.or(flag.filter(|n| *n > 0)).unwrap_or(cores / PROD_SERVICES).max(1)
 }
 
 struct Endpoints {
@@ -355,6 +372,8 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
     })
     .await??;
     let database_url = pg.create_database().await?;
+    let workers = workers_per_service(args.workers_per_service);
+    println!("prod  {PROD_SERVICES} services, {workers} Tokio worker thread(s) each");
     let mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions {
         database_url,
         redis_url: redis.url.clone(),
@@ -363,6 +382,7 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
         lease_ttl_ms: 10_000,
         sweep_interval_ms: 2_000,
         executors: 1,
+        env: vec![("TOKIO_WORKER_THREADS".into(), workers.to_string())],
         ..Default::default()
     })
     .await?;

@@ -26,7 +26,7 @@ pub fn canonical_value(value: &serde_json::Value) -> String {
     out
 }
 
-fn write_canonical(out: &mut String, value: &serde_json::Value) {
+pub(crate) fn write_canonical(out: &mut String, value: &serde_json::Value) {
     use serde_json::Value;
     match value {
         Value::Null => out.push_str("null"),
@@ -35,7 +35,7 @@ fn write_canonical(out: &mut String, value: &serde_json::Value) {
         // Every number in ECMAScript form, integers included (RFC 8785 §3.2.2.3): JSON
         // numbers are IEEE 754 doubles to whoever verifies, so 2^63 reads 9223372036854776000.
         Value::Number(n) => match n.as_f64().filter(|f| f.is_finite()) {
-            Some(f) => out.push_str(ryu_js::Buffer::new().format_finite(f)),
+            Some(f) => write_number(out, f),
             None => panic!("number {n} has no canonical JSON form"),
         },
         Value::String(s) => write_string(out, s),
@@ -69,9 +69,14 @@ fn write_canonical(out: &mut String, value: &serde_json::Value) {
     }
 }
 
+/// A finite number in ECMAScript form (RFC 8785 §3.2.2.3).
+pub(crate) fn write_number(out: &mut String, f: f64) {
+    out.push_str(ryu_js::Buffer::new().format_finite(f));
+}
+
 /// A JSON string as RFC 8785 §3.2.2.2 writes it: `"` and `\` escaped, control characters
 /// as `\b \t \n \f \r` or `\u00xx` (lower-case hex), everything else as it is.
-fn write_string(out: &mut String, s: &str) {
+pub(crate) fn write_string(out: &mut String, s: &str) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     out.push('"');
     let mut start = 0;

@@ -6,8 +6,6 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::canonical::canonical_json;
-
 /// `prev_hash` of the first event of every run.
 pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -29,8 +27,35 @@ impl EventBody {
     pub fn chain_hash(&self, prev_hash: &str) -> String {
         let mut h = Sha256::new();
         h.update(prev_hash.as_bytes());
-        h.update(canonical_json(self).as_bytes());
+        h.update(self.canonical().as_bytes());
         hex::encode(h.finalize())
+    }
+
+    /// The body's RFC 8785 JSON: the bytes [`crate::canonical::canonical_json`] gives (a test holds the two
+    /// together), written member by member in sorted order instead of through a copy of the
+    /// whole body, payload included, as a `serde_json::Value`. Every event appended is hashed.
+    pub fn canonical(&self) -> String {
+        use crate::canonical::{write_canonical, write_number, write_string};
+        let mut out = String::with_capacity(256);
+        // Member names in UTF-16 order (all ASCII here).
+        out.push_str("{\"epoch\":");
+        write_number(&mut out, self.epoch as f64);
+        out.push_str(",\"event_type\":");
+        write_string(&mut out, &self.event_type);
+        out.push_str(",\"idempotency_key\":");
+        write_string(&mut out, &self.idempotency_key);
+        out.push_str(",\"payload\":");
+        write_canonical(&mut out, &self.payload);
+        out.push_str(",\"run_id\":");
+        write_string(&mut out, &self.run_id);
+        out.push_str(",\"seq\":");
+        write_number(&mut out, self.seq as f64);
+        out.push_str(",\"step_id\":");
+        write_string(&mut out, &self.step_id);
+        out.push_str(",\"timestamp_ms\":");
+        write_number(&mut out, self.timestamp_ms as f64);
+        out.push('}');
+        out
     }
 }
 
@@ -117,6 +142,35 @@ pub fn link(body: EventBody, prev_hash: &str) -> ChainedEvent {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_body_is_written_as_canonical_json_writes_it() {
+        let bodies = [
+            EventBody {
+                run_id: "r-1".into(),
+                seq: 1,
+                event_type: "run_submitted".into(),
+                payload: json!({}),
+                step_id: String::new(),
+                epoch: 0,
+                idempotency_key: "run_submitted".into(),
+                timestamp_ms: 0,
+            },
+            EventBody {
+                run_id: "r\"\\\u{1}é😀".into(),
+                seq: u64::MAX,
+                event_type: "tool_completed".into(),
+                payload: json!({"z": [1, 2.5, -0.0, 1e21, null, true], "a": {"\u{e000}": 1, "😀": "x\n"}, "é": "\u{7f}"}),
+                step_id: "s\t1".into(),
+                epoch: 9_007_199_254_740_993,
+                idempotency_key: "k:1".into(),
+                timestamp_ms: -1_700_000_000_123,
+            },
+        ];
+        for b in &bodies {
+            assert_eq!(b.canonical(), crate::canonical::canonical_json(b));
+        }
+    }
 
     fn chain(n: u64) -> Vec<ChainedEvent> {
         let mut prev = GENESIS_HASH.to_string();

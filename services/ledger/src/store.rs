@@ -441,57 +441,72 @@ impl LedgerStore {
         let plan_json = new.plan.map(warden_core::canonical_json).unwrap_or_default();
         let submit_key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
         let (signature, key_id) = self.sign_head(new.run_id, last_seq, &head_hash);
-        let mut tx = self.pool.begin().await?;
-        let inserted = sqlx::query(
-            "INSERT INTO runs (run_id, tenant, status, reason, plan_json, goal, cancel_policy, submit_key, last_seq, head_hash, max_epoch,
+        // A root run on PostgreSQL is one statement, committed on its own (its run row and
+        // first events together, as a data-modifying CTE: all or nothing), not a transaction of
+        // four round trips. A child frame also counts against its root's limit: a transaction.
+        let one_statement = self.backend == Backend::Postgres && new.frame.is_none();
+        let insert_run = "INSERT INTO runs (run_id, tenant, status, reason, plan_json, goal, cancel_policy, submit_key, last_seq, head_hash, max_epoch,
                                created_at_ms, updated_at_ms, head_signature, head_key_id)
-             VALUES ($1, $2, $3, '', $4, $5, $6, $7, $8, $9, $10, $11, $11, $12, $13)",
-        )
-        .bind(new.run_id)
-        .bind(new.tenant)
-        .bind(status.as_str())
-        .bind(&plan_json)
-        .bind(new.goal)
-        .bind(new.cancel_policy as i64)
-        .bind(submit_key)
-        .bind(last_seq as i64)
-        .bind(&head_hash)
-        .bind(max_epoch as i64)
-        .bind(new.now_ms)
-        .bind(&signature)
-        .bind(&key_id)
-        .execute(&mut *tx)
-        .await;
-        if let Err(e) = inserted {
-            drop(tx);
-            // A concurrent submission with the same key won the race: return its run.
+             VALUES ($1, $2, $3, '', $4, $5, $6, $7, $8, $9, $10, $11, $11, $12, $13)";
+        let sql = if one_statement {
+            format!("WITH r AS ({insert_run} RETURNING run_id) {}", batch::insert_events_sql(chain.len(), 13))
+        } else {
+            insert_run.to_string()
+        };
+        let query = sqlx::query(&sql)
+            .bind(new.run_id)
+            .bind(new.tenant)
+            .bind(status.as_str())
+            .bind(&plan_json)
+            .bind(new.goal)
+            .bind(new.cancel_policy as i64)
+            .bind(submit_key)
+            .bind(last_seq as i64)
+            .bind(&head_hash)
+            .bind(max_epoch as i64)
+            .bind(new.now_ms)
+            .bind(&signature)
+            .bind(&key_id);
+        // A concurrent submission with the same key won the race: its run is the answer.
+        let raced = async |e: sqlx::Error| -> Result<(RunRow, bool), LedgerError> {
             if let (Some(key), true) = (submit_key, is_unique_violation(&e))
                 && let Some(run) = self.run_by_submit_key(new.tenant, key).await?
             {
                 return Ok((run, true));
             }
-            return Err(e.into());
-        }
-        if let Some(root) = new.frame.as_ref().and_then(|f| f.get("root_run_id")).and_then(Value::as_str) {
-            let counted = sqlx::query(
-                "INSERT INTO frame_counts (root_run_id, opened) VALUES ($1, 1)
-                 ON CONFLICT (root_run_id) DO UPDATE SET opened = frame_counts.opened + 1
-                 WHERE frame_counts.opened < $2",
-            )
-            .bind(root)
-            .bind(new.max_frames.min(i64::MAX as u64) as i64)
-            .execute(&mut *tx)
-            .await?;
-            if counted.rows_affected() == 0 || new.max_frames == 0 {
-                drop(tx);
-                return Err(LedgerError::Precondition(format!(
-                    "run tree '{root}' opened its {} child frames (ledger.max_frames_per_root): no more",
-                    new.max_frames
-                )));
+            Err(e.into())
+        };
+        if one_statement {
+            if let Err(e) = batch::bind_events(query, &chain).execute(&self.pool).await {
+                return raced(e).await;
             }
+        } else {
+            let mut tx = self.pool.begin().await?;
+            if let Err(e) = query.execute(&mut *tx).await {
+                drop(tx);
+                return raced(e).await;
+            }
+            if let Some(root) = new.frame.as_ref().and_then(|f| f.get("root_run_id")).and_then(Value::as_str) {
+                let counted = sqlx::query(
+                    "INSERT INTO frame_counts (root_run_id, opened) VALUES ($1, 1)
+                     ON CONFLICT (root_run_id) DO UPDATE SET opened = frame_counts.opened + 1
+                     WHERE frame_counts.opened < $2",
+                )
+                .bind(root)
+                .bind(new.max_frames.min(i64::MAX as u64) as i64)
+                .execute(&mut *tx)
+                .await?;
+                if counted.rows_affected() == 0 || new.max_frames == 0 {
+                    drop(tx);
+                    return Err(LedgerError::Precondition(format!(
+                        "run tree '{root}' opened its {} child frames (ledger.max_frames_per_root): no more",
+                        new.max_frames
+                    )));
+                }
+            }
+            batch::insert_events(&mut tx, &chain).await?;
+            tx.commit().await?;
         }
-        batch::insert_events(&mut tx, &chain).await?;
-        tx.commit().await?;
         let mut state = hot::RunState::new(
             checks::RunHead {
                 run_id: new.run_id.to_string(),

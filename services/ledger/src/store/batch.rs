@@ -112,7 +112,7 @@ pub async fn existing_receipts(tx: &mut Tx<'_>, ids: &[String]) -> Result<HashSe
     Ok(found)
 }
 
-type Query<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments<'q>>;
+pub type Query<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments<'q>>;
 
 /// An `events` row's ten values, in column order.
 fn bind_event<'q>(q: Query<'q>, e: &'q ChainedEvent) -> Query<'q> {
@@ -142,17 +142,26 @@ fn bind_receipt<'q>(q: Query<'q>, r: &'q Receipt) -> Query<'q> {
 
 pub async fn insert_events(tx: &mut Tx<'_>, events: &[ChainedEvent]) -> Result<(), LedgerError> {
     for chunk in events.chunks(ROWS) {
-        let sql = format!(
-            "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash) VALUES {}",
-            marks(chunk.len(), 10, 0)
-        );
-        let mut q = sqlx::query(&sql);
-        for e in chunk {
-            q = bind_event(q, e);
-        }
-        q.execute(&mut **tx).await?;
+        let sql = insert_events_sql(chunk.len(), 0);
+        bind_events(sqlx::query(&sql), chunk).execute(&mut **tx).await?;
     }
     Ok(())
+}
+
+/// The `INSERT` of `rows` events, their values bound from `$from + 1` on (see [`bind_events`]).
+pub fn insert_events_sql(rows: usize, from: usize) -> String {
+    format!(
+        "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash) VALUES {}",
+        marks(rows, 10, from)
+    )
+}
+
+/// `q` with each event's ten values bound, in order.
+pub fn bind_events<'q>(mut q: Query<'q>, events: &'q [ChainedEvent]) -> Query<'q> {
+    for e in events {
+        q = bind_event(q, e);
+    }
+    q
 }
 
 pub async fn insert_receipts(tx: &mut Tx<'_>, receipts: &[Receipt]) -> Result<(), LedgerError> {
