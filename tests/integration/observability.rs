@@ -50,7 +50,7 @@ fn served_under(spans: &[ReceivedSpan], trace_id: &str, rpc_path: &str, parent_n
 }
 
 /// `GET /metrics` over plain HTTP/1.1, parsed as Prometheus text.
-async fn scrape(url: &str) -> prometheus_parse::Scrape {
+pub(crate) async fn scrape(url: &str) -> prometheus_parse::Scrape {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let rest = url.strip_prefix("http://").expect("an http:// metrics url");
     let (addr, path) = rest.split_once('/').map(|(a, p)| (a, format!("/{p}"))).expect("host:port/path");
@@ -83,7 +83,7 @@ fn dechunk(mut body: &str) -> String {
 
 /// The sum of the samples of `metric` whose labels include `labels` (a histogram counts its
 /// observations).
-fn value(scrape: &prometheus_parse::Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+pub(crate) fn value(scrape: &prometheus_parse::Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
     scrape
         .samples
         .iter()

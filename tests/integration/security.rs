@@ -466,6 +466,69 @@ async fn policy_signs_only_calls_of_the_runs_recorded_plan() {
     assert!(recorded.iter().any(|e| payload(e)["decision_id"] == json!(id)), "recorded before the answer");
 }
 
+/// The policy takes a run's plan from the request (and skips reading it from the ledger) only
+/// as the ledger acknowledged it at creation: the genuine acknowledgement of this run with the
+/// plan whose digest it signs. A wider plan under a genuine acknowledgement, a forged
+/// acknowledgement, or another run's, are ignored: the recorded plan decides.
+#[tokio::test]
+async fn the_policy_takes_a_plan_from_the_request_only_as_the_ledger_acknowledged_it() {
+    use crate::observability::{scrape, value};
+    let mesh = mesh_with(Backend::Sqlite, with_tokens(MeshOptions { executors: 0, ..MeshOptions::default() })).await;
+    let narrow = json!({"steps": [{"id": "greet", "tool": "echo"}]});
+    let wider = json!({"steps": [{"id": "greet", "tool": "echo"}, {"id": "extra", "tool": "echo"}]});
+    let create = |plan: &Value| {
+        let mut ledger = mesh.ledger();
+        let req = pb::CreateRunRequest { tenant: "acme".into(), plan_json: plan.to_string(), ..Default::default() };
+        async move {
+            let created = ledger.create_run(req).await.expect("create run").into_inner();
+            (created.run.expect("run").run_id, created.run_ack.expect("a run with a plan is acknowledged"))
+        }
+    };
+    let get_runs = || async {
+        let ledger = scrape(&mesh.ledger.metrics_url).await;
+        value(&ledger, "warden_grpc_server_requests_total", &[("method", "GetRun"), ("code", "OK")])
+    };
+    let with_plan = |run: &str, step: &str, ack: &pb::SignedAuthorization, plan: &Value| pb::AuthorizeRequest {
+        run_ack: Some(ack.clone()),
+        plan_json: plan.to_string(),
+        ..call("acme", run, step, "echo", json!({}))
+    };
+    let mut acme = policy_as(&mesh, ACME);
+    let before = get_runs().await;
+
+    // This run's genuine acknowledgement, but a wider plan than the one it acknowledges.
+    let (run, ack) = create(&narrow).await;
+    let d = acme.authorize(with_plan(&run, "extra", &ack, &wider)).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "a plan other than the acknowledged one");
+    // An acknowledgement of the wider plan signed by a key that is not the ledger's.
+    let (run, _) = create(&narrow).await;
+    let forged = warden_core::ack::sign_run_ack(
+        "acme",
+        &run,
+        &warden_core::canonical::canonical_json(&wider),
+        &ed25519_dalek::SigningKey::from_bytes(&[7u8; 32]),
+    );
+    let forged =
+        pb::SignedAuthorization { claims_json: forged.claims_json, signature: forged.signature, key_id: forged.key_id };
+    let d = acme.authorize(with_plan(&run, "extra", &forged, &wider)).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "a forged acknowledgement");
+    // Another run's genuine acknowledgement of the wider plan.
+    let (_, wide_ack) = create(&wider).await;
+    let (run, _) = create(&narrow).await;
+    let d = acme.authorize(with_plan(&run, "extra", &wide_ack, &wider)).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "another run's acknowledgement");
+    // Each of those read the recorded plan from the ledger.
+    assert_eq!(get_runs().await - before, 3.0, "the ledger was asked for each refused run's plan");
+
+    // The genuine pair: taken as it is, nothing read back; the plan is this run's own.
+    let (run, ack) = create(&narrow).await;
+    let d = acme.authorize(with_plan(&run, "greet", &ack, &narrow)).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d).0, pb::Outcome::Allow);
+    let d = acme.authorize(call("acme", &run, "extra", "echo", json!({}))).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "the acknowledged plan decides");
+    assert_eq!(get_runs().await - before, 4.0, "a step outside the plan in hand is looked up once more");
+}
+
 /// Medium 10: a tool call cannot happen outside the record. A tenant holding a signed allow
 /// for a planned step still cannot have the tool act by calling the host itself: the host also
 /// needs the ledger's acknowledgement that the request is recorded, which only the mesh gets.

@@ -54,9 +54,28 @@ pub struct AckedCall<'a> {
 pub fn sign_ack(mut claims: RequestAckClaims, key: &SigningKey) -> SignedClaims {
     claims.key_id = key_id(&key.verifying_key());
     claims.kind = KIND_TOOL_REQUESTED.to_string();
-    let claims_json = canonical_json(&claims).into_bytes();
+    signed(&claims, claims.key_id.clone(), key)
+}
+
+/// `claims` as RFC 8785 JSON, signed.
+fn signed(claims: &impl Serialize, key_id: String, key: &SigningKey) -> SignedClaims {
+    let claims_json = canonical_json(claims).into_bytes();
     let signature = key.sign(&claims_json).to_bytes().to_vec();
-    SignedClaims { claims_json, signature, key_id: claims.key_id }
+    SignedClaims { claims_json, signature, key_id }
+}
+
+/// The claims of `signed` once its signature verifies with the key it names, parsed strictly.
+fn verified<T: serde::de::DeserializeOwned>(
+    signed: &SignedClaims,
+    keys: impl Fn(&str) -> Option<VerifyingKey>,
+) -> Result<T, AuthError> {
+    if signed.claims_json.is_empty() && signed.signature.is_empty() {
+        return Err(AuthError::Missing);
+    }
+    let key = keys(&signed.key_id).ok_or_else(|| AuthError::UnknownKey(signed.key_id.clone()))?;
+    let sig = Signature::from_slice(&signed.signature).map_err(|_| AuthError::BadSignature)?;
+    key.verify(&signed.claims_json, &sig).map_err(|_| AuthError::BadSignature)?;
+    serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))
 }
 
 /// Verifies the signature and that the acknowledgement is for `call`. Acknowledgements do not
@@ -66,14 +85,7 @@ pub fn verify_ack(
     keys: impl Fn(&str) -> Option<VerifyingKey>,
     call: &AckedCall<'_>,
 ) -> Result<RequestAckClaims, AuthError> {
-    if signed.claims_json.is_empty() && signed.signature.is_empty() {
-        return Err(AuthError::Missing);
-    }
-    let key = keys(&signed.key_id).ok_or_else(|| AuthError::UnknownKey(signed.key_id.clone()))?;
-    let sig = Signature::from_slice(&signed.signature).map_err(|_| AuthError::BadSignature)?;
-    key.verify(&signed.claims_json, &sig).map_err(|_| AuthError::BadSignature)?;
-    let claims: RequestAckClaims =
-        serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))?;
+    let claims: RequestAckClaims = verified(signed, keys)?;
     if claims.key_id != signed.key_id {
         return Err(AuthError::Mismatch { field: "key_id" });
     }
@@ -92,9 +104,89 @@ pub fn verify_ack(
     Ok(claims)
 }
 
+/// `kind` of a run acknowledgement.
+pub const KIND_RUN_CREATED: &str = "run_created";
+
+/// The ledger's statement that a run is recorded with a plan of this digest: what the policy
+/// needs of a run to sign only calls of its recorded plan, handed over by the executor so the
+/// policy need not read the plan back on the run's first call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunAckClaims {
+    pub v: u32,
+    pub kind: String,
+    pub key_id: String,
+    pub tenant: String,
+    pub run_id: String,
+    /// Hex SHA-256 of the plan's RFC 8785 JSON, as recorded.
+    pub plan_sha256: String,
+}
+
+/// Signs that run `run_id` of `tenant` is recorded with the plan whose canonical JSON is
+/// `plan_json`.
+pub fn sign_run_ack(tenant: &str, run_id: &str, plan_json: &str, key: &SigningKey) -> SignedClaims {
+    let claims = RunAckClaims {
+        v: 1,
+        kind: KIND_RUN_CREATED.to_string(),
+        key_id: key_id(&key.verifying_key()),
+        tenant: tenant.to_string(),
+        run_id: run_id.to_string(),
+        plan_sha256: crate::canonical::sha256_hex(plan_json.as_bytes()),
+    };
+    signed(&claims, claims.key_id.clone(), key)
+}
+
+/// Verifies a run acknowledgement's signature and that it names `tenant` and `run_id`;
+/// returns the plan digest it vouches for.
+pub fn verify_run_ack(
+    signed: &SignedClaims,
+    keys: impl Fn(&str) -> Option<VerifyingKey>,
+    tenant: &str,
+    run_id: &str,
+) -> Result<RunAckClaims, AuthError> {
+    let claims: RunAckClaims = verified(signed, keys)?;
+    let checks: [(&'static str, bool); 4] = [
+        ("key_id", claims.key_id == signed.key_id),
+        ("kind", claims.kind == KIND_RUN_CREATED),
+        ("tenant", claims.tenant == tenant),
+        ("run_id", claims.run_id == run_id),
+    ];
+    if let Some((field, _)) = checks.iter().find(|(_, ok)| !ok) {
+        return Err(AuthError::Mismatch { field });
+    }
+    Ok(claims)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn run_ack_verifies_only_for_its_run_and_key_and_is_no_request_ack() {
+        let sk = SigningKey::from_bytes(&[3u8; 32]);
+        let vk = sk.verifying_key();
+        let kid = key_id(&vk);
+        let lookup = |id: &str| (id == kid).then_some(vk);
+        let plan = r#"{"steps":[]}"#;
+        let s = sign_run_ack("t", "r", plan, &sk);
+        let claims = verify_run_ack(&s, lookup, "t", "r").unwrap();
+        assert_eq!(claims.plan_sha256, crate::canonical::sha256_hex(plan.as_bytes()));
+        assert_eq!(verify_run_ack(&s, lookup, "t", "other").unwrap_err(), AuthError::Mismatch { field: "run_id" });
+        assert_eq!(verify_run_ack(&s, lookup, "u", "r").unwrap_err(), AuthError::Mismatch { field: "tenant" });
+        let forged = sign_run_ack("t", "r", plan, &SigningKey::from_bytes(&[4u8; 32]));
+        assert!(matches!(verify_run_ack(&forged, lookup, "t", "r").unwrap_err(), AuthError::UnknownKey(_)));
+        let mut altered = s.clone();
+        altered.claims_json = String::from_utf8(altered.claims_json).unwrap().replace("\"r\"", "\"x\"").into_bytes();
+        assert_eq!(verify_run_ack(&altered, lookup, "t", "x").unwrap_err(), AuthError::BadSignature);
+        // Neither kind of acknowledgement passes for the other.
+        assert!(matches!(verify_ack(&s, lookup, &call()).unwrap_err(), AuthError::Malformed(_)));
+        let request = sign_ack(claims_for_request(), &sk);
+        assert!(matches!(verify_run_ack(&request, lookup, "t", "r").unwrap_err(), AuthError::Malformed(_)));
+    }
+
+    fn claims_for_request() -> RequestAckClaims {
+        claims()
+    }
 
     fn claims() -> RequestAckClaims {
         RequestAckClaims {

@@ -28,11 +28,24 @@ pub struct ReceivedSpan {
     pub attributes: BTreeMap<String, String>,
     /// `(trace_id, span_id)` of each linked span.
     pub links: Vec<(String, String)>,
+    /// When it started and ended, in nanoseconds since the Unix epoch.
+    pub start_unix_nano: u64,
+    pub end_unix_nano: u64,
 }
 
 impl ReceivedSpan {
     pub fn attr(&self, key: &str) -> Option<&str> {
         self.attributes.get(key).map(String::as_str)
+    }
+
+    /// One JSON object: for timelines read by other tools.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "service": self.service, "name": self.name, "trace_id": self.trace_id,
+            "span_id": self.span_id, "parent_span_id": self.parent_span_id, "kind": self.kind,
+            "attributes": self.attributes, "start_unix_nano": self.start_unix_nano,
+            "end_unix_nano": self.end_unix_nano,
+        })
     }
 }
 
@@ -76,6 +89,8 @@ impl Sink {
                         kind: s.kind,
                         attributes: attributes(&s.attributes),
                         links: s.links.iter().map(|l| (hex::encode(&l.trace_id), hex::encode(&l.span_id))).collect(),
+                        start_unix_nano: s.start_time_unix_nano,
+                        end_unix_nano: s.end_time_unix_nano,
                     });
                 }
             }

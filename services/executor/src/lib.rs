@@ -238,6 +238,7 @@ impl Executor {
         tenant: String,
         lease: warden_lease::RunLease,
         view: warden_core::run::RunView,
+        plan_ack: Option<driver::PlanAck>,
     ) {
         let run_id = lease.run_id.clone();
         self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).insert(run_id.clone());
@@ -246,7 +247,7 @@ impl Executor {
         let span = driver::run_span(&run_id);
         tokio::spawn(
             async move {
-                if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view).await {
+                if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view, plan_ack).await {
                     tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
                 }
                 this.done_driving(&run_id);

@@ -232,7 +232,11 @@ impl Runs for RunsService {
                 events::add_goal_fields(&mut submitted, if goal_run { r.replay_policy } else { 0 }, "");
                 view.apply(1, events::RUN_SUBMITTED, "", &submitted);
                 view.apply(2, events::RUN_STARTED, "", &events::started_payload(&self.ex.inner.id, lease.epoch));
-                self.ex.dispatch_submitted(run.tenant.clone(), lease, view);
+                let plan_ack = created.run_ack.clone().filter(|_| !goal_run).map(|ack| crate::driver::PlanAck {
+                    ack,
+                    plan_json: std::sync::Arc::from(validated.plan_json.as_str()),
+                });
+                self.ex.dispatch_submitted(run.tenant.clone(), lease, view, plan_ack);
             }
             None if !warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal()) => {
                 self.ex.dispatch(run.run_id.clone());

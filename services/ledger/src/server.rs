@@ -709,7 +709,15 @@ impl Ledger for LedgerService {
                 )));
             }
         }
-        Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated }))
+        let run_ack = (!run.plan_json.is_empty()).then(|| {
+            let signed = self.store.acknowledge_run(&run.tenant, &run.run_id, &run.plan_json);
+            pb::SignedAuthorization {
+                claims_json: signed.claims_json,
+                signature: signed.signature,
+                key_id: signed.key_id,
+            }
+        });
+        Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated, run_ack }))
     }
 
     async fn append_event(

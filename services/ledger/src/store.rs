@@ -321,6 +321,12 @@ impl LedgerStore {
         warden_core::ack::sign_ack(claims, &self.key)
     }
 
+    /// The run acknowledgement of a run recorded with `plan_json` (its stored canonical JSON):
+    /// what the policy takes instead of reading the plan back (`warden_core::ack`).
+    pub fn acknowledge_run(&self, tenant: &str, run_id: &str, plan_json: &str) -> warden_core::auth::SignedClaims {
+        warden_core::ack::sign_run_ack(tenant, run_id, plan_json, &self.key)
+    }
+
     pub fn backend(&self) -> Backend {
         self.backend
     }

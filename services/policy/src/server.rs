@@ -46,6 +46,9 @@ pub struct PolicyService {
     /// Runs → the root run of their frame tree, whose budget they spend (seed 001). A run's
     /// root never changes once it is recorded.
     budget_roots: Arc<std::sync::Mutex<HashMap<String, BudgetRoot>>>,
+    /// The ledger's published keys: they verify the run acknowledgements that come with a
+    /// run's plan (`AuthorizeRequest.run_ack`).
+    ledger_keys: warden_grpc::keyfile::KeyRing,
 }
 
 /// A recorded plan's steps: step id → the tools it may call (its own, then its alternatives').
@@ -195,6 +198,7 @@ impl PolicyService {
             approval_changes: Arc::new(tokio::sync::watch::Sender::new(0)),
             plans: Arc::default(),
             budget_roots: Arc::default(),
+            ledger_keys: Default::default(),
         }
     }
 
@@ -338,14 +342,20 @@ impl PolicyService {
         let steps = match cached {
             Some(steps) if steps.contains_key(&r.step_id) => steps,
             _ => {
-                let run = self
-                    .ledger
-                    .clone()
-                    .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
-                    .await?
-                    .into_inner();
+                // The plan as the ledger acknowledged it, else as the ledger answers for it.
+                let plan_json = match self.acknowledged_plan(r, cached.is_some()).await {
+                    Some(plan) => plan,
+                    None => {
+                        self.ledger
+                            .clone()
+                            .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
+                            .await?
+                            .into_inner()
+                            .plan_json
+                    }
+                };
                 // A plan answered directly runs no step, whatever else it lists.
-                let planned = warden_core::plan::Plan::parse(&run.plan_json)
+                let planned = warden_core::plan::Plan::parse(&plan_json)
                     .ok()
                     .filter(|p| p.direct_response.is_none())
                     .map(|p| p.steps)
@@ -374,6 +384,28 @@ impl PolicyService {
             )),
             Some(_) => None,
         })
+    }
+
+    /// The request's plan when the ledger's run acknowledgement vouches for it: signed by a
+    /// published ledger key, for this tenant and run, with the digest of the plan's canonical
+    /// JSON. Anything else (no acknowledgement, a forged or foreign one, a plan that is not
+    /// the one acknowledged) is ignored: the plan is then read from the ledger. Not taken when
+    /// the run's plan was seen already and lacks the step (a revised plan is read).
+    async fn acknowledged_plan(&self, r: &pb::AuthorizeRequest, seen: bool) -> Option<String> {
+        let ack = r.run_ack.as_ref().filter(|a| !a.key_id.is_empty() && !r.plan_json.is_empty() && !seen)?;
+        let signed = warden_core::auth::SignedClaims {
+            claims_json: ack.claims_json.clone(),
+            signature: ack.signature.clone(),
+            key_id: ack.key_id.clone(),
+        };
+        // An unknown key is asked of the ledger once (shared among concurrent requests).
+        let _ = self.ledger_keys.learn(&signed.key_id, || warden_grpc::keyfile::ledger_keys(&self.ledger)).await;
+        let claims = warden_core::ack::verify_run_ack(&signed, |id| self.ledger_keys.get(id), &r.tenant, &r.run_id)
+            .map_err(|e| tracing::debug!(run_id = %r.run_id, error = %e, "run acknowledgement not taken"))
+            .ok()?;
+        let plan: Value = serde_json::from_str(&r.plan_json).ok()?;
+        let canonical = warden_core::canonical::canonical_value(&plan);
+        (warden_core::canonical::sha256_hex(canonical.as_bytes()) == claims.plan_sha256).then_some(canonical)
     }
 
     /// Counts an allow against the budgets and records the decision — before the answer, or

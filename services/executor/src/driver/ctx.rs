@@ -65,6 +65,17 @@ pub(super) struct RunCtx {
     pub(super) failed_calls: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>,
     /// Where the run stands among frames, for the child frames its sub-goal steps open.
     pub(super) frame: std::sync::Arc<FrameCtx>,
+    /// The ledger's acknowledgement of the run's plan, with the plan, from `CreateRun`: sent
+    /// with the run's Authorize requests until one is answered, so the policy need not read
+    /// the plan back (`AuthorizeRequest.run_ack`). None for a run this replica did not create.
+    pub(super) plan_ack: std::sync::Arc<std::sync::Mutex<Option<PlanAck>>>,
+}
+
+/// A run's plan as submitted, and the ledger's signed statement of its digest.
+#[derive(Clone)]
+pub struct PlanAck {
+    pub ack: pb::SignedAuthorization,
+    pub plan_json: std::sync::Arc<str>,
 }
 
 /// What a sub-goal step needs to open a child frame (see `frame::open_frame`).

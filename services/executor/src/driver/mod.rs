@@ -23,6 +23,7 @@ use warden_lease::{LeaseError, RunLease};
 use warden_proto::v1 as pb;
 
 use crate::Executor;
+pub use ctx::PlanAck;
 use ctx::RunCtx;
 pub(crate) use ctx::load_view;
 use scheduler::{PlanFailed, run_dag};
@@ -97,11 +98,22 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
 /// Drives a run this replica just submitted: it took the lease before the run was created
 /// and the ledger recorded `run_started` with `run_submitted`, so nothing is read back —
 /// the run starts from the plan in hand (`view`, as the ledger's first events fold).
-pub async fn drive_submitted(ex: &Executor, tenant: &str, lease: RunLease, view: RunView) -> Result<(), DriveError> {
-    with_lease(ex, tenant, lease, Some(view)).await
+pub async fn drive_submitted(
+    ex: &Executor,
+    tenant: &str,
+    lease: RunLease,
+    view: RunView,
+    plan_ack: Option<PlanAck>,
+) -> Result<(), DriveError> {
+    with_lease(ex, tenant, lease, Some((view, plan_ack))).await
 }
 
-async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<RunView>) -> Result<(), DriveError> {
+async fn with_lease(
+    ex: &Executor,
+    tenant: &str,
+    lease: RunLease,
+    view: Option<(RunView, Option<PlanAck>)>,
+) -> Result<(), DriveError> {
     let run_id = lease.run_id.clone();
     let run_id = run_id.as_str();
     let ttl = Duration::from_millis(ex.inner.config.lease_ttl_ms);
@@ -123,9 +135,13 @@ async fn with_lease(ex: &Executor, tenant: &str, lease: RunLease, view: Option<R
         pinned: Default::default(),
         failed_calls: Default::default(),
         frame: Default::default(),
+        plan_ack: Default::default(),
     };
     let mut result = match view {
-        Some(view) => drive_view(&ctx, view).await,
+        Some((view, plan_ack)) => {
+            *ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()) = plan_ack;
+            drive_view(&ctx, view).await
+        }
         None => drive_leased(&ctx).await,
     };
     if let Err(DriveError::Ledger(s)) = &result

@@ -518,6 +518,7 @@ pub(super) async fn execute_attempt(
         rule_id = tracing::field::Empty,
         outcome = tracing::field::Empty,
     );
+    let plan_ack = ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let authorized = within_grace(ctx, "policy", (&step.id, attempt), || {
         let mut policy = ctx.ex.inner.policy.clone();
         let req = pb::AuthorizeRequest {
@@ -538,11 +539,17 @@ pub(super) async fn execute_attempt(
             tool_version: tool_version.clone(),
             tool_sha256: tool_sha256.clone(),
             tool_effect: tool_effect as i32,
+            run_ack: plan_ack.as_ref().map(|p| p.ack.clone()),
+            plan_json: plan_ack.as_ref().map(|p| p.plan_json.to_string()).unwrap_or_default(),
         };
         async move { policy.authorize(req).await }
     })
     .instrument(authorize_span.clone())
     .await;
+    if authorized.is_ok() && plan_ack.is_some() {
+        // The policy has the plan now (it keeps it while it decides on the run).
+        *ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
     let authorized = match authorized {
         Ok(r) => r,
         Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),

@@ -190,18 +190,29 @@ class CreateRunResponse(_message.Message):
 
     RUN_FIELD_NUMBER: _builtins.int
     DEDUPLICATED_FIELD_NUMBER: _builtins.int
+    RUN_ACK_FIELD_NUMBER: _builtins.int
     deduplicated: _builtins.bool
     @_builtins.property
     def run(self) -> Global___LedgerRun: ...
+    @_builtins.property
+    def run_ack(self) -> _common_pb2.SignedAuthorization:
+        """The ledger's signed statement that this run's recorded plan has the given digest (claims
+        {kind: "run_created", tenant, run_id, plan_sha256}, signed with the key that signs chain
+        heads; `warden_core::ack`). The executor hands it to the policy with the plan on the run's
+        first Authorize, so the policy need not read the plan back. Unset for a run without a plan
+        (a goal run before planning).
+        """
+
     def __init__(
         self,
         *,
         run: Global___LedgerRun | None = ...,
         deduplicated: _builtins.bool = ...,
+        run_ack: _common_pb2.SignedAuthorization | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "run_ack", b"run_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "run", b"run", "run_ack", b"run_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -80,6 +80,8 @@ class AuthorizeRequest(_message.Message):
     TOOL_VERSION_FIELD_NUMBER: _builtins.int
     TOOL_SHA256_FIELD_NUMBER: _builtins.int
     TOOL_EFFECT_FIELD_NUMBER: _builtins.int
+    RUN_ACK_FIELD_NUMBER: _builtins.int
+    PLAN_JSON_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     run_id: _builtins.str
     step_id: _builtins.str
@@ -124,6 +126,17 @@ class AuthorizeRequest(_message.Message):
     """
     tool_sha256: _builtins.str
     tool_effect: _common_pb2.Effect.ValueType
+    plan_json: _builtins.str
+    @_builtins.property
+    def run_ack(self) -> _common_pb2.SignedAuthorization:
+        """The run's recorded plan and the ledger's acknowledgement of it
+        (`Ledger.CreateRunResponse.run_ack`). A policy that has not read the run's plan yet takes
+        it from here instead of asking the ledger — only when the acknowledgement verifies with
+        the ledger's key for this tenant and run and the plan's canonical JSON has its digest;
+        otherwise both are ignored and the plan is read from the ledger. The executor sends them
+        on a run's first Authorize.
+        """
+
     def __init__(
         self,
         *,
@@ -143,10 +156,12 @@ class AuthorizeRequest(_message.Message):
         tool_version: _builtins.str = ...,
         tool_sha256: _builtins.str = ...,
         tool_effect: _common_pb2.Effect.ValueType = ...,
+        run_ack: _common_pb2.SignedAuthorization | None = ...,
+        plan_json: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run_ack", b"run_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "base_rules_only", b"base_rules_only", "caller_records", b"caller_records", "capability_handle", b"capability_handle", "epoch", b"epoch", "idempotency_key", b"idempotency_key", "retry_of", b"retry_of", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool", "tool_effect", b"tool_effect", "tool_sha256", b"tool_sha256", "tool_version", b"tool_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "base_rules_only", b"base_rules_only", "caller_records", b"caller_records", "capability_handle", b"capability_handle", "epoch", b"epoch", "idempotency_key", b"idempotency_key", "plan_json", b"plan_json", "retry_of", b"retry_of", "run_ack", b"run_ack", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool", "tool_effect", b"tool_effect", "tool_sha256", b"tool_sha256", "tool_version", b"tool_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
