@@ -467,9 +467,10 @@ async fn policy_signs_only_calls_of_the_runs_recorded_plan() {
 }
 
 /// The policy takes a run's plan from the request (and skips reading it from the ledger) only
-/// as the ledger acknowledged it at creation: the genuine acknowledgement of this run with the
-/// plan whose digest it signs. A wider plan under a genuine acknowledgement, a forged
-/// acknowledgement, or another run's, are ignored: the recorded plan decides.
+/// from the mesh and only as the ledger acknowledged it at creation: the genuine
+/// acknowledgement of this run with the plan whose digest it signs. A wider plan under a
+/// genuine acknowledgement, a forged acknowledgement, another run's, or any from a tenant, are
+/// ignored: the recorded plan decides.
 #[tokio::test]
 async fn the_policy_takes_a_plan_from_the_request_only_as_the_ledger_acknowledged_it() {
     use crate::observability::{scrape, value};
@@ -493,12 +494,13 @@ async fn the_policy_takes_a_plan_from_the_request_only_as_the_ledger_acknowledge
         plan_json: plan.to_string(),
         ..call("acme", run, step, "echo", json!({}))
     };
+    let mut executor = policy_as(&mesh, OPS);
     let mut acme = policy_as(&mesh, ACME);
     let before = get_runs().await;
 
     // This run's genuine acknowledgement, but a wider plan than the one it acknowledges.
     let (run, ack) = create(&narrow).await;
-    let d = acme.authorize(with_plan(&run, "extra", &ack, &wider)).await.expect("decide").into_inner();
+    let d = executor.authorize(with_plan(&run, "extra", &ack, &wider)).await.expect("decide").into_inner();
     assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "a plan other than the acknowledged one");
     // An acknowledgement of the wider plan signed by a key that is not the ledger's.
     let (run, _) = create(&narrow).await;
@@ -510,23 +512,28 @@ async fn the_policy_takes_a_plan_from_the_request_only_as_the_ledger_acknowledge
     );
     let forged =
         pb::SignedAuthorization { claims_json: forged.claims_json, signature: forged.signature, key_id: forged.key_id };
-    let d = acme.authorize(with_plan(&run, "extra", &forged, &wider)).await.expect("decide").into_inner();
+    let d = executor.authorize(with_plan(&run, "extra", &forged, &wider)).await.expect("decide").into_inner();
     assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "a forged acknowledgement");
     // Another run's genuine acknowledgement of the wider plan.
     let (_, wide_ack) = create(&wider).await;
     let (run, _) = create(&narrow).await;
-    let d = acme.authorize(with_plan(&run, "extra", &wide_ack, &wider)).await.expect("decide").into_inner();
+    let d = executor.authorize(with_plan(&run, "extra", &wide_ack, &wider)).await.expect("decide").into_inner();
     assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "another run's acknowledgement");
-    // Each of those read the recorded plan from the ledger.
-    assert_eq!(get_runs().await - before, 3.0, "the ledger was asked for each refused run's plan");
-
-    // The genuine pair: taken as it is, nothing read back; the plan is this run's own.
+    // A tenant's genuine pair is not taken either: the shortcut is the executor's.
     let (run, ack) = create(&narrow).await;
     let d = acme.authorize(with_plan(&run, "greet", &ack, &narrow)).await.expect("decide").into_inner();
     assert_eq!(outcome(&d).0, pb::Outcome::Allow);
-    let d = acme.authorize(call("acme", &run, "extra", "echo", json!({}))).await.expect("decide").into_inner();
+    // Each of those read the recorded plan from the ledger.
+    assert_eq!(get_runs().await - before, 4.0, "the ledger was asked for each of those runs' plans");
+
+    // The executor's genuine pair: taken as it is, nothing read back; it is this run's plan.
+    let (run, ack) = create(&narrow).await;
+    let d = executor.authorize(with_plan(&run, "greet", &ack, &narrow)).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d).0, pb::Outcome::Allow);
+    assert_eq!(get_runs().await - before, 4.0, "the acknowledged plan was not read back");
+    let d = executor.authorize(call("acme", &run, "extra", "echo", json!({}))).await.expect("decide").into_inner();
     assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "the acknowledged plan decides");
-    assert_eq!(get_runs().await - before, 4.0, "a step outside the plan in hand is looked up once more");
+    assert_eq!(get_runs().await - before, 5.0, "a step outside the plan in hand is looked up once more");
 }
 
 /// Medium 10: a tool call cannot happen outside the record. A tenant holding a signed allow

@@ -145,7 +145,8 @@ pub fn verify_run_ack(
     run_id: &str,
 ) -> Result<RunAckClaims, AuthError> {
     let claims: RunAckClaims = verified(signed, keys)?;
-    let checks: [(&'static str, bool); 4] = [
+    let checks: [(&'static str, bool); 5] = [
+        ("v", claims.v == 1),
         ("key_id", claims.key_id == signed.key_id),
         ("kind", claims.kind == KIND_RUN_CREATED),
         ("tenant", claims.tenant == tenant),

@@ -232,9 +232,10 @@ impl Runs for RunsService {
                 events::add_goal_fields(&mut submitted, if goal_run { r.replay_policy } else { 0 }, "");
                 view.apply(1, events::RUN_SUBMITTED, "", &submitted);
                 view.apply(2, events::RUN_STARTED, "", &events::started_payload(&self.ex.inner.id, lease.epoch));
-                let plan_ack = created.run_ack.clone().filter(|_| !goal_run).map(|ack| crate::driver::PlanAck {
-                    ack,
-                    plan_json: std::sync::Arc::from(validated.plan_json.as_str()),
+                // A plan too large to travel in a request is read by the policy from the ledger.
+                let small = validated.plan_json.len() <= crate::driver::PLAN_ACK_MAX_BYTES;
+                let plan_ack = created.run_ack.clone().filter(|_| !goal_run && small).map(|ack| {
+                    crate::driver::PlanAck { ack, plan_json: std::sync::Arc::from(validated.plan_json.as_str()) }
                 });
                 self.ex.dispatch_submitted(run.tenant.clone(), lease, view, plan_ack);
             }

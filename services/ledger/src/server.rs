@@ -709,7 +709,9 @@ impl Ledger for LedgerService {
                 )));
             }
         }
-        let run_ack = (!run.plan_json.is_empty()).then(|| {
+        // Only a run submitted with its plan: a goal run's plan may be revised, and an
+        // acknowledgement never expires.
+        let run_ack = (!run.plan_json.is_empty() && run.goal.is_empty()).then(|| {
             let signed = self.store.acknowledge_run(&run.tenant, &run.run_id, &run.plan_json);
             pb::SignedAuthorization {
                 claims_json: signed.claims_json,

@@ -769,8 +769,11 @@ impl pb::policy_server::Policy for PolicyService {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
         let (mesh, bound) = (warden_grpc::auth::is_mesh(&req), warden_grpc::auth::bound_agent(&req));
-        let r = pb::AuthorizeRequest { agent, ..req.into_inner() };
+        let mut r = pb::AuthorizeRequest { agent, ..req.into_inner() };
         if !mesh {
+            // A plan under the ledger's acknowledgement is the submitting executor's shortcut;
+            // from anyone else it is ignored (no key is fetched for it, the plan is read).
+            (r.run_ack, r.plan_json) = (None, String::new());
             self.outside_caller(&r, bound.is_some()).await?;
             // Model calls are the planner's: a tenant asking for one could have policy sign a
             // call no run's planning made.

@@ -71,6 +71,10 @@ pub(super) struct RunCtx {
     pub(super) plan_ack: std::sync::Arc<std::sync::Mutex<Option<PlanAck>>>,
 }
 
+/// Largest plan sent with an Authorize request (the policy reads a larger one from the
+/// ledger): well inside the 4 MiB a service decodes by default.
+pub const PLAN_ACK_MAX_BYTES: usize = 1024 * 1024;
+
 /// A run's plan as submitted, and the ledger's signed statement of its digest.
 #[derive(Clone)]
 pub struct PlanAck {

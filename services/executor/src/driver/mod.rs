@@ -23,9 +23,9 @@ use warden_lease::{LeaseError, RunLease};
 use warden_proto::v1 as pb;
 
 use crate::Executor;
-pub use ctx::PlanAck;
 use ctx::RunCtx;
 pub(crate) use ctx::load_view;
+pub use ctx::{PLAN_ACK_MAX_BYTES, PlanAck};
 use scheduler::{PlanFailed, run_dag};
 pub use step::FALLBACK_TIMEOUT;
 use step::{may_ask_again, transient, within_grace};

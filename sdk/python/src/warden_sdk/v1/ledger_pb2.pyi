@@ -199,8 +199,8 @@ class CreateRunResponse(_message.Message):
         """The ledger's signed statement that this run's recorded plan has the given digest (claims
         {kind: "run_created", tenant, run_id, plan_sha256}, signed with the key that signs chain
         heads; `warden_core::ack`). The executor hands it to the policy with the plan on the run's
-        first Authorize, so the policy need not read the plan back. Unset for a run without a plan
-        (a goal run before planning).
+        first Authorize, so the policy need not read the plan back. Set only for a run submitted
+        with its plan (a goal run's plan comes later and may be revised).
         """
 
     def __init__(

@@ -131,10 +131,10 @@ class AuthorizeRequest(_message.Message):
     def run_ack(self) -> _common_pb2.SignedAuthorization:
         """The run's recorded plan and the ledger's acknowledgement of it
         (`Ledger.CreateRunResponse.run_ack`). A policy that has not read the run's plan yet takes
-        it from here instead of asking the ledger — only when the acknowledgement verifies with
-        the ledger's key for this tenant and run and the plan's canonical JSON has its digest;
-        otherwise both are ignored and the plan is read from the ledger. The executor sends them
-        on a run's first Authorize.
+        it from here instead of asking the ledger — only from the mesh, and only when the
+        acknowledgement verifies with the ledger's key for this tenant and run and the plan's
+        canonical JSON has its digest; otherwise both are ignored and the plan is read from the
+        ledger. The executor sends them on a run's first Authorize.
         """
 
     def __init__(
