@@ -255,22 +255,23 @@ async fn streams_resume_and_end_with_the_run_on_postgres() {
 
 /// A read as a client makes it after the database restarted: a pooled connection the restart
 /// cut fails its statement and the ledger answers UNAVAILABLE (reads are not retried inside
-/// it; see docs/write-path.md), so the client asks again — a bounded number of times.
+/// it; see docs/write-path.md), so the client asks until the ledger answers (bounded); any
+/// other error fails the test.
 async fn read_again<T, Fut>(mut read: impl FnMut() -> Fut) -> T
 where
     Fut: std::future::Future<Output = Result<T, tonic::Status>>,
 {
-    for _ in 0..200 {
-        match read().await {
-            Ok(v) => return v,
-            // A client's retry backoff (not a wait for a condition).
-            Err(s) if s.code() == tonic::Code::Unavailable => {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+    let answered = warden_testkit::eventually(std::time::Duration::from_secs(10), || {
+        let asked = read();
+        async move {
+            match asked.await {
+                Err(s) if s.code() == tonic::Code::Unavailable => None,
+                answer => Some(answer),
             }
-            Err(s) => panic!("read failed: {s:?}"),
         }
-    }
-    panic!("the ledger still answers UNAVAILABLE after 200 tries")
+    })
+    .await;
+    answered.expect("the ledger answers reads again within 10 s").unwrap_or_else(|s| panic!("read failed: {s:?}"))
 }
 
 /// PostgreSQL restarts in the middle of a stream of appends: writers see UNAVAILABLE, retry

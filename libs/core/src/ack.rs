@@ -170,8 +170,8 @@ mod tests {
         let lookup = |id: &str| (id == kid).then_some(vk);
         let plan = r#"{"steps":[]}"#;
         let s = sign_run_ack("t", "r", plan, &sk);
-        let claims = verify_run_ack(&s, lookup, "t", "r").unwrap();
-        assert_eq!(claims.plan_sha256, crate::canonical::sha256_hex(plan.as_bytes()));
+        let acked = verify_run_ack(&s, lookup, "t", "r").unwrap();
+        assert_eq!(acked.plan_sha256, crate::canonical::sha256_hex(plan.as_bytes()));
         assert_eq!(verify_run_ack(&s, lookup, "t", "other").unwrap_err(), AuthError::Mismatch { field: "run_id" });
         assert_eq!(verify_run_ack(&s, lookup, "u", "r").unwrap_err(), AuthError::Mismatch { field: "tenant" });
         let forged = sign_run_ack("t", "r", plan, &SigningKey::from_bytes(&[4u8; 32]));
@@ -181,12 +181,8 @@ mod tests {
         assert_eq!(verify_run_ack(&altered, lookup, "t", "x").unwrap_err(), AuthError::BadSignature);
         // Neither kind of acknowledgement passes for the other.
         assert!(matches!(verify_ack(&s, lookup, &call()).unwrap_err(), AuthError::Malformed(_)));
-        let request = sign_ack(claims_for_request(), &sk);
+        let request = sign_ack(claims(), &sk);
         assert!(matches!(verify_run_ack(&request, lookup, "t", "r").unwrap_err(), AuthError::Malformed(_)));
-    }
-
-    fn claims_for_request() -> RequestAckClaims {
-        claims()
     }
 
     fn claims() -> RequestAckClaims {

@@ -209,8 +209,24 @@ pub fn now_ms() -> i64 {
 
 /// Conversions between the domain's types and the wire's.
 pub mod convert {
+    use warden_core::auth::SignedClaims;
     use warden_core::events::RunStatus;
     use warden_proto::v1 as pb;
+
+    /// Signed claims as they travel (authorizations, request and run acknowledgements).
+    pub fn claims_to_wire(signed: SignedClaims) -> pb::SignedAuthorization {
+        pb::SignedAuthorization { claims_json: signed.claims_json, signature: signed.signature, key_id: signed.key_id }
+    }
+
+    /// Signed claims as they arrived; absent ones are empty (verification calls them missing).
+    pub fn claims_from_wire(a: Option<&pb::SignedAuthorization>) -> SignedClaims {
+        a.map(|a| SignedClaims {
+            claims_json: a.claims_json.clone(),
+            signature: a.signature.clone(),
+            key_id: a.key_id.clone(),
+        })
+        .unwrap_or(SignedClaims { claims_json: vec![], signature: vec![], key_id: String::new() })
+    }
 
     pub fn status_to_proto(s: RunStatus) -> pb::RunStatus {
         match s {

@@ -300,14 +300,8 @@ impl LedgerService {
 
     /// [`Self::appended`], without the event's payload when `brief` (the caller asked so).
     fn answer(&self, tenant: &str, event: &ChainedEvent, deduplicated: bool, brief: bool) -> pb::AppendEventResponse {
-        let request_ack = (event.body.event_type == events::TOOL_REQUESTED).then(|| {
-            let signed = self.store.acknowledge(tenant, event);
-            pb::SignedAuthorization {
-                claims_json: signed.claims_json,
-                signature: signed.signature,
-                key_id: signed.key_id,
-            }
-        });
+        let request_ack = (event.body.event_type == events::TOOL_REQUESTED)
+            .then(|| warden_grpc::convert::claims_to_wire(self.store.acknowledge(tenant, event)));
         let event = if brief { event_without_payload(event) } else { event_to_proto(event) };
         pb::AppendEventResponse { event: Some(event), deduplicated, request_ack }
     }
@@ -712,12 +706,7 @@ impl Ledger for LedgerService {
         // Only a run submitted with its plan: a goal run's plan may be revised, and an
         // acknowledgement never expires.
         let run_ack = (!run.plan_json.is_empty() && run.goal.is_empty()).then(|| {
-            let signed = self.store.acknowledge_run(&run.tenant, &run.run_id, &run.plan_json);
-            pb::SignedAuthorization {
-                claims_json: signed.claims_json,
-                signature: signed.signature,
-                key_id: signed.key_id,
-            }
+            warden_grpc::convert::claims_to_wire(self.store.acknowledge_run(&run.tenant, &run.run_id, &run.plan_json))
         });
         Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated, run_ack }))
     }

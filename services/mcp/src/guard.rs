@@ -9,21 +9,12 @@
 
 use tonic::Status;
 use warden_core::ack::{AckedCall, verify_ack};
-use warden_core::auth::{self, CallIdentity, SignedClaims};
+use warden_core::auth::{self, CallIdentity};
 use warden_grpc::auth::Ch;
 use warden_grpc::{keyfile, now_ms};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_client::LedgerClient;
 use warden_proto::v1::policy_client::PolicyClient;
-
-fn from_wire(a: Option<&pb::SignedAuthorization>) -> SignedClaims {
-    a.map(|a| SignedClaims {
-        claims_json: a.claims_json.clone(),
-        signature: a.signature.clone(),
-        key_id: a.key_id.clone(),
-    })
-    .unwrap_or(SignedClaims { claims_json: vec![], signature: vec![], key_id: String::new() })
-}
 
 #[derive(Clone)]
 pub struct Guard {
@@ -57,7 +48,7 @@ impl Guard {
     /// run, step, attempt, tool, argument digest, idempotency key; unexpired) and the ledger's
     /// acknowledgement that its request, citing that allow, is recorded.
     pub async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<auth::AuthorizationClaims, Status> {
-        let signed = from_wire(r.authorization.as_ref());
+        let signed = warden_grpc::convert::claims_from_wire(r.authorization.as_ref());
         if !signed.key_id.is_empty() {
             // Possibly a rotated key: ask the policy (once for every call meeting it together).
             // Failure leaves the key unknown.
@@ -78,7 +69,7 @@ impl Guard {
         };
         let claims =
             auth::verify(&signed, |id| self.policy_keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
-        let ack = from_wire(r.request_ack.as_ref());
+        let ack = warden_grpc::convert::claims_from_wire(r.request_ack.as_ref());
         if !ack.key_id.is_empty() {
             let _ = self.ledger_keys.learn(&ack.key_id, || keyfile::ledger_keys(&self.ledger)).await;
         }

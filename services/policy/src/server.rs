@@ -393,11 +393,7 @@ impl PolicyService {
     /// the run's plan was seen already and lacks the step (a revised plan is read).
     async fn acknowledged_plan(&self, r: &pb::AuthorizeRequest, seen: bool) -> Option<String> {
         let ack = r.run_ack.as_ref().filter(|a| !a.key_id.is_empty() && !r.plan_json.is_empty() && !seen)?;
-        let signed = warden_core::auth::SignedClaims {
-            claims_json: ack.claims_json.clone(),
-            signature: ack.signature.clone(),
-            key_id: ack.key_id.clone(),
-        };
+        let signed = warden_grpc::convert::claims_from_wire(Some(ack));
         // An unknown key is asked of the ledger once (shared among concurrent requests).
         let _ = self.ledger_keys.learn(&signed.key_id, || warden_grpc::keyfile::ledger_keys(&self.ledger)).await;
         let claims = warden_core::ack::verify_run_ack(&signed, |id| self.ledger_keys.get(id), &r.tenant, &r.run_id)
@@ -895,11 +891,7 @@ impl pb::policy_server::Policy for PolicyService {
                 },
                 &self.key,
             );
-            pb::SignedAuthorization {
-                claims_json: signed.claims_json,
-                signature: signed.signature,
-                key_id: signed.key_id,
-            }
+            warden_grpc::convert::claims_to_wire(signed)
         });
         Ok(Response::new(pb::AuthorizeResponse { decision: Some(decision), authorization, decision_event_json }))
     }

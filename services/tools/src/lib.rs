@@ -29,7 +29,7 @@ use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
 use warden_config::ToolsConfig;
 use warden_core::ack::{AckedCall, verify_ack};
-use warden_core::auth::{self, CallIdentity, SignedClaims};
+use warden_core::auth::{self, CallIdentity};
 use warden_core::canonical::args_digest;
 use warden_core::ids::{check_id, check_step_id};
 use warden_grpc::{invalid_field, keyfile, now_ms};
@@ -113,15 +113,6 @@ impl Call {
 fn state_unavailable(e: StateError, what: &str) -> Status {
     tracing::warn!(error = %e, "{what}");
     Status::unavailable(format!("{what}: {e}"))
-}
-
-fn from_wire(a: Option<&pb::SignedAuthorization>) -> SignedClaims {
-    a.map(|a| SignedClaims {
-        claims_json: a.claims_json.clone(),
-        signature: a.signature.clone(),
-        key_id: a.key_id.clone(),
-    })
-    .unwrap_or(SignedClaims { claims_json: vec![], signature: vec![], key_id: String::new() })
 }
 
 #[derive(Clone)]
@@ -208,7 +199,7 @@ impl ToolHostService {
     /// (the authorization), and the ledger durably recorded its request citing that allow
     /// (the acknowledgement) — so no effect happens outside the record.
     async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<(), Status> {
-        let signed = from_wire(r.authorization.as_ref());
+        let signed = warden_grpc::convert::claims_from_wire(r.authorization.as_ref());
         if !signed.key_id.is_empty() {
             // Possibly a rotated key: ask the policy (once for every call meeting it together).
             // Failure leaves the key unknown.
@@ -233,7 +224,7 @@ impl ToolHostService {
             auth::check_declaration(&claims, digest, effect)
                 .map_err(|e| refused(e, "decided for another declaration of the tool: "))?;
         }
-        let ack = from_wire(r.request_ack.as_ref());
+        let ack = warden_grpc::convert::claims_from_wire(r.request_ack.as_ref());
         if !ack.key_id.is_empty() {
             let _ = self.ledger_keys.learn(&ack.key_id, || keyfile::ledger_keys(&self.ledger)).await;
         }
