@@ -253,10 +253,10 @@ async fn streams_resume_and_end_with_the_run_on_postgres() {
     streams_resume_and_end_with_the_run(Backend::Postgres).await;
 }
 
-/// A read as a client makes it after the database restarted: a pooled connection the restart
-/// cut fails its statement and the ledger answers UNAVAILABLE (reads are not retried inside
-/// it; see docs/write-path.md), so the client asks until the ledger answers (bounded); any
-/// other error fails the test.
+/// A read made while the writers may still be retrying after the database restarted: the
+/// ledger reads again on another connection when a pooled one the restart cut fails, but a
+/// connection the restarted database refuses while it still recovers is UNAVAILABLE, so the
+/// client asks until the ledger answers (bounded); any other error fails the test.
 async fn read_again<T, Fut>(mut read: impl FnMut() -> Fut) -> T
 where
     Fut: std::future::Future<Output = Result<T, tonic::Status>>,
@@ -274,10 +274,8 @@ where
     answered.expect("the ledger answers reads again within 10 s").unwrap_or_else(|s| panic!("read failed: {s:?}"))
 }
 
-/// PostgreSQL restarts in the middle of a stream of appends: writers see UNAVAILABLE, retry
-/// with the same keys, and the run ends with no gap, no duplicate and a valid chain.
-#[tokio::test]
-async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
+/// The services without an executor, on a PostgreSQL of their own (which the test restarts).
+async fn services_on_private_postgres() -> (std::sync::Arc<warden_testkit::Postgres>, warden_testkit::Mesh) {
     let pg = std::sync::Arc::new(
         tokio::task::spawn_blocking(|| warden_testkit::servers::start_private_postgres(true))
             .await
@@ -285,13 +283,44 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
             .expect("private postgres"),
     );
     let url = pg.create_database().await.expect("database");
-    let mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions {
-        database_url: url,
-        executors: 0,
-        ..Default::default()
-    })
-    .await
-    .expect("mesh");
+    let options = warden_testkit::MeshOptions { database_url: url, executors: 0, ..Default::default() };
+    (pg, warden_testkit::Mesh::start(options).await.expect("mesh"))
+}
+
+/// Reads right after PostgreSQL restarted, with the pool full of connections the restart cut:
+/// each is answered (the ledger reads again on another connection), none is UNAVAILABLE.
+#[tokio::test]
+async fn reads_after_a_postgres_restart_are_answered() {
+    let (pg, mesh) = services_on_private_postgres().await;
+    let mut ledger = mesh.ledger();
+    let run_id = empty_run(&mut ledger, "acme").await;
+    let get = |l: &LedgerClient<Ch>| {
+        let (mut l, r) = (l.clone(), run_id.clone());
+        async move { l.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: r }).await }
+    };
+    // Reads at once, so the pool holds several connections.
+    let reads: Vec<_> = (0..8).map(|_| tokio::spawn(get(&ledger))).collect();
+    for r in reads {
+        r.await.expect("join").expect("read before the restart");
+    }
+    let restarter = pg.clone();
+    tokio::task::spawn_blocking(move || restarter.restart()).await.expect("join").expect("restart postgres");
+    for i in 0..3 {
+        let run = get(&ledger).await.unwrap_or_else(|s| panic!("read {i} after the restart: {s:?}")).into_inner();
+        assert_eq!(run.run_id, run_id);
+    }
+    let req = pb::StreamEventsRequest { tenant: "acme".into(), run_id: run_id.clone(), since_seq: 0, follow: false };
+    let mut stream = ledger.stream_events(req).await.expect("stream").into_inner();
+    while let Some(e) = stream.message().await.expect("events after the restart") {
+        assert!(e.seq > 0);
+    }
+}
+
+/// PostgreSQL restarts in the middle of a stream of appends: writers see UNAVAILABLE, retry
+/// with the same keys, and the run ends with no gap, no duplicate and a valid chain.
+#[tokio::test]
+async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
+    let (pg, mesh) = services_on_private_postgres().await;
     let mut ledger = mesh.ledger();
     let run_id = empty_run(&mut ledger, "acme").await;
     const WRITERS: usize = 4;
@@ -345,12 +374,15 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     let restarter = pg.clone();
     tokio::task::spawn_blocking(move || restarter.restart()).await.expect("join").expect("restart postgres");
     restarted.store(true, std::sync::atomic::Ordering::Release);
-    let at_restart = read_again(|| {
-        let (mut p, r) = (probe.clone(), run_id.clone());
-        async move { Ok(p.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: r }).await?.into_inner()) }
-    })
-    .await
-    .last_seq;
+    // The first read after the restart is answered: every pooled connection the restart cut
+    // is let go and the read asked again on another, inside the ledger.
+    let at_restart = probe
+        .clone()
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() })
+        .await
+        .unwrap_or_else(|s| panic!("a read right after the restart: {s:?}"))
+        .into_inner()
+        .last_seq;
     let mut written = 0;
     for t in tasks {
         written += t.await.expect("writer");

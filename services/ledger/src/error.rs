@@ -19,7 +19,7 @@ pub enum LedgerError {
     #[error("{0}")]
     Moved(String),
     /// The database connection broke (the database restarted, or a peer dropped the socket):
-    /// the pool lets the connection go, and an append is tried again on another.
+    /// the pool lets the connection go, and an append or a read is tried again on another.
     #[error("storage unavailable: {0}")]
     Disconnected(String),
     #[error("internal ledger error: {0}")]

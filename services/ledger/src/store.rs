@@ -247,8 +247,8 @@ impl LedgerStore {
             // No round trip to ping the database before every statement, only before using a
             // connection idle long enough for the database or a proxy to have closed it. One
             // that died anyway (a database restart) fails its statement with a connection
-            // error and is let go; appends are tried again on another (`try_groups_again`),
-            // readers answer UNAVAILABLE, which callers retry.
+            // error and is let go; appends and reads are tried again on another
+            // (`try_groups_again`, `reading`).
             .test_before_acquire(false)
             .before_acquire(|conn, meta| {
                 Box::pin(async move {
@@ -557,8 +557,29 @@ impl LedgerStore {
 
     pub async fn get_run(&self, run_id: &str) -> Result<Option<RunRow>, LedgerError> {
         let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id = $1");
-        let row = sqlx::query(&sql).bind(run_id).fetch_optional(&self.pool).await?;
+        let row = self.reading(|| sqlx::query(&sql).bind(run_id).fetch_optional(&self.pool)).await?;
         row.as_ref().map(run_from_row).transpose()
+    }
+
+    /// A read, asked again on another connection while the one it got was dropped by the
+    /// database (it restarted; the pool lets each such connection go, so at most as many
+    /// times as the pool holds, plus one), as appends are: a read changes nothing, and its
+    /// caller would otherwise be answered UNAVAILABLE once per dead pooled connection.
+    async fn reading<T, F, Fut>(&self, mut read: F) -> Result<T, LedgerError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+    {
+        let mut dropped = 0;
+        loop {
+            match read().await.map_err(LedgerError::from) {
+                Err(LedgerError::Disconnected(why)) if dropped <= self.pool.options().get_max_connections() => {
+                    tracing::debug!(%why, "reading again on another connection");
+                    dropped += 1;
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Runs ordered by id, after `after` (exclusive), optionally for one tenant and statuses.
@@ -580,22 +601,27 @@ impl LedgerStore {
             sql.push_str(&format!(" AND status IN ({})", marks.join(", ")));
         }
         sql.push_str(&format!(" ORDER BY run_id LIMIT {limit}"));
-        let mut q = sqlx::query(&sql).bind(after);
-        if let Some(t) = tenant {
-            q = q.bind(t);
-        }
-        for s in statuses {
-            q = q.bind(s.as_str());
-        }
-        q.fetch_all(&self.pool).await?.iter().map(run_from_row).collect()
+        let rows = self
+            .reading(|| {
+                let mut q = sqlx::query(&sql).bind(after);
+                if let Some(t) = tenant {
+                    q = q.bind(t);
+                }
+                for s in statuses {
+                    q = q.bind(s.as_str());
+                }
+                q.fetch_all(&self.pool)
+            })
+            .await?;
+        rows.iter().map(run_from_row).collect()
     }
 
     /// Events with `seq > since_seq`, at most `limit`, in order.
     pub async fn events(&self, run_id: &str, since_seq: u64, limit: u32) -> Result<Vec<ChainedEvent>, LedgerError> {
         let sql =
             format!("SELECT {EVENT_COLUMNS} FROM events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}");
-        let rows =
-            sqlx::query(&sql).bind(run_id).bind(since_seq.min(i64::MAX as u64) as i64).fetch_all(&self.pool).await?;
+        let since = since_seq.min(i64::MAX as u64) as i64;
+        let rows = self.reading(|| sqlx::query(&sql).bind(run_id).bind(since).fetch_all(&self.pool)).await?;
         rows.iter().map(event_from_row).collect()
     }
 
@@ -861,7 +887,7 @@ impl LedgerStore {
         let rows = match (kind, prefix) {
             (Some(k), _) => {
                 let sql = format!("{base} AND summary_type = $2 ORDER BY seq DESC LIMIT {limit}");
-                sqlx::query(&sql).bind(run_id).bind(k).fetch_all(&self.pool).await?
+                self.reading(|| sqlx::query(&sql).bind(run_id).bind(k).fetch_all(&self.pool)).await?
             }
             (None, Some(p)) => {
                 // substr, not LIKE (no escaping of '_' or '%') nor a range (PostgreSQL's
@@ -869,11 +895,12 @@ impl LedgerStore {
                 let sql = format!(
                     "{base} AND substr(summary_type, 1, CAST($3 AS INTEGER)) = $2 ORDER BY seq DESC LIMIT {limit}"
                 );
-                sqlx::query(&sql).bind(run_id).bind(p).bind(p.chars().count() as i64).fetch_all(&self.pool).await?
+                let n = p.chars().count() as i64;
+                self.reading(|| sqlx::query(&sql).bind(run_id).bind(p).bind(n).fetch_all(&self.pool)).await?
             }
             (None, None) => {
                 let sql = format!("{base} ORDER BY seq DESC LIMIT {limit}");
-                sqlx::query(&sql).bind(run_id).fetch_all(&self.pool).await?
+                self.reading(|| sqlx::query(&sql).bind(run_id).fetch_all(&self.pool)).await?
             }
         };
         rows.iter()
@@ -891,11 +918,8 @@ impl LedgerStore {
 
     /// The deltas staged in a transaction so far, in staging order.
     pub async fn staged_deltas(&self, run_id: &str, tx_id: &str) -> Result<Vec<serde_json::Value>, LedgerError> {
-        let rows = sqlx::query("SELECT delta_json FROM tx_staged WHERE run_id = $1 AND tx_id = $2 ORDER BY seq")
-            .bind(run_id)
-            .bind(tx_id)
-            .fetch_all(&self.pool)
-            .await?;
+        let sql = "SELECT delta_json FROM tx_staged WHERE run_id = $1 AND tx_id = $2 ORDER BY seq";
+        let rows = self.reading(|| sqlx::query(sql).bind(run_id).bind(tx_id).fetch_all(&self.pool)).await?;
         rows.iter()
             .map(|r| {
                 let text: String = r.try_get(0)?;
@@ -931,23 +955,15 @@ impl LedgerStore {
 
     /// A run's stored output by its digest.
     pub async fn output(&self, run_id: &str, sha256: &str) -> Result<Option<String>, LedgerError> {
-        let row = sqlx::query("SELECT output_json FROM outputs WHERE run_id = $1 AND sha256 = $2")
-            .bind(run_id)
-            .bind(sha256)
-            .fetch_optional(&self.pool)
-            .await?;
+        let sql = "SELECT output_json FROM outputs WHERE run_id = $1 AND sha256 = $2";
+        let row = self.reading(|| sqlx::query(sql).bind(run_id).bind(sha256).fetch_optional(&self.pool)).await?;
         row.map(|r| Ok(r.try_get(0)?)).transpose()
     }
 
     /// A tenant's committed state under `key`: (value JSON, version, tx id).
     pub async fn state(&self, tenant: &str, key: &str) -> Result<Option<(String, u64, String)>, LedgerError> {
-        let row = sqlx::query(
-            "SELECT value_json, version, tx_id FROM state WHERE tenant = $1 AND state_key = $2 AND deleted = 0",
-        )
-        .bind(tenant)
-        .bind(key)
-        .fetch_optional(&self.pool)
-        .await?;
+        let sql = "SELECT value_json, version, tx_id FROM state WHERE tenant = $1 AND state_key = $2 AND deleted = 0";
+        let row = self.reading(|| sqlx::query(sql).bind(tenant).bind(key).fetch_optional(&self.pool)).await?;
         row.map(|r| Ok((r.try_get(0)?, r.try_get::<i64, _>(1)? as u64, r.try_get(2)?))).transpose()
     }
 
@@ -965,13 +981,13 @@ impl LedgerStore {
                 let sql = format!(
                     "SELECT body_json, seq FROM receipts WHERE run_id = $1 AND step_id = $2 AND seq > $3 ORDER BY seq LIMIT {limit}"
                 );
-                sqlx::query(&sql).bind(run_id).bind(step).bind(after).fetch_all(&self.pool).await?
+                self.reading(|| sqlx::query(&sql).bind(run_id).bind(step).bind(after).fetch_all(&self.pool)).await?
             }
             None => {
                 let sql = format!(
                     "SELECT body_json, seq FROM receipts WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT {limit}"
                 );
-                sqlx::query(&sql).bind(run_id).bind(after).fetch_all(&self.pool).await?
+                self.reading(|| sqlx::query(&sql).bind(run_id).bind(after).fetch_all(&self.pool)).await?
             }
         };
         rows.iter()

@@ -399,6 +399,12 @@ impl PolicyService {
         let claims = warden_core::ack::verify_run_ack(&signed, |id| self.ledger_keys.get(id), &r.tenant, &r.run_id)
             .map_err(|e| tracing::debug!(run_id = %r.run_id, error = %e, "run acknowledgement not taken"))
             .ok()?;
+        // The executor sends the plan as the ledger recorded it (canonical JSON): then its
+        // bytes have the digest, and it need not be parsed and written out canonically again
+        // to see that.
+        if warden_core::canonical::sha256_hex(r.plan_json.as_bytes()) == claims.plan_sha256 {
+            return Some(r.plan_json.clone());
+        }
         let plan: Value = serde_json::from_str(&r.plan_json).ok()?;
         let canonical = warden_core::canonical::canonical_value(&plan);
         (warden_core::canonical::sha256_hex(canonical.as_bytes()) == claims.plan_sha256).then_some(canonical)
