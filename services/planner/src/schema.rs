@@ -90,7 +90,8 @@ impl Offer {
                     "params": {"$ref": format!("#/$defs/warden_params_{i}")},
                 },
             });
-            defs.insert(format!("warden_params_{i}"), strict(&t.schema));
+            let name = format!("warden_params_{i}");
+            defs.insert(name.clone(), embedded(&t.schema, &name));
             defs.insert(format!("warden_call_{i}"), call);
         }
         let calls: Vec<Value> =
@@ -150,6 +151,45 @@ impl Offer {
             schema["$defs"] = Value::Object(defs);
         }
         schema
+    }
+}
+
+/// A tool's input schema as it sits in the response schema, under `#/$defs/{name}`: made
+/// strict, its own definitions (`$defs`, `definitions`) kept, and its local references
+/// (`#...`, the tool's own root) rebased there — left as they were, they would be resolved
+/// against the response schema's root and find nothing.
+fn embedded(schema: &Value, name: &str) -> Value {
+    let mut out = strict(schema);
+    if let (Some(out), Some(declared)) = (out.as_object_mut(), schema.as_object()) {
+        for key in ["$defs", "definitions"] {
+            if let Some(defs) = declared.get(key) {
+                out.insert(key.to_string(), defs.clone());
+            }
+        }
+    }
+    rebase_refs(&mut out, &format!("#/$defs/{name}"));
+    out
+}
+
+/// Rewrites every local `$ref` (`#` and `#/…`) of a schema to start at `base`. The values
+/// of `enum`, `const`, `default` and `examples` are data, not schemas: left alone.
+fn rebase_refs(schema: &mut Value, base: &str) {
+    match schema {
+        Value::Object(members) => {
+            for (key, v) in members.iter_mut() {
+                match (key.as_str(), v) {
+                    ("$ref", Value::String(r)) => {
+                        if let Some(pointer) = r.strip_prefix('#') {
+                            *r = format!("{base}{pointer}");
+                        }
+                    }
+                    ("enum" | "const" | "default" | "examples", _) => {}
+                    (_, v) => rebase_refs(v, base),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, base)),
+        _ => {}
     }
 }
 
@@ -356,6 +396,43 @@ mod tests {
             Some(r) => schema.pointer(r.trim_start_matches('#')).expect("the reference resolves"),
             None => v,
         }
+    }
+
+    /// A tool whose input schema refers to its own definitions (`$defs`, `definitions`, or
+    /// itself, `#`): the references still find them inside the response schema.
+    #[test]
+    fn a_tools_own_definitions_are_found_in_the_response_schema() {
+        let mail = AllowedTool {
+            name: "mail".into(),
+            description: "sends".into(),
+            version: "1".into(),
+            schema: json!({
+                "type": "object",
+                "properties": {
+                    "to": {"$ref": "#/$defs/address"},
+                    "cc": {"type": "array", "items": {"$ref": "#/definitions/address"}},
+                    "reply": {"$ref": "#/properties/to"},
+                    "kind": {"enum": [{"$ref": "#/not/a/reference"}]},
+                },
+                "required": ["to", "kind"],
+                "$defs": {"address": {"type": "string", "maxLength": 8}},
+                "definitions": {"address": {"type": "string", "maxLength": 8}},
+            }),
+        };
+        let s = Offer::new(vec![mail]).response_schema(10);
+        let validator = jsonschema::validator_for(&s).expect("every reference resolves");
+        let answer = |to: Value| {
+            json!({"reasoning": "r", "direct_response": null, "steps": [
+                {"id": "a", "tool": "mail", "depends_on": [],
+                 "params": {"to": to, "cc": ["b@c"], "reply": "d@e", "kind": {"$ref": "#/not/a/reference"}},
+                 "alternatives": []}]})
+        };
+        assert!(validator.is_valid(&answer(json!("a@b"))));
+        assert!(!validator.is_valid(&answer(json!("far.too.long@example.org"))), "the definition applies");
+        assert!(!validator.is_valid(&answer(json!(5))));
+        // Values of the schema that are data, not schemas (the enum), are left as they are.
+        let kind = &s["$defs"]["warden_params_0"]["properties"]["kind"];
+        assert_eq!(kind, &json!({"enum": [{"$ref": "#/not/a/reference"}]}));
     }
 
     #[test]
