@@ -39,6 +39,10 @@ enum Suite {
     /// How long a run waits after its executor is killed (SIGKILL) until another replica
     /// drives it (production shape, two executors, default lease and liveness settings).
     Takeover,
+    /// A run's fixed cost as the issue of the write path defines it, submit -> first tool
+    /// call, read from the runs' traces (production shape, tracing on, an OTLP receiver in
+    /// this process): the client cannot see when the tool host is called.
+    FirstCall,
     /// Goal runs planned by a local llama.cpp server, and their replay (not part of `all`:
     /// it installs and compiles llama.cpp the first time).
     Planner,
@@ -403,6 +407,125 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
     measure("prod", &ep, "default", args, &counters).await
 }
 
+/// Span names of the first-call timeline (server spans, as the services name them).
+const SUBMIT_SPAN: &str = "/warden.v1.Runs/SubmitRun";
+const INVOKE_SPAN: &str = "/warden.v1.ToolHost/Invoke";
+/// OTLP `SpanKind` of a server span.
+const SERVER: i32 = 2;
+
+/// Submit -> first tool call of `n` one-step runs, one after another, from their traces: from
+/// the start of the executor's `SubmitRun` span to the start of the tool host's `Invoke` span
+/// (one trace per run). Every service traces (sampling 1.0, a 100 ms export delay), which
+/// adds to every hop: compare these figures with each other, not with untraced ones.
+async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
+    let (pg, redis) = tokio::task::spawn_blocking(|| -> anyhow::Result<_> {
+        Ok((warden_testkit::servers::start_postgres(false)?, warden_testkit::servers::start_redis()?))
+    })
+    .await??;
+    let receiver = warden_testkit::otlp::OtlpReceiver::start().await?;
+    let database_url = pg.create_database().await?;
+    let workers = workers_per_service(args.workers_per_service);
+    let env = [
+        ("TOKIO_WORKER_THREADS", workers.to_string()),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.grpc_endpoint.clone()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".to_string()),
+        ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio".to_string()),
+        ("OTEL_TRACES_SAMPLER_ARG", "1.0".to_string()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100".to_string()),
+    ];
+    let mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions {
+        database_url,
+        redis_url: redis.url.clone(),
+        tenants: vec![("default".into(), vec!["echo".into()])],
+        lease_ttl_ms: 10_000,
+        sweep_interval_ms: 2_000,
+        executors: 1,
+        env: env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+        ..Default::default()
+    })
+    .await?;
+    let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };
+    for _ in 0..3 {
+        one_run(&ep, "default", &chain(1)).await.context("warm-up run")?;
+    }
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64;
+    for _ in 0..args.fixed_runs {
+        one_run(&ep, "default", &chain(1)).await?;
+    }
+    // Spans are exported in batches: wait (bounded) until every measured run's are in.
+    let complete = |spans: &[warden_testkit::otlp::ReceivedSpan]| first_calls(spans, since).len() >= args.fixed_runs;
+    let spans = receiver.wait_for(Duration::from_secs(20), complete).await;
+    let timelines = first_calls(&spans, since);
+    anyhow::ensure!(!timelines.is_empty(), "no trace of a run reached the receiver");
+    let mut total = hist();
+    for t in &timelines {
+        total.record(t.first_call_us.max(1))?;
+    }
+    println!(
+        "prod  first tool call (submit -> tool host Invoke, traced, {} of {} runs, {workers} worker(s) per service): p50 {}  p99 {}",
+        timelines.len(),
+        args.fixed_runs,
+        ms(total.value_at_quantile(0.5)),
+        ms(total.value_at_quantile(0.99)),
+    );
+    // Where it goes: the median start of each server span before the call, from SubmitRun.
+    let mut starts: std::collections::HashMap<&str, Vec<u64>> = Default::default();
+    for t in &timelines {
+        for (name, at) in &t.stages {
+            starts.entry(name.as_str()).or_default().push(*at);
+        }
+    }
+    // Spans in at least half of the traces, by their median start.
+    let mut stages: Vec<(u64, &str)> = starts
+        .into_iter()
+        .filter(|(_, at)| at.len() * 2 >= timelines.len())
+        .map(|(name, mut at)| {
+            at.sort_unstable();
+            (at[at.len() / 2], name)
+        })
+        .collect();
+    stages.sort_unstable();
+    let line: Vec<String> = stages.iter().map(|(at, name)| format!("{name} {}", ms(*at))).collect();
+    println!("prod    median start from SubmitRun: {}", line.join(", "));
+    Ok(())
+}
+
+/// One run's trace, read for its first tool call.
+struct FirstCall {
+    first_call_us: u64,
+    /// Server spans that started before the call: (name, µs after SubmitRun started).
+    stages: Vec<(String, u64)>,
+}
+
+/// The traces rooted in a `SubmitRun` that started after `since` (Unix ns) and reached a tool
+/// host's `Invoke`.
+fn first_calls(spans: &[warden_testkit::otlp::ReceivedSpan], since: u64) -> Vec<FirstCall> {
+    let mut traces: std::collections::HashMap<&str, Vec<&warden_testkit::otlp::ReceivedSpan>> = Default::default();
+    for s in spans {
+        traces.entry(s.trace_id.as_str()).or_default().push(s);
+    }
+    let mut out = Vec::new();
+    for spans in traces.values() {
+        let server = |name: &'static str| spans.iter().filter(move |s| s.kind == SERVER && s.name == name);
+        let (Some(submit), Some(invoke)) =
+            (server(SUBMIT_SPAN).next(), server(INVOKE_SPAN).map(|s| s.start_unix_nano).min())
+        else {
+            continue;
+        };
+        if submit.start_unix_nano < since || invoke < submit.start_unix_nano {
+            continue;
+        }
+        let t0 = submit.start_unix_nano;
+        let stages = spans
+            .iter()
+            .filter(|s| s.kind == SERVER && s.start_unix_nano >= t0 && s.start_unix_nano <= invoke)
+            .map(|s| (s.name.trim_start_matches("/warden.v1.").to_string(), (s.start_unix_nano - t0) / 1_000))
+            .collect();
+        out.push(FirstCall { first_call_us: (invoke - t0) / 1_000, stages });
+    }
+    out
+}
+
 /// Kills the executor driving a run mid-call, `n` times, and measures the wait until the
 /// other replica's `run_started` arrives, as a client following the run sees it.
 async fn takeover(n: usize) -> anyhow::Result<()> {
@@ -495,6 +618,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         if matches!(args.shape, Shape::Prod | Shape::Both) {
             prod_shape(&args).await?;
         }
+    }
+    if matches!(args.suite, Suite::FirstCall | Suite::All) {
+        first_call(&args).await?;
     }
     if matches!(args.suite, Suite::Takeover | Suite::All) {
         takeover(args.takeovers).await?;
