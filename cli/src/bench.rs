@@ -418,6 +418,7 @@ const SERVER: i32 = 2;
 /// (one trace per run). Every service traces (sampling 1.0, a 100 ms export delay), which
 /// adds to every hop: compare these figures with each other, not with untraced ones.
 async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.fixed_runs > 0, "--fixed-runs must be at least 1 for the first-call suite");
     let (pg, redis) = tokio::task::spawn_blocking(|| -> anyhow::Result<_> {
         Ok((warden_testkit::servers::start_postgres(false)?, warden_testkit::servers::start_redis()?))
     })
@@ -427,8 +428,12 @@ async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
     let workers = workers_per_service(args.workers_per_service);
     let env = [
         ("TOKIO_WORKER_THREADS", workers.to_string()),
+        // The traces-only variables win over the general ones: set both, so a shell's own
+        // settings cannot send the spans elsewhere.
         ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.grpc_endpoint.clone()),
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".to_string()),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.grpc_endpoint.clone()),
+        ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc".to_string()),
         ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio".to_string()),
         ("OTEL_TRACES_SAMPLER_ARG", "1.0".to_string()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100".to_string()),
@@ -454,7 +459,11 @@ async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
     }
     // Spans are exported in batches: wait (bounded) until every measured run's are in.
     let complete = |spans: &[warden_testkit::otlp::ReceivedSpan]| first_calls(spans, since).len() >= args.fixed_runs;
-    let spans = receiver.wait_for(Duration::from_secs(20), complete).await;
+    receiver.wait_for(Duration::from_secs(20), complete).await;
+    // The services export on their own schedules: two export delays more for the spans of the
+    // last runs' other calls.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let spans = receiver.spans();
     let timelines = first_calls(&spans, since);
     anyhow::ensure!(!timelines.is_empty(), "no trace of a run reached the receiver");
     let mut total = hist();
@@ -516,11 +525,19 @@ fn first_calls(spans: &[warden_testkit::otlp::ReceivedSpan], since: u64) -> Vec<
             continue;
         }
         let t0 = submit.start_unix_nano;
-        let stages = spans
+        // Each call's first occurrence in the trace, so a median counts each run once.
+        let mut stages: Vec<(String, u64)> = Vec::new();
+        let mut before: Vec<_> = spans
             .iter()
             .filter(|s| s.kind == SERVER && s.start_unix_nano >= t0 && s.start_unix_nano <= invoke)
-            .map(|s| (s.name.trim_start_matches("/warden.v1.").to_string(), (s.start_unix_nano - t0) / 1_000))
             .collect();
+        before.sort_by_key(|s| s.start_unix_nano);
+        for s in before {
+            let name = s.name.trim_start_matches("/warden.v1.");
+            if !stages.iter().any(|(n, _)| n == name) {
+                stages.push((name.to_string(), (s.start_unix_nano - t0) / 1_000));
+            }
+        }
         out.push(FirstCall { first_call_us: (invoke - t0) / 1_000, stages });
     }
     out

@@ -90,8 +90,7 @@ impl Offer {
                     "params": {"$ref": format!("#/$defs/warden_params_{i}")},
                 },
             });
-            let name = format!("warden_params_{i}");
-            defs.insert(name.clone(), embedded(&t.schema, &name));
+            embed(&t.schema, i, &mut defs);
             defs.insert(format!("warden_call_{i}"), call);
         }
         let calls: Vec<Value> =
@@ -154,41 +153,76 @@ impl Offer {
     }
 }
 
-/// A tool's input schema as it sits in the response schema, under `#/$defs/{name}`: made
-/// strict, its own definitions (`$defs`, `definitions`) kept, and its local references
-/// (`#...`, the tool's own root) rebased there — left as they were, they would be resolved
-/// against the response schema's root and find nothing.
-fn embedded(schema: &Value, name: &str) -> Value {
-    let mut out = strict(schema);
-    if let (Some(out), Some(declared)) = (out.as_object_mut(), schema.as_object()) {
-        for key in ["$defs", "definitions"] {
-            if let Some(defs) = declared.get(key) {
-                out.insert(key.to_string(), defs.clone());
+/// Puts tool `i`'s input schema into the response schema's `defs`: made strict, at
+/// `warden_params_{i}`, and its own definitions (`$defs`, `definitions`) beside it, made strict
+/// too, under names of the tool's own (`warden_{i}_{name}`, `warden_{i}_d_{name}`) — llama.cpp
+/// names a grammar rule after a reference's last segment, so two tools' `Address` must not
+/// share a name. Its local references are rewritten to where things now are; left as they
+/// were, they would be resolved against the response schema's root and find nothing.
+/// (Definitions nested below a property's own object schema are not kept by [`strict`];
+/// references into them still point nowhere.)
+fn embed(schema: &Value, i: usize, defs: &mut Map<String, Value>) {
+    let mut params = strict(schema);
+    rebase_refs(&mut params, i);
+    if let Some(declared) = schema.as_object() {
+        for (key, tag) in [("$defs", ""), ("definitions", "d_")] {
+            let Some(Value::Object(own)) = declared.get(key) else { continue };
+            for (name, def) in own {
+                // `true`/`false` are schemas too, kept as they are.
+                let mut def = if def.is_object() { strict(def) } else { def.clone() };
+                rebase_refs(&mut def, i);
+                defs.insert(format!("warden_{i}_{tag}{name}"), def);
             }
         }
     }
-    rebase_refs(&mut out, &format!("#/$defs/{name}"));
-    out
+    defs.insert(format!("warden_params_{i}"), params);
 }
 
-/// Rewrites every local `$ref` (`#` and `#/…`) of a schema to start at `base`. The values
-/// of `enum`, `const`, `default` and `examples` are data, not schemas: left alone.
-fn rebase_refs(schema: &mut Value, base: &str) {
+/// Where a local reference of tool `i`'s schema points once embedded ([`embed`]); `None`
+/// for one that is not a JSON pointer into the tool's own document (an anchor, `#name`,
+/// resolves anywhere in the response schema; a URI is left alone).
+fn rebased(reference: &str, i: usize) -> Option<String> {
+    if reference == "#" {
+        return Some(format!("#/$defs/warden_params_{i}"));
+    }
+    let pointer = reference.strip_prefix("#/")?;
+    // A definition's name in a pointer is escaped (`~0`, `~1`); the prefix needs none.
+    if let Some(rest) = pointer.strip_prefix("$defs/") {
+        return Some(format!("#/$defs/warden_{i}_{rest}"));
+    }
+    if let Some(rest) = pointer.strip_prefix("definitions/") {
+        return Some(format!("#/$defs/warden_{i}_d_{rest}"));
+    }
+    Some(format!("#/$defs/warden_params_{i}/{pointer}"))
+}
+
+/// Rewrites every local `$ref` of tool `i`'s schema ([`rebased`]). Members that map names to
+/// schemas (`properties`, `$defs`, …) are schemas whatever their names (a property may be
+/// called `default` or `$ref`); `enum`, `const`, `default` and `examples` hold data, left
+/// alone.
+fn rebase_refs(schema: &mut Value, i: usize) {
     match schema {
         Value::Object(members) => {
             for (key, v) in members.iter_mut() {
-                match (key.as_str(), v) {
-                    ("$ref", Value::String(r)) => {
-                        if let Some(pointer) = r.strip_prefix('#') {
-                            *r = format!("{base}{pointer}");
+                match key.as_str() {
+                    "$ref" => {
+                        if let Value::String(r) = v
+                            && let Some(to) = rebased(r, i)
+                        {
+                            *r = to;
                         }
                     }
-                    ("enum" | "const" | "default" | "examples", _) => {}
-                    (_, v) => rebase_refs(v, base),
+                    "enum" | "const" | "default" | "examples" => {}
+                    "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                        if let Value::Object(named) = v {
+                            named.values_mut().for_each(|s| rebase_refs(s, i));
+                        }
+                    }
+                    _ => rebase_refs(v, i),
                 }
             }
         }
-        Value::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, base)),
+        Value::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, i)),
         _ => {}
     }
 }
@@ -398,41 +432,62 @@ mod tests {
         }
     }
 
-    /// A tool whose input schema refers to its own definitions (`$defs`, `definitions`, or
-    /// itself, `#`): the references still find them inside the response schema.
+    /// Tools whose input schemas refer to their own definitions (`$defs`, `definitions`, a
+    /// pointer into themselves, an anchor): the references still find them inside the response
+    /// schema, and two tools' definitions of the same name stay apart.
     #[test]
     fn a_tools_own_definitions_are_found_in_the_response_schema() {
-        let mail = AllowedTool {
-            name: "mail".into(),
-            description: "sends".into(),
+        let tool = |name: &str, schema: Value| AllowedTool {
+            name: name.into(),
+            description: "d".into(),
             version: "1".into(),
-            schema: json!({
+            schema,
+        };
+        let mail = tool(
+            "mail",
+            json!({
                 "type": "object",
                 "properties": {
                     "to": {"$ref": "#/$defs/address"},
                     "cc": {"type": "array", "items": {"$ref": "#/definitions/address"}},
                     "reply": {"$ref": "#/properties/to"},
                     "kind": {"enum": [{"$ref": "#/not/a/reference"}]},
+                    "default": {"$ref": "#/$defs/address"},
+                    "priority": {"$ref": "#level"},
                 },
-                "required": ["to", "kind"],
-                "$defs": {"address": {"type": "string", "maxLength": 8}},
+                "required": ["to", "kind", "default", "priority"],
+                "$defs": {
+                    "address": {"type": "string", "maxLength": 8},
+                    "level": {"$anchor": "level", "type": "integer"},
+                },
                 "definitions": {"address": {"type": "string", "maxLength": 8}},
             }),
-        };
-        let s = Offer::new(vec![mail]).response_schema(10);
+        );
+        // Another tool's `address` is a number.
+        let call = tool(
+            "call",
+            json!({"type": "object", "properties": {"to": {"$ref": "#/$defs/address"}}, "required": ["to"],
+                   "$defs": {"address": {"type": "integer"}}}),
+        );
+        let s = Offer::new(vec![mail, call]).response_schema(10);
         let validator = jsonschema::validator_for(&s).expect("every reference resolves");
-        let answer = |to: Value| {
+        let answer = |to: Value, other: Value| {
             json!({"reasoning": "r", "direct_response": null, "steps": [
-                {"id": "a", "tool": "mail", "depends_on": [],
-                 "params": {"to": to, "cc": ["b@c"], "reply": "d@e", "kind": {"$ref": "#/not/a/reference"}},
-                 "alternatives": []}]})
+                {"id": "a", "tool": "mail", "depends_on": [], "alternatives": [],
+                 "params": {"to": to, "cc": ["b@c"], "reply": "d@e", "kind": {"$ref": "#/not/a/reference"},
+                            "default": "f@g", "priority": 1}},
+                {"id": "b", "tool": "call", "depends_on": [], "alternatives": [], "params": {"to": other}}]})
         };
-        assert!(validator.is_valid(&answer(json!("a@b"))));
-        assert!(!validator.is_valid(&answer(json!("far.too.long@example.org"))), "the definition applies");
-        assert!(!validator.is_valid(&answer(json!(5))));
+        assert!(validator.is_valid(&answer(json!("a@b"), json!(5))));
+        assert!(!validator.is_valid(&answer(json!("far.too.long@example.org"), json!(5))), "the definition applies");
+        assert!(!validator.is_valid(&answer(json!(5), json!(5))));
+        assert!(!validator.is_valid(&answer(json!("a@b"), json!("a@b"))), "each tool has its own `address`");
         // Values of the schema that are data, not schemas (the enum), are left as they are.
-        let kind = &s["$defs"]["warden_params_0"]["properties"]["kind"];
+        // (Tools are offered by name: `call` is 0, `mail` 1.)
+        let kind = &s["$defs"]["warden_params_1"]["properties"]["kind"];
         assert_eq!(kind, &json!({"enum": [{"$ref": "#/not/a/reference"}]}));
+        assert_eq!(s["$defs"]["warden_params_1"]["properties"]["priority"]["$ref"], json!("#level"));
+        assert_eq!(s["$defs"]["warden_0_address"], json!({"type": "integer"}));
     }
 
     #[test]
