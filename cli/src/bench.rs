@@ -370,14 +370,23 @@ async fn dev_shape(args: &BenchArgs) -> anyhow::Result<()> {
     r
 }
 
-async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
+/// The production shape: PostgreSQL, Redis and the services as separate processes, one
+/// executor, `workers` Tokio worker threads each, `env` added to theirs.
+struct ProdShape {
+    pg: warden_testkit::Postgres,
+    // Kept for the mesh's life.
+    _redis: warden_testkit::Redis,
+    mesh: warden_testkit::Mesh,
+}
+
+async fn start_prod(args: &BenchArgs, workers: usize, env: Vec<(String, String)>) -> anyhow::Result<ProdShape> {
     let (pg, redis) = tokio::task::spawn_blocking(|| -> anyhow::Result<_> {
         Ok((warden_testkit::servers::start_postgres(false)?, warden_testkit::servers::start_redis()?))
     })
     .await??;
     let database_url = pg.create_database().await?;
-    let workers = workers_per_service(args.workers_per_service);
-    println!("prod  {PROD_SERVICES} services, {workers} Tokio worker thread(s) each");
+    let mut env = env;
+    env.push(("TOKIO_WORKER_THREADS".into(), workers.to_string()));
     let mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions {
         database_url,
         redis_url: redis.url.clone(),
@@ -386,10 +395,17 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
         lease_ttl_ms: 10_000,
         sweep_interval_ms: 2_000,
         executors: 1,
-        env: vec![("TOKIO_WORKER_THREADS".into(), workers.to_string())],
+        env,
         ..Default::default()
     })
     .await?;
+    Ok(ProdShape { pg, _redis: redis, mesh })
+}
+
+async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
+    let workers = workers_per_service(args.workers_per_service);
+    println!("prod  {PROD_SERVICES} services, {workers} Tokio worker thread(s) each");
+    let ProdShape { pg, _redis, mesh } = start_prod(args, workers, Vec::new()).await?;
     let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };
     let pid = |p: &warden_testkit::ServiceProcess| p.pid().into_iter().collect::<Vec<u32>>();
     let mut processes = vec![
@@ -419,15 +435,9 @@ const SERVER: i32 = 2;
 /// adds to every hop: compare these figures with each other, not with untraced ones.
 async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.fixed_runs > 0, "--fixed-runs must be at least 1 for the first-call suite");
-    let (pg, redis) = tokio::task::spawn_blocking(|| -> anyhow::Result<_> {
-        Ok((warden_testkit::servers::start_postgres(false)?, warden_testkit::servers::start_redis()?))
-    })
-    .await??;
     let receiver = warden_testkit::otlp::OtlpReceiver::start().await?;
-    let database_url = pg.create_database().await?;
     let workers = workers_per_service(args.workers_per_service);
     let env = [
-        ("TOKIO_WORKER_THREADS", workers.to_string()),
         // The traces-only variables win over the general ones: set both, so a shell's own
         // settings cannot send the spans elsewhere.
         ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.grpc_endpoint.clone()),
@@ -438,17 +448,9 @@ async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
         ("OTEL_TRACES_SAMPLER_ARG", "1.0".to_string()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100".to_string()),
     ];
-    let mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions {
-        database_url,
-        redis_url: redis.url.clone(),
-        tenants: vec![("default".into(), vec!["echo".into()])],
-        lease_ttl_ms: 10_000,
-        sweep_interval_ms: 2_000,
-        executors: 1,
-        env: env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
-        ..Default::default()
-    })
-    .await?;
+    let env = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+    let prod = start_prod(args, workers, env).await?;
+    let mesh = &prod.mesh;
     let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };
     for _ in 0..3 {
         one_run(&ep, "default", &chain(1)).await.context("warm-up run")?;
@@ -457,13 +459,16 @@ async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
     for _ in 0..args.fixed_runs {
         one_run(&ep, "default", &chain(1)).await?;
     }
-    // Spans are exported in batches: wait (bounded) until every measured run's are in.
-    let complete = |spans: &[warden_testkit::otlp::ReceivedSpan]| first_calls(spans, since).len() >= args.fixed_runs;
-    receiver.wait_for(Duration::from_secs(20), complete).await;
-    // The services export on their own schedules: two export delays more for the spans of the
-    // last runs' other calls.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let spans = receiver.spans();
+    // Spans are exported in batches, each service on its own schedule: wait (bounded) until
+    // every measured run's trace is in and has every call any of them has.
+    let complete = |spans: &[warden_testkit::otlp::ReceivedSpan]| {
+        let timelines = first_calls(spans, since);
+        // A trace's calls are distinct names: as many as all traces' together means all of them.
+        let calls: std::collections::HashSet<&str> =
+            timelines.iter().flat_map(|t| t.stages.iter().map(|(name, _)| name.as_str())).collect();
+        timelines.len() >= args.fixed_runs && timelines.iter().all(|t| t.stages.len() == calls.len())
+    };
+    let spans = receiver.wait_for(Duration::from_secs(20), complete).await;
     let timelines = first_calls(&spans, since);
     anyhow::ensure!(!timelines.is_empty(), "no trace of a run reached the receiver");
     let mut total = hist();

@@ -253,27 +253,6 @@ async fn streams_resume_and_end_with_the_run_on_postgres() {
     streams_resume_and_end_with_the_run(Backend::Postgres).await;
 }
 
-/// A read made while the writers may still be retrying after the database restarted: the
-/// ledger reads again on another connection when a pooled one the restart cut fails, but a
-/// connection the restarted database refuses while it still recovers is UNAVAILABLE, so the
-/// client asks until the ledger answers (bounded); any other error fails the test.
-async fn read_again<T, Fut>(mut read: impl FnMut() -> Fut) -> T
-where
-    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
-{
-    let answered = warden_testkit::eventually(std::time::Duration::from_secs(10), || {
-        let asked = read();
-        async move {
-            match asked.await {
-                Err(s) if s.code() == tonic::Code::Unavailable => None,
-                answer => Some(answer),
-            }
-        }
-    })
-    .await;
-    answered.expect("the ledger answers reads again within 10 s").unwrap_or_else(|s| panic!("read failed: {s:?}"))
-}
-
 /// The services without an executor, on a PostgreSQL of their own (which the test restarts).
 async fn services_on_private_postgres() -> (std::sync::Arc<warden_testkit::Postgres>, warden_testkit::Mesh) {
     let pg = std::sync::Arc::new(
@@ -309,9 +288,7 @@ async fn reads_after_a_postgres_restart_are_answered() {
         let run = get(&ledger).await.unwrap_or_else(|s| panic!("read {i} after the restart: {s:?}")).into_inner();
         assert_eq!(run.run_id, run_id);
     }
-    let req = pb::StreamEventsRequest { tenant: "acme".into(), run_id: run_id.clone(), since_seq: 0, follow: false };
-    let mut stream = ledger.stream_events(req).await.expect("stream").into_inner();
-    while let Some(e) = stream.message().await.expect("events after the restart") {
+    for e in events(&mut ledger, "acme", &run_id).await {
         assert!(e.seq > 0);
     }
 }
@@ -362,15 +339,8 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     }
     // Restart once the stream is under way.
     let probe = mesh.ledger();
-    let started = warden_testkit::eventually(std::time::Duration::from_secs(30), || {
-        let (mut p, r) = (probe.clone(), run_id.clone());
-        async move {
-            let run = p.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: r }).await.ok()?.into_inner();
-            (run.last_seq > 20).then_some(())
-        }
-    })
-    .await;
-    assert!(started.is_some(), "appends under way");
+    // Followed, not polled: the 21st event is the sign the appends are under way.
+    first_event(&mesh, "acme", &run_id, |e| e.seq > 20).await;
     let restarter = pg.clone();
     tokio::task::spawn_blocking(move || restarter.restart()).await.expect("join").expect("restart postgres");
     restarted.store(true, std::sync::atomic::Ordering::Release);
@@ -388,30 +358,15 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
         written += t.await.expect("writer");
     }
     assert!(at_restart < (1 + written) as u64, "the restart happened mid-stream");
-    let evs = read_again(|| {
-        let (mut p, r) = (probe.clone(), run_id.clone());
-        async move {
-            let req = pb::StreamEventsRequest { tenant: "acme".into(), run_id: r, since_seq: 0, follow: false };
-            let mut stream = p.stream_events(req).await?.into_inner();
-            let mut out = Vec::new();
-            while let Some(e) = stream.message().await? {
-                out.push(e);
-            }
-            Ok(out)
-        }
-    })
-    .await;
+    // Read as any client reads: the ledger itself reads again past connections the restart cut.
+    let evs = events(&mut probe.clone(), "acme", &run_id).await;
     assert_eq!(evs.len(), 1 + written, "no event lost, none doubled");
     for (i, e) in evs.iter().enumerate() {
         assert_eq!(e.seq, i as u64 + 1, "no gap");
     }
     let keys: std::collections::HashSet<&str> = evs.iter().map(|e| e.idempotency_key.as_str()).collect();
     assert_eq!(keys.len(), evs.len());
-    let verified = read_again(|| {
-        let (mut p, r) = (probe.clone(), run_id.clone());
-        async move { Ok(p.verify_run(pb::VerifyRunRequest { tenant: "acme".into(), run_id: r }).await?.into_inner()) }
-    })
-    .await;
+    let verified = verify(&mut probe.clone(), "acme", &run_id).await;
     assert!(verified.valid);
     // Writers caught mid-call saw UNAVAILABLE and retried; others just waited for a connection.
     eprintln!(

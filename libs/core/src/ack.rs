@@ -164,12 +164,10 @@ mod tests {
 
     #[test]
     fn run_ack_verifies_only_for_its_run_and_key_and_is_no_request_ack() {
-        let sk = SigningKey::from_bytes(&[3u8; 32]);
-        let vk = sk.verifying_key();
-        let kid = key_id(&vk);
-        let lookup = |id: &str| (id == kid).then_some(vk);
+        let key = crate::auth::TestKey::new(3);
+        let (sk, lookup) = (&key.sk, key.lookup());
         let plan = r#"{"steps":[]}"#;
-        let s = sign_run_ack("t", "r", plan, &sk);
+        let s = sign_run_ack("t", "r", plan, sk);
         let acked = verify_run_ack(&s, lookup, "t", "r").unwrap();
         assert_eq!(acked.plan_sha256, crate::canonical::sha256_hex(plan.as_bytes()));
         assert_eq!(verify_run_ack(&s, lookup, "t", "other").unwrap_err(), AuthError::Mismatch { field: "run_id" });
@@ -181,7 +179,7 @@ mod tests {
         assert_eq!(verify_run_ack(&altered, lookup, "t", "x").unwrap_err(), AuthError::BadSignature);
         // Neither kind of acknowledgement passes for the other.
         assert!(matches!(verify_ack(&s, lookup, &call()).unwrap_err(), AuthError::Malformed(_)));
-        let request = sign_ack(claims(), &sk);
+        let request = sign_ack(claims(), sk);
         assert!(matches!(verify_run_ack(&request, lookup, "t", "r").unwrap_err(), AuthError::Malformed(_)));
     }
 
@@ -207,11 +205,9 @@ mod tests {
 
     #[test]
     fn request_ack_verifies_only_for_its_exact_call_and_key() {
-        let sk = SigningKey::from_bytes(&[3u8; 32]);
-        let vk = sk.verifying_key();
-        let kid = key_id(&vk);
-        let lookup = |id: &str| (id == kid).then_some(vk);
-        let s = sign_ack(claims(), &sk);
+        let key = crate::auth::TestKey::new(3);
+        let (sk, lookup) = (&key.sk, key.lookup());
+        let s = sign_ack(claims(), sk);
         assert_eq!(verify_ack(&s, lookup, &call()).unwrap().seq, 4);
         let other = AckedCall { decision_id: "e", ..call() };
         assert_eq!(verify_ack(&s, lookup, &other).unwrap_err(), AuthError::Mismatch { field: "decision_id" });
@@ -223,7 +219,7 @@ mod tests {
         assert_eq!(verify_ack(&empty, lookup, &call()).unwrap_err(), AuthError::Missing);
         // A chain-head signature by the same key is not an acknowledgement.
         let head = crate::head::Head { run_id: "r".into(), seq: 4, hash: "ab".into() };
-        let (sig, key_id) = head.sign(&sk);
+        let (sig, key_id) = head.sign(sk);
         let as_ack = SignedClaims { claims_json: canonical_json(&head).into_bytes(), signature: sig, key_id };
         assert!(matches!(verify_ack(&as_ack, lookup, &call()).unwrap_err(), AuthError::Malformed(_)));
     }

@@ -167,6 +167,28 @@ pub fn verify(
     Ok(claims)
 }
 
+/// A signing key and the lookup a verifier holding only its public half would use (tests).
+#[cfg(test)]
+pub(crate) struct TestKey {
+    pub(crate) sk: SigningKey,
+    vk: VerifyingKey,
+    kid: String,
+}
+
+#[cfg(test)]
+impl TestKey {
+    pub(crate) fn new(seed: u8) -> TestKey {
+        let sk = SigningKey::from_bytes(&[seed; 32]);
+        let vk = sk.verifying_key();
+        TestKey { kid: key_id(&vk), sk, vk }
+    }
+
+    /// Finds this key by its id, and no other.
+    pub(crate) fn lookup(&self) -> impl Fn(&str) -> Option<VerifyingKey> + Copy + '_ {
+        move |id: &str| (id == self.kid).then_some(self.vk)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,11 +226,9 @@ mod tests {
 
     #[test]
     fn k01_signed_authorization_verifies_only_for_its_exact_call() {
-        let sk = SigningKey::from_bytes(&[7u8; 32]);
-        let vk = sk.verifying_key();
-        let kid = key_id(&vk);
-        let lookup = |id: &str| (id == kid).then_some(vk);
-        let s = sign(claims(), &sk);
+        let key = crate::auth::TestKey::new(7);
+        let (sk, lookup) = (&key.sk, key.lookup());
+        let s = sign(claims(), sk);
         assert!(verify(&s, lookup, &call(), 1_500).is_ok());
         assert_eq!(
             verify(&s, lookup, &call(), 2_000).unwrap_err(),

@@ -48,11 +48,9 @@ mod tests {
 
     #[test]
     fn a_signed_decision_verifies_and_any_change_is_detected() {
-        let sk = SigningKey::from_bytes(&[5u8; 32]);
-        let vk = sk.verifying_key();
-        let kid = key_id(&vk);
-        let lookup = |id: &str| (id == kid).then_some(vk);
-        let d = sign_decision(json!({"decision_id": "d", "outcome": "deny", "rule_id": "r", "reason": "no"}), &sk);
+        let key = crate::auth::TestKey::new(5);
+        let (sk, lookup) = (&key.sk, key.lookup());
+        let d = sign_decision(json!({"decision_id": "d", "outcome": "deny", "rule_id": "r", "reason": "no"}), sk);
         verify_decision(&d, lookup).expect("verifies");
         let mut flipped = d.clone();
         flipped["outcome"] = json!("allow");

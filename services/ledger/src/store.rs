@@ -561,6 +561,12 @@ impl LedgerStore {
         row.as_ref().map(run_from_row).transpose()
     }
 
+    /// How many dropped connections one statement is tried again past: each fails once and
+    /// is let go by the pool, so after as many as the pool holds the next one is new.
+    fn dropped_connections_tolerated(&self) -> u32 {
+        self.pool.options().get_max_connections()
+    }
+
     /// A read, asked again on another connection while the one it got was dropped by the
     /// database (it restarted; the pool lets each such connection go, so at most as many
     /// times as the pool holds, plus one), as appends are: a read changes nothing, and its
@@ -573,7 +579,7 @@ impl LedgerStore {
         let mut dropped = 0;
         loop {
             match read().await.map_err(LedgerError::from) {
-                Err(LedgerError::Disconnected(why)) if dropped <= self.pool.options().get_max_connections() => {
+                Err(LedgerError::Disconnected(why)) if dropped <= self.dropped_connections_tolerated() => {
                     tracing::debug!(%why, "reading again on another connection");
                     dropped += 1;
                 }
@@ -723,7 +729,7 @@ impl LedgerStore {
                     tracing::debug!(%why, "appending again from the stored heads");
                     moved = true;
                 }
-                Err(LedgerError::Disconnected(why)) if dropped <= self.pool.options().get_max_connections() => {
+                Err(LedgerError::Disconnected(why)) if dropped <= self.dropped_connections_tolerated() => {
                     tracing::debug!(%why, "appending again on another connection");
                     dropped += 1;
                 }
