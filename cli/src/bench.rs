@@ -84,6 +84,17 @@ pub struct BenchArgs {
     /// among their pods; `TOKIO_WORKER_THREADS`, when set, wins.
     #[arg(long)]
     workers_per_service: Option<usize>,
+    /// How the production shape's services reach each other: loopback TCP, or Unix domain
+    /// sockets (`listen_unix`), as services sharing a node can. The bench's own client always
+    /// uses TCP.
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: Transport,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Transport {
+    Tcp,
+    Unix,
 }
 
 /// Services of the production shape that share the machine's cores (ledger, policy,
@@ -396,6 +407,7 @@ async fn start_prod(args: &BenchArgs, workers: usize, env: Vec<(String, String)>
         sweep_interval_ms: 2_000,
         executors: 1,
         env,
+        unix_sockets: args.transport == Transport::Unix,
         ..Default::default()
     })
     .await?;
@@ -404,7 +416,13 @@ async fn start_prod(args: &BenchArgs, workers: usize, env: Vec<(String, String)>
 
 async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
     let workers = workers_per_service(args.workers_per_service);
-    println!("prod  {PROD_SERVICES} services, {workers} Tokio worker thread(s) each");
+    println!(
+        "prod  {PROD_SERVICES} services, {workers} Tokio worker thread(s) each, calling each other over {}",
+        match args.transport {
+            Transport::Tcp => "loopback TCP",
+            Transport::Unix => "Unix domain sockets",
+        }
+    );
     let ProdShape { pg, _redis, mesh } = start_prod(args, workers, Vec::new()).await?;
     let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };
     let pid = |p: &warden_testkit::ServiceProcess| p.pid().into_iter().collect::<Vec<u32>>();

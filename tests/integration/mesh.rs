@@ -57,6 +57,48 @@ async fn hello_plan_runs_through_every_service_on_postgres() {
     hello_plan_runs_through_every_service(Backend::Postgres).await;
 }
 
+/// Services sharing a node may name each other by Unix domain socket (`listen_unix`,
+/// `unix:` endpoints): a whole run goes through them — the mesh's services are given no other
+/// address of each other — with the same authentication as over TCP: a call on a service's
+/// socket without a token, or with another tenant's, is refused.
+#[tokio::test]
+async fn services_sharing_a_node_call_each_other_over_unix_sockets() {
+    use tonic::Code;
+    let (ops, acme, globex) = ("ops-token-0123456789abcdef", "acme-token-0123456789abcd", "globex-token-0123456789ab");
+    let opts = MeshOptions {
+        unix_sockets: true,
+        auth_tokens: vec![(ops.into(), "*".into()), (acme.into(), "acme".into()), (globex.into(), "globex".into())],
+        service_token: ops.into(),
+        ..MeshOptions::default()
+    };
+    let mesh = mesh_with(Backend::Postgres, opts).await;
+    let socket = mesh.dir.path().join("ledger.sock").display().to_string();
+    let named = |key: &str| mesh.executors[0].env_var(key).unwrap_or_default().to_string();
+    assert_eq!(named("WARDEN_EXECUTOR__LEDGER_ENDPOINT"), format!("unix:{socket}"));
+    assert!(named("WARDEN_EXECUTOR__TOOL_HOSTS").contains("unix:"), "{}", named("WARDEN_EXECUTOR__TOOL_HOSTS"));
+
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: HELLO.into(), ..Default::default() };
+    let run_id = mesh.runs_as(acme).submit_run(req).await.expect("submit").into_inner().run_id;
+    let run = settled(&mesh, "acme", &run_id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}: {}\n{}", run.reason, run_id, mesh.logs());
+    assert_eq!(mesh.outbox().len(), 1, "exactly one email");
+
+    let endpoint = format!("unix:{socket}");
+    let get = || pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() };
+    let ledger = |token: &str| {
+        pb::ledger_client::LedgerClient::new(warden_grpc::channel_with_token(&endpoint, token).expect("channel"))
+    };
+    let read = ledger(acme).get_run(get()).await.expect("the tenant reads its run over the socket");
+    assert_eq!(read.into_inner().status(), pb::RunStatus::Completed);
+    let bare = tonic::transport::Endpoint::from_shared(endpoint.clone()).expect("endpoint").connect_lazy();
+    let nobody = pb::ledger_client::LedgerClient::new(bare).get_run(get()).await.expect_err("no token");
+    assert_eq!(nobody.code(), Code::Unauthenticated, "{nobody:?}");
+    let other = ledger(globex).get_run(get()).await.expect_err("another tenant's token");
+    assert_eq!(other.code(), Code::PermissionDenied, "{other:?}");
+    let mut ledger = ledger(ops);
+    assert!(verify(&mut ledger, "acme", &run_id).await.valid);
+}
+
 #[tokio::test]
 async fn direct_response_and_empty_plan_finish_without_tools() {
     let mesh = mesh_on(Backend::Sqlite).await;

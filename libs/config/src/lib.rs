@@ -24,6 +24,21 @@ fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key: key.to_string(), reason: reason.into() }
 }
 
+/// Longest Unix domain socket path Linux accepts (`sun_path` holds 108 bytes, NUL included).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// A Unix domain socket path a service may listen on or connect to: absolute (a relative one
+/// would depend on each process's working directory) and short enough for the kernel.
+fn unix_socket_path(path: &str) -> Result<(), String> {
+    if !path.starts_with('/') {
+        return Err(format!("'{path}' must be an absolute path"));
+    }
+    if path.len() > MAX_SOCKET_PATH {
+        return Err(format!("'{path}' is longer than {MAX_SOCKET_PATH} bytes, the most a socket path may be"));
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WardenConfig {
@@ -70,6 +85,9 @@ pub struct AuthConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct LedgerConfig {
     pub listen: String,
+    /// Also serve on this Unix domain socket (an absolute path; empty: none), for co-located
+    /// clients, which name it as the endpoint `unix:<path>`: no TCP/IP stack between them.
+    pub listen_unix: String,
     /// `sqlite://path` (embedded default) or `postgres://…`.
     pub database_url: String,
     pub max_connections: u32,
@@ -98,6 +116,7 @@ impl Default for LedgerConfig {
     fn default() -> Self {
         LedgerConfig {
             listen: "127.0.0.1:7101".into(),
+            listen_unix: String::new(),
             database_url: "sqlite://.warden/ledger.db".into(),
             max_connections: 16,
             max_payload_bytes: 1 << 20,
@@ -161,6 +180,9 @@ pub struct TenantPolicy {
 #[serde(default, deny_unknown_fields)]
 pub struct PolicyConfig {
     pub listen: String,
+    /// Also serve on this Unix domain socket (an absolute path; empty: none), for co-located
+    /// clients, which name it as the endpoint `unix:<path>`: no TCP/IP stack between them.
+    pub listen_unix: String,
     pub ledger_endpoint: String,
     /// Ed25519 signing key seed (hex); created with mode 0600 when missing.
     pub key_file: String,
@@ -205,6 +227,7 @@ impl Default for PolicyConfig {
     fn default() -> Self {
         PolicyConfig {
             listen: "127.0.0.1:7102".into(),
+            listen_unix: String::new(),
             ledger_endpoint: "http://127.0.0.1:7101".into(),
             key_file: ".warden/policy.key".into(),
             database_url: "sqlite://.warden/policy.db".into(),
@@ -279,6 +302,9 @@ fn default_max_line_length() -> usize {
 #[serde(default, deny_unknown_fields)]
 pub struct PlannerConfig {
     pub listen: String,
+    /// Also serve on this Unix domain socket (an absolute path; empty: none), for co-located
+    /// clients, which name it as the endpoint `unix:<path>`: no TCP/IP stack between them.
+    pub listen_unix: String,
     pub tool_hosts: Vec<String>,
     pub max_steps: usize,
     /// Model calls are authorized here (`model.call`) and their cost recorded.
@@ -422,6 +448,7 @@ impl Default for PlannerConfig {
     fn default() -> Self {
         PlannerConfig {
             listen: "127.0.0.1:7103".into(),
+            listen_unix: String::new(),
             tool_hosts: vec!["http://127.0.0.1:7105".into()],
             max_steps: 10,
             policy_endpoint: "http://127.0.0.1:7102".into(),
@@ -472,6 +499,9 @@ impl PlannerConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ExecutorConfig {
     pub listen: String,
+    /// Also serve on this Unix domain socket (an absolute path; empty: none), for co-located
+    /// clients, which name it as the endpoint `unix:<path>`: no TCP/IP stack between them.
+    pub listen_unix: String,
     pub ledger_endpoint: String,
     pub policy_endpoint: String,
     pub planner_endpoint: String,
@@ -526,6 +556,7 @@ impl Default for ExecutorConfig {
     fn default() -> Self {
         ExecutorConfig {
             listen: "127.0.0.1:7100".into(),
+            listen_unix: String::new(),
             ledger_endpoint: "http://127.0.0.1:7101".into(),
             policy_endpoint: "http://127.0.0.1:7102".into(),
             planner_endpoint: "http://127.0.0.1:7103".into(),
@@ -550,6 +581,9 @@ impl Default for ExecutorConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ToolsConfig {
     pub listen: String,
+    /// Also serve on this Unix domain socket (an absolute path; empty: none), for co-located
+    /// clients, which name it as the endpoint `unix:<path>`: no TCP/IP stack between them.
+    pub listen_unix: String,
     pub policy_endpoint: String,
     /// The ledger, whose published key verifies the acknowledgement every call must carry
     /// that its request is durably recorded.
@@ -577,6 +611,7 @@ impl Default for ToolsConfig {
     fn default() -> Self {
         ToolsConfig {
             listen: "127.0.0.1:7105".into(),
+            listen_unix: String::new(),
             policy_endpoint: "http://127.0.0.1:7102".into(),
             ledger_endpoint: "http://127.0.0.1:7101".into(),
             outbox_path: ".warden/outbox.jsonl".into(),
@@ -623,14 +658,18 @@ impl WardenConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        for (key, addr) in [
-            ("ledger.listen", &self.ledger.listen),
-            ("policy.listen", &self.policy.listen),
-            ("planner.listen", &self.planner.listen),
-            ("executor.listen", &self.executor.listen),
-            ("tools.listen", &self.tools.listen),
+        for (section, addr, unix) in [
+            ("ledger", &self.ledger.listen, &self.ledger.listen_unix),
+            ("policy", &self.policy.listen, &self.policy.listen_unix),
+            ("planner", &self.planner.listen, &self.planner.listen_unix),
+            ("executor", &self.executor.listen, &self.executor.listen_unix),
+            ("tools", &self.tools.listen, &self.tools.listen_unix),
         ] {
-            addr.parse::<SocketAddr>().map_err(|e| invalid(key, format!("'{addr}' is not host:port ({e})")))?;
+            addr.parse::<SocketAddr>()
+                .map_err(|e| invalid(&format!("{section}.listen"), format!("'{addr}' is not host:port ({e})")))?;
+            if !unix.is_empty() {
+                unix_socket_path(unix).map_err(|reason| invalid(&format!("{section}.listen_unix"), reason))?;
+            }
         }
         let mut endpoints = vec![
             ("policy.ledger_endpoint", &self.policy.ledger_endpoint),
@@ -647,8 +686,11 @@ impl WardenConfig {
         endpoints.extend(self.planner.tool_hosts.iter().map(|e| ("planner.tool_hosts", e)));
         endpoints.extend(self.executor.tool_hosts.iter().map(|e| ("executor.tool_hosts", e)));
         for (key, e) in endpoints {
-            if !(e.starts_with("http://") || e.starts_with("https://")) {
-                return Err(invalid(key, format!("'{e}' must be an http:// or https:// URL")));
+            // As the gRPC client reads it: `unix://` then `unix:` stripped, the rest the path.
+            if let Some(path) = e.strip_prefix("unix://").or_else(|| e.strip_prefix("unix:")) {
+                unix_socket_path(path).map_err(|reason| invalid(key, format!("'{e}': {reason}")))?;
+            } else if !(e.starts_with("http://") || e.starts_with("https://")) {
+                return Err(invalid(key, format!("'{e}' must be an http:// or https:// URL, or unix:/path")));
             }
         }
         self.planner.validate()?;
@@ -829,6 +871,29 @@ mod tests {
         let c = WardenConfig::from_figment(f).unwrap();
         assert_eq!(c.planner.model_for("acme").unwrap().provider, "anthropic");
         assert_eq!(c.planner.model_for("globex").unwrap().model, "smollm2");
+    }
+
+    #[test]
+    fn unix_sockets_are_absolute_short_paths() {
+        let ok = "[ledger]\nlisten_unix = \"/run/warden/ledger.sock\"\n\
+                  [executor]\nledger_endpoint = \"unix:/run/warden/ledger.sock\"\n\
+                  tool_hosts = [\"unix:///run/warden/tools.sock\"]\n";
+        let f = Figment::from(Serialized::defaults(WardenConfig::default())).merge(Toml::string(ok));
+        let c = WardenConfig::from_figment(f).unwrap();
+        assert_eq!(c.ledger.listen_unix, "/run/warden/ledger.sock");
+        let long = format!("/{}", "s".repeat(MAX_SOCKET_PATH));
+        let cases = [
+            ("[policy]\nlisten_unix = \"warden/policy.sock\"\n".to_string(), "policy.listen_unix"),
+            (format!("[tools]\nlisten_unix = \"{long}\"\n"), "tools.listen_unix"),
+            ("[executor]\npolicy_endpoint = \"unix:policy.sock\"\n".to_string(), "executor.policy_endpoint"),
+            ("[tools]\nledger_endpoint = \"unix://run/ledger.sock\"\n".to_string(), "tools.ledger_endpoint"),
+            ("[planner]\ntool_hosts = [\"ftp://host\"]\n".to_string(), "planner.tool_hosts"),
+        ];
+        for (toml, key) in cases {
+            let f = Figment::from(Serialized::defaults(WardenConfig::default())).merge(Toml::string(&toml));
+            let e = WardenConfig::from_figment(f).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml}: {e}");
+        }
     }
 
     #[test]

@@ -3,7 +3,6 @@
 //! announce both.
 
 use clap::Parser;
-use tokio::net::TcpListener;
 use warden_config::WardenConfig;
 
 #[derive(Parser)]
@@ -20,18 +19,20 @@ struct ServiceArgs {
 
 pub struct Launched {
     pub config: WardenConfig,
-    pub listener: TcpListener,
+    /// The TCP listener, and the Unix domain socket when the section names one.
+    pub listener: crate::Listeners,
     /// The tokens this server accepts.
     pub tokens: crate::auth::Tokens,
     /// Exports the process's spans until dropped (at the end of `main`, after serving).
     pub telemetry: warden_telemetry::Telemetry,
 }
 
-/// Prepares `binary` to serve the section `service`, listening where `listen` says.
+/// Prepares `binary` to serve the section `service`, listening where `listen` says: its TCP
+/// address, and its Unix domain socket path (empty: none).
 pub async fn launch(
     binary: &'static str,
     service: &str,
-    listen: fn(&WardenConfig) -> &str,
+    listen: fn(&WardenConfig) -> (&str, &str),
 ) -> anyhow::Result<Launched> {
     let args = ServiceArgs::parse();
     let config = WardenConfig::load(args.config.as_deref())?;
@@ -40,7 +41,16 @@ pub async fn launch(
     let tokens = crate::auth::Tokens::new(&config.auth.tokens);
     // Announced before the gRPC address, which supervisors take as "started".
     warden_telemetry::metrics::start(service, args.metrics_listen.as_deref(), &config.telemetry.metrics_listen).await?;
-    let listener = crate::bind(listen(&config)).await?;
-    crate::announce(service, listener.local_addr()?);
-    Ok(Launched { config, listener, tokens, telemetry })
+    let (tcp, unix) = listen(&config);
+    let unix = match unix {
+        "" => None,
+        path => Some(crate::bind_unix(path).await?),
+    };
+    let tcp = crate::bind(tcp).await?;
+    if let Some(socket) = &unix {
+        tracing::info!(socket = %socket.path().display(), "also serving on a Unix domain socket");
+    }
+    // The TCP address last: supervisors take it as "started".
+    crate::announce(service, tcp.local_addr()?);
+    Ok(Launched { config, listener: crate::Listeners { tcp, unix }, tokens, telemetry })
 }

@@ -13,7 +13,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
@@ -38,12 +38,93 @@ pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
     TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr: addr.to_string(), source })
 }
 
+/// Where a server listens: its TCP address, and a Unix domain socket beside it for clients on
+/// the same node (see [`bind_unix`]).
+pub struct Listeners {
+    pub tcp: TcpListener,
+    pub unix: Option<UnixSocket>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(tcp: TcpListener) -> Listeners {
+        Listeners { tcp, unix: None }
+    }
+}
+
+/// A bound Unix domain socket and the lock that makes it this process's (see [`bind_unix`]).
+#[derive(Debug)]
+pub struct UnixSocket {
+    listener: UnixListener,
+    path: std::path::PathBuf,
+    /// An exclusive lock on `<path>.lock`, held while the process serves the socket.
+    _lock: std::fs::File,
+}
+
+impl UnixSocket {
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+/// Mode of a bound socket: the service's own user and group may connect (a peer under
+/// another user of the same group included), nobody else.
+const SOCKET_MODE: u32 = 0o660;
+
+/// Binds a Unix domain socket at `path`, which clients reach as the endpoint `unix:<path>`.
+///
+/// Co-located services (a pod's containers sharing a volume, processes on one host) then talk
+/// without the kernel's TCP/IP stack: the same HTTP/2 and gRPC, the same authentication as
+/// over TCP (the routes' token checks), the same limits. The socket is made mode 0660; the
+/// directory's permissions apply as well.
+///
+/// The server holds an exclusive lock on `<path>.lock` while it serves: a second server for
+/// the same path is refused (even while the first still drains its calls after a stop), and
+/// a socket file found while holding the lock was left by a server that died, so it is
+/// replaced. A path that is not a socket, or a socket something else still answers on, is
+/// refused rather than taken over.
+pub async fn bind_unix(path: &str) -> Result<UnixSocket, ServeError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let refused = |source| ServeError::Bind { addr: format!("unix:{path}"), source };
+    let refuse = |kind, what: &str| refused(std::io::Error::new(kind, what.to_string()));
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(format!("{path}.lock"))
+        .map_err(refused)?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(refuse(std::io::ErrorKind::AddrInUse, "another server holds this socket"));
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(refused(e)),
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            return Err(refuse(std::io::ErrorKind::AlreadyExists, "the path exists and is not a socket"));
+        }
+        Ok(_) => {
+            // No Warden server holds the lock: a server that died left it, unless a process
+            // of another kind answers on it.
+            if tokio::net::UnixStream::connect(path).await.is_ok() {
+                return Err(refuse(std::io::ErrorKind::AddrInUse, "another process answers on this socket"));
+            }
+            std::fs::remove_file(path).map_err(refused)?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(refused(e)),
+    }
+    let listener = UnixListener::bind(path).map_err(refused)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(SOCKET_MODE)).map_err(refused)?;
+    Ok(UnixSocket { listener, path: path.into(), _lock: lock })
+}
+
 /// Serves `routes` on `listener` with gRPC health (every name in `services` reported
 /// SERVING, plus the empty overall name) and reflection over the warden.v1 descriptors —
 /// both `grpc.reflection.v1` and `grpc.reflection.v1alpha`, since grpcurl, grpcui, Postman
 /// and evans still ask v1alpha — until `shutdown` resolves.
 pub async fn serve(
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     routes: Routes,
     services: &[&str],
     shutdown: impl Future<Output = ()> + Send,
@@ -54,7 +135,7 @@ pub async fn serve(
 /// [`serve`], and the same routes, layers included, to this process's own clients through
 /// `inproc` (see [`inproc`]).
 pub async fn serve_with_inproc(
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     inproc: Option<inproc::Incoming>,
     routes: Routes,
     services: &[&str],
@@ -85,14 +166,24 @@ pub async fn serve_with_inproc(
     let stopped = |mut stopping: tokio::sync::watch::Receiver<()>| async move {
         let _ = stopping.changed().await;
     };
+    let Listeners { tcp, unix } = listener.into();
+    let (unix, socket) = match unix {
+        Some(UnixSocket { listener, path, _lock }) => (Some(listener), Some((path, _lock))),
+        None => (None, None),
+    };
     let signal = async move {
         shutdown.await;
         let _ = stop.send(());
-        Ok(())
+        // New connections end with the stop; the file goes now, not once every call has
+        // drained (the lock, held until this server ends, keeps a successor from binding).
+        if let Some((path, _)) = &socket {
+            let _ = std::fs::remove_file(path);
+        }
+        Ok(socket)
     };
     // Agents' steps are latency-bound request/response calls: no Nagle delay (set on the
     // incoming stream, which owns the accepted sockets).
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = TcpIncoming::from(tcp).with_nodelay(Some(true));
     let network = server().serve_with_incoming_shutdown(incoming, stopped(stopping.clone()));
     let local = async {
         match inproc {
@@ -100,7 +191,17 @@ pub async fn serve_with_inproc(
             None => Ok(()),
         }
     };
-    tokio::try_join!(signal, network, local)?;
+    let node = async {
+        match unix {
+            Some(unix) => {
+                let connections = tokio_stream::wrappers::UnixListenerStream::new(unix);
+                server().serve_with_incoming_shutdown(connections, stopped(stopping.clone())).await
+            }
+            None => Ok(()),
+        }
+    };
+    // The lock is released once every server has ended (or on an error, with the process).
+    let (_socket, (), (), ()) = tokio::try_join!(signal, network, local, node)?;
     Ok(())
 }
 
@@ -402,5 +503,61 @@ mod tests {
         }
         let _ = stop.send(());
         server.await.expect("server task").expect("served");
+    }
+
+    async fn health(endpoint: &str) -> Result<tonic_health::pb::health_check_response::ServingStatus, tonic::Status> {
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_client::HealthClient;
+        let channel = super::channel(endpoint).expect("channel");
+        let ask = HealthCheckRequest { service: "warden.test".into() };
+        Ok(HealthClient::new(channel).check(ask).await?.into_inner().status())
+    }
+
+    /// A server answers on its Unix domain socket as on TCP; the socket file goes when the
+    /// server stops; a stale one is replaced, while a live socket or a file that is not a
+    /// socket is refused.
+    #[tokio::test]
+    async fn a_server_answers_on_its_unix_socket_too() {
+        use tonic_health::pb::health_check_response::ServingStatus;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("svc.sock").display().to_string();
+        let serve = |unix| async {
+            let tcp = super::bind("127.0.0.1:0").await.expect("bind");
+            let endpoint = super::endpoint_of(tcp.local_addr().expect("addr"));
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let listeners = super::Listeners { tcp, unix: Some(unix) };
+            let server = tokio::spawn(super::serve(listeners, Routes::default(), &["warden.test"], async {
+                let _ = stopped.await;
+            }));
+            (endpoint, stop, server)
+        };
+        let (tcp, stop, server) = serve(super::bind_unix(&path).await.expect("bind the socket")).await;
+        for endpoint in [format!("unix:{path}"), format!("unix://{path}"), tcp] {
+            assert_eq!(health(&endpoint).await.expect(&endpoint), ServingStatus::Serving, "{endpoint}");
+        }
+        let taken = super::bind_unix(&path).await.expect_err("a served socket is not taken over");
+        assert!(taken.to_string().contains("another server holds"), "{taken}");
+        let _ = stop.send(());
+        server.await.expect("server task").expect("served");
+        assert!(!std::path::Path::new(&path).exists(), "the socket file goes with the server");
+
+        // A socket nobody serves (its server died) is replaced.
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("a stale socket"));
+        let (_, stop, server) = serve(super::bind_unix(&path).await.expect("the stale socket is replaced")).await;
+        assert_eq!(health(&format!("unix:{path}")).await.expect("answered"), ServingStatus::Serving);
+        let _ = stop.send(());
+        server.await.expect("server task").expect("served");
+
+        // A socket a process of another kind answers on is left to it.
+        let other = dir.path().join("other.sock").display().to_string();
+        let _answering = std::os::unix::net::UnixListener::bind(&other).expect("another process's socket");
+        let refused = super::bind_unix(&other).await.expect_err("answered by another process");
+        assert!(refused.to_string().contains("another process answers"), "{refused}");
+
+        let file = dir.path().join("not-a-socket").display().to_string();
+        std::fs::write(&file, b"data").expect("a file");
+        let refused = super::bind_unix(&file).await.expect_err("not a socket");
+        assert!(refused.to_string().contains("not a socket"), "{refused}");
+        assert_eq!(std::fs::read(&file).expect("left alone"), b"data");
     }
 }

@@ -59,6 +59,9 @@ pub struct MeshOptions {
     pub extra_hosts: Vec<ExtraHost>,
     /// Environment every service process gets (e.g. `OTEL_EXPORTER_OTLP_ENDPOINT`).
     pub env: Vec<(String, String)>,
+    /// The services call each other over Unix domain sockets in the mesh's directory (each
+    /// also listens on TCP, where the test's own clients reach it) instead of loopback TCP.
+    pub unix_sockets: bool,
 }
 
 /// A tool host process beyond the demo host, started after the ledger and the policy.
@@ -103,6 +106,7 @@ impl Default for MeshOptions {
             service_token: String::new(),
             extra_hosts: Vec::new(),
             env: Vec::new(),
+            unix_sockets: false,
         }
     }
 }
@@ -188,6 +192,11 @@ impl ServiceProcess {
     }
 
     /// Changes an environment variable for the next (re)start.
+    /// The value of `key` in the process's environment as the mesh set it (last setting wins).
+    pub fn env_var(&self, key: &str) -> Option<&str> {
+        self.env.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+
     pub fn set_env(&mut self, key: &str, value: &str) {
         self.env.retain(|(k, _)| k != key);
         self.env.push((key.to_string(), value.to_string()));
@@ -365,6 +374,11 @@ impl Mesh {
             env
         };
         let log = |n: &str| dir.path().join(format!("{n}.log"));
+        // With Unix sockets, each service also listens on `<dir>/<name>.sock`, known before it
+        // starts, and the services name each other by it; otherwise by TCP address.
+        let socket = |n: &str| dir.path().join(format!("{n}.sock")).display().to_string();
+        let listen_unix = |n: &str| if opts.unix_sockets { socket(n) } else { String::new() };
+        let peer = |n: &str, tcp: &str| if opts.unix_sockets { format!("unix:{}", socket(n)) } else { tcp.to_string() };
         // The ledger verifies decisions with the policy's keys and the policy records into the
         // ledger: the policy's address is chosen first so each can name the other. Another
         // process may take that free port before the policy binds it: then both start again on
@@ -381,7 +395,8 @@ impl Mesh {
                     binary("warden-ledger")?,
                     base(&[
                         ("WARDEN_LEDGER__LISTEN", "127.0.0.1:0"),
-                        ("WARDEN_LEDGER__POLICY_ENDPOINT", &format!("http://{policy_addr}")),
+                        ("WARDEN_LEDGER__LISTEN_UNIX", &listen_unix("ledger")),
+                        ("WARDEN_LEDGER__POLICY_ENDPOINT", &peer("policy", &format!("http://{policy_addr}"))),
                     ]),
                     log("ledger"),
                 )?;
@@ -390,8 +405,9 @@ impl Mesh {
                     binary("warden-policy")?,
                     base(&[
                         ("WARDEN_POLICY__LISTEN", &policy_addr),
-                        ("WARDEN_POLICY__LEDGER_ENDPOINT", &ledger.endpoint),
-                        ("WARDEN_POLICY__PLANNER_ENDPOINT", &format!("http://{planner_addr}")),
+                        ("WARDEN_POLICY__LISTEN_UNIX", &listen_unix("policy")),
+                        ("WARDEN_POLICY__LEDGER_ENDPOINT", &peer("ledger", &ledger.endpoint)),
+                        ("WARDEN_POLICY__PLANNER_ENDPOINT", &peer("planner", &format!("http://{planner_addr}"))),
                     ]),
                     log("policy"),
                 );
@@ -407,8 +423,9 @@ impl Mesh {
             binary("warden-tools")?,
             base(&[
                 ("WARDEN_TOOLS__LISTEN", "127.0.0.1:0"),
-                ("WARDEN_TOOLS__POLICY_ENDPOINT", &policy.endpoint),
-                ("WARDEN_TOOLS__LEDGER_ENDPOINT", &ledger.endpoint),
+                ("WARDEN_TOOLS__LISTEN_UNIX", &listen_unix("tools")),
+                ("WARDEN_TOOLS__POLICY_ENDPOINT", &peer("policy", &policy.endpoint)),
+                ("WARDEN_TOOLS__LEDGER_ENDPOINT", &peer("ledger", &ledger.endpoint)),
             ]),
             log("tools"),
         )?;
@@ -420,8 +437,10 @@ impl Mesh {
             env.push((h.ledger_endpoint_var.clone(), ledger.endpoint.clone()));
             extra_hosts.push(ServiceProcess::start(h.name, binary(&h.binary)?, env, log(h.name))?);
         }
-        let endpoints: Vec<String> =
-            std::iter::once(&tools).chain(&extra_hosts).map(|p| format!("\"{}\"", p.endpoint)).collect();
+        let endpoints: Vec<String> = std::iter::once(peer("tools", &tools.endpoint))
+            .chain(extra_hosts.iter().map(|p| p.endpoint.clone()))
+            .map(|e| format!("\"{e}\""))
+            .collect();
         let hosts = format!("[{}]", endpoints.join(", "));
         // Another process may have taken the planner's port since it was chosen: then the
         // planner takes another and the policy is started again knowing it.
@@ -434,9 +453,10 @@ impl Mesh {
                 binary("warden-planner")?,
                 base(&[
                     ("WARDEN_PLANNER__LISTEN", &planner_addr),
+                    ("WARDEN_PLANNER__LISTEN_UNIX", &listen_unix("planner")),
                     ("WARDEN_PLANNER__TOOL_HOSTS", &hosts),
-                    ("WARDEN_PLANNER__POLICY_ENDPOINT", &policy.endpoint),
-                    ("WARDEN_PLANNER__LEDGER_ENDPOINT", &ledger.endpoint),
+                    ("WARDEN_PLANNER__POLICY_ENDPOINT", &peer("policy", &policy.endpoint)),
+                    ("WARDEN_PLANNER__LEDGER_ENDPOINT", &peer("ledger", &ledger.endpoint)),
                 ]),
                 log("planner"),
             );
@@ -444,7 +464,10 @@ impl Mesh {
                 Ok(planner) => break planner,
                 Err(e) if tries < 5 && e.to_string().contains("Address already in use") => {
                     planner_addr = format!("127.0.0.1:{}", crate::procs::free_port()?);
-                    policy.set_env("WARDEN_POLICY__PLANNER_ENDPOINT", &format!("http://{planner_addr}"));
+                    policy.set_env(
+                        "WARDEN_POLICY__PLANNER_ENDPOINT",
+                        &peer("planner", &format!("http://{planner_addr}")),
+                    );
                     policy.restart()?;
                 }
                 Err(e) => return Err(e),
@@ -458,9 +481,9 @@ impl Mesh {
                 binary("warden-executor")?,
                 base(&[
                     ("WARDEN_EXECUTOR__LISTEN", "127.0.0.1:0"),
-                    ("WARDEN_EXECUTOR__LEDGER_ENDPOINT", &ledger.endpoint),
-                    ("WARDEN_EXECUTOR__POLICY_ENDPOINT", &policy.endpoint),
-                    ("WARDEN_EXECUTOR__PLANNER_ENDPOINT", &planner.endpoint),
+                    ("WARDEN_EXECUTOR__LEDGER_ENDPOINT", &peer("ledger", &ledger.endpoint)),
+                    ("WARDEN_EXECUTOR__POLICY_ENDPOINT", &peer("policy", &policy.endpoint)),
+                    ("WARDEN_EXECUTOR__PLANNER_ENDPOINT", &peer("planner", &planner.endpoint)),
                     ("WARDEN_EXECUTOR__TOOL_HOSTS", &hosts),
                     ("WARDEN_EXECUTOR__EXECUTOR_ID", &id),
                 ]),
@@ -484,7 +507,7 @@ impl Mesh {
     /// load balancer), on a port of its own.
     pub fn another_ledger(&self) -> anyhow::Result<ServiceProcess> {
         let mut env = self.ledger.env.clone();
-        env.retain(|(k, _)| k != "WARDEN_LEDGER__LISTEN");
+        env.retain(|(k, _)| k != "WARDEN_LEDGER__LISTEN" && k != "WARDEN_LEDGER__LISTEN_UNIX");
         env.push(("WARDEN_LEDGER__LISTEN".into(), "127.0.0.1:0".into()));
         let log = self.ledger.log.with_file_name("ledger-replica.log");
         ServiceProcess::start("ledger-replica", self.ledger.bin.clone(), env, log)

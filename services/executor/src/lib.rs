@@ -17,7 +17,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
@@ -324,7 +323,7 @@ pub fn add_routes(routes: &mut RoutesBuilder, executor: Executor, tokens: &Token
 pub async fn serve(
     config: &ExecutorConfig,
     tokens: Tokens,
-    listener: TcpListener,
+    listener: impl Into<warden_grpc::Listeners>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let executor = Executor::new(config).await?;

@@ -9,7 +9,6 @@ pub mod group;
 pub mod server;
 pub mod store;
 
-use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
 use warden_config::LedgerConfig;
@@ -45,7 +44,7 @@ pub const SERVICES: &[&str] = &["warden.v1.Ledger"];
 pub async fn serve(
     config: &LedgerConfig,
     tokens: Tokens,
-    listener: TcpListener,
+    listener: impl Into<warden_grpc::Listeners>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let service = open(config).await?;

@@ -7,6 +7,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let l = warden_grpc::launch::launch("warden-ledger", "ledger", |c| &c.ledger.listen).await?;
+    let l =
+        warden_grpc::launch::launch("warden-ledger", "ledger", |c| (&c.ledger.listen, &c.ledger.listen_unix)).await?;
     warden_ledger::serve(&l.config.ledger, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
 }

@@ -31,7 +31,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::net::TcpListener;
 use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
 use warden_core::canonical::args_digest;
@@ -301,7 +300,7 @@ pub fn add_routes(routes: &mut RoutesBuilder, host: McpHost) {
 /// tool host it needs no caller token: what it acts on is what the two proofs allow.
 pub async fn serve(
     host: McpHost,
-    listener: TcpListener,
+    listener: impl Into<warden_grpc::Listeners>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let mut routes = Routes::builder();

@@ -16,7 +16,6 @@ pub mod schema;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
@@ -344,7 +343,7 @@ pub const SERVICES: &[&str] = &["warden.v1.Planner"];
 pub async fn serve(
     config: &PlannerConfig,
     tokens: Tokens,
-    listener: TcpListener,
+    listener: impl Into<warden_grpc::Listeners>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let mut routes = Routes::builder();

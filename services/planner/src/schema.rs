@@ -159,10 +159,19 @@ impl Offer {
 /// names a grammar rule after a reference's last segment, so two tools' `Address` must not
 /// share a name. Its local references are rewritten to where things now are; left as they
 /// were, they would be resolved against the response schema's root and find nothing.
-/// (Definitions nested below a property's own object schema are not kept by [`strict`];
-/// references into them still point nowhere.)
+/// Definitions nested deeper (below a property's own object schema, or a definition's) stay
+/// where they are ([`strict`] keeps them), renamed apart too ([`rename_nested_defs`]), and
+/// pointers into them are rebased like any other.
 fn embed(schema: &Value, i: usize, defs: &mut Map<String, Value>) {
+    let mut renamed = schema.clone();
+    rename_nested_defs(&mut renamed, i);
+    let schema = &renamed;
     let mut params = strict(schema);
+    // The top level's own definitions are hoisted below, not kept twice.
+    if let Some(p) = params.as_object_mut() {
+        p.remove("$defs");
+        p.remove("definitions");
+    }
     rebase_refs(&mut params, i);
     if let Some(declared) = schema.as_object() {
         for (key, tag) in [("$defs", ""), ("definitions", "d_")] {
@@ -176,6 +185,80 @@ fn embed(schema: &Value, i: usize, defs: &mut Map<String, Value>) {
         }
     }
     defs.insert(format!("warden_params_{i}"), params);
+}
+
+/// Gives every definition below tool `i`'s top level a name of the tool's own, unique within
+/// it (`warden_{i}_n{k}_{name}`), and points the tool's references to it there: grammar rules
+/// are named after a reference's last segment, and two nested `address` definitions of
+/// different shapes must not become one rule. (The top level's own are renamed when hoisted,
+/// see [`embed`].)
+fn rename_nested_defs(schema: &mut Value, i: usize) {
+    fn escape(name: &str) -> String {
+        name.replace('~', "~0").replace('/', "~1")
+    }
+    fn collect(v: &mut Value, pointer: &str, depth: usize, i: usize, renames: &mut Vec<(String, String)>) {
+        match v {
+            Value::Object(members) => {
+                for key in ["$defs", "definitions"] {
+                    let Some(Value::Object(own)) = members.get_mut(key) else { continue };
+                    if depth > 0 {
+                        let names: Vec<String> = own.keys().cloned().collect();
+                        for name in names {
+                            let new = format!("warden_{i}_n{}_{name}", renames.len());
+                            renames.push((
+                                format!("{pointer}/{key}/{}", escape(&name)),
+                                format!("{pointer}/{key}/{}", escape(&new)),
+                            ));
+                            if let Some(d) = own.remove(&name) {
+                                own.insert(new, d);
+                            }
+                        }
+                    }
+                }
+                for (key, child) in members.iter_mut() {
+                    let here = format!("{pointer}/{}", escape(key));
+                    match key.as_str() {
+                        "enum" | "const" | "default" | "examples" => {}
+                        "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                            if let Value::Object(named) = child {
+                                for (name, s) in named.iter_mut() {
+                                    collect(s, &format!("{here}/{}", escape(name)), depth + 1, i, renames);
+                                }
+                            }
+                        }
+                        _ => collect(child, &here, depth + 1, i, renames),
+                    }
+                }
+            }
+            Value::Array(items) => {
+                for (n, item) in items.iter_mut().enumerate() {
+                    collect(item, &format!("{pointer}/{n}"), depth + 1, i, renames);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut renames = Vec::new();
+    collect(schema, "", 0, i, &mut renames);
+    if renames.is_empty() {
+        return;
+    }
+    each_ref(schema, &mut |r| {
+        let Some(target) = r.strip_prefix('#') else { return };
+        // Outer definitions were renamed first: a pointer into a nested one takes each
+        // rename on its way down, in order.
+        let mut to = target.to_string();
+        for (old, new) in &renames {
+            if let Some(rest) = to.strip_prefix(old.as_str())
+                && (rest.is_empty() || rest.starts_with('/'))
+            {
+                to = format!("{new}{rest}");
+            }
+        }
+        if to != target {
+            *r = format!("#{to}");
+        }
+    });
 }
 
 /// Where a local reference of tool `i`'s schema points once embedded ([`embed`]); `None`
@@ -196,40 +279,47 @@ fn rebased(reference: &str, i: usize) -> Option<String> {
     Some(format!("#/$defs/warden_params_{i}/{pointer}"))
 }
 
-/// Rewrites every local `$ref` of tool `i`'s schema ([`rebased`]). Members that map names to
-/// schemas (`properties`, `$defs`, …) are schemas whatever their names (a property may be
-/// called `default` or `$ref`); `enum`, `const`, `default` and `examples` hold data, left
-/// alone.
+/// Rewrites every local `$ref` of tool `i`'s schema ([`rebased`]).
 fn rebase_refs(schema: &mut Value, i: usize) {
+    each_ref(schema, &mut |r| {
+        if let Some(to) = rebased(r, i) {
+            *r = to;
+        }
+    });
+}
+
+/// Calls `f` on every `$ref` of a schema. Members that map names to schemas (`properties`,
+/// `$defs`, …) are schemas whatever their names (a property may be called `default` or
+/// `$ref`); `enum`, `const`, `default` and `examples` hold data, left alone.
+fn each_ref(schema: &mut Value, f: &mut impl FnMut(&mut String)) {
     match schema {
         Value::Object(members) => {
             for (key, v) in members.iter_mut() {
                 match key.as_str() {
                     "$ref" => {
-                        if let Value::String(r) = v
-                            && let Some(to) = rebased(r, i)
-                        {
-                            *r = to;
+                        if let Value::String(r) = v {
+                            f(r);
                         }
                     }
                     "enum" | "const" | "default" | "examples" => {}
                     "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
                         if let Value::Object(named) = v {
-                            named.values_mut().for_each(|s| rebase_refs(s, i));
+                            named.values_mut().for_each(|s| each_ref(s, f));
                         }
                     }
-                    _ => rebase_refs(v, i),
+                    _ => each_ref(v, f),
                 }
             }
         }
-        Value::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, i)),
+        Value::Array(items) => items.iter_mut().for_each(|v| each_ref(v, f)),
         _ => {}
     }
 }
 
 /// A tool's input schema in OpenAI's strict subset: objects list every property as required
 /// and allow no others; a property the tool does not require may be `null` (dropped again
-/// when the answer is read, see [`drop_null_optionals`]).
+/// when the answer is read, see [`drop_null_optionals`]). An object's own definitions
+/// (`$defs`, `definitions`) are kept, made strict too, so references into them still resolve.
 fn strict(schema: &Value) -> Value {
     let Some(obj) = schema.as_object() else {
         return json!({"type": "object", "additionalProperties": false, "properties": {}, "required": []});
@@ -270,6 +360,13 @@ fn strict(schema: &Value) -> Value {
     out.insert("required".into(), Value::Array(names));
     if let Some(d) = obj.get("description") {
         out.insert("description".into(), d.clone());
+    }
+    for key in ["$defs", "definitions"] {
+        if let Some(Value::Object(own)) = obj.get(key) {
+            // `true`/`false` are schemas too, kept as they are.
+            let own = own.iter().map(|(name, d)| (name.clone(), if d.is_object() { strict(d) } else { d.clone() }));
+            out.insert(key.into(), Value::Object(own.collect()));
+        }
     }
     Value::Object(out)
 }
@@ -488,6 +585,62 @@ mod tests {
         assert_eq!(kind, &json!({"enum": [{"$ref": "#/not/a/reference"}]}));
         assert_eq!(s["$defs"]["warden_params_1"]["properties"]["priority"]["$ref"], json!("#level"));
         assert_eq!(s["$defs"]["warden_0_address"], json!({"type": "integer"}));
+    }
+
+    /// A property's own object schema may carry definitions of its own, referred to from
+    /// inside it: they are kept (strict like the rest) and the references find them.
+    #[test]
+    fn definitions_nested_below_a_property_are_kept() {
+        let ship = AllowedTool {
+            name: "ship".into(),
+            description: "d".into(),
+            version: "1".into(),
+            schema: json!({
+                "type": "object",
+                "properties": {
+                    "parcel": {
+                        "type": "object",
+                        "properties": {
+                            "to": {"$ref": "#/properties/parcel/$defs/address"},
+                            "from": {"$ref": "#/properties/parcel/definitions/address"},
+                        },
+                        "required": ["to", "from"],
+                        "$defs": {"address": {
+                            "type": "object",
+                            "properties": {"street": {"$ref": "#/properties/parcel/$defs/address/$defs/street"}},
+                            "required": ["street"],
+                            "$defs": {"street": {"type": "string", "maxLength": 20}},
+                        }},
+                        "definitions": {"address": {"type": "string", "maxLength": 8}},
+                    },
+                },
+                "required": ["parcel"],
+            }),
+        };
+        let s = Offer::new(vec![ship]).response_schema(10);
+        let validator = jsonschema::validator_for(&s).expect("every reference resolves");
+        let answer = |to: Value, from: Value| {
+            json!({"reasoning": "r", "direct_response": null, "steps": [
+                {"id": "a", "tool": "ship", "depends_on": [], "alternatives": [],
+                 "params": {"parcel": {"to": to, "from": from}}}]})
+        };
+        assert!(validator.is_valid(&answer(json!({"street": "Main St"}), json!("home"))));
+        assert!(!validator.is_valid(&answer(json!({"street": 5}), json!("home"))), "the $defs definition applies");
+        assert!(!validator.is_valid(&answer(json!({"street": "x", "zip": "1"}), json!("home"))), "made strict");
+        let long = json!({"street": "a street far longer than twenty"});
+        assert!(!validator.is_valid(&answer(long, json!("home"))), "a definition inside a definition applies");
+        assert!(!validator.is_valid(&answer(json!({"street": "x"}), json!("far too long"))), "definitions apply");
+        let params = &s["$defs"]["warden_params_0"];
+        assert!(params.get("$defs").is_none(), "the top level's own definitions are hoisted, not kept twice");
+        // The two nested `address` definitions (an object, a string) have names apart, each
+        // referred to where it is.
+        let parcel = &params["properties"]["parcel"];
+        let to = parcel["properties"]["to"]["$ref"].as_str().expect("a reference");
+        let from = parcel["properties"]["from"]["$ref"].as_str().expect("a reference");
+        let last = |r: &str| r.rsplit('/').next().unwrap_or_default().to_string();
+        assert_ne!(last(to), last(from), "{to} / {from}");
+        assert_eq!(resolve(&s, &parcel["properties"]["to"])["type"], json!("object"));
+        assert_eq!(resolve(&s, &parcel["properties"]["from"])["type"], json!("string"));
     }
 
     #[test]

@@ -17,7 +17,6 @@ pub mod semantic;
 pub mod server;
 pub mod store;
 
-use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
 use warden_config::PolicyConfig;
@@ -73,7 +72,7 @@ pub const SERVICES: &[&str] = &["warden.v1.Policy", "warden.v1.Capabilities", "w
 pub async fn serve(
     config: &PolicyConfig,
     tokens: Tokens,
-    listener: TcpListener,
+    listener: impl Into<warden_grpc::Listeners>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let service = build(config).await?;

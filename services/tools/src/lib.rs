@@ -24,7 +24,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
-use tokio::net::TcpListener;
 use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
 use warden_config::ToolsConfig;
@@ -336,7 +335,7 @@ pub const SERVICES: &[&str] = &["warden.v1.ToolHost"];
 pub async fn serve(
     config: &ToolsConfig,
     _tokens: warden_grpc::auth::Tokens,
-    listener: TcpListener,
+    listener: impl Into<warden_grpc::Listeners>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let service = ToolHostService::new(config)?;

@@ -7,6 +7,6 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let l = warden_grpc::launch::launch("warden-tools", "tools", |c| &c.tools.listen).await?;
+    let l = warden_grpc::launch::launch("warden-tools", "tools", |c| (&c.tools.listen, &c.tools.listen_unix)).await?;
     warden_tools::serve(&l.config.tools, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
 }
