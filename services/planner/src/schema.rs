@@ -381,6 +381,56 @@ fn drop_null_optionals(params: &mut Value, schema: &Value) {
     if let Some(map) = params.as_object_mut() {
         map.retain(|k, v| !v.is_null() || required.contains(&k.as_str()));
     }
+    drop_nested_nulls(params, schema, schema, 0);
+}
+
+/// How deep [`drop_nested_nulls`] follows a value (answers are bounded by the model's output;
+/// this bounds the walk of a pathological one).
+const MAX_NULL_DEPTH: usize = 32;
+
+/// [`drop_null_optionals`] below the top level: inside a property's own object schema, the
+/// items of an array, and a local definition a `$ref` names — wherever [`strict`] made a
+/// property the tool does not require nullable. Only declared, optional properties lose a
+/// `null`; the tool's own schema still judges what is left.
+fn drop_nested_nulls(value: &mut Value, schema: &Value, root: &Value, depth: usize) {
+    if depth >= MAX_NULL_DEPTH {
+        return;
+    }
+    let Some(schema) = local_target(schema, root) else { return };
+    match value {
+        Value::Object(map) => {
+            let Some(props) = schema.get("properties").and_then(Value::as_object) else { return };
+            if depth > 0 {
+                let required: Vec<&str> = schema
+                    .get("required")
+                    .and_then(Value::as_array)
+                    .map(|r| r.iter().filter_map(Value::as_str).collect())
+                    .unwrap_or_default();
+                map.retain(|k, v| !(v.is_null() && props.contains_key(k) && !required.contains(&k.as_str())));
+            }
+            for (k, v) in map.iter_mut() {
+                if let Some(s) = props.get(k) {
+                    drop_nested_nulls(v, s, root, depth + 1);
+                }
+            }
+        }
+        Value::Array(items) => {
+            if let Some(s) = schema.get("items") {
+                items.iter_mut().for_each(|v| drop_nested_nulls(v, s, root, depth + 1));
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `schema`, or the local definition its `$ref` (a JSON pointer into the tool's own schema,
+/// `root`) names, following a few references in a row; `None` for one that leads nowhere.
+fn local_target<'a>(mut schema: &'a Value, root: &'a Value) -> Option<&'a Value> {
+    for _ in 0..8 {
+        let Some(r) = schema.get("$ref").and_then(Value::as_str) else { return Some(schema) };
+        schema = root.pointer(r.strip_prefix('#')?)?;
+    }
+    None
 }
 
 /// Drops the `null`s the strict schema allowed in one call's (a step's or an alternative's)
@@ -521,6 +571,11 @@ mod tests {
         ])
     }
 
+    /// A tool of the offer with `schema` as its input schema.
+    fn tool(name: &str, schema: Value) -> AllowedTool {
+        AllowedTool { name: name.into(), description: "d".into(), version: "1".into(), schema }
+    }
+
     /// Follows a local `$ref` of the schema.
     fn resolve<'a>(schema: &'a Value, v: &'a Value) -> &'a Value {
         match v["$ref"].as_str() {
@@ -534,12 +589,6 @@ mod tests {
     /// schema, and two tools' definitions of the same name stay apart.
     #[test]
     fn a_tools_own_definitions_are_found_in_the_response_schema() {
-        let tool = |name: &str, schema: Value| AllowedTool {
-            name: name.into(),
-            description: "d".into(),
-            version: "1".into(),
-            schema,
-        };
         let mail = tool(
             "mail",
             json!({
@@ -591,11 +640,9 @@ mod tests {
     /// inside it: they are kept (strict like the rest) and the references find them.
     #[test]
     fn definitions_nested_below_a_property_are_kept() {
-        let ship = AllowedTool {
-            name: "ship".into(),
-            description: "d".into(),
-            version: "1".into(),
-            schema: json!({
+        let ship = tool(
+            "ship",
+            json!({
                 "type": "object",
                 "properties": {
                     "parcel": {
@@ -616,7 +663,7 @@ mod tests {
                 },
                 "required": ["parcel"],
             }),
-        };
+        );
         let s = Offer::new(vec![ship]).response_schema(10);
         let validator = jsonschema::validator_for(&s).expect("every reference resolves");
         let answer = |to: Value, from: Value| {
@@ -724,5 +771,41 @@ mod tests {
             let e = parse_and_validate(text, &o, &v, 10, None).unwrap_err();
             assert!(e.contains(needle), "{text}: {e}");
         }
+    }
+
+    /// The strict schema lets the model fill an optional property with `null` at any depth
+    /// (a property's object, an array's items, a definition): those are dropped before the
+    /// tool's own schema judges the params, which would refuse them; a required property's
+    /// `null`, and a value the tool declares nothing about, are left to it.
+    #[test]
+    fn nulls_for_optional_properties_are_dropped_at_every_depth() {
+        let ship = tool(
+            "ship",
+            json!({
+                "type": "object",
+                "properties": {
+                    "parcel": {"type": "object", "properties": {"to": {"type": "string"}, "note": {"type": "string"}},
+                               "required": ["to"]},
+                    "cc": {"type": "array", "items": {"$ref": "#/$defs/copy"}},
+                },
+                "required": ["parcel"],
+                "$defs": {"copy": {"type": "object", "properties": {"to": {"type": "string"}, "memo": {"type": "string"}},
+                                   "required": ["to"]}},
+            }),
+        );
+        let o = Offer::new(vec![ship]);
+        let v = Validators::new(&o);
+        let answer = |params: Value| {
+            json!({"reasoning": "r", "direct_response": null,
+                   "steps": [{"id": "a", "tool": "ship", "params": params, "depends_on": [], "alternatives": []}]})
+            .to_string()
+        };
+        let nulls =
+            json!({"parcel": {"to": "x", "note": null}, "cc": [{"to": "y", "memo": null}, {"to": "z", "memo": "m"}]});
+        let plan = parse_and_validate(&answer(nulls), &o, &v, 10, None).expect("the nulls are dropped");
+        assert_eq!(plan.steps[0].params, json!({"parcel": {"to": "x"}, "cc": [{"to": "y"}, {"to": "z", "memo": "m"}]}));
+        let required = json!({"parcel": {"to": null}});
+        let e = parse_and_validate(&answer(required), &o, &v, 10, None).expect_err("a required property's null stays");
+        assert!(e.contains("params"), "{e}");
     }
 }
