@@ -83,13 +83,15 @@ const SOCKET_MODE: u32 = 0o660;
 /// replaced. A path that is not a socket, or a socket something else still answers on, is
 /// refused rather than taken over.
 pub async fn bind_unix(path: &str) -> Result<UnixSocket, ServeError> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
     let refused = |source| ServeError::Bind { addr: format!("unix:{path}"), source };
     let refuse = |kind, what: &str| refused(std::io::Error::new(kind, what.to_string()));
+    // Only the service's own user may open (and so lock) it.
     let lock = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
         .open(format!("{path}.lock"))
         .map_err(refused)?;
     match lock.try_lock() {
@@ -104,10 +106,13 @@ pub async fn bind_unix(path: &str) -> Result<UnixSocket, ServeError> {
             return Err(refuse(std::io::ErrorKind::AlreadyExists, "the path exists and is not a socket"));
         }
         Ok(_) => {
-            // No Warden server holds the lock: a server that died left it, unless a process
-            // of another kind answers on it.
-            if tokio::net::UnixStream::connect(path).await.is_ok() {
-                return Err(refuse(std::io::ErrorKind::AddrInUse, "another process answers on this socket"));
+            // No Warden server holds the lock: a server that died left it (nothing accepts
+            // on it: refused), unless a process of another kind answers on it, or it cannot
+            // be told (not ours to connect to, a full backlog) — then it is left alone.
+            match tokio::net::UnixStream::connect(path).await {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                Ok(_) => return Err(refuse(std::io::ErrorKind::AddrInUse, "another process answers on this socket")),
+                Err(e) => return Err(refused(e)),
             }
             std::fs::remove_file(path).map_err(refused)?;
         }
@@ -535,6 +540,10 @@ mod tests {
         for endpoint in [format!("unix:{path}"), format!("unix://{path}"), tcp] {
             assert_eq!(health(&endpoint).await.expect(&endpoint), ServingStatus::Serving, "{endpoint}");
         }
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &str| std::fs::metadata(p).expect("metadata").permissions().mode() & 0o777;
+        assert_eq!(mode(&path), 0o660, "the service's user and group may connect");
+        assert_eq!(mode(&format!("{path}.lock")), 0o600, "only the service's user may take the lock");
         let taken = super::bind_unix(&path).await.expect_err("a served socket is not taken over");
         assert!(taken.to_string().contains("another server holds"), "{taken}");
         let _ = stop.send(());

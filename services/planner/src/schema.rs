@@ -161,7 +161,9 @@ impl Offer {
 /// were, they would be resolved against the response schema's root and find nothing.
 /// Definitions nested deeper (below a property's own object schema, or a definition's) stay
 /// where they are ([`strict`] keeps them), renamed apart too ([`rename_nested_defs`]), and
-/// pointers into them are rebased like any other.
+/// pointers into them are rebased like any other. (Not kept: definitions inside members an
+/// object schema loses to [`strict`] — `allOf`, `items`, `additionalProperties`, … of an
+/// object — and references spelled percent-encoded are not rewritten.)
 fn embed(schema: &Value, i: usize, defs: &mut Map<String, Value>) {
     let mut renamed = schema.clone();
     rename_nested_defs(&mut renamed, i);
