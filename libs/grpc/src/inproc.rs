@@ -111,13 +111,14 @@ pub(crate) fn connector(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use tonic::Code;
     use tonic::service::Routes;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus};
 
-    async fn check(channel: crate::auth::Ch) -> Result<ServingStatus, tonic::Status> {
+    /// The `warden.test` health status a server answers on `channel`.
+    pub(crate) async fn check(channel: crate::auth::Ch) -> Result<ServingStatus, tonic::Status> {
         let ask = HealthCheckRequest { service: "warden.test".into() };
         Ok(HealthClient::new(channel).check(ask).await?.into_inner().status())
     }

@@ -55,15 +55,21 @@ impl From<TcpListener> for Listeners {
 #[derive(Debug)]
 pub struct UnixSocket {
     listener: UnixListener,
-    path: std::path::PathBuf,
-    /// An exclusive lock on `<path>.lock`, held while the process serves the socket.
-    _lock: std::fs::File,
+    file: SocketFile,
 }
 
 impl UnixSocket {
     pub fn path(&self) -> &std::path::Path {
-        &self.path
+        &self.file.path
     }
+}
+
+/// The socket's path, and an exclusive lock on `<path>.lock`, held while the process serves
+/// the socket.
+#[derive(Debug)]
+struct SocketFile {
+    path: std::path::PathBuf,
+    _lock: std::fs::File,
 }
 
 /// Mode of a bound socket: the service's own user and group may connect (a peer under
@@ -121,7 +127,7 @@ pub async fn bind_unix(path: &str) -> Result<UnixSocket, ServeError> {
     }
     let listener = UnixListener::bind(path).map_err(refused)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(SOCKET_MODE)).map_err(refused)?;
-    Ok(UnixSocket { listener, path: path.into(), _lock: lock })
+    Ok(UnixSocket { listener, file: SocketFile { path: path.into(), _lock: lock } })
 }
 
 /// Serves `routes` on `listener` with gRPC health (every name in `services` reported
@@ -173,7 +179,7 @@ pub async fn serve_with_inproc(
     };
     let Listeners { tcp, unix } = listener.into();
     let (unix, socket) = match unix {
-        Some(UnixSocket { listener, path, _lock }) => (Some(listener), Some((path, _lock))),
+        Some(UnixSocket { listener, file }) => (Some(listener), Some(file)),
         None => (None, None),
     };
     let signal = async move {
@@ -181,8 +187,8 @@ pub async fn serve_with_inproc(
         let _ = stop.send(());
         // New connections end with the stop; the file goes now, not once every call has
         // drained (the lock, held until this server ends, keeps a successor from binding).
-        if let Some((path, _)) = &socket {
-            let _ = std::fs::remove_file(path);
+        if let Some(file) = &socket {
+            let _ = std::fs::remove_file(&file.path);
         }
         Ok(socket)
     };
@@ -511,11 +517,7 @@ mod tests {
     }
 
     async fn health(endpoint: &str) -> Result<tonic_health::pb::health_check_response::ServingStatus, tonic::Status> {
-        use tonic_health::pb::HealthCheckRequest;
-        use tonic_health::pb::health_client::HealthClient;
-        let channel = super::channel(endpoint).expect("channel");
-        let ask = HealthCheckRequest { service: "warden.test".into() };
-        Ok(HealthClient::new(channel).check(ask).await?.into_inner().status())
+        crate::inproc::tests::check(super::channel(endpoint).expect("channel")).await
     }
 
     /// A server answers on its Unix domain socket as on TCP; the socket file goes when the

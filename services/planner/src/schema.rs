@@ -195,53 +195,27 @@ fn embed(schema: &Value, i: usize, defs: &mut Map<String, Value>) {
 /// different shapes must not become one rule. (The top level's own are renamed when hoisted,
 /// see [`embed`].)
 fn rename_nested_defs(schema: &mut Value, i: usize) {
-    fn escape(name: &str) -> String {
-        name.replace('~', "~0").replace('/', "~1")
-    }
-    fn collect(v: &mut Value, pointer: &str, depth: usize, i: usize, renames: &mut Vec<(String, String)>) {
-        match v {
-            Value::Object(members) => {
-                for key in ["$defs", "definitions"] {
-                    let Some(Value::Object(own)) = members.get_mut(key) else { continue };
-                    if depth > 0 {
-                        let names: Vec<String> = own.keys().cloned().collect();
-                        for name in names {
-                            let new = format!("warden_{i}_n{}_{name}", renames.len());
-                            renames.push((
-                                format!("{pointer}/{key}/{}", escape(&name)),
-                                format!("{pointer}/{key}/{}", escape(&new)),
-                            ));
-                            if let Some(d) = own.remove(&name) {
-                                own.insert(new, d);
-                            }
-                        }
-                    }
-                }
-                for (key, child) in members.iter_mut() {
-                    let here = format!("{pointer}/{}", escape(key));
-                    match key.as_str() {
-                        "enum" | "const" | "default" | "examples" => {}
-                        "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
-                            if let Value::Object(named) = child {
-                                for (name, s) in named.iter_mut() {
-                                    collect(s, &format!("{here}/{}", escape(name)), depth + 1, i, renames);
-                                }
-                            }
-                        }
-                        _ => collect(child, &here, depth + 1, i, renames),
-                    }
-                }
-            }
-            Value::Array(items) => {
-                for (n, item) in items.iter_mut().enumerate() {
-                    collect(item, &format!("{pointer}/{n}"), depth + 1, i, renames);
-                }
-            }
-            _ => {}
+    let mut renames: Vec<(String, String)> = Vec::new();
+    each_schema(schema, "", &mut |members, pointer| {
+        // The top level's own are hoisted instead.
+        if pointer.is_empty() {
+            return;
         }
-    }
-    let mut renames = Vec::new();
-    collect(schema, "", 0, i, &mut renames);
+        for key in ["$defs", "definitions"] {
+            let Some(Value::Object(own)) = members.get_mut(key) else { continue };
+            let names: Vec<String> = own.keys().cloned().collect();
+            for name in names {
+                let new = format!("warden_{i}_n{}_{name}", renames.len());
+                renames.push((
+                    format!("{pointer}/{key}/{}", pointer_escape(&name)),
+                    format!("{pointer}/{key}/{}", pointer_escape(&new)),
+                ));
+                if let Some(d) = own.remove(&name) {
+                    own.insert(new, d);
+                }
+            }
+        }
+    });
     if renames.is_empty() {
         return;
     }
@@ -290,32 +264,60 @@ fn rebase_refs(schema: &mut Value, i: usize) {
     });
 }
 
-/// Calls `f` on every `$ref` of a schema. Members that map names to schemas (`properties`,
-/// `$defs`, …) are schemas whatever their names (a property may be called `default` or
-/// `$ref`); `enum`, `const`, `default` and `examples` hold data, left alone.
+/// Calls `f` on every `$ref` of a schema ([`each_schema`]).
 fn each_ref(schema: &mut Value, f: &mut impl FnMut(&mut String)) {
+    each_schema(schema, "", &mut |members, _| {
+        if let Some(Value::String(r)) = members.get_mut("$ref") {
+            f(r);
+        }
+    });
+}
+
+/// Calls `f` on every object of a schema that is a schema, with its JSON pointer from the
+/// root (`""` for the root), before going below it (so `f` may rename what it finds there).
+/// Members that map names to schemas (`properties`, `$defs`, …) are schemas whatever their
+/// names (a property may be called `default` or `$ref`); `enum`, `const`, `default` and
+/// `examples` hold data, left alone.
+fn each_schema(schema: &mut Value, pointer: &str, f: &mut impl FnMut(&mut Map<String, Value>, &str)) {
     match schema {
         Value::Object(members) => {
+            f(members, pointer);
             for (key, v) in members.iter_mut() {
+                let here = format!("{pointer}/{}", pointer_escape(key));
                 match key.as_str() {
-                    "$ref" => {
-                        if let Value::String(r) = v {
-                            f(r);
-                        }
-                    }
                     "enum" | "const" | "default" | "examples" => {}
                     "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
                         if let Value::Object(named) = v {
-                            named.values_mut().for_each(|s| each_ref(s, f));
+                            for (name, s) in named.iter_mut() {
+                                each_schema(s, &format!("{here}/{}", pointer_escape(name)), f);
+                            }
                         }
                     }
-                    _ => each_ref(v, f),
+                    _ => each_schema(v, &here, f),
                 }
             }
         }
-        Value::Array(items) => items.iter_mut().for_each(|v| each_ref(v, f)),
+        Value::Array(items) => {
+            for (n, item) in items.iter_mut().enumerate() {
+                each_schema(item, &format!("{pointer}/{n}"), f);
+            }
+        }
         _ => {}
     }
+}
+
+/// A name as a JSON pointer segment (RFC 6901: `~` and `/` escaped).
+fn pointer_escape(name: &str) -> String {
+    name.replace('~', "~0").replace('/', "~1")
+}
+
+/// The names a schema's `required` lists.
+fn required_names(schema: &Value) -> Vec<&str> {
+    schema
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
 }
 
 /// A tool's input schema in OpenAI's strict subset: objects list every property as required
@@ -330,11 +332,7 @@ fn strict(schema: &Value) -> Value {
     if !is_object {
         return schema.clone();
     }
-    let required: Vec<&str> = obj
-        .get("required")
-        .and_then(Value::as_array)
-        .map(|r| r.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
+    let required = required_names(schema);
     let mut props = Map::new();
     if let Some(p) = obj.get("properties").and_then(Value::as_object) {
         for (name, s) in p {
@@ -375,11 +373,7 @@ fn strict(schema: &Value) -> Value {
 
 /// Removes `null` values the strict schema allowed for properties the tool does not require.
 fn drop_null_optionals(params: &mut Value, schema: &Value) {
-    let required: Vec<&str> = schema
-        .get("required")
-        .and_then(Value::as_array)
-        .map(|r| r.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
+    let required = required_names(schema);
     if let Some(map) = params.as_object_mut() {
         map.retain(|k, v| !v.is_null() || required.contains(&k.as_str()));
     }
@@ -403,11 +397,7 @@ fn drop_nested_nulls(value: &mut Value, schema: &Value, root: &Value, depth: usi
         Value::Object(map) => {
             let Some(props) = schema.get("properties").and_then(Value::as_object) else { return };
             if depth > 0 {
-                let required: Vec<&str> = schema
-                    .get("required")
-                    .and_then(Value::as_array)
-                    .map(|r| r.iter().filter_map(Value::as_str).collect())
-                    .unwrap_or_default();
+                let required = required_names(schema);
                 map.retain(|k, v| !(v.is_null() && props.contains_key(k) && !required.contains(&k.as_str())));
             }
             for (k, v) in map.iter_mut() {
