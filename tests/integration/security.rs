@@ -536,6 +536,115 @@ async fn the_policy_takes_a_plan_from_the_request_only_as_the_ledger_acknowledge
     assert_eq!(get_runs().await - before, 5.0, "a step outside the plan in hand is looked up once more");
 }
 
+/// A run's first decision may be asked for while the run is being created (the executor's
+/// `decide_while_creating`): the policy then decides against the plan the request carries,
+/// and only for the mesh; the signed record names the plan's digest, and the ledger records
+/// it only in a run whose recorded plan has that digest. A decision about a run that never
+/// came to be (or not with that plan) is not lost: the policy's own copy is kept apart, and
+/// its tenant can list it.
+#[tokio::test]
+async fn a_decision_asked_while_its_run_is_created_binds_to_the_plan_and_is_never_lost() {
+    use warden_core::canonical::{canonical_json, sha256_hex};
+    let mesh = mesh_with(Backend::Sqlite, with_tokens(MeshOptions { executors: 0, ..MeshOptions::default() })).await;
+    let narrow = json!({"steps": [{"id": "greet", "tool": "echo"}]});
+    let wider = json!({"steps": [{"id": "greet", "tool": "echo"}, {"id": "extra", "tool": "echo"}]});
+    let digest = |plan: &Value| sha256_hex(canonical_json(plan).as_bytes());
+    let early = |run: &str, step: &str, plan: &Value| pb::AuthorizeRequest {
+        plan_json: canonical_json(plan),
+        plan_sha256: digest(plan),
+        caller_records: true,
+        ..call("acme", run, step, "echo", json!({}))
+    };
+    let create = |run: &str, plan: &Value| {
+        let mut ledger = mesh.ledger();
+        let req = pb::CreateRunRequest {
+            tenant: "acme".into(),
+            run_id: run.into(),
+            plan_json: plan.to_string(),
+            ..Default::default()
+        };
+        async move { ledger.create_run(req).await.expect("create run").into_inner().run.expect("run").run_id }
+    };
+    let record_of = |d: &pb::AuthorizeResponse| serde_json::from_str::<Value>(&d.decision_event_json).expect("record");
+    let mut executor = policy_as(&mesh, OPS);
+    let mut acme = policy_as(&mesh, ACME);
+
+    // A tenant cannot have a plan of its own decided against: the fields are ignored.
+    let recorded = create("early-recorded", &narrow).await;
+    let d = acme.authorize(early(&recorded, "extra", &wider)).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d), (pb::Outcome::Deny, "step_not_in_plan".into()), "the recorded plan decides");
+    assert!(record_of(&d).get("plan_sha256").is_none(), "{}", d.decision_event_json);
+    let e = acme.authorize(early("early-never", "greet", &narrow)).await.expect_err("no such run for a tenant");
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // A digest that is not the plan's is refused, naming the field.
+    let bad = pb::AuthorizeRequest { plan_sha256: digest(&wider), ..early("early-bad", "greet", &narrow) };
+    let e = executor.authorize(bad).await.expect_err("a digest of another plan");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert_eq!(warden_grpc::field_violations(&e)[0].0, "plan_sha256");
+
+    // The mesh asks before the run exists: decided against the plan sent, the digest signed in.
+    let d = executor.authorize(early("early-wide", "extra", &wider)).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d).0, pb::Outcome::Allow);
+    assert_eq!(record_of(&d)["plan_sha256"], json!(digest(&wider)));
+    // Created with another plan, the run's chain refuses that record.
+    let wide_run = create("early-wide", &narrow).await;
+    let append = |run: &str, d: &pb::AuthorizeResponse| pb::AppendEventsRequest {
+        tenant: "acme".into(),
+        run_id: run.into(),
+        epoch: 0,
+        events: vec![pb::EventInput {
+            idempotency_key: warden_core::events::decision_key(&d.decision.clone().expect("decision").decision_id),
+            event_type: "policy_decision".into(),
+            payload_json: d.decision_event_json.clone(),
+            step_id: record_of(d)["step_id"].as_str().expect("step").into(),
+        }],
+        brief: false,
+    };
+    let e = mesh.ledger_as(OPS).append_events(append(&wide_run, &d)).await.expect_err("another plan");
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("not the run's recorded plan"), "{e:?}");
+    // Created with the plan it was decided against, the record is taken.
+    let d = executor.authorize(early("early-narrow", "greet", &narrow)).await.expect("decide").into_inner();
+    let narrow_run = create("early-narrow", &narrow).await;
+    mesh.ledger_as(OPS).append_events(append(&narrow_run, &d)).await.expect("the run's own plan");
+
+    // Never created: the policy's own copy of the decision is kept apart, listed for its tenant.
+    let lost = executor.authorize(early("early-lost", "greet", &narrow)).await.expect("decide").into_inner();
+    let lost_id = lost.decision.clone().expect("decision").decision_id;
+    let list = |token: &str, tenant: &str| {
+        let mut ledger = mesh.ledger_as(token);
+        let req = pb::ListUnboundDecisionsRequest { tenant: tenant.into(), ..Default::default() };
+        async move { ledger.list_unbound_decisions(req).await }
+    };
+    let kept = warden_testkit::eventually(Duration::from_secs(20), || async {
+        let listed = list(ACME, "acme").await.ok()?.into_inner().decisions;
+        let wide = listed.iter().any(|k| k.run_id == "early-wide");
+        listed.iter().find(|k| k.decision_id == lost_id).filter(|_| wide).cloned()
+    })
+    .await
+    .expect("the decisions no run holds are kept");
+    assert_eq!((kept.tenant.as_str(), kept.run_id.as_str(), kept.step_id.as_str()), ("acme", "early-lost", "greet"));
+    assert_eq!(kept.payload_json, lost.decision_event_json, "as the policy signed it");
+    let listed = list(OPS, "").await.expect("operators list every tenant's").into_inner().decisions;
+    assert!(listed.iter().any(|k| k.decision_id == lost_id));
+    // Only the tenant's own, and only with a token.
+    assert_eq!(code(list(GLOBEX, "acme").await), Code::PermissionDenied);
+    assert_eq!(code(list(ACME, "").await), Code::PermissionDenied);
+    assert_eq!(code(list("", "acme").await), Code::Unauthenticated);
+    let globex = list(GLOBEX, "globex").await.expect("its own").into_inner().decisions;
+    assert!(globex.is_empty(), "{globex:?}");
+    // The cursor pages through them; a made-up one is refused.
+    let mut ledger = mesh.ledger_as(ACME);
+    let page =
+        |token: String| pb::ListUnboundDecisionsRequest { tenant: "acme".into(), page_size: 1, page_token: token };
+    let first = ledger.list_unbound_decisions(page(String::new())).await.expect("page").into_inner();
+    assert_eq!(first.decisions.len(), 1);
+    let second = ledger.list_unbound_decisions(page(first.next_page_token.clone())).await.expect("page").into_inner();
+    assert_ne!(second.decisions.first().map(|d| &d.decision_id), first.decisions.first().map(|d| &d.decision_id));
+    let e = ledger.list_unbound_decisions(page("x".into())).await.expect_err("not a cursor");
+    assert_eq!(warden_grpc::field_violations(&e)[0].0, "page_token");
+}
+
 /// Medium 10: a tool call cannot happen outside the record. A tenant holding a signed allow
 /// for a planned step still cannot have the tool act by calling the host itself: the host also
 /// needs the ledger's acknowledgement that the request is recorded, which only the mesh gets.

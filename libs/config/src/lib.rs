@@ -542,6 +542,12 @@ pub struct ExecutorConfig {
     /// §12): the planner is told the failures and the completed steps, which are kept. 0 turns
     /// replanning off.
     pub max_replan_rounds: u32,
+    /// Ask for a submitted run's first decisions while the ledger creates the run, instead of
+    /// after (docs/write-path.md): the policy decides against the plan being recorded, and the
+    /// ledger records such a decision only in a run whose plan has the digest it names. Runs
+    /// submitted with capability handles or a goal always wait for their creation. The policy
+    /// and the ledger must be upgraded to know it first (an older policy denies such calls).
+    pub decide_while_creating: bool,
 }
 
 /// Default output rules (see [`ExecutorConfig::output_rules`]): the credential patterns of
@@ -573,6 +579,7 @@ impl Default for ExecutorConfig {
             output_rules: default_output_rules(),
             inline_output_max_bytes: 64 * 1024,
             max_replan_rounds: 2,
+            decide_while_creating: true,
         }
     }
 }

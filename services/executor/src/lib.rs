@@ -237,7 +237,7 @@ impl Executor {
         tenant: String,
         lease: warden_lease::RunLease,
         view: warden_core::run::RunView,
-        plan_ack: Option<driver::PlanAck>,
+        how: driver::Submitted,
     ) {
         let run_id = lease.run_id.clone();
         self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).insert(run_id.clone());
@@ -246,8 +246,12 @@ impl Executor {
         let span = driver::run_span(&run_id);
         tokio::spawn(
             async move {
-                if let Err(e) = driver::drive_submitted(&this, &tenant, lease, view, plan_ack).await {
-                    tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt");
+                match driver::drive_submitted(&this, &tenant, lease, view, how).await {
+                    Ok(()) => {}
+                    Err(driver::DriveError::NotCreated) => {
+                        tracing::debug!(run_id = %run_id, "run not created; not driven")
+                    }
+                    Err(e) => tracing::warn!(run_id = %run_id, error = %e, "run left for another attempt"),
                 }
                 this.done_driving(&run_id);
             }

@@ -150,6 +150,19 @@ impl Runs for RunsService {
                 format!("{} bytes once normalized, over the maximum of {max}", validated.plan_json.len()),
             ));
         }
+        let plan: Option<serde_json::Value> = if goal_run {
+            None
+        } else {
+            Some(
+                serde_json::from_str(&validated.plan_json)
+                    .map_err(|e| Status::internal(format!("validated plan is not JSON: {e}")))?,
+            )
+        };
+        // The plan as the ledger records it (canonical JSON), whose digest it acknowledges.
+        let recorded_plan: Option<std::sync::Arc<str>> =
+            plan.as_ref().map(|p| std::sync::Arc::from(warden_core::canonical::canonical_value(p)));
+        // A plan too large to travel in a request is read by the policy from the ledger.
+        let small = validated.plan_json.len() <= crate::driver::PLAN_ACK_MAX_BYTES;
         // A fresh run costs one ledger commit: this replica takes the lease of the id it picks
         // first, so the ledger records `run_started` with `run_submitted`, and the run is driven
         // from the plan in hand without reading anything back.
@@ -167,40 +180,93 @@ impl Runs for RunsService {
         if lease.is_some() {
             warden_telemetry::metrics::lease_acquired(false);
         }
-        let created = self
-            .ex
-            .inner
-            .ledger
-            .clone()
-            .create_run(pb::CreateRunRequest {
-                tenant: r.tenant,
-                plan_json: validated.plan_json.clone(),
-                goal: goal.clone(),
-                replay_policy: if goal_run { r.replay_policy } else { 0 },
-                parent_run_id: String::new(),
-                idempotency_key: r.idempotency_key,
-                cancel_policy: r.cancel_policy,
-                agent: agent.clone(),
-                run_id: run_id.clone(),
-                started_by: lease.as_ref().map(|_| self.ex.inner.id.clone()).unwrap_or_default(),
-                epoch: lease.as_ref().map(|l| l.epoch).unwrap_or_default(),
-                frame_json: String::new(),
-            })
-            .await;
+        let tenant = r.tenant.clone();
+        let view = |lease: &warden_lease::RunLease, tenant: &str, cancel_policy: i32| {
+            let mut view = warden_core::run::RunView::default();
+            let mut submitted = events::submitted_payload(tenant, cancel_policy, plan.as_ref(), &goal, &agent);
+            events::add_goal_fields(&mut submitted, if goal_run { r.replay_policy } else { 0 }, "");
+            view.apply(1, events::RUN_SUBMITTED, "", &submitted);
+            view.apply(2, events::RUN_STARTED, "", &events::started_payload(&self.ex.inner.id, lease.epoch));
+            view
+        };
+        // A fresh run of a submitted plan is driven while the ledger creates it: its first
+        // decisions are asked for meanwhile, and its driver writes nothing until the creation
+        // is answered (`driver::creation`). Capability handles attach to the recorded run
+        // before its first decision, so such runs wait, as goal runs do.
+        let creating = match (&lease, &recorded_plan) {
+            (Some(l), Some(plan_json)) if handles.is_empty() && small && self.ex.inner.config.decide_while_creating => {
+                let (gate, creation) = crate::driver::creation_gate(plan_json.clone());
+                let view = view(l, &tenant, r.cancel_policy);
+                self.ex.dispatch_submitted(
+                    tenant.clone(),
+                    l.clone(),
+                    view,
+                    crate::driver::Submitted::Creating(creation),
+                );
+                Some(gate)
+            }
+            _ => None,
+        };
+        let request = pb::CreateRunRequest {
+            tenant: r.tenant,
+            plan_json: validated.plan_json.clone(),
+            goal: goal.clone(),
+            replay_policy: if goal_run { r.replay_policy } else { 0 },
+            parent_run_id: String::new(),
+            idempotency_key: r.idempotency_key,
+            cancel_policy: r.cancel_policy,
+            agent: agent.clone(),
+            run_id: run_id.clone(),
+            started_by: lease.as_ref().map(|_| self.ex.inner.id.clone()).unwrap_or_default(),
+            epoch: lease.as_ref().map(|l| l.epoch).unwrap_or_default(),
+            frame_json: String::new(),
+        };
+        let acknowledged = |c: &pb::CreateRunResponse, plan_json: Option<std::sync::Arc<str>>| {
+            let ack = c.run_ack.clone().filter(|_| !goal_run && small)?;
+            Some(crate::driver::PlanAck { ack, plan_json: plan_json? })
+        };
+        let driven = creating.is_some();
+        let created = match creating {
+            Some(gate) => {
+                let mut ledger = self.ex.inner.ledger.clone();
+                let (mine, plan_json, with_ack) = (run_id.clone(), recorded_plan.clone(), !goal_run && small);
+                // The driver hears how the creation went even if this call is dropped meanwhile
+                // (its client gone): a run that was recorded is driven, not left to the sweeper.
+                let task_body = async move {
+                    let created = ledger.create_run(request).await;
+                    match created.as_ref().map(tonic::Response::get_ref) {
+                        Ok(c) if !c.deduplicated && c.run.as_ref().is_some_and(|r| r.run_id == mine) => {
+                            let ack = c.run_ack.clone().filter(|_| with_ack).zip(plan_json);
+                            gate.created(ack.map(|(ack, plan_json)| crate::driver::PlanAck { ack, plan_json }));
+                        }
+                        // Failed, or another submission's run: the driver stops and gives the
+                        // lease back.
+                        _ => gate.abandoned(),
+                    }
+                    created
+                };
+                let task = tokio::spawn(tracing::Instrument::instrument(task_body, tracing::Span::current()));
+                task.await.map_err(|e| Status::internal(format!("creating the run failed: {e}")))?
+            }
+            None => self.ex.inner.ledger.clone().create_run(request).await,
+        };
         let created = match created {
             Ok(c) => c.into_inner(),
             Err(e) => {
-                if let Some(l) = &lease {
+                // A driver started with the creation gives the lease back itself.
+                if let (Some(l), false) = (&lease, driven) {
                     let _ = self.ex.inner.leases.release(l).await;
                 }
                 return Err(e);
             }
         };
-        let run = created.run.ok_or_else(|| Status::internal("ledger returned no run"))?;
+        let run = created.run.clone().ok_or_else(|| Status::internal("ledger returned no run"))?;
+        let ours = !created.deduplicated && run.run_id == run_id;
         // Deduplicated (an earlier submission's run), or no lease (the lease store did not
         // answer; then the usual path drives it): this lease is not needed.
         let fresh = match lease {
-            Some(l) if !created.deduplicated && run.run_id == run_id => Some(l),
+            _ if driven => None,
+            Some(l) if ours => Some(l),
             Some(l) => {
                 let _ = self.ex.inner.leases.release(&l).await;
                 None
@@ -218,27 +284,12 @@ impl Runs for RunsService {
         let status = run.status();
         match fresh {
             Some(lease) => {
-                let plan: Option<serde_json::Value> = if goal_run {
-                    None
-                } else {
-                    Some(
-                        serde_json::from_str(&validated.plan_json)
-                            .map_err(|e| Status::internal(format!("validated plan is not JSON: {e}")))?,
-                    )
-                };
-                let mut view = warden_core::run::RunView::default();
-                let mut submitted =
-                    events::submitted_payload(&run.tenant, run.cancel_policy, plan.as_ref(), &goal, &agent);
-                events::add_goal_fields(&mut submitted, if goal_run { r.replay_policy } else { 0 }, "");
-                view.apply(1, events::RUN_SUBMITTED, "", &submitted);
-                view.apply(2, events::RUN_STARTED, "", &events::started_payload(&self.ex.inner.id, lease.epoch));
-                // A plan too large to travel in a request is read by the policy from the ledger.
-                let small = validated.plan_json.len() <= crate::driver::PLAN_ACK_MAX_BYTES;
-                let plan_ack = created.run_ack.clone().filter(|_| !goal_run && small).map(|ack| {
-                    crate::driver::PlanAck { ack, plan_json: std::sync::Arc::from(validated.plan_json.as_str()) }
-                });
-                self.ex.dispatch_submitted(run.tenant.clone(), lease, view, plan_ack);
+                let view = view(&lease, &run.tenant, run.cancel_policy);
+                let how = crate::driver::Submitted::Created(acknowledged(&created, recorded_plan.clone()));
+                self.ex.dispatch_submitted(run.tenant.clone(), lease, view, how);
             }
+            // Driven since before its creation.
+            None if driven && ours => {}
             None if !warden_grpc::convert::status_from_proto(status).is_some_and(|s| s.is_terminal()) => {
                 self.ex.dispatch(run.run_id.clone());
             }

@@ -91,7 +91,15 @@ pub struct LedgerService {
     /// Appends go through group commit.
     writer: GroupCommit,
     recent: Arc<Mutex<RecentDecisions>>,
+    /// Digests of recently created runs' plans (run id → (tenant, hex SHA-256 of the plan as
+    /// recorded)): a decision asked for while its run was being created names the plan it was
+    /// decided against, and is recorded only in a run whose plan has that digest.
+    plan_digests: Arc<Mutex<HashMap<String, (String, String)>>>,
 }
+
+/// Plan digests kept in [`LedgerService::plan_digests`] before it is emptied (the first
+/// decision of a run comes within milliseconds of its creation; a miss reads the run).
+const CACHED_PLAN_DIGESTS: usize = 10_000;
 
 fn id_field(field: &str, v: &str) -> Result<(), Status> {
     check_id(v).map_err(|e| invalid_field(field, e.to_string()))
@@ -204,6 +212,7 @@ impl LedgerService {
             max_frames: 100,
             followers,
             recent: Default::default(),
+            plan_digests: Default::default(),
         })
     }
 
@@ -229,6 +238,23 @@ impl LedgerService {
     /// A decision is recorded only as the policy signed it (see `warden_core::decision`): the
     /// executor carries decisions into its appends, and nobody between may forge or alter one.
     async fn check_decision(&self, tenant: &str, run_id: &str, step_id: &str, payload: &Value) -> Result<(), Status> {
+        self.check_signed(tenant, run_id, step_id, payload).await?;
+        // Decided while the run was being created, against the plan the executor submitted:
+        // recorded only in a run whose recorded plan is that one, so a request the ledger
+        // acknowledges still proves the call is a step of the recorded plan.
+        if let Some(digest) = payload.get("plan_sha256") {
+            let recorded = self.plan_digest(tenant, run_id).await?;
+            if digest.as_str() != Some(recorded.as_str()) {
+                return Err(Status::permission_denied(
+                    "policy_decision refused: decided against a plan that is not the run's recorded plan",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A decision record's signature (by a published policy key) and the call it is bound to.
+    async fn check_signed(&self, tenant: &str, run_id: &str, step_id: &str, payload: &Value) -> Result<(), Status> {
         let kid = payload.get("key_id").and_then(Value::as_str).unwrap_or_default().to_string();
         if !kid.is_empty() && self.policy_keys.get(&kid).is_none() {
             let Some(policy) = &self.policy else {
@@ -255,6 +281,76 @@ impl LedgerService {
                 "policy_decision refused: the policy signed it for another tenant, run or step",
             ));
         }
+        Ok(())
+    }
+
+    /// The hex SHA-256 of a run's plan as recorded (of "" for a run with no plan yet).
+    async fn plan_digest(&self, tenant: &str, run_id: &str) -> Result<String, Status> {
+        if let Some((t, digest)) = self.plan_digests.lock().unwrap_or_else(|p| p.into_inner()).get(run_id)
+            && t == tenant
+        {
+            return Ok(digest.clone());
+        }
+        let run = self.visible_run(tenant, run_id).await?;
+        Ok(warden_core::canonical::sha256_hex(run.plan_json.as_bytes()))
+    }
+
+    /// Remembers the digest of a run's plan as recorded (see [`Self::plan_digest`]).
+    fn remember_plan(&self, run: &RunRow) {
+        // Only a submitted plan: a goal run's plan may be revised.
+        if run.plan_json.is_empty() || !run.goal.is_empty() {
+            return;
+        }
+        let digest = warden_core::canonical::sha256_hex(run.plan_json.as_bytes());
+        let mut digests = self.plan_digests.lock().unwrap_or_else(|p| p.into_inner());
+        if digests.len() >= CACHED_PLAN_DIGESTS {
+            digests.clear();
+        }
+        digests.insert(run.run_id.clone(), (run.tenant.clone(), digest));
+    }
+
+    /// Keeps a decision that no run's chain may hold (see `store::unbound`): its run does not
+    /// exist, or was recorded with another plan than the one the decision was made against.
+    /// Its signature and binding verify as any record's do; anything else is `refused` as it was.
+    async fn keep_unbound(&self, d: &pb::AppendEventRequest, refused: Status) -> Result<(), Status> {
+        id_field("tenant", &d.tenant)?;
+        id_field("run_id", &d.run_id)?;
+        check_step_id(&d.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
+        let payload = self.parse_payload("payload_json", &d.payload_json)?;
+        // Signature and binding as for any record; the plan digest it may name has no run
+        // to be checked against.
+        self.check_signed(&d.tenant, &d.run_id, &d.step_id, &payload).await?;
+        let stray = match self.store.get_run(&d.run_id).await? {
+            None => true,
+            // Not another tenant's run, nor a refusal for any other reason.
+            Some(run) => {
+                run.tenant == d.tenant
+                    && payload
+                        .get("plan_sha256")
+                        .and_then(Value::as_str)
+                        .is_some_and(|digest| digest != warden_core::canonical::sha256_hex(run.plan_json.as_bytes()))
+            }
+        };
+        if !stray {
+            return Err(refused);
+        }
+        let text = |k: &str| payload.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+        let decision_id = text("decision_id");
+        id_field("decision_id", &decision_id)?;
+        if events::decision_key(&decision_id) != d.idempotency_key {
+            return Err(invalid_field("idempotency_key", "a decision's key names its decision id"));
+        }
+        let kept = crate::store::UnboundDecision {
+            seq: 0,
+            tenant: d.tenant.clone(),
+            run_id: d.run_id.clone(),
+            step_id: d.step_id.clone(),
+            decision_id,
+            payload_json: d.payload_json.clone(),
+            recorded_at_ms: now_ms(),
+        };
+        self.store.put_unbound_decision(&kept).await?;
+        tracing::info!(run_id = %d.run_id, decision_id = %kept.decision_id, "decision kept apart: its run was never created");
         Ok(())
     }
 
@@ -705,6 +801,7 @@ impl Ledger for LedgerService {
         }
         // Only a run submitted with its plan: a goal run's plan may be revised, and an
         // acknowledgement never expires.
+        self.remember_plan(&run);
         let run_ack = (!run.plan_json.is_empty() && run.goal.is_empty()).then(|| {
             warden_grpc::convert::claims_to_wire(self.store.acknowledge_run(&run.tenant, &run.run_id, &run.plan_json))
         });
@@ -742,7 +839,18 @@ impl Ledger for LedgerService {
         }
         // Each on its own (one refused decision refuses no other), all at once: those not
         // answered from memory share the write lanes' commits.
-        let results = futures::future::join_all(r.decisions.into_iter().map(|d| self.append_one(d))).await;
+        let results = futures::future::join_all(r.decisions.into_iter().map(|d| async move {
+            match self.append_one(d.clone()).await {
+                // No such run (its creation failed after its first decision was asked for), or
+                // not with the plan it was decided against: kept apart, so the decision is in
+                // the ledger all the same (K03).
+                Err(s) if matches!(s.code(), tonic::Code::NotFound | tonic::Code::PermissionDenied) => {
+                    self.keep_unbound(&d, s).await
+                }
+                other => other.map(|_| ()),
+            }
+        }))
+        .await;
         let results = results
             .into_iter()
             .map(|r| match r {
@@ -755,6 +863,44 @@ impl Ledger for LedgerService {
             })
             .collect();
         Ok(Response::new(pb::RecordDecisionsResponse { results }))
+    }
+
+    async fn list_unbound_decisions(
+        &self,
+        req: Request<pb::ListUnboundDecisionsRequest>,
+    ) -> Result<Response<pb::ListUnboundDecisionsResponse>, Status> {
+        warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
+        let r = req.into_inner();
+        let tenant = optional_tenant(&r.tenant)?;
+        let size = match r.page_size {
+            0 => 100,
+            n if n > 1000 => return Err(invalid_field("page_size", "must be at most 1000")),
+            n => n,
+        };
+        // The cursor is the order number of the last decision of a page.
+        let after = match r.page_token.as_str() {
+            "" => 0,
+            t => t.parse::<u64>().map_err(|_| invalid_field("page_token", "not a page token this ledger gave"))?,
+        };
+        let decisions = self.store.unbound_decisions(tenant, after, size).await?;
+        let next_page_token = match decisions.last() {
+            Some(d) if decisions.len() == size as usize => d.seq.to_string(),
+            _ => String::new(),
+        };
+        Ok(Response::new(pb::ListUnboundDecisionsResponse {
+            decisions: decisions
+                .into_iter()
+                .map(|d| pb::UnboundDecision {
+                    tenant: d.tenant,
+                    run_id: d.run_id,
+                    step_id: d.step_id,
+                    decision_id: d.decision_id,
+                    payload_json: d.payload_json,
+                    recorded_at_ms: d.recorded_at_ms,
+                })
+                .collect(),
+            next_page_token,
+        }))
     }
 
     async fn append_events(

@@ -28,6 +28,9 @@ mod batch;
 mod checks;
 pub mod derived;
 mod hot;
+mod unbound;
+
+pub use unbound::UnboundDecision;
 
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("migrations/postgres");
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("migrations/sqlite");

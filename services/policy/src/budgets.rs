@@ -79,7 +79,7 @@ pub async fn limits(svc: &PolicyService, r: &pb::AuthorizeRequest, rule: RuleDec
     Ok(rule)
 }
 
-fn has_limits(t: &warden_config::TenantPolicy) -> bool {
+pub(crate) fn has_limits(t: &warden_config::TenantPolicy) -> bool {
     t.max_calls_per_run > 0
         || t.max_cost_per_run > 0.0
         || t.max_cost_per_tenant > 0.0

@@ -91,9 +91,24 @@ impl DecisionRecorder {
         match self.queue.try_send((tokio::time::Instant::now(), req)) {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full((_, req)) | mpsc::error::TrySendError::Closed((_, req))) => {
-                self.ledger.clone().append_event(req).await.map(|_| ())
+                record_now(&mut self.ledger.clone(), req).await
             }
         }
+    }
+}
+
+/// Records one decision now, through `RecordDecisions` as every decision the policy records
+/// itself goes: there, a decision whose run was never created is kept apart instead of
+/// refused. The decision's own refusal, if any, comes back as the call's.
+pub async fn record_now(
+    ledger: &mut LedgerClient<warden_grpc::auth::Ch>,
+    req: pb::AppendEventRequest,
+) -> Result<(), Status> {
+    let answered = ledger.record_decisions(pb::RecordDecisionsRequest { decisions: vec![req] }).await?;
+    match answered.into_inner().results.into_iter().next() {
+        Some(d) if d.code == tonic::Code::Ok as i32 => Ok(()),
+        Some(d) => Err(Status::new(tonic::Code::from(d.code), d.message)),
+        None => Err(Status::internal("the ledger answered no result")),
     }
 }
 
@@ -138,9 +153,19 @@ async fn record_with_retries(mut ledger: LedgerClient<warden_grpc::auth::Ch>, mu
     let started = tokio::time::Instant::now();
     let mut backoff = Duration::from_millis(100);
     loop {
-        match ledger.append_event(req.clone()).await {
-            Ok(_) => return,
-            Err(s) if warden_grpc::is_fenced(&s) => {
+        // Through `RecordDecisions`, as the batches go: a decision whose run was never created
+        // is kept apart there instead of refused (see `Ledger.ListUnboundDecisions`).
+        let answered = ledger.record_decisions(pb::RecordDecisionsRequest { decisions: vec![req.clone()] }).await;
+        let (code, fenced, message) = match answered {
+            Ok(r) => match r.into_inner().results.into_iter().next() {
+                Some(d) => (tonic::Code::from(d.code), d.fenced, d.message),
+                None => (tonic::Code::Internal, false, "the ledger answered no result".to_string()),
+            },
+            Err(s) => (s.code(), warden_grpc::is_fenced(&s), s.message().to_string()),
+        };
+        match code {
+            tonic::Code::Ok => return,
+            _ if fenced => {
                 let run = ledger
                     .get_run(pb::GetLedgerRunRequest { tenant: req.tenant.clone(), run_id: req.run_id.clone() })
                     .await;
@@ -151,23 +176,18 @@ async fn record_with_retries(mut ledger: LedgerClient<warden_grpc::auth::Ch>, mu
             }
             // Refusals other than fencing (a terminal run, a different record under the id)
             // cannot be helped by retrying.
-            Err(s)
-                if matches!(
-                    s.code(),
-                    tonic::Code::InvalidArgument
-                        | tonic::Code::FailedPrecondition
-                        | tonic::Code::NotFound
-                        | tonic::Code::PermissionDenied
-                ) =>
-            {
-                tracing::debug!(run_id = %req.run_id, error = %s, "decision not recorded by the policy");
+            tonic::Code::InvalidArgument
+            | tonic::Code::FailedPrecondition
+            | tonic::Code::NotFound
+            | tonic::Code::PermissionDenied => {
+                tracing::debug!(run_id = %req.run_id, error = %message, "decision not recorded by the policy");
                 return;
             }
-            Err(s) if started.elapsed() > GIVE_UP => {
-                tracing::error!(run_id = %req.run_id, key = %req.idempotency_key, error = %s, "decision could not be recorded; giving up");
+            _ if started.elapsed() > GIVE_UP => {
+                tracing::error!(run_id = %req.run_id, key = %req.idempotency_key, error = %message, "decision could not be recorded; giving up");
                 return;
             }
-            Err(s) => tracing::debug!(run_id = %req.run_id, error = %s, "decision record retried"),
+            _ => tracing::debug!(run_id = %req.run_id, error = %message, "decision record retried"),
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));

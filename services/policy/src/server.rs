@@ -54,6 +54,17 @@ pub struct PolicyService {
 /// A recorded plan's steps: step id → the tools it may call (its own, then its alternatives').
 type PlannedSteps = Arc<HashMap<String, Vec<String>>>;
 
+/// The steps of a plan's JSON (none if it does not parse). A plan answered directly runs no
+/// step, whatever else it lists.
+fn planned_steps(plan_json: &str) -> PlannedSteps {
+    let planned = warden_core::plan::Plan::parse(plan_json)
+        .ok()
+        .filter(|p| p.direct_response.is_none())
+        .map(|p| p.steps)
+        .unwrap_or_default();
+    Arc::new(planned.iter().map(|s| (s.id.clone(), s.tools().map(str::to_string).collect())).collect())
+}
+
 /// Steps (over all plans) kept in [`PolicyService::plans`] before it is emptied.
 const CACHED_PLAN_STEPS: usize = 100_000;
 
@@ -114,7 +125,37 @@ fn validate(r: &pb::AuthorizeRequest) -> Result<Checked, Status> {
             return Err(invalid_field("retry_of", "only a retry (attempt 2 or later) names the allow it retries"));
         }
     }
+    if !r.plan_sha256.is_empty() && r.run_ack.is_none() {
+        // A run's first call asked while the run is being created: decided against the plan
+        // sent, which must be the one the digest names (the ledger then records the decision
+        // only in a run whose recorded plan has that digest).
+        if r.plan_json.is_empty() {
+            return Err(invalid_field("plan_json", "a plan_sha256 comes with the plan it is the digest of"));
+        }
+        if warden_core::canonical::sha256_hex(r.plan_json.as_bytes()) != r.plan_sha256 {
+            return Err(invalid_field("plan_sha256", "is not the SHA-256 of plan_json"));
+        }
+    }
     check_args(r)
+}
+
+/// The ledger append recording decision `id` (its signed record `payload_json`) about `r`'s call.
+fn decision_record(r: &pb::AuthorizeRequest, id: &str, payload_json: String) -> pb::AppendEventRequest {
+    pb::AppendEventRequest {
+        tenant: r.tenant.clone(),
+        run_id: r.run_id.clone(),
+        epoch: r.epoch,
+        idempotency_key: events::decision_key(id),
+        event_type: events::POLICY_DECISION.into(),
+        payload_json,
+        step_id: r.step_id.clone(),
+    }
+}
+
+/// The plan a request asking before its run is recorded carries (see
+/// `AuthorizeRequest.plan_sha256`; its digest checked in [`validate`]): the mesh's alone.
+fn unrecorded_plan(r: &pb::AuthorizeRequest) -> Option<&str> {
+    (r.run_ack.is_none() && !r.plan_sha256.is_empty() && !r.plan_json.is_empty()).then_some(r.plan_json.as_str())
 }
 
 /// The arguments of a request whose identity is valid: a refusal here is also recorded
@@ -339,9 +380,12 @@ impl PolicyService {
             }));
         }
         let cached = self.plans.lock().unwrap_or_else(|p| p.into_inner()).get(&r.run_id).cloned();
-        let steps = match cached {
-            Some(steps) if steps.contains_key(&r.step_id) => steps,
-            _ => {
+        let steps = match (cached, unrecorded_plan(r)) {
+            // Not recorded yet: decided against the plan sent, and nothing of it is kept (the
+            // run's later calls come with the ledger's acknowledgement, or read the plan).
+            (_, Some(plan_json)) => planned_steps(plan_json),
+            (Some(steps), None) if steps.contains_key(&r.step_id) => steps,
+            (cached, None) => {
                 // The plan as the ledger acknowledged it, else as the ledger answers for it.
                 let plan_json = match self.acknowledged_plan(r, cached.is_some()).await {
                     Some(plan) => plan,
@@ -354,14 +398,7 @@ impl PolicyService {
                             .plan_json
                     }
                 };
-                // A plan answered directly runs no step, whatever else it lists.
-                let planned = warden_core::plan::Plan::parse(&plan_json)
-                    .ok()
-                    .filter(|p| p.direct_response.is_none())
-                    .map(|p| p.steps)
-                    .unwrap_or_default();
-                let steps: PlannedSteps =
-                    Arc::new(planned.iter().map(|s| (s.id.clone(), s.tools().map(str::to_string).collect())).collect());
+                let steps = planned_steps(&plan_json);
                 let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
                 // Bounded by steps, not runs: plans differ in size.
                 if plans.values().map(|p| p.len() + 1).sum::<usize>() + steps.len() > CACHED_PLAN_STEPS {
@@ -384,6 +421,32 @@ impl PolicyService {
             )),
             Some(_) => None,
         })
+    }
+
+    /// Why a call cannot be decided before its run is recorded, if it cannot: its decision
+    /// would read the run's record (budgets, an intent plan, a semantic key's holder, an
+    /// earlier attempt) or write to it first (an approval is asked for by a recorded decision).
+    fn needs_record(&self, r: &pb::AuthorizeRequest) -> Option<&'static str> {
+        let c = &self.config;
+        if !r.caller_records || LEDGER_MEDIATED_TOOLS.contains(&r.tool.as_str()) {
+            Some("its decision is recorded before the answer")
+        } else if r.attempt != 1 || !r.retry_of.is_empty() {
+            Some("only a first attempt is asked before")
+        } else if c.tenants.get(&r.tenant).is_some_and(crate::budgets::has_limits) {
+            Some("the tenant has budgets, counted per run")
+        } else if c
+            .tenants
+            .get(&r.tenant)
+            .is_some_and(|t| t.require_approval.iter().any(|p| crate::rules::matches(p, &r.tool)))
+        {
+            Some("the tool needs an approval, asked for in the run")
+        } else if c.intent_required_tools.iter().any(|p| crate::rules::matches(p, &r.tool)) {
+            Some("the tool needs the run's intent plan")
+        } else if c.semantic_keys.iter().any(|k| crate::rules::matches(&k.tool, &r.tool)) {
+            Some("the tool has a semantic key, whose holder is read from its run")
+        } else {
+            None
+        }
     }
 
     /// The request's plan when the ledger's run acknowledgement vouches for it: signed by a
@@ -594,19 +657,9 @@ impl PolicyService {
             "idempotency_key": r.idempotency_key, "outcome": "deny", "rule_id": "malformed_request",
             "reason": status.message(),
         });
-        let recorded = self
-            .ledger
-            .clone()
-            .append_event(pb::AppendEventRequest {
-                tenant: r.tenant.clone(),
-                run_id: r.run_id.clone(),
-                epoch: r.epoch,
-                idempotency_key: events::decision_key(&id),
-                event_type: events::POLICY_DECISION.into(),
-                payload_json: warden_core::decision::sign_decision(payload, &self.key).to_string(),
-                step_id: r.step_id.clone(),
-            })
-            .await;
+        // Through `RecordDecisions`: a request about a run being created may find none yet.
+        let record = decision_record(r, &id, warden_core::decision::sign_decision(payload, &self.key).to_string());
+        let recorded = crate::recorder::record_now(&mut self.ledger.clone(), record).await;
         if let Err(e) = recorded {
             tracing::warn!(run_id = %r.run_id, error = %e, "malformed request not recorded");
         }
@@ -775,7 +828,7 @@ impl pb::policy_server::Policy for PolicyService {
         if !mesh {
             // A plan under the ledger's acknowledgement is the submitting executor's shortcut;
             // from anyone else it is ignored (no key is fetched for it, the plan is read).
-            (r.run_ack, r.plan_json) = (None, String::new());
+            (r.run_ack, r.plan_json, r.plan_sha256) = (None, String::new(), String::new());
             self.outside_caller(&r, bound.is_some()).await?;
             // Model calls are the planner's: a tenant asking for one could have policy sign a
             // call no run's planning made.
@@ -790,6 +843,18 @@ impl pb::policy_server::Policy for PolicyService {
                 return Err(status);
             }
         };
+        if let Some(digest) = unrecorded_plan(&r).map(|_| r.plan_sha256.clone()) {
+            if let Some(why) = self.needs_record(&r) {
+                // Nothing decided, counted or claimed: the executor asks again once the run exists.
+                return Err(Status::failed_precondition(format!(
+                    "this call is decided only once its run is recorded: {why}"
+                )));
+            }
+            // A decision of its own: the same call asked again once the run is recorded (after
+            // a takeover, say) is decided against the recorded plan, and its record — without
+            // the digest — must not meet this one under the same id.
+            checked.gate = format!("|plan:{}", &digest[..16]);
+        }
         // A stage that cannot reach its store (or the ledger) has decided nothing: the caller
         // gets UNAVAILABLE, nothing is recorded, and it asks again — a blip is not a decision.
         // A stage that fails otherwise is a deny with its own rule id, recorded like any other
@@ -835,19 +900,16 @@ impl pb::policy_server::Policy for PolicyService {
         if !r.agent.is_empty() {
             payload["agent"] = Value::String(r.agent.clone());
         }
+        if unrecorded_plan(&r).is_some() {
+            // Decided against a plan the ledger had not recorded yet: the ledger takes this
+            // record only into a run whose recorded plan has this digest.
+            payload["plan_sha256"] = Value::String(r.plan_sha256.clone());
+        }
         // Signed, so the record can travel with the executor's append and the ledger can tell
         // it is the policy's own (see `warden_core::decision`).
         let payload = warden_core::decision::sign_decision(payload, &self.key);
         let decision_event_json = payload.to_string();
-        let record = pb::AppendEventRequest {
-            tenant: r.tenant.clone(),
-            run_id: r.run_id.clone(),
-            epoch: r.epoch,
-            idempotency_key: events::decision_key(&id),
-            event_type: events::POLICY_DECISION.into(),
-            payload_json: decision_event_json.clone(),
-            step_id: r.step_id.clone(),
-        };
+        let record = decision_record(&r, &id, decision_event_json.clone());
         // Recorded before the answer unless the mesh's executor carries it into its own append
         // (and never for approvals: one comes into being only once the decision asking for it
         // is recorded; nor for ledger-mediated tools, whose effect the ledger applies on sight

@@ -69,6 +69,10 @@ pub(super) struct RunCtx {
     /// with the run's Authorize requests until one is answered, so the policy need not read
     /// the plan back (`AuthorizeRequest.run_ack`). None for a run this replica did not create.
     pub(super) plan_ack: std::sync::Arc<std::sync::Mutex<Option<PlanAck>>>,
+    /// Set while the run is being created by this replica's submission (see `creation`).
+    pub(super) creation: Option<super::Creation>,
+    /// Whether the acknowledgement the creation brought was taken into `plan_ack`.
+    pub(super) ack_adopted: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Largest plan sent with an Authorize request (the policy reads a larger one from the
@@ -118,6 +122,29 @@ pub(super) fn decision_event(step_id: &str, decision_id: &str, record_json: &str
 pub(super) const DEFERRABLE_OUTPUT_BYTES: usize = 64 * 1024;
 
 impl RunCtx {
+    /// Waits until the run is recorded when it is being created (see `creation`); the plan's
+    /// acknowledgement the creation brought is kept for the run's next Authorize.
+    pub(super) async fn created(&self) -> Result<(), DriveError> {
+        let Some(creation) = &self.creation else { return Ok(()) };
+        match creation.wait().await {
+            super::creation::Created::Yes(ack) => {
+                // Taken once: the step that sends it clears it when the policy has the plan.
+                if let Some(ack) = ack
+                    && !self.ack_adopted.swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    *self.plan_ack.lock().unwrap_or_else(|p| p.into_inner()) = Some(ack);
+                }
+                Ok(())
+            }
+            super::creation::Created::No => Err(DriveError::NotCreated),
+        }
+    }
+
+    /// The plan being recorded and its digest, while the run's creation is not answered.
+    pub(super) fn unrecorded_plan(&self) -> Option<(std::sync::Arc<str>, std::sync::Arc<str>)> {
+        self.creation.as_ref().and_then(super::Creation::pending_plan)
+    }
+
     /// Appends an event (with any deferred outcomes before it, in the same transaction).
     pub(super) async fn append(
         &self,
@@ -210,6 +237,7 @@ impl RunCtx {
         events: Vec<pb::EventInput>,
         brief: bool,
     ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
+        self.created().await?;
         let req = pb::AppendEventsRequest {
             tenant: self.tenant.clone(),
             run_id: self.run_id.clone(),
@@ -315,6 +343,7 @@ impl RunCtx {
 
     /// One try at appending `events` after what is deferred (no waiting out a ledger outage).
     pub(super) async fn append_group_once(&self, events: Vec<pb::EventInput>) -> Result<(), Status> {
+        self.created().await.map_err(|e| Status::failed_precondition(e.to_string()))?;
         let _turn = self.appending.lock().await;
         let mut all: Vec<pb::EventInput> = self.deferred.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let n = all.len();

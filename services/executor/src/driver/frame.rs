@@ -94,6 +94,8 @@ pub(super) async fn open_frame(
         frame_json: serde_json::to_string(&position).unwrap_or_default(),
         ..Default::default()
     };
+    // A child names its parent, which must be on record first.
+    ctx.created().await?;
     let created = ctx.ex.inner.ledger.clone().create_run(create).await;
     let child = match created {
         Ok(r) => r.into_inner().run.map(|r| r.run_id).unwrap_or_default(),

@@ -5,6 +5,7 @@
 //! - [`scheduler`]: what runs next (the DAG, cancellation, pauses, the run's end);
 //! - [`step`]: the step pipeline (validate → authorize → record → invoke → vet → record).
 
+mod creation;
 mod ctx;
 mod frame;
 mod scheduler;
@@ -23,6 +24,7 @@ use warden_lease::{LeaseError, RunLease};
 use warden_proto::v1 as pb;
 
 use crate::Executor;
+pub use creation::{Creation, CreationGate, gate as creation_gate};
 use ctx::RunCtx;
 pub(crate) use ctx::load_view;
 pub use ctx::{PLAN_ACK_MAX_BYTES, PlanAck};
@@ -69,6 +71,9 @@ pub enum DriveError {
     Ledger(Status),
     #[error("lease store: {0}")]
     Lease(#[from] LeaseError),
+    /// Driven while being created, and the creation failed or found another run.
+    #[error("the run was not created")]
+    NotCreated,
 }
 
 /// Drives `run_id` to a terminal status (or until its lease is lost): the recovery path,
@@ -98,21 +103,31 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
 /// Drives a run this replica just submitted: it took the lease before the run was created
 /// and the ledger recorded `run_started` with `run_submitted`, so nothing is read back —
 /// the run starts from the plan in hand (`view`, as the ledger's first events fold).
+/// With `Submitted::Creating`, the run is still being created (see `creation`).
 pub async fn drive_submitted(
     ex: &Executor,
     tenant: &str,
     lease: RunLease,
     view: RunView,
-    plan_ack: Option<PlanAck>,
+    how: Submitted,
 ) -> Result<(), DriveError> {
-    with_lease(ex, tenant, lease, Some((view, plan_ack))).await
+    with_lease(ex, tenant, lease, Some((view, how))).await
+}
+
+/// How a run this replica submitted stands when its driver starts.
+pub enum Submitted {
+    /// Recorded, with the ledger's acknowledgement of its plan (if it is sent with the run's
+    /// first Authorize).
+    Created(Option<PlanAck>),
+    /// Being created meanwhile.
+    Creating(Creation),
 }
 
 async fn with_lease(
     ex: &Executor,
     tenant: &str,
     lease: RunLease,
-    view: Option<(RunView, Option<PlanAck>)>,
+    view: Option<(RunView, Submitted)>,
 ) -> Result<(), DriveError> {
     let run_id = lease.run_id.clone();
     let run_id = run_id.as_str();
@@ -136,10 +151,17 @@ async fn with_lease(
         failed_calls: Default::default(),
         frame: Default::default(),
         plan_ack: Default::default(),
+        creation: match &view {
+            Some((_, Submitted::Creating(c))) => Some(c.clone()),
+            _ => None,
+        },
+        ack_adopted: Default::default(),
     };
     let mut result = match view {
-        Some((view, plan_ack)) => {
-            *ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()) = plan_ack;
+        Some((view, how)) => {
+            if let Submitted::Created(plan_ack) = how {
+                *ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()) = plan_ack;
+            }
             drive_view(&ctx, view).await
         }
         None => drive_leased(&ctx).await,

@@ -15,10 +15,10 @@ use warden_core::run::call_fingerprint;
 use warden_core::template;
 use warden_proto::v1 as pb;
 
-use super::DriveError;
 use super::ctx::{
     DEFERRABLE_OUTPUT_BYTES, RunCtx, cite_trace, decision_event, event, policy_name, retryable, run_key, traced,
 };
+use super::{DriveError, PlanAck};
 
 /// Timeout when a tool declares none (seed 000 §7).
 pub const FALLBACK_TIMEOUT: Duration = Duration::from_secs(60);
@@ -518,34 +518,68 @@ pub(super) async fn execute_attempt(
         rule_id = tracing::field::Empty,
         outcome = tracing::field::Empty,
     );
-    let plan_ack = ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let authorized = within_grace(ctx, "policy", (&step.id, attempt), || {
-        let mut policy = ctx.ex.inner.policy.clone();
-        let req = pb::AuthorizeRequest {
-            tenant: ctx.tenant.clone(),
-            run_id: ctx.run_id.clone(),
-            step_id: step.id.clone(),
-            attempt,
-            tool: step.tool.clone(),
-            args_json: args_json.clone(),
-            capability_handle: String::new(),
-            idempotency_key: idempotency_key.clone(),
-            epoch: ctx.epoch,
-            agent: ctx.agent.clone(),
-            retry_of: retry_of.unwrap_or_default().to_string(),
-            // The decision goes into this step's own append (with the request or the failure).
-            caller_records: true,
-            base_rules_only: false,
-            tool_version: tool_version.clone(),
-            tool_sha256: tool_sha256.clone(),
-            tool_effect: tool_effect as i32,
-            run_ack: plan_ack.as_ref().map(|p| p.ack.clone()),
-            plan_json: plan_ack.as_ref().map(|p| p.plan_json.to_string()).unwrap_or_default(),
-        };
-        async move { policy.authorize(req).await }
-    })
-    .instrument(authorize_span.clone())
-    .await;
+    let call = pb::AuthorizeRequest {
+        tenant: ctx.tenant.clone(),
+        run_id: ctx.run_id.clone(),
+        step_id: step.id.clone(),
+        attempt,
+        tool: step.tool.clone(),
+        args_json: args_json.clone(),
+        capability_handle: String::new(),
+        idempotency_key: idempotency_key.clone(),
+        epoch: ctx.epoch,
+        agent: ctx.agent.clone(),
+        retry_of: retry_of.unwrap_or_default().to_string(),
+        // The decision goes into this step's own append (with the request or the failure).
+        caller_records: true,
+        base_rules_only: false,
+        tool_version: tool_version.clone(),
+        tool_sha256: tool_sha256.clone(),
+        tool_effect: tool_effect as i32,
+        ..Default::default()
+    };
+    let ask = |req: pb::AuthorizeRequest| {
+        within_grace(ctx, "policy", (&step.id, attempt), move || {
+            let mut policy = ctx.ex.inner.policy.clone();
+            let req = req.clone();
+            async move { policy.authorize(req).await }
+        })
+        .instrument(authorize_span.clone())
+    };
+    // While the run is being created, its first calls are asked for against the plan being
+    // recorded (the policy decides against it and the ledger checks it on append); after, with
+    // the ledger's acknowledgement of the plan until the policy has it.
+    let unrecorded = if retry_of.is_none() && attempt == 1 { ctx.unrecorded_plan() } else { None };
+    if unrecorded.is_none() {
+        // Answered already (at once): the run is not driven if it was not created, and the
+        // acknowledgement its creation brought is taken.
+        ctx.created().await?;
+    }
+    let mut plan_ack =
+        if unrecorded.is_some() { None } else { ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()).clone() };
+    let with_plan = |plan_ack: &Option<PlanAck>| pb::AuthorizeRequest {
+        run_ack: plan_ack.as_ref().map(|p| p.ack.clone()),
+        plan_json: plan_ack.as_ref().map(|p| p.plan_json.to_string()).unwrap_or_default(),
+        ..call.clone()
+    };
+    let mut authorized = match &unrecorded {
+        Some((plan_json, plan_sha256)) => {
+            ask(pb::AuthorizeRequest {
+                plan_json: plan_json.to_string(),
+                plan_sha256: plan_sha256.to_string(),
+                ..call.clone()
+            })
+            .await
+        }
+        None => ask(with_plan(&plan_ack)).await,
+    };
+    if unrecorded.is_some() && authorized.as_ref().is_err_and(|s| !warden_grpc::is_fenced(s)) {
+        // Decided only once the run is on record (budgets, approvals, …), or not decided: asked
+        // again as any call is, once the run is created.
+        ctx.created().await?;
+        plan_ack = ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        authorized = ask(with_plan(&plan_ack)).await;
+    }
     if authorized.is_ok() && plan_ack.is_some() {
         // The policy has the plan now (it keeps it while it decides on the run).
         *ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()) = None;

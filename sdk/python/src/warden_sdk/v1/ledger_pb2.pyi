@@ -365,6 +365,92 @@ class DecisionRecorded(_message.Message):
 Global___DecisionRecorded: _TypeAlias = DecisionRecorded  # noqa: Y015
 
 @_typing.final
+class ListUnboundDecisionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    page_size: _builtins.int
+    """Default 100, at most 1000."""
+    page_token: _builtins.str
+    """Decisions recorded after this cursor (`next_page_token` of the previous page)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUnboundDecisionsRequest: _TypeAlias = ListUnboundDecisionsRequest  # noqa: Y015
+
+@_typing.final
+class UnboundDecision(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    DECISION_ID_FIELD_NUMBER: _builtins.int
+    PAYLOAD_JSON_FIELD_NUMBER: _builtins.int
+    RECORDED_AT_MS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    run_id: _builtins.str
+    step_id: _builtins.str
+    decision_id: _builtins.str
+    payload_json: _builtins.str
+    """The policy's signed record, as it would have been appended."""
+    recorded_at_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        step_id: _builtins.str = ...,
+        decision_id: _builtins.str = ...,
+        payload_json: _builtins.str = ...,
+        recorded_at_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision_id", b"decision_id", "payload_json", b"payload_json", "recorded_at_ms", b"recorded_at_ms", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnboundDecision: _TypeAlias = UnboundDecision  # noqa: Y015
+
+@_typing.final
+class ListUnboundDecisionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECISIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Empty when this was the last page."""
+    @_builtins.property
+    def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___UnboundDecision]: ...
+    def __init__(
+        self,
+        *,
+        decisions: _abc.Iterable[Global___UnboundDecision] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUnboundDecisionsResponse: _TypeAlias = ListUnboundDecisionsResponse  # noqa: Y015
+
+@_typing.final
 class EventInput(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

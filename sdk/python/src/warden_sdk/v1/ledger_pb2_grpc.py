@@ -56,6 +56,11 @@ class LedgerStub:
                 request_serializer=warden_dot_v1_dot_ledger__pb2.RecordDecisionsRequest.SerializeToString,
                 response_deserializer=warden_dot_v1_dot_ledger__pb2.RecordDecisionsResponse.FromString,
                 _registered_method=True)
+        self.ListUnboundDecisions = channel.unary_unary(
+                '/warden.v1.Ledger/ListUnboundDecisions',
+                request_serializer=warden_dot_v1_dot_ledger__pb2.ListUnboundDecisionsRequest.SerializeToString,
+                response_deserializer=warden_dot_v1_dot_ledger__pb2.ListUnboundDecisionsResponse.FromString,
+                _registered_method=True)
         self.GetRun = channel.unary_unary(
                 '/warden.v1.Ledger/GetRun',
                 request_serializer=warden_dot_v1_dot_ledger__pb2.GetLedgerRunRequest.SerializeToString,
@@ -193,6 +198,16 @@ class LedgerServicer:
         decision is lost (one the executor already recorded is a repeat, answered as such).
         Several decisions of any runs and tenants in one call; each is recorded on its own, as
         AppendEvent would, and answered in order. Only the mesh's services and operators call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUnboundDecisions(self, request, context):
+        """Decisions the policy signed about runs that were never created (the executor asked for a
+        run's first decision while creating the run, and the creation failed): RecordDecisions
+        keeps them apart, since no chain holds them. A tenant lists its own; the mesh and
+        operators any tenant's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -358,6 +373,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.RecordDecisions,
                     request_deserializer=warden_dot_v1_dot_ledger__pb2.RecordDecisionsRequest.FromString,
                     response_serializer=warden_dot_v1_dot_ledger__pb2.RecordDecisionsResponse.SerializeToString,
+            ),
+            'ListUnboundDecisions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUnboundDecisions,
+                    request_deserializer=warden_dot_v1_dot_ledger__pb2.ListUnboundDecisionsRequest.FromString,
+                    response_serializer=warden_dot_v1_dot_ledger__pb2.ListUnboundDecisionsResponse.SerializeToString,
             ),
             'GetRun': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRun,
@@ -569,6 +589,33 @@ class Ledger:
             '/warden.v1.Ledger/RecordDecisions',
             warden_dot_v1_dot_ledger__pb2.RecordDecisionsRequest.SerializeToString,
             warden_dot_v1_dot_ledger__pb2.RecordDecisionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUnboundDecisions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warden.v1.Ledger/ListUnboundDecisions',
+            warden_dot_v1_dot_ledger__pb2.ListUnboundDecisionsRequest.SerializeToString,
+            warden_dot_v1_dot_ledger__pb2.ListUnboundDecisionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,12 @@ class LedgerStub:
     Several decisions of any runs and tenants in one call; each is recorded on its own, as
     AppendEvent would, and answered in order. Only the mesh's services and operators call it.
     """
+    ListUnboundDecisions: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ListUnboundDecisionsRequest, _ledger_pb2.ListUnboundDecisionsResponse]
+    """Decisions the policy signed about runs that were never created (the executor asked for a
+    run's first decision while creating the run, and the creation failed): RecordDecisions
+    keeps them apart, since no chain holds them. A tenant lists its own; the mesh and
+    operators any tenant's.
+    """
     GetRun: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.GetLedgerRunRequest, _ledger_pb2.LedgerRun]
     ListRuns: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ListLedgerRunsRequest, _ledger_pb2.ListLedgerRunsResponse]
     StreamEvents: _grpc.UnaryStreamMultiCallable[_ledger_pb2.StreamEventsRequest, _common_pb2.Event]
@@ -120,6 +126,12 @@ class LedgerAsyncStub(LedgerStub):
     decision is lost (one the executor already recorded is a repeat, answered as such).
     Several decisions of any runs and tenants in one call; each is recorded on its own, as
     AppendEvent would, and answered in order. Only the mesh's services and operators call it.
+    """
+    ListUnboundDecisions: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ListUnboundDecisionsRequest, _ledger_pb2.ListUnboundDecisionsResponse]  # type: ignore[assignment]
+    """Decisions the policy signed about runs that were never created (the executor asked for a
+    run's first decision while creating the run, and the creation failed): RecordDecisions
+    keeps them apart, since no chain holds them. A tenant lists its own; the mesh and
+    operators any tenant's.
     """
     GetRun: _aio.UnaryUnaryMultiCallable[_ledger_pb2.GetLedgerRunRequest, _ledger_pb2.LedgerRun]  # type: ignore[assignment]
     ListRuns: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ListLedgerRunsRequest, _ledger_pb2.ListLedgerRunsResponse]  # type: ignore[assignment]
@@ -208,6 +220,18 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         decision is lost (one the executor already recorded is a repeat, answered as such).
         Several decisions of any runs and tenants in one call; each is recorded on its own, as
         AppendEvent would, and answered in order. Only the mesh's services and operators call it.
+        """
+
+    @_abc_1.abstractmethod
+    def ListUnboundDecisions(
+        self,
+        request: _ledger_pb2.ListUnboundDecisionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.ListUnboundDecisionsResponse, _abc.Awaitable[_ledger_pb2.ListUnboundDecisionsResponse]]:
+        """Decisions the policy signed about runs that were never created (the executor asked for a
+        run's first decision while creating the run, and the creation failed): RecordDecisions
+        keeps them apart, since no chain holds them. A tenant lists its own; the mesh and
+        operators any tenant's.
         """
 
     @_abc_1.abstractmethod

@@ -82,6 +82,7 @@ class AuthorizeRequest(_message.Message):
     TOOL_EFFECT_FIELD_NUMBER: _builtins.int
     RUN_ACK_FIELD_NUMBER: _builtins.int
     PLAN_JSON_FIELD_NUMBER: _builtins.int
+    PLAN_SHA256_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     run_id: _builtins.str
     step_id: _builtins.str
@@ -127,6 +128,13 @@ class AuthorizeRequest(_message.Message):
     tool_sha256: _builtins.str
     tool_effect: _common_pb2.Effect.ValueType
     plan_json: _builtins.str
+    plan_sha256: _builtins.str
+    """A run's first call, asked while the run is being created (no `run_ack` yet): the hex
+    SHA-256 of `plan_json` as sent, the plan the executor is submitting. Only the mesh may
+    ask this way. The policy decides against that plan (keeping nothing of it), and the
+    signed decision record names the digest, so the ledger records the decision only in a
+    run whose recorded plan has it. From anyone else it is ignored.
+    """
     @_builtins.property
     def run_ack(self) -> _common_pb2.SignedAuthorization:
         """The run's recorded plan and the ledger's acknowledgement of it
@@ -158,10 +166,11 @@ class AuthorizeRequest(_message.Message):
         tool_effect: _common_pb2.Effect.ValueType = ...,
         run_ack: _common_pb2.SignedAuthorization | None = ...,
         plan_json: _builtins.str = ...,
+        plan_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run_ack", b"run_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "base_rules_only", b"base_rules_only", "caller_records", b"caller_records", "capability_handle", b"capability_handle", "epoch", b"epoch", "idempotency_key", b"idempotency_key", "plan_json", b"plan_json", "retry_of", b"retry_of", "run_ack", b"run_ack", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool", "tool_effect", b"tool_effect", "tool_sha256", b"tool_sha256", "tool_version", b"tool_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "args_json", b"args_json", "attempt", b"attempt", "base_rules_only", b"base_rules_only", "caller_records", b"caller_records", "capability_handle", b"capability_handle", "epoch", b"epoch", "idempotency_key", b"idempotency_key", "plan_json", b"plan_json", "plan_sha256", b"plan_sha256", "retry_of", b"retry_of", "run_ack", b"run_ack", "run_id", b"run_id", "step_id", b"step_id", "tenant", b"tenant", "tool", b"tool", "tool_effect", b"tool_effect", "tool_sha256", b"tool_sha256", "tool_version", b"tool_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
