@@ -109,6 +109,48 @@ async fn direct_response_and_empty_plan_finish_without_tools() {
     assert_eq!(settled(&mesh, "acme", &id).await.status(), pb::RunStatus::EmptyPlan);
 }
 
+/// A run's first decision is asked for while the run is created
+/// (`executor.decide_while_creating`, on by default): over a few runs submitted through the
+/// mesh, first steps' decisions are recorded naming the digest of the run's recorded plan,
+/// later steps' decisions name none, and every run completes with a chain that verifies.
+async fn first_decisions_are_asked_for_while_runs_are_created(backend: Backend) {
+    let mesh = mesh_on(backend).await;
+    let p = plan(&[("first", "echo", json!({"v": 1}), &[]), ("second", "echo", json!({"v": 2}), &["first"])]);
+    let mut early = 0;
+    for _ in 0..5 {
+        let id = submit(&mesh, "acme", &p).await;
+        let run = ended(&mesh, "acme", &id).await;
+        assert_eq!(run.status(), pb::RunStatus::Completed, "{}: {id}\n{}", run.reason, mesh.logs());
+        let mut ledger = mesh.ledger();
+        assert!(verify(&mut ledger, "acme", &id).await.valid);
+        let req = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() };
+        let recorded = ledger.get_run(req).await.expect("run").into_inner().plan_json;
+        let digest = warden_core::canonical::sha256_hex(recorded.as_bytes());
+        let evs = events(&mut ledger, "acme", &id).await;
+        for e in evs.iter().filter(|e| e.event_type == "policy_decision") {
+            if let Some(named) = payload(e).get("plan_sha256") {
+                assert_eq!(named, &json!(digest), "the recorded plan's digest");
+                assert_eq!(e.step_id, "first", "only a run's first calls are asked for early");
+                early += 1;
+            }
+        }
+        let decided: Vec<&str> =
+            evs.iter().filter(|e| e.event_type == "policy_decision").map(|e| e.step_id.as_str()).collect();
+        assert_eq!(decided, ["first", "second"], "one decision a step");
+    }
+    assert!(early > 0, "no first decision was asked for while its run was created\n{}", mesh.logs());
+}
+
+#[tokio::test]
+async fn first_decisions_are_asked_for_while_runs_are_created_on_sqlite() {
+    first_decisions_are_asked_for_while_runs_are_created(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn first_decisions_are_asked_for_while_runs_are_created_on_postgres() {
+    first_decisions_are_asked_for_while_runs_are_created(Backend::Postgres).await;
+}
+
 #[tokio::test]
 async fn a_failed_step_cancels_its_dependents_and_keeps_independent_work() {
     let mesh = mesh_on(Backend::Sqlite).await;
