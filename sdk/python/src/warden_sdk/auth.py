@@ -355,7 +355,12 @@ def _lookup(keys: KeyLookup | Mapping[str, Ed25519PublicKey]) -> KeyLookup:
 
 
 def decision_id(call: CallIdentity, capability_id: str = "") -> str:
-    """The deterministic id policy gives the decision about ``call`` (32 hex chars)."""
+    """The deterministic id policy gives the decision about ``call`` (32 hex chars).
+
+    ``capability_id`` is followed by the decision's gate when it has one: a decision asked for
+    while its run was being created (its record names ``plan_sha256``) is derived from
+    ``capability_id + "|plan:" + plan_sha256[:16]``.
+    """
     material = canonical_bytes(
         [
             call.tenant,
