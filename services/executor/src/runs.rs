@@ -53,6 +53,18 @@ impl RunsService {
     }
 }
 
+/// Whether `CreateRun` recorded the run `run_id` this submission picked (not an earlier
+/// submission's run under the same idempotency key).
+fn created_as(c: &pb::CreateRunResponse, run_id: &str) -> bool {
+    !c.deduplicated && c.run.as_ref().is_some_and(|r| r.run_id == run_id)
+}
+
+/// The ledger's acknowledgement of the run's plan with the plan it vouches for, when the plan
+/// is sent with the run's first Authorize (`plan_json`; see `driver::PlanAck`).
+fn plan_ack(c: &pb::CreateRunResponse, plan_json: Option<std::sync::Arc<str>>) -> Option<crate::driver::PlanAck> {
+    Some(crate::driver::PlanAck { ack: c.run_ack.clone()?, plan_json: plan_json? })
+}
+
 #[tonic::async_trait]
 impl Runs for RunsService {
     async fn submit_run(&self, req: Request<pb::SubmitRunRequest>) -> Result<Response<pb::SubmitRunResponse>, Status> {
@@ -221,24 +233,20 @@ impl Runs for RunsService {
             epoch: lease.as_ref().map(|l| l.epoch).unwrap_or_default(),
             frame_json: String::new(),
         };
-        let acknowledged = |c: &pb::CreateRunResponse, plan_json: Option<std::sync::Arc<str>>| {
-            let ack = c.run_ack.clone().filter(|_| !goal_run && small)?;
-            Some(crate::driver::PlanAck { ack, plan_json: plan_json? })
-        };
+        // The plan travels with the run's first Authorize under the ledger's acknowledgement
+        // (not a goal run's, which may be revised, nor one too large for a request).
+        let sent_plan = recorded_plan.clone().filter(|_| !goal_run && small);
         let driven = creating.is_some();
         let created = match creating {
             Some(gate) => {
                 let mut ledger = self.ex.inner.ledger.clone();
-                let (mine, plan_json, with_ack) = (run_id.clone(), recorded_plan.clone(), !goal_run && small);
+                let (mine, plan_json) = (run_id.clone(), sent_plan.clone());
                 // The driver hears how the creation went even if this call is dropped meanwhile
                 // (its client gone): a run that was recorded is driven, not left to the sweeper.
                 let task_body = async move {
                     let created = ledger.create_run(request).await;
                     match created.as_ref().map(tonic::Response::get_ref) {
-                        Ok(c) if !c.deduplicated && c.run.as_ref().is_some_and(|r| r.run_id == mine) => {
-                            let ack = c.run_ack.clone().filter(|_| with_ack).zip(plan_json);
-                            gate.created(ack.map(|(ack, plan_json)| crate::driver::PlanAck { ack, plan_json }));
-                        }
+                        Ok(c) if created_as(c, &mine) => gate.created(plan_ack(c, plan_json)),
                         // Failed, or another submission's run: the driver stops and gives the
                         // lease back.
                         _ => gate.abandoned(),
@@ -261,7 +269,7 @@ impl Runs for RunsService {
             }
         };
         let run = created.run.clone().ok_or_else(|| Status::internal("ledger returned no run"))?;
-        let ours = !created.deduplicated && run.run_id == run_id;
+        let ours = created_as(&created, &run_id);
         // Deduplicated (an earlier submission's run), or no lease (the lease store did not
         // answer; then the usual path drives it): this lease is not needed.
         let fresh = match lease {
@@ -285,7 +293,7 @@ impl Runs for RunsService {
         match fresh {
             Some(lease) => {
                 let view = view(&lease, &run.tenant, run.cancel_policy);
-                let how = crate::driver::Submitted::Created(acknowledged(&created, recorded_plan.clone()));
+                let how = crate::driver::Submitted::Created(plan_ack(&created, sent_plan));
                 self.ex.dispatch_submitted(run.tenant.clone(), lease, view, how);
             }
             // Driven since before its creation.

@@ -105,6 +105,15 @@ fn id_field(field: &str, v: &str) -> Result<(), Status> {
     check_id(v).map_err(|e| invalid_field(field, e.to_string()))
 }
 
+/// A listing's page size: `default` for 0, at most `max` (`field` names it in the refusal).
+fn page_size(field: &str, v: u32, default: u32, max: u32) -> Result<u32, Status> {
+    match v {
+        0 => Ok(default),
+        n if n > max => Err(invalid_field(field, format!("must be at most {max}"))),
+        n => Ok(n),
+    }
+}
+
 fn optional_tenant(v: &str) -> Result<Option<&str>, Status> {
     if v.is_empty() {
         return Ok(None);
@@ -872,11 +881,7 @@ impl Ledger for LedgerService {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let tenant = optional_tenant(&r.tenant)?;
-        let size = match r.page_size {
-            0 => 100,
-            n if n > 1000 => return Err(invalid_field("page_size", "must be at most 1000")),
-            n => n,
-        };
+        let size = page_size("page_size", r.page_size, 100, 1000)?;
         // The cursor is the order number of the last decision of a page.
         let after = match r.page_token.as_str() {
             "" => 0,
@@ -960,11 +965,7 @@ impl Ledger for LedgerService {
         if !r.page_token.is_empty() {
             id_field("page_token", &r.page_token)?;
         }
-        let size = match r.page_size {
-            0 => 100,
-            n if n > 1000 => return Err(invalid_field("page_size", "must be at most 1000")),
-            n => n,
-        };
+        let size = page_size("page_size", r.page_size, 100, 1000)?;
         let runs = self.store.list_runs(tenant, &wanted, &r.page_token, size).await?;
         let next_page_token = if runs.len() == size as usize {
             runs.last().map(|r| r.run_id.clone()).unwrap_or_default()
@@ -1099,11 +1100,7 @@ impl Ledger for LedgerService {
             check_step_id(&r.step_id).map_err(|e| invalid_field("step_id", e.to_string()))?;
             Some(r.step_id.as_str())
         };
-        let size = match r.page_size {
-            0 => 1000,
-            n if n > 5000 => return Err(invalid_field("page_size", "must be at most 5000")),
-            n => n,
-        };
+        let size = page_size("page_size", r.page_size, 1000, 5000)?;
         let receipts = self.store.receipts(&run.run_id, step, r.after_seq, size).await?;
         let next_after_seq =
             if receipts.len() == size as usize { receipts.last().map(|r| r.seq).unwrap_or(0) } else { 0 };
@@ -1218,11 +1215,7 @@ impl Ledger for LedgerService {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
-        let limit = match r.limit {
-            0 => 100,
-            n if n > 1000 => return Err(invalid_field("limit", "must be at most 1000")),
-            n => n,
-        };
+        let limit = page_size("limit", r.limit, 100, 1000)?;
         let kind = (!r.summary_type.is_empty()).then_some(r.summary_type.as_str());
         let rows = self.store.summaries(&run.run_id, kind, None, limit).await?;
         Ok(Response::new(pb::ListSummariesResponse {

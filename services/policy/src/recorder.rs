@@ -104,11 +104,23 @@ pub async fn record_now(
     ledger: &mut LedgerClient<warden_grpc::auth::Ch>,
     req: pb::AppendEventRequest,
 ) -> Result<(), Status> {
-    let answered = ledger.record_decisions(pb::RecordDecisionsRequest { decisions: vec![req] }).await?;
+    record_one(ledger, req).await.map_err(|(s, _)| s)
+}
+
+/// [`record_now`], telling also whether a refusal was fencing.
+async fn record_one(
+    ledger: &mut LedgerClient<warden_grpc::auth::Ch>,
+    req: pb::AppendEventRequest,
+) -> Result<(), (Status, bool)> {
+    let answered = ledger.record_decisions(pb::RecordDecisionsRequest { decisions: vec![req] }).await;
+    let answered = answered.map_err(|s| {
+        let fenced = warden_grpc::is_fenced(&s);
+        (s, fenced)
+    })?;
     match answered.into_inner().results.into_iter().next() {
         Some(d) if d.code == tonic::Code::Ok as i32 => Ok(()),
-        Some(d) => Err(Status::new(tonic::Code::from(d.code), d.message)),
-        None => Err(Status::internal("the ledger answered no result")),
+        Some(d) => Err((Status::new(tonic::Code::from(d.code), d.message), d.fenced)),
+        None => Err((Status::internal("the ledger answered no result"), false)),
     }
 }
 
@@ -155,16 +167,11 @@ async fn record_with_retries(mut ledger: LedgerClient<warden_grpc::auth::Ch>, mu
     loop {
         // Through `RecordDecisions`, as the batches go: a decision whose run was never created
         // is kept apart there instead of refused (see `Ledger.ListUnboundDecisions`).
-        let answered = ledger.record_decisions(pb::RecordDecisionsRequest { decisions: vec![req.clone()] }).await;
-        let (code, fenced, message) = match answered {
-            Ok(r) => match r.into_inner().results.into_iter().next() {
-                Some(d) => (tonic::Code::from(d.code), d.fenced, d.message),
-                None => (tonic::Code::Internal, false, "the ledger answered no result".to_string()),
-            },
-            Err(s) => (s.code(), warden_grpc::is_fenced(&s), s.message().to_string()),
+        let (code, fenced, message) = match record_one(&mut ledger, req.clone()).await {
+            Ok(()) => return,
+            Err((s, fenced)) => (s.code(), fenced, s.message().to_string()),
         };
         match code {
-            tonic::Code::Ok => return,
             _ if fenced => {
                 let run = ledger
                     .get_run(pb::GetLedgerRunRequest { tenant: req.tenant.clone(), run_id: req.run_id.clone() })

@@ -518,7 +518,7 @@ pub(super) async fn execute_attempt(
         rule_id = tracing::field::Empty,
         outcome = tracing::field::Empty,
     );
-    let call = pb::AuthorizeRequest {
+    let call = || pb::AuthorizeRequest {
         tenant: ctx.tenant.clone(),
         run_id: ctx.run_id.clone(),
         step_id: step.id.clone(),
@@ -560,14 +560,14 @@ pub(super) async fn execute_attempt(
     let with_plan = |plan_ack: &Option<PlanAck>| pb::AuthorizeRequest {
         run_ack: plan_ack.as_ref().map(|p| p.ack.clone()),
         plan_json: plan_ack.as_ref().map(|p| p.plan_json.to_string()).unwrap_or_default(),
-        ..call.clone()
+        ..call()
     };
     let mut authorized = match &unrecorded {
         Some((plan_json, plan_sha256)) => {
             ask(pb::AuthorizeRequest {
                 plan_json: plan_json.to_string(),
                 plan_sha256: plan_sha256.to_string(),
-                ..call.clone()
+                ..call()
             })
             .await
         }
