@@ -114,7 +114,10 @@ async fn direct_response_and_empty_plan_finish_without_tools() {
 /// mesh, first steps' decisions are recorded naming the digest of the run's recorded plan,
 /// later steps' decisions name none, and every run completes with a chain that verifies.
 async fn first_decisions_are_asked_for_while_runs_are_created(backend: Backend) {
-    let mesh = mesh_on(backend).await;
+    // The creation waits for the first step as long as it takes here (the default is a short
+    // while, which a loaded machine may overrun: the step is then appended after, as before).
+    let opts = MeshOptions { executor_extra: "first_step_wait_ms = 20000".into(), ..MeshOptions::default() };
+    let mesh = mesh_with(backend, opts).await;
     let p = plan(&[("first", "echo", json!({"v": 1}), &[]), ("second", "echo", json!({"v": 2}), &["first"])]);
     let mut early = 0;
     for _ in 0..5 {
@@ -137,8 +140,27 @@ async fn first_decisions_are_asked_for_while_runs_are_created(backend: Backend) 
         let decided: Vec<&str> =
             evs.iter().filter(|e| e.event_type == "policy_decision").map(|e| e.step_id.as_str()).collect();
         assert_eq!(decided, ["first", "second"], "one decision a step");
+        // Recorded with the run: the tools it pinned, the first step's decision and request
+        // follow `run_started` in the creation's commit (one timestamp, the creation's).
+        let head: Vec<(&str, &str, i64)> =
+            evs.iter().take(5).map(|e| (e.event_type.as_str(), e.step_id.as_str(), e.timestamp_ms)).collect();
+        let at = evs[0].timestamp_ms;
+        let expected = [
+            ("run_submitted", "", at),
+            ("run_started", "", at),
+            ("tools_pinned", "", at),
+            ("policy_decision", "first", at),
+            ("tool_requested", "first", at),
+        ];
+        assert_eq!(head, expected);
     }
-    assert!(early > 0, "no first decision was asked for while its run was created\n{}", mesh.logs());
+    assert_eq!(early, 5, "every first decision was asked for while its run was created\n{}", mesh.logs());
+    // Each in its creation's commit, as the ledger counts them.
+    let ledger = crate::observability::scrape(&mesh.ledger.metrics_url).await;
+    let created = |first_step| {
+        crate::observability::value(&ledger, "warden_ledger_runs_created_total", &[("first_step", first_step)])
+    };
+    assert_eq!((created("recorded"), created("refused"), created("none")), (5.0, 0.0, 0.0));
 }
 
 #[tokio::test]

@@ -645,6 +645,148 @@ async fn a_decision_asked_while_its_run_is_created_binds_to_the_plan_and_is_neve
     assert_eq!(warden_grpc::field_violations(&e)[0].0, "page_token");
 }
 
+/// A run's creation may carry its first step — the decision and the request it allows — to
+/// record them in the same commit. They are checked as an append checks them: only as the
+/// policy signed them, only against the plan being recorded; refused, the run is created
+/// without them and says why. A creation that cannot carry them is refused whole, writing
+/// nothing; only the mesh creates runs at all.
+#[tokio::test]
+async fn a_run_created_with_its_first_step_records_it_only_as_the_policy_signed_it() {
+    use crate::observability::{scrape, value};
+    use warden_core::canonical::{args_digest, canonical_json, sha256_hex};
+    let mesh = mesh_with(Backend::Sqlite, with_tokens(MeshOptions { executors: 0, ..MeshOptions::default() })).await;
+    let plan = json!({"steps": [{"id": "greet", "tool": "echo"}]});
+    let other = json!({"steps": [{"id": "greet", "tool": "echo"}, {"id": "extra", "tool": "echo"}]});
+    let args = json!({"text": "hi"});
+    let mut executor = policy_as(&mesh, OPS);
+    let decide = |run: &str, p: &Value| pb::AuthorizeRequest {
+        plan_json: canonical_json(p),
+        plan_sha256: sha256_hex(canonical_json(p).as_bytes()),
+        caller_records: true,
+        epoch: 1,
+        ..call("acme", run, "greet", "echo", args.clone())
+    };
+    let first_step = |run: &str, d: &pb::AuthorizeResponse, record: String| {
+        let id = d.decision.clone().expect("decision").decision_id;
+        let request = json!({"decision_id": id, "attempt": 1, "tool": "echo", "args": args,
+                             "args_sha256": args_digest(&args), "idempotency_key": format!("{run}:greet:1")});
+        vec![
+            pb::EventInput {
+                idempotency_key: warden_core::events::decision_key(&id),
+                event_type: "policy_decision".into(),
+                payload_json: record,
+                step_id: "greet".into(),
+            },
+            pb::EventInput {
+                idempotency_key: format!("{run}:greet:1:requested"),
+                event_type: "tool_requested".into(),
+                payload_json: request.to_string(),
+                step_id: "greet".into(),
+            },
+        ]
+    };
+    let create = |run: &str, first_events: Vec<pb::EventInput>| pb::CreateRunRequest {
+        tenant: "acme".into(),
+        run_id: run.into(),
+        plan_json: canonical_json(&plan),
+        started_by: "executor-x".into(),
+        epoch: 1,
+        first_events,
+        ..Default::default()
+    };
+    let types = |run: &str| {
+        let mut ledger = mesh.ledger();
+        let run = run.to_string();
+        async move { events(&mut ledger, "acme", &run).await.into_iter().map(|e| e.event_type).collect::<Vec<_>>() }
+    };
+
+    // As the policy signed it, for the plan being recorded: one commit, and the request's
+    // acknowledgement with it, on which the tool host acts.
+    let d = executor.authorize(decide("first-ok", &plan)).await.expect("decide").into_inner();
+    assert_eq!(outcome(&d).0, pb::Outcome::Allow);
+    let req = create("first-ok", first_step("first-ok", &d, d.decision_event_json.clone()));
+    let e = mesh.ledger_as(ACME).create_run(req.clone()).await.expect_err("only the mesh creates runs");
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let created = mesh.ledger_as(OPS).create_run(req).await.expect("created").into_inner();
+    assert_eq!((created.first_events_code, created.first_appended.len()), (0, 2), "{}", created.first_events_message);
+    assert_eq!(created.run.expect("run").last_seq, 4);
+    assert_eq!(types("first-ok").await, ["run_submitted", "run_started", "policy_decision", "tool_requested"]);
+    assert!(verify(&mut mesh.ledger(), "acme", "first-ok").await.valid);
+    let answer = mesh
+        .tool_host()
+        .invoke(pb::InvokeRequest {
+            tenant: "acme".into(),
+            run_id: "first-ok".into(),
+            step_id: "greet".into(),
+            attempt: 1,
+            tool: "echo".into(),
+            args_json: canonical_json(&args),
+            idempotency_key: "first-ok:greet:1".into(),
+            authorization: d.authorization.clone(),
+            request_ack: created.first_appended[1].request_ack.clone(),
+        })
+        .await
+        .expect("the host acts on a request recorded with its run")
+        .into_inner();
+    assert_eq!(answer.outcome, Some(pb::invoke_response::Outcome::OutputJson(canonical_json(&args))));
+
+    // Altered after the policy signed it: the run is created, without its first step.
+    let d = executor.authorize(decide("first-altered", &plan)).await.expect("decide").into_inner();
+    let mut altered: Value = serde_json::from_str(&d.decision_event_json).expect("record");
+    altered["reason"] = json!("approved by someone else");
+    let created = mesh
+        .ledger_as(OPS)
+        .create_run(create("first-altered", first_step("first-altered", &d, altered.to_string())))
+        .await
+        .expect("created without its first step")
+        .into_inner();
+    assert_eq!(created.first_events_code, Code::PermissionDenied as i32, "{}", created.first_events_message);
+    assert!(created.first_appended.is_empty());
+    assert_eq!(created.run.expect("run").last_seq, 2, "created without them");
+    // (The policy's own copy of the genuine record may reach the run later; never the altered.)
+    let recorded = events(&mut mesh.ledger(), "acme", "first-altered").await;
+    assert!(recorded.iter().all(|e| !e.payload_json.contains("someone else")), "{recorded:?}");
+
+    // Decided against another plan than the one recorded: the same.
+    let d = executor.authorize(decide("first-other", &other)).await.expect("decide").into_inner();
+    let created = mesh
+        .ledger_as(OPS)
+        .create_run(create("first-other", first_step("first-other", &d, d.decision_event_json.clone())))
+        .await
+        .expect("created without its first step")
+        .into_inner();
+    assert_eq!(created.first_events_code, Code::PermissionDenied as i32, "{}", created.first_events_message);
+    assert!(created.first_events_message.contains("not the run's recorded plan"), "{}", created.first_events_message);
+    assert_eq!(created.run.expect("run").last_seq, 2, "created without them");
+
+    // A creation that cannot carry a first step is refused whole: no run.
+    let d = executor.authorize(decide("first-bad", &plan)).await.expect("decide").into_inner();
+    let mut outcome_first = first_step("first-bad", &d, d.decision_event_json.clone());
+    outcome_first[1].event_type = "tool_completed".into();
+    let not_started = pb::CreateRunRequest {
+        started_by: String::new(),
+        epoch: 0,
+        ..create("first-bad", first_step("first-bad", &d, d.decision_event_json.clone()))
+    };
+    let too_many =
+        create("first-bad", (0..65).flat_map(|_| first_step("first-bad", &d, d.decision_event_json.clone())).collect());
+    for (req, field) in [
+        (create("first-bad", outcome_first), "first_events[1].event_type"),
+        (not_started, "first_events"),
+        (too_many, "first_events"),
+    ] {
+        let e = mesh.ledger_as(OPS).create_run(req).await.expect_err("refused whole");
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert_eq!(warden_grpc::field_violations(&e)[0].0, field);
+    }
+    let req = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: "first-bad".into() };
+    assert_eq!(code(mesh.ledger().get_run(req).await), Code::NotFound, "nothing written");
+
+    let ledger = scrape(&mesh.ledger.metrics_url).await;
+    let created = |first_step| value(&ledger, "warden_ledger_runs_created_total", &[("first_step", first_step)]);
+    assert_eq!((created("recorded"), created("refused")), (1.0, 2.0));
+}
+
 /// Medium 10: a tool call cannot happen outside the record. A tenant holding a signed allow
 /// for a planned step still cannot have the tool act by calling the host itself: the host also
 /// needs the ledger's acknowledgement that the request is recorded, which only the mesh gets.

@@ -548,6 +548,12 @@ pub struct ExecutorConfig {
     /// submitted with capability handles or a goal always wait for their creation. The policy
     /// and the ledger must be upgraded to know it first (an older policy denies such calls).
     pub decide_while_creating: bool,
+    /// With `decide_while_creating`: how long the ledger's creation of a run waits for its
+    /// first step's decision and request, to record them in the same transaction (one commit
+    /// for the run and its first request). The run's driver lets the creation go at once
+    /// whenever the first step takes another way (a deny, a call decided only once the run is
+    /// recorded); a step allowed later is appended after. 0 never waits.
+    pub first_step_wait_ms: u64,
 }
 
 /// Default output rules (see [`ExecutorConfig::output_rules`]): the credential patterns of
@@ -580,6 +586,7 @@ impl Default for ExecutorConfig {
             inline_output_max_bytes: 64 * 1024,
             max_replan_rounds: 2,
             decide_while_creating: true,
+            first_step_wait_ms: 50,
         }
     }
 }
@@ -774,6 +781,10 @@ impl WardenConfig {
         }
         if self.executor.inline_output_max_bytes > self.ledger.max_payload_bytes {
             return Err(invalid("executor.inline_output_max_bytes", "at most ledger.max_payload_bytes"));
+        }
+        // It adds to `SubmitRun`'s answer when a driver is slow to reach its first step.
+        if self.executor.first_step_wait_ms > 30_000 {
+            return Err(invalid("executor.first_step_wait_ms", "from 0 to 30000"));
         }
         if self.executor.max_replan_rounds > 16 {
             return Err(invalid("executor.max_replan_rounds", "from 0 to 16"));

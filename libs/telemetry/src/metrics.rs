@@ -33,6 +33,7 @@ pub const LEDGER_COMMIT_DURATION: &str = "warden_ledger_batch_commit_duration_se
 pub const MODEL_TOKENS: &str = "warden_model_tokens_total";
 pub const MODEL_COST: &str = "warden_model_cost_usd";
 pub const OUTPUTS_SANITIZED: &str = "warden_outputs_sanitized_total";
+pub const LEDGER_RUNS_CREATED: &str = "warden_ledger_runs_created_total";
 
 /// Every metric with its help text: described at install, listed in the README.
 pub const ALL: &[(&str, &str)] = &[
@@ -56,6 +57,10 @@ pub const ALL: &[(&str, &str)] = &[
     (MODEL_TOKENS, "model tokens, by tenant, model and type (input, output)"),
     (MODEL_COST, "model cost in US dollars since the process started, by tenant and model (only grows)"),
     (OUTPUTS_SANITIZED, "tool outputs withheld by the step pipeline, by rule (output_schema or output_rule:<name>)"),
+    (
+        LEDGER_RUNS_CREATED,
+        "runs created by the ledger, by first_step: recorded (its decision and request in the same commit), refused, none",
+    ),
 ];
 
 /// Latency buckets, in seconds: sub-millisecond appends to multi-second tool calls.
@@ -193,6 +198,11 @@ pub fn fencing_refused() {
 
 pub fn ledger_appended(elapsed: Duration) {
     metrics::histogram!(LEDGER_APPEND_DURATION).record(elapsed.as_secs_f64());
+}
+
+/// A run created; `first_step` is `recorded`, `refused` or `none` (see `CreateRunRequest.first_events`).
+pub fn ledger_run_created(first_step: &'static str) {
+    metrics::counter!(LEDGER_RUNS_CREATED, "first_step" => first_step).increment(1);
 }
 
 pub fn ledger_batch_committed(events: usize, elapsed: Duration) {

@@ -59,6 +59,21 @@ fn created_as(c: &pb::CreateRunResponse, run_id: &str) -> bool {
     !c.deduplicated && c.run.as_ref().is_some_and(|r| r.run_id == run_id)
 }
 
+/// Whether a failed call may have been carried out all the same (its answer lost).
+fn maybe_committed(code: Code) -> bool {
+    matches!(code, Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Cancelled | Code::Internal)
+}
+
+/// The ledger's answer for the first step's `n` events a creation carried: recorded with the
+/// run, or why not (an older ledger that ignored them answers none, and they are appended).
+fn first_appended(c: &pb::CreateRunResponse, n: usize) -> Result<Vec<pb::AppendEventResponse>, Status> {
+    match Code::from(c.first_events_code) {
+        Code::Ok if c.first_appended.len() == n => Ok(c.first_appended.clone()),
+        Code::Ok => Err(Status::failed_precondition("the ledger did not record the first step with the run")),
+        code => Err(Status::new(code, c.first_events_message.clone())),
+    }
+}
+
 /// The ledger's acknowledgement of the run's plan with the plan it vouches for, when the plan
 /// is sent with the run's first Authorize (`plan_json`; see `driver::PlanAck`).
 fn plan_ack(c: &pb::CreateRunResponse, plan_json: Option<std::sync::Arc<str>>) -> Option<crate::driver::PlanAck> {
@@ -142,53 +157,63 @@ impl Runs for RunsService {
         } else {
             String::new()
         };
+        // A fresh run costs one ledger commit: this replica takes the lease of the id it picks
+        // first, so the ledger records `run_started` with `run_submitted`, and the run is driven
+        // from the plan in hand without reading anything back. The lease of a fresh id cannot
+        // be contended, so it is taken while the plan is validated.
+        let run_id = uuid::Uuid::now_v7().to_string();
+        let ttl = std::time::Duration::from_millis(self.ex.inner.config.lease_ttl_ms);
+        // A lease store that cannot answer (Redis restarting) does not refuse the submission:
+        // the run is recorded pending, and is driven once a lease can be taken (the sweeper).
+        let acquire = async {
+            match self.ex.inner.leases.acquire(&run_id, &self.ex.inner.lease_owner, ttl, 0).await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(run_id = %run_id, error = %e, "no lease at submission; the run waits for the sweeper");
+                    None
+                }
+            }
+        };
         // The plan is validated before anything is written: a bad plan leaves no trace.
-        let validated = if goal_run {
-            pb::ValidatePlanResponse::default()
-        } else {
-            self.ex
+        let validate = async {
+            if goal_run {
+                return Ok((pb::ValidatePlanResponse::default(), None));
+            }
+            let validated = self
+                .ex
                 .inner
                 .planner
                 .clone()
-                .validate_plan(pb::ValidatePlanRequest { tenant: r.tenant.clone(), plan_json: r.plan_json })
+                .validate_plan(pb::ValidatePlanRequest { tenant: r.tenant.clone(), plan_json: r.plan_json.clone() })
                 .await?
-                .into_inner()
+                .into_inner();
+            // The executor bounds the plan as it will read it (canonical, defaults filled in).
+            let max = self.ex.inner.config.max_plan_bytes;
+            if validated.plan_json.len() > max {
+                return Err(invalid_field(
+                    "plan_json",
+                    format!("{} bytes once normalized, over the maximum of {max}", validated.plan_json.len()),
+                ));
+            }
+            let plan: serde_json::Value = serde_json::from_str(&validated.plan_json)
+                .map_err(|e| Status::internal(format!("validated plan is not JSON: {e}")))?;
+            Ok((validated, Some(plan)))
         };
-        // The executor bounds the plan as it will read it (canonical, defaults filled in).
-        let max = self.ex.inner.config.max_plan_bytes;
-        if validated.plan_json.len() > max {
-            return Err(invalid_field(
-                "plan_json",
-                format!("{} bytes once normalized, over the maximum of {max}", validated.plan_json.len()),
-            ));
-        }
-        let plan: Option<serde_json::Value> = if goal_run {
-            None
-        } else {
-            Some(
-                serde_json::from_str(&validated.plan_json)
-                    .map_err(|e| Status::internal(format!("validated plan is not JSON: {e}")))?,
-            )
+        let (validated, lease) = tokio::join!(validate, acquire);
+        let (validated, plan) = match validated {
+            Ok(v) => v,
+            Err(e) => {
+                if let Some(l) = &lease {
+                    let _ = self.ex.inner.leases.release(l).await;
+                }
+                return Err(e);
+            }
         };
         // The plan as the ledger records it (canonical JSON), whose digest it acknowledges.
         let recorded_plan: Option<std::sync::Arc<str>> =
             plan.as_ref().map(|p| std::sync::Arc::from(warden_core::canonical::canonical_value(p)));
         // A plan too large to travel in a request is read by the policy from the ledger.
         let small = validated.plan_json.len() <= crate::driver::PLAN_ACK_MAX_BYTES;
-        // A fresh run costs one ledger commit: this replica takes the lease of the id it picks
-        // first, so the ledger records `run_started` with `run_submitted`, and the run is driven
-        // from the plan in hand without reading anything back.
-        let run_id = uuid::Uuid::now_v7().to_string();
-        let ttl = std::time::Duration::from_millis(self.ex.inner.config.lease_ttl_ms);
-        // A lease store that cannot answer (Redis restarting) does not refuse the submission:
-        // the run is recorded pending, and is driven once a lease can be taken (the sweeper).
-        let lease = match self.ex.inner.leases.acquire(&run_id, &self.ex.inner.lease_owner, ttl, 0).await {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(run_id = %run_id, error = %e, "no lease at submission; the run waits for the sweeper");
-                None
-            }
-        };
         if lease.is_some() {
             warden_telemetry::metrics::lease_acquired(false);
         }
@@ -232,24 +257,59 @@ impl Runs for RunsService {
             started_by: lease.as_ref().map(|_| self.ex.inner.id.clone()).unwrap_or_default(),
             epoch: lease.as_ref().map(|l| l.epoch).unwrap_or_default(),
             frame_json: String::new(),
+            first_events: Vec::new(),
         };
         // The plan travels with the run's first Authorize under the ledger's acknowledgement
         // (not a goal run's, which may be revised, nor one too large for a request).
         let sent_plan = recorded_plan.clone().filter(|_| !goal_run && small);
         let driven = creating.is_some();
         let created = match creating {
-            Some(gate) => {
+            Some(mut gate) => {
                 let mut ledger = self.ex.inner.ledger.clone();
                 let (mine, plan_json) = (run_id.clone(), sent_plan.clone());
+                let wait = std::time::Duration::from_millis(self.ex.inner.config.first_step_wait_ms);
                 // The driver hears how the creation went even if this call is dropped meanwhile
                 // (its client gone): a run that was recorded is driven, not left to the sweeper.
                 let task_body = async move {
-                    let created = ledger.create_run(request).await;
+                    // The first step's decision and request, recorded with the run when the
+                    // driver has them in time (one commit for both).
+                    let first = if wait.is_zero() { None } else { gate.first_step(wait).await };
+                    let mut request = request;
+                    if let Some(step) = &first {
+                        request.first_events = step.events.clone();
+                    }
+                    let tenant = request.tenant.clone();
+                    let created = match ledger.create_run(request).await {
+                        // The answer may be lost after the commit: a run recorded with its first
+                        // request is driven (the request appended again is answered as the one
+                        // recorded), not left to a successor that would find the request's
+                        // outcome unknown.
+                        Err(s) if maybe_committed(s.code()) => {
+                            let asked = pb::GetLedgerRunRequest { tenant, run_id: mine.clone() };
+                            match ledger.get_run(asked).await {
+                                Ok(run) => Ok(Response::new(pb::CreateRunResponse {
+                                    run: Some(run.into_inner()),
+                                    first_events_code: Code::Unknown as i32,
+                                    first_events_message: format!("the creation's answer was lost: {}", s.message()),
+                                    ..Default::default()
+                                })),
+                                Err(_) => Err(s),
+                            }
+                        }
+                        other => other,
+                    };
+                    let ours = created.as_ref().is_ok_and(|c| created_as(c.get_ref(), &mine));
                     match created.as_ref().map(tonic::Response::get_ref) {
-                        Ok(c) if created_as(c, &mine) => gate.created(plan_ack(c, plan_json)),
+                        Ok(c) if ours => gate.created(plan_ack(c, plan_json)),
                         // Failed, or another submission's run: the driver stops and gives the
                         // lease back.
                         _ => gate.abandoned(),
+                    }
+                    // Answered after the gate: a step whose events were left out appends them
+                    // once the run is on record. Not answered when the run is not this
+                    // submission's: the step then finds the run not created.
+                    if let (Some(step), Ok(c), true) = (first, &created, ours) {
+                        let _ = step.reply.send(first_appended(c.get_ref(), step.events.len()));
                     }
                     created
                 };

@@ -246,13 +246,22 @@ impl LedgerService {
 
     /// A decision is recorded only as the policy signed it (see `warden_core::decision`): the
     /// executor carries decisions into its appends, and nobody between may forge or alter one.
-    async fn check_decision(&self, tenant: &str, run_id: &str, step_id: &str, payload: &Value) -> Result<(), Status> {
+    /// `creating` is the digest of the plan of a run being created with the decision.
+    async fn check_decision(
+        &self,
+        (tenant, run_id, step_id): (&str, &str, &str),
+        payload: &Value,
+        creating: Option<&str>,
+    ) -> Result<(), Status> {
         self.check_signed(tenant, run_id, step_id, payload).await?;
         // Decided while the run was being created, against the plan the executor submitted:
         // recorded only in a run whose recorded plan is that one, so a request the ledger
         // acknowledges still proves the call is a step of the recorded plan.
         if let Some(digest) = payload.get("plan_sha256") {
-            let recorded = self.plan_digest(tenant, run_id).await?;
+            let recorded = match creating {
+                Some(digest) => digest.to_string(),
+                None => self.plan_digest(tenant, run_id).await?,
+            };
             if digest.as_str() != Some(recorded.as_str()) {
                 return Err(Status::permission_denied(
                     "policy_decision refused: decided against a plan that is not the run's recorded plan",
@@ -363,10 +372,11 @@ impl LedgerService {
         Ok(())
     }
 
-    /// Validates one event of an append request; returns its parsed payload.
+    /// Validates one event of an append request (or of a creation: `creating` is the digest of
+    /// the plan being recorded); returns its parsed payload.
     async fn check_event(
         &self,
-        (tenant, run_id): (&str, &str),
+        (tenant, run_id, creating): (&str, &str, Option<&str>),
         key: &str,
         event_type: &str,
         payload_json: &str,
@@ -392,9 +402,78 @@ impl LedgerService {
         }
         let payload = self.parse_payload("payload_json", payload_json)?;
         if event_type == events::POLICY_DECISION {
-            self.check_decision(tenant, run_id, step_id, &payload).await?;
+            self.check_decision((tenant, run_id, step_id), &payload, creating).await?;
         }
         Ok(payload)
+    }
+
+    /// The first events a creation carries (`CreateRunRequest.first_events`), checked as an
+    /// append checks them. A request that cannot carry them, or an event that is not one the
+    /// mesh would send (a malformed payload included), refuses the whole creation
+    /// (`INVALID_ARGUMENT`); a refusal of what they say (a decision not as the policy signed it,
+    /// its keys unreachable) leaves them out of a run created all the same, saying why.
+    async fn first_events(
+        &self,
+        r: &pb::CreateRunRequest,
+        run_id: &str,
+        plan: Option<&Value>,
+        frame: bool,
+        now: i64,
+    ) -> Result<Result<Vec<OwnedEvent>, Status>, Status> {
+        if r.first_events.is_empty() {
+            return Ok(Ok(Vec::new()));
+        }
+        if r.first_events.len() > MAX_EVENTS_PER_APPEND {
+            return Err(invalid_field("first_events", format!("at most {MAX_EVENTS_PER_APPEND} events")));
+        }
+        let Some(plan) = plan.filter(|_| !r.started_by.is_empty() && !frame) else {
+            return Err(invalid_field(
+                "first_events",
+                "only a run started with its plan (started_by, plan_json, no frame) records its first step with it",
+            ));
+        };
+        let digest = warden_core::canonical::sha256_hex(warden_core::canonical_json(plan).as_bytes());
+        let mut group = Vec::with_capacity(r.first_events.len());
+        for (i, e) in r.first_events.iter().enumerate() {
+            if ![events::TOOLS_PINNED, events::POLICY_DECISION, events::TOOL_REQUESTED].contains(&e.event_type.as_str())
+            {
+                return Err(invalid_field(
+                    format!("first_events[{i}].event_type"),
+                    format!(
+                        "a run's first events are '{}', '{}' and '{}'",
+                        events::TOOLS_PINNED,
+                        events::POLICY_DECISION,
+                        events::TOOL_REQUESTED
+                    ),
+                ));
+            }
+            let checked = self
+                .check_event(
+                    (&r.tenant, run_id, Some(&digest)),
+                    &e.idempotency_key,
+                    &e.event_type,
+                    &e.payload_json,
+                    &e.step_id,
+                )
+                .await
+                .map_err(|s| prefix_field(s, &format!("first_events[{i}].")));
+            let payload = match checked {
+                Ok(p) => p,
+                Err(s) if s.code() == tonic::Code::InvalidArgument => return Err(s),
+                Err(s) => return Ok(Err(s)),
+            };
+            group.push(OwnedEvent {
+                tenant: r.tenant.clone(),
+                run_id: run_id.to_string(),
+                epoch: r.epoch,
+                idempotency_key: e.idempotency_key.clone(),
+                event_type: e.event_type.clone(),
+                payload,
+                step_id: e.step_id.clone(),
+                now_ms: now,
+            });
+        }
+        Ok(Ok(group))
     }
 
     /// The answer for one appended event (with the request acknowledgement of a
@@ -426,7 +505,7 @@ impl LedgerService {
             }
         }
         let payload = self
-            .check_event((&r.tenant, &r.run_id), &r.idempotency_key, &r.event_type, &r.payload_json, &r.step_id)
+            .check_event((&r.tenant, &r.run_id, None), &r.idempotency_key, &r.event_type, &r.payload_json, &r.step_id)
             .await?;
         let (event, deduplicated) =
             self.append(&r.tenant, &r.run_id, r.epoch, &r.idempotency_key, &r.event_type, payload, &r.step_id).await?;
@@ -780,7 +859,12 @@ impl Ledger for LedgerService {
                 return Err(invalid_field("epoch", "a lease's epoch, from 1 to 2^63-1"));
             }
         }
-        let (run, deduplicated) = self
+        let now = now_ms();
+        let (first, unchecked) = match self.first_events(&r, &run_id, plan.as_ref(), frame.is_some(), now).await? {
+            Ok(group) => (group, None),
+            Err(refused) => (Vec::new(), Some(refused)),
+        };
+        let created = self
             .store
             .create_run(NewRun {
                 run_id: &run_id,
@@ -790,14 +874,32 @@ impl Ledger for LedgerService {
                 goal: &r.goal,
                 idempotency_key: &r.idempotency_key,
                 cancel_policy: r.cancel_policy,
-                now_ms: now_ms(),
+                now_ms: now,
                 started_by: (!r.started_by.is_empty()).then_some((r.started_by.as_str(), r.epoch)),
                 replay_policy: r.replay_policy,
                 parent_run_id: &r.parent_run_id,
                 frame: frame.clone(),
                 max_frames: self.max_frames,
+                first,
             })
             .await?;
+        let (run, deduplicated) = (created.run, created.deduplicated);
+        let (first_appended, first_refused): (Vec<_>, _) = match created.first {
+            _ if deduplicated => (Vec::new(), None),
+            _ if unchecked.is_some() => (Vec::new(), unchecked),
+            Ok(appended) => {
+                self.remember_decisions(&run.tenant, &appended);
+                (appended.iter().map(|e| self.answer(&run.tenant, e, false, true)).collect(), None)
+            }
+            Err(e) => (Vec::new(), Some(Status::from(e))),
+        };
+        if !deduplicated {
+            warden_telemetry::metrics::ledger_run_created(match (&first_refused, first_appended.is_empty()) {
+                (Some(_), _) => "refused",
+                (None, false) => "recorded",
+                (None, true) => "none",
+            });
+        }
         // A frame's key found another run: it is that frame only if it was created as it.
         if deduplicated && let Some(frame) = &frame {
             let first = self.store.events(&run.run_id, 0, 1).await?;
@@ -814,7 +916,14 @@ impl Ledger for LedgerService {
         let run_ack = (!run.plan_json.is_empty() && run.goal.is_empty()).then(|| {
             warden_grpc::convert::claims_to_wire(self.store.acknowledge_run(&run.tenant, &run.run_id, &run.plan_json))
         });
-        Ok(Response::new(pb::CreateRunResponse { run: Some(run_to_proto(run)), deduplicated, run_ack }))
+        Ok(Response::new(pb::CreateRunResponse {
+            run: Some(run_to_proto(run)),
+            deduplicated,
+            run_ack,
+            first_appended,
+            first_events_code: first_refused.as_ref().map(|s| s.code() as i32).unwrap_or_default(),
+            first_events_message: first_refused.map(|s| s.message().to_string()).unwrap_or_default(),
+        }))
     }
 
     async fn append_event(
@@ -927,7 +1036,13 @@ impl Ledger for LedgerService {
         let mut group = Vec::with_capacity(r.events.len());
         for (i, e) in r.events.into_iter().enumerate() {
             let payload = self
-                .check_event((&r.tenant, &r.run_id), &e.idempotency_key, &e.event_type, &e.payload_json, &e.step_id)
+                .check_event(
+                    (&r.tenant, &r.run_id, None),
+                    &e.idempotency_key,
+                    &e.event_type,
+                    &e.payload_json,
+                    &e.step_id,
+                )
                 .await
                 .map_err(|s| prefix_field(s, &format!("events[{i}].")))?;
             group.push(OwnedEvent {

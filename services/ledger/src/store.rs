@@ -129,6 +129,19 @@ pub struct NewRun<'a> {
     pub frame: Option<Value>,
     /// Most frames the frame's run tree opens: counted with the run's creation, all or nothing.
     pub max_frames: u64,
+    /// The run's first step (its decision and request), decided against the run as created
+    /// and recorded in the same transaction, or — refused — not at all (see [`CreatedRun`]).
+    pub first: Vec<OwnedEvent>,
+}
+
+/// What [`LedgerStore::create_run`] did.
+pub struct CreatedRun {
+    pub run: RunRow,
+    /// An earlier submission's run, with the same `(tenant, idempotency_key)`.
+    pub deduplicated: bool,
+    /// The first events as recorded with the run (none for a deduplicated run), or why they
+    /// were refused: the run is then created without them.
+    pub first: Result<Vec<ChainedEvent>, LedgerError>,
 }
 
 /// One event to append.
@@ -397,13 +410,14 @@ impl LedgerStore {
         self.get_run(run_id).await?.ok_or_else(|| LedgerError::Internal("imported run vanished".into()))
     }
 
-    /// Creates a run with its first event, or returns the run an earlier submission with
-    /// the same `(tenant, idempotency_key)` created (`true` = deduplicated).
-    pub async fn create_run(&self, new: NewRun<'_>) -> Result<(RunRow, bool), LedgerError> {
+    /// Creates a run with its first events, or returns the run an earlier submission with
+    /// the same `(tenant, idempotency_key)` created (deduplicated).
+    pub async fn create_run(&self, new: NewRun<'_>) -> Result<CreatedRun, LedgerError> {
+        let earlier = |run| CreatedRun { run, deduplicated: true, first: Ok(Vec::new()) };
         if !new.idempotency_key.is_empty()
             && let Some(run) = self.run_by_submit_key(new.tenant, new.idempotency_key).await?
         {
-            return Ok((run, true));
+            return Ok(earlier(run));
         }
         let mut payload = events::submitted_payload(new.tenant, new.cancel_policy, new.plan, new.goal, new.agent);
         events::add_goal_fields(&mut payload, new.replay_policy, new.parent_run_id);
@@ -441,12 +455,46 @@ impl LedgerStore {
             chain.push(started);
         }
         let Some(head) = chain.last() else { return Err(LedgerError::Internal("no first event".into())) };
-        let (status, last_seq, head_hash) = if chain.len() == 2 {
-            (RunStatus::Active, 2u64, head.hash.clone())
-        } else {
-            (RunStatus::Pending, 1, head.hash.clone())
-        };
-        let max_epoch = new.started_by.map(|(_, e)| e).unwrap_or(0);
+        let status = if chain.len() == 2 { RunStatus::Active } else { RunStatus::Pending };
+        let mut state = hot::RunState::new(
+            checks::RunHead {
+                run_id: new.run_id.to_string(),
+                tenant: new.tenant.to_string(),
+                status: status.as_str().to_string(),
+                reason: String::new(),
+                last_seq: head.body.seq,
+                head_hash: head.hash.clone(),
+                max_epoch: new.started_by.map(|(_, e)| e).unwrap_or(0),
+                updated_at_ms: new.now_ms,
+            },
+            true,
+        );
+        for e in &chain {
+            state.remember(e.clone());
+        }
+        // The first step's events, decided in memory against the run as it will be recorded
+        // (as an append to it would be), then written with it: one commit for both.
+        let mut first = Ok(Vec::new());
+        // Outcomes carry receipts and end steps: a run's first step records none.
+        let firsts = [events::TOOLS_PINNED, events::POLICY_DECISION, events::TOOL_REQUESTED];
+        if new.first.iter().any(|e| !firsts.contains(&e.event_type.as_str())) {
+            first = Err(LedgerError::Precondition("a run's first events are pins, decisions and requests only".into()));
+        } else if !new.first.is_empty() {
+            let run_id = new.run_id.to_string();
+            let states = HashMap::from([(run_id.clone(), state)]);
+            let mut decided = batch::decide_groups(states, std::slice::from_ref(&new.first));
+            state = decided.states.remove(&run_id).ok_or_else(|| LedgerError::Internal("run state lost".into()))?;
+            first = match decided.results.pop() {
+                Some(Ok(_)) => {
+                    chain.extend(decided.events.iter().cloned());
+                    Ok(decided.events)
+                }
+                Some(Err(e)) => Err(e),
+                None => Err(LedgerError::Internal("the first events were not decided".into())),
+            };
+        }
+        let (last_seq, head_hash, max_epoch) =
+            (state.head.last_seq, state.head.head_hash.clone(), state.head.max_epoch);
         let plan_json = new.plan.map(warden_core::canonical_json).unwrap_or_default();
         let submit_key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
         let (signature, key_id) = self.sign_head(new.run_id, last_seq, &head_hash);
@@ -477,11 +525,11 @@ impl LedgerStore {
             .bind(&signature)
             .bind(&key_id);
         // A concurrent submission with the same key won the race: its run is the answer.
-        let raced = async |e: sqlx::Error| -> Result<(RunRow, bool), LedgerError> {
+        let raced = async |e: sqlx::Error| -> Result<CreatedRun, LedgerError> {
             if let (Some(key), true) = (submit_key, is_unique_violation(&e))
                 && let Some(run) = self.run_by_submit_key(new.tenant, key).await?
             {
-                return Ok((run, true));
+                return Ok(earlier(run));
             }
             Err(e.into())
         };
@@ -516,22 +564,6 @@ impl LedgerStore {
             batch::insert_events(&mut tx, &chain).await?;
             tx.commit().await?;
         }
-        let mut state = hot::RunState::new(
-            checks::RunHead {
-                run_id: new.run_id.to_string(),
-                tenant: new.tenant.to_string(),
-                status: status.as_str().to_string(),
-                reason: String::new(),
-                last_seq,
-                head_hash: head_hash.clone(),
-                max_epoch,
-                updated_at_ms: new.now_ms,
-            },
-            true,
-        );
-        for e in chain {
-            state.remember(e);
-        }
         self.hot.put_new(state);
         let run = RunRow {
             run_id: new.run_id.to_string(),
@@ -549,7 +581,7 @@ impl LedgerStore {
             head_signature: signature,
             head_key_id: key_id,
         };
-        Ok((run, false))
+        Ok(CreatedRun { run, deduplicated: false, first })
     }
 
     async fn run_by_submit_key(&self, tenant: &str, key: &str) -> Result<Option<RunRow>, LedgerError> {

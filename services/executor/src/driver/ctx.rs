@@ -73,7 +73,14 @@ pub(super) struct RunCtx {
     pub(super) creation: Option<super::Creation>,
     /// Whether the acknowledgement the creation brought was taken into `plan_ack`.
     pub(super) ack_adopted: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Steps whose call, requested by an earlier holder, was decided while the run was being
+    /// created: the recorded plan (canonical JSON) and its digest, by step id. Asked again
+    /// with them, the call is decided under the same id, and its request is the one recorded.
+    pub(super) decided_early: std::sync::Arc<DecidedEarly>,
 }
+
+/// By step id: a plan as recorded (canonical JSON) and its digest (see `RunCtx::decided_early`).
+pub(super) type DecidedEarly = std::collections::HashMap<String, (std::sync::Arc<str>, std::sync::Arc<str>)>;
 
 /// Largest plan sent with an Authorize request (the policy reads a larger one from the
 /// ledger): well inside the 4 MiB a service decodes by default.
@@ -138,6 +145,53 @@ impl RunCtx {
             }
             super::creation::Created::No => Err(DriveError::NotCreated),
         }
+    }
+
+    /// Records a step's decision and request: with the run's creation when the run is still
+    /// being created and the creation takes them (one commit for both, `creation`), otherwise
+    /// as any append. What waits for the run's next append (the tools the run pinned) goes
+    /// first, as in any append. Refused with the creation (the run then recorded without
+    /// them), they are appended as any events once the run is on record, and get the ledger's
+    /// answer.
+    pub(super) async fn append_first(
+        &self,
+        events: Vec<pb::EventInput>,
+    ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
+        let Some(creation) = &self.creation else { return self.append_all(events).await };
+        {
+            let _turn = self.appending.lock().await;
+            let mut all: Vec<pb::EventInput> = self.deferred.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let n = all.len();
+            all.extend(events.iter().cloned());
+            if let Ok(answer) = creation.offer(all) {
+                let span = tracing::info_span!(
+                    "ledger.append",
+                    otel.kind = "client",
+                    events = n + events.len(),
+                    with_creation = true
+                );
+                match answer.instrument(span).await {
+                    Ok(Ok(mut appended)) => {
+                        // Recorded: what waited no longer does (the first `n`: steps may have
+                        // deferred more meanwhile).
+                        {
+                            let mut waiting = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+                            let taken = n.min(waiting.len());
+                            waiting.drain(..taken);
+                        }
+                        self.created().await?;
+                        return Ok(appended.split_off(n.min(appended.len())));
+                    }
+                    Ok(Err(s)) => {
+                        tracing::debug!(run_id = %self.run_id, error = %s, "first step not recorded with the run");
+                    }
+                    // The creation went without answering (its task ended): appended as any
+                    // events, which waits for how the creation went.
+                    Err(_) => {}
+                }
+            }
+        }
+        self.append_all(events).await
     }
 
     /// The plan being recorded and its digest, while the run's creation is not answered.

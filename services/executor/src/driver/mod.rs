@@ -156,6 +156,7 @@ async fn with_lease(
             _ => None,
         },
         ack_adopted: Default::default(),
+        decided_early: Default::default(),
     };
     let mut result = match view {
         Some((view, how)) => {
@@ -239,8 +240,34 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
         Err(DriveError::Ledger(s)) if s.code() == Code::FailedPrecondition => return Ok(()),
         Err(e) => return Err(e),
     }
-    let (view, _) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    let (view, recorded) = load_view(&ctx.ex, &ctx.tenant, &ctx.run_id).await.map_err(DriveError::Ledger)?;
+    let ctx = &RunCtx { decided_early: std::sync::Arc::new(decided_early(&view, &recorded)), ..ctx.clone() };
     drive_view(ctx, view).await
+}
+
+/// The calls an earlier holder requested, without an outcome, whose decision was asked for
+/// while the run was being created (`StepView::decided_early`): by step id, the recorded plan
+/// (canonical JSON, from `run_submitted`) and its digest, when it is the one they name.
+fn decided_early(view: &RunView, recorded: &[pb::Event]) -> ctx::DecidedEarly {
+    let early: Vec<(&str, &str)> = view
+        .steps
+        .iter()
+        .filter(|s| s.outcome_unknown)
+        .filter_map(|s| Some((s.id.as_str(), s.decided_early.as_deref()?)))
+        .collect();
+    let submitted = recorded.iter().find(|e| e.event_type == events::RUN_SUBMITTED);
+    let plan = submitted
+        .filter(|_| !early.is_empty())
+        .and_then(|e| serde_json::from_str::<Value>(&e.payload_json).ok())
+        .and_then(|p| p.get("plan").map(canonical_json));
+    let Some(plan) = plan else { return Default::default() };
+    let digest = warden_core::canonical::sha256_hex(plan.as_bytes());
+    let (plan, shared): (std::sync::Arc<str>, std::sync::Arc<str>) = (plan.into(), digest.as_str().into());
+    early
+        .into_iter()
+        .filter(|(_, named)| *named == digest)
+        .map(|(step, _)| (step.to_string(), (plan.clone(), shared.clone())))
+        .collect()
 }
 
 /// Drives a run from its folded state: settles unknown outcomes, then schedules the DAG.

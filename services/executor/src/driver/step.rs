@@ -549,7 +549,13 @@ pub(super) async fn execute_attempt(
     // While the run is being created, its first calls are asked for against the plan being
     // recorded (the policy decides against it and the ledger checks it on append); after, with
     // the ledger's acknowledgement of the plan until the policy has it.
-    let unrecorded = if retry_of.is_none() && attempt == 1 { ctx.unrecorded_plan() } else { None };
+    // A call asked for so by an earlier holder, which requested it, is asked again the same
+    // way: the same decision, and the request recorded is the same.
+    let unrecorded = if retry_of.is_none() && attempt == 1 {
+        ctx.unrecorded_plan().or_else(|| ctx.decided_early.get(&step.id).filter(|_| asked_before).cloned())
+    } else {
+        None
+    };
     if unrecorded.is_none() {
         // Answered already (at once): the run is not driven if it was not created, and the
         // acknowledgement its creation brought is taken.
@@ -641,8 +647,9 @@ pub(super) async fn execute_attempt(
         0 => FALLBACK_TIMEOUT,
         s => Duration::from_secs(s as u64),
     };
-    // One transaction: the outcomes waiting, the policy's signed decision and the request.
-    // The ledger acknowledges the durable request; the tool host acts only with that proof.
+    // One transaction: the outcomes waiting, the policy's signed decision and the request (for
+    // the run's first step, the run's creation too). The ledger acknowledges the durable
+    // request; the tool host acts only with that proof.
     let mut batch: Vec<pb::EventInput> = record.into_iter().collect();
     batch.push(event(
         events::TOOL_REQUESTED,
@@ -652,7 +659,7 @@ pub(super) async fn execute_attempt(
                "args_sha256": args_digest(&args), "idempotency_key": idempotency_key,
                "timeout_ms": timeout.as_millis() as u64, "tool_sha256": tool_sha256}),
     ));
-    let request_ack = ctx.append_all(batch).await?.pop().and_then(|a| a.request_ack);
+    let request_ack = ctx.append_first(batch).await?.pop().and_then(|a| a.request_ack);
     let request = pb::InvokeRequest {
         tenant: ctx.tenant.clone(),
         run_id: ctx.run_id.clone(),

@@ -135,6 +135,7 @@ class CreateRunRequest(_message.Message):
     PARENT_RUN_ID_FIELD_NUMBER: _builtins.int
     REPLAY_POLICY_FIELD_NUMBER: _builtins.int
     FRAME_JSON_FIELD_NUMBER: _builtins.int
+    FIRST_EVENTS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     plan_json: _builtins.str
     """The normalized plan (canonical JSON); empty when the run starts from a goal."""
@@ -160,6 +161,17 @@ class CreateRunRequest(_message.Message):
     FramePosition`), recorded in run_submitted as `frame`. Needs `parent_run_id` (the same),
     a goal, depth 1 ..= max_depth <= 8. Empty: not a child frame.
     """
+    @_builtins.property
+    def first_events(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventInput]:
+        """The run's first step as the submitting executor records it — the policy's signed decision
+        and the request it allows — appended after `run_started` in the same transaction, so the
+        run and its first request cost one commit (docs/write-path.md). Only `policy_decision`
+        and `tool_requested`, at most 64, and only for a run started with its plan (`started_by`,
+        `plan_json`, no frame). Each is checked as `AppendEvents` checks it; if any is refused, the
+        run is created without them and `first_events_code` says why. Answered briefly (no
+        payloads), as `AppendEventsRequest.brief`.
+        """
+
     def __init__(
         self,
         *,
@@ -175,10 +187,11 @@ class CreateRunRequest(_message.Message):
         parent_run_id: _builtins.str = ...,
         replay_policy: _common_pb2.ReplayPolicy.ValueType = ...,
         frame_json: _builtins.str = ...,
+        first_events: _abc.Iterable[Global___EventInput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "cancel_policy", b"cancel_policy", "epoch", b"epoch", "frame_json", b"frame_json", "goal", b"goal", "idempotency_key", b"idempotency_key", "parent_run_id", b"parent_run_id", "plan_json", b"plan_json", "replay_policy", b"replay_policy", "run_id", b"run_id", "started_by", b"started_by", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "cancel_policy", b"cancel_policy", "epoch", b"epoch", "first_events", b"first_events", "frame_json", b"frame_json", "goal", b"goal", "idempotency_key", b"idempotency_key", "parent_run_id", b"parent_run_id", "plan_json", b"plan_json", "replay_policy", b"replay_policy", "run_id", b"run_id", "started_by", b"started_by", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,7 +204,15 @@ class CreateRunResponse(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     DEDUPLICATED_FIELD_NUMBER: _builtins.int
     RUN_ACK_FIELD_NUMBER: _builtins.int
+    FIRST_APPENDED_FIELD_NUMBER: _builtins.int
+    FIRST_EVENTS_CODE_FIELD_NUMBER: _builtins.int
+    FIRST_EVENTS_MESSAGE_FIELD_NUMBER: _builtins.int
     deduplicated: _builtins.bool
+    first_events_code: _builtins.int
+    """google.rpc.Code: OK when `first_events` were recorded (or none were sent, or the run is an
+    earlier submission's); otherwise why they were not, the run being created without them.
+    """
+    first_events_message: _builtins.str
     @_builtins.property
     def run(self) -> Global___LedgerRun: ...
     @_builtins.property
@@ -203,16 +224,25 @@ class CreateRunResponse(_message.Message):
         with its plan (a goal run's plan comes later and may be revised).
         """
 
+    @_builtins.property
+    def first_appended(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendEventResponse]:
+        """One per `first_events` event, in order, when they were recorded with the run (the
+        request's acknowledgement included).
+        """
+
     def __init__(
         self,
         *,
         run: Global___LedgerRun | None = ...,
         deduplicated: _builtins.bool = ...,
         run_ack: _common_pb2.SignedAuthorization | None = ...,
+        first_appended: _abc.Iterable[Global___AppendEventResponse] | None = ...,
+        first_events_code: _builtins.int = ...,
+        first_events_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "run_ack", b"run_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "run", b"run", "run_ack", b"run_ack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "first_appended", b"first_appended", "first_events_code", b"first_events_code", "first_events_message", b"first_events_message", "run", b"run", "run_ack", b"run_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
