@@ -52,10 +52,6 @@ pub struct StepView {
     pub call_attempt: u32,
     /// The attempt the step's last final failure was recorded under.
     pub failed_attempt: u32,
-    /// The plan digest (`plan_sha256`) the step's latest decision names when it was asked for
-    /// while the run was being created: a call asked again after a takeover names it again,
-    /// so that it is the same decision and the same recorded request.
-    pub decided_early: Option<String>,
     /// How the step's last attempt failed for good (`kind`), while it stands failed: a step
     /// with alternatives left that failed so moves to its next one.
     pub failed_kind: Option<String>,
@@ -108,7 +104,6 @@ impl StepView {
             branch_first_attempt: 1,
             call_attempt: 0,
             failed_attempt: 0,
-            decided_early: None,
             failed_kind: None,
         }
     }
@@ -328,7 +323,6 @@ impl RunView {
                     step.call = Some(call);
                     step.call_attempt = payload.get("attempt").and_then(Value::as_u64).unwrap_or(1) as u32;
                 }
-                step.decided_early = str_field(payload, "plan_sha256").map(str::to_string);
             }
             events::TOOL_REQUESTED => {
                 if let Some(call) = fingerprint() {

@@ -157,23 +157,6 @@ impl Runs for RunsService {
         } else {
             String::new()
         };
-        // A fresh run costs one ledger commit: this replica takes the lease of the id it picks
-        // first, so the ledger records `run_started` with `run_submitted`, and the run is driven
-        // from the plan in hand without reading anything back. The lease of a fresh id cannot
-        // be contended, so it is taken while the plan is validated.
-        let run_id = uuid::Uuid::now_v7().to_string();
-        let ttl = std::time::Duration::from_millis(self.ex.inner.config.lease_ttl_ms);
-        // A lease store that cannot answer (Redis restarting) does not refuse the submission:
-        // the run is recorded pending, and is driven once a lease can be taken (the sweeper).
-        let acquire = async {
-            match self.ex.inner.leases.acquire(&run_id, &self.ex.inner.lease_owner, ttl, 0).await {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::warn!(run_id = %run_id, error = %e, "no lease at submission; the run waits for the sweeper");
-                    None
-                }
-            }
-        };
         // The plan is validated before anything is written: a bad plan leaves no trace.
         let validate = async {
             if goal_run {
@@ -199,14 +182,20 @@ impl Runs for RunsService {
                 .map_err(|e| Status::internal(format!("validated plan is not JSON: {e}")))?;
             Ok((validated, Some(plan)))
         };
-        let (validated, lease) = tokio::join!(validate, acquire);
-        let (validated, plan) = match validated {
-            Ok(v) => v,
+        let (validated, plan) = validate.await?;
+        // A fresh run costs one ledger commit: this replica takes the lease of the id it picks
+        // first, so the ledger records `run_started` with `run_submitted`, and the run is driven
+        // from the plan in hand without reading anything back. (Taken after the validation:
+        // overlapping the two was measured to gain nothing, BENCHMARKS.md.)
+        let run_id = uuid::Uuid::now_v7().to_string();
+        let ttl = std::time::Duration::from_millis(self.ex.inner.config.lease_ttl_ms);
+        // A lease store that cannot answer (Redis restarting) does not refuse the submission:
+        // the run is recorded pending, and is driven once a lease can be taken (the sweeper).
+        let lease = match self.ex.inner.leases.acquire(&run_id, &self.ex.inner.lease_owner, ttl, 0).await {
+            Ok(l) => l,
             Err(e) => {
-                if let Some(l) = &lease {
-                    let _ = self.ex.inner.leases.release(l).await;
-                }
-                return Err(e);
+                tracing::warn!(run_id = %run_id, error = %e, "no lease at submission; the run waits for the sweeper");
+                None
             }
         };
         // The plan as the ledger records it (canonical JSON), whose digest it acknowledges.
@@ -273,7 +262,8 @@ impl Runs for RunsService {
                 let task_body = async move {
                     // The first step's decision and request, recorded with the run when the
                     // driver has them in time (one commit for both).
-                    let first = if wait.is_zero() { None } else { gate.first_step(wait).await };
+                    // (Waiting no time lets the offer go at once.)
+                    let first = gate.first_step(wait).await;
                     let mut request = request;
                     if let Some(step) = &first {
                         request.first_events = step.events.clone();

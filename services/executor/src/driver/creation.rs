@@ -92,6 +92,11 @@ impl Creation {
         matches!(*self.state.borrow(), State::Pending).then(|| (self.plan_json.clone(), self.plan_sha256.clone()))
     }
 
+    /// Whether the creation may still take the first step (nobody offered or waited yet).
+    pub fn takes_first_step(&self) -> bool {
+        self.first.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|offer| !offer.is_closed())
+    }
+
     /// Hands the run's first step's events to the creation, to be recorded with the run; the
     /// answer is the ledger's for them. Given back if the creation no longer takes them (it
     /// was sent already, or another step offered or waited first).
@@ -150,7 +155,9 @@ mod tests {
     async fn the_first_step_is_taken_once_and_given_back_when_the_creation_went_without_it() {
         // Offered in time: the creation takes it and answers it.
         let (mut gate_a, a) = gate(Arc::from("{}"));
+        assert!(a.takes_first_step());
         let answer = a.offer(events(2)).expect("taken");
+        assert!(!a.takes_first_step());
         let step = gate_a.first_step(Duration::from_secs(5)).await.expect("offered");
         assert_eq!(step.events.len(), 2);
         step.reply.send(Ok(Vec::new())).expect("answered");
@@ -172,7 +179,8 @@ mod tests {
 
         // The creation stopped waiting: the offer is given back whole.
         let (mut gate_c, c) = gate(Arc::from("{}"));
-        assert!(gate_c.first_step(Duration::from_millis(1)).await.is_none());
+        assert!(gate_c.first_step(Duration::ZERO).await.is_none());
+        assert!(!c.takes_first_step());
         assert_eq!(c.offer(events(2)).expect_err("too late").len(), 2);
     }
 }

@@ -157,7 +157,9 @@ impl RunCtx {
         &self,
         events: Vec<pb::EventInput>,
     ) -> Result<Vec<pb::AppendEventResponse>, DriveError> {
-        let Some(creation) = &self.creation else { return self.append_all(events).await };
+        let Some(creation) = self.creation.as_ref().filter(|c| c.takes_first_step()) else {
+            return self.append_all(events).await;
+        };
         {
             let _turn = self.appending.lock().await;
             let mut all: Vec<pb::EventInput> = self.deferred.lock().unwrap_or_else(|p| p.into_inner()).clone();

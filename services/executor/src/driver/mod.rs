@@ -245,21 +245,33 @@ async fn drive_leased(ctx: &RunCtx) -> Result<(), DriveError> {
     drive_view(ctx, view).await
 }
 
-/// The calls an earlier holder requested, without an outcome, whose decision was asked for
-/// while the run was being created (`StepView::decided_early`): by step id, the recorded plan
-/// (canonical JSON, from `run_submitted`) and its digest, when it is the one they name.
+/// The calls an earlier holder requested, without an outcome, whose decision — the one the
+/// request cites — was asked for while the run was being created (its record names
+/// `plan_sha256`): by step id, the recorded plan (canonical JSON, from `run_submitted`) and
+/// its digest, when it is the one that decision names.
 fn decided_early(view: &RunView, recorded: &[pb::Event]) -> ctx::DecidedEarly {
-    let early: Vec<(&str, &str)> = view
-        .steps
-        .iter()
-        .filter(|s| s.outcome_unknown)
-        .filter_map(|s| Some((s.id.as_str(), s.decided_early.as_deref()?)))
-        .collect();
+    let unknown: Vec<&str> = view.steps.iter().filter(|s| s.outcome_unknown).map(|s| s.id.as_str()).collect();
+    if unknown.is_empty() {
+        return Default::default();
+    }
+    let payload = |e: &pb::Event| serde_json::from_str::<Value>(&e.payload_json).ok();
+    let text = |p: &Value, k: &str| p.get(k).and_then(Value::as_str).map(str::to_string);
+    let mut early = Vec::new();
+    for step in unknown {
+        let requested = recorded.iter().rev().find(|e| e.event_type == events::TOOL_REQUESTED && e.step_id == step);
+        let Some(cited) = requested.and_then(payload).and_then(|p| text(&p, "decision_id")) else { continue };
+        let decision = recorded
+            .iter()
+            .filter(|e| e.event_type == events::POLICY_DECISION && e.step_id == step)
+            .filter_map(payload)
+            .find(|p| text(p, "decision_id").as_deref() == Some(cited.as_str()));
+        if let Some(digest) = decision.and_then(|p| text(&p, "plan_sha256")) {
+            early.push((step, digest));
+        }
+    }
     let submitted = recorded.iter().find(|e| e.event_type == events::RUN_SUBMITTED);
-    let plan = submitted
-        .filter(|_| !early.is_empty())
-        .and_then(|e| serde_json::from_str::<Value>(&e.payload_json).ok())
-        .and_then(|p| p.get("plan").map(canonical_json));
+    let plan =
+        submitted.filter(|_| !early.is_empty()).and_then(payload).and_then(|p| p.get("plan").map(canonical_json));
     let Some(plan) = plan else { return Default::default() };
     let digest = warden_core::canonical::sha256_hex(plan.as_bytes());
     let (plan, shared): (std::sync::Arc<str>, std::sync::Arc<str>) = (plan.into(), digest.as_str().into());

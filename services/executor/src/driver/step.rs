@@ -551,10 +551,13 @@ pub(super) async fn execute_attempt(
     // the ledger's acknowledgement of the plan until the policy has it.
     // A call asked for so by an earlier holder, which requested it, is asked again the same
     // way: the same decision, and the request recorded is the same.
-    let unrecorded = if retry_of.is_none() && attempt == 1 {
-        ctx.unrecorded_plan().or_else(|| ctx.decided_early.get(&step.id).filter(|_| asked_before).cloned())
-    } else {
-        None
+    let (unrecorded, early_again) = match ctx.unrecorded_plan() {
+        _ if retry_of.is_some() || attempt != 1 => (None, false),
+        Some(plan) => (Some(plan), false),
+        None => match ctx.decided_early.get(&step.id).filter(|_| asked_before) {
+            Some(plan) => (Some(plan.clone()), true),
+            None => (None, false),
+        },
     };
     if unrecorded.is_none() {
         // Answered already (at once): the run is not driven if it was not created, and the
@@ -579,7 +582,19 @@ pub(super) async fn execute_attempt(
         }
         None => ask(with_plan(&plan_ack)).await,
     };
-    if unrecorded.is_some() && authorized.as_ref().is_err_and(|s| !warden_grpc::is_fenced(s)) {
+    if early_again && let Err(s) = &authorized {
+        // Asked any other way, it would be another decision, whose request could not be the
+        // one recorded: an operator settles the call.
+        if !warden_grpc::is_fenced(s) {
+            return Ok(StepOutcome::Unknown(format!(
+                "the call was requested before its outcome was recorded, and policy did not decide it again as \
+                 it did while the run was created ({:?}: {})",
+                s.code(),
+                s.message()
+            )));
+        }
+    }
+    if unrecorded.is_some() && !early_again && authorized.as_ref().is_err_and(|s| !warden_grpc::is_fenced(s)) {
         // Decided only once the run is on record (budgets, approvals, …), or not decided: asked
         // again as any call is, once the run is created.
         ctx.created().await?;

@@ -163,13 +163,15 @@ class CreateRunRequest(_message.Message):
     """
     @_builtins.property
     def first_events(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventInput]:
-        """The run's first step as the submitting executor records it — the policy's signed decision
-        and the request it allows — appended after `run_started` in the same transaction, so the
-        run and its first request cost one commit (docs/write-path.md). Only `policy_decision`
-        and `tool_requested`, at most 64, and only for a run started with its plan (`started_by`,
-        `plan_json`, no frame). Each is checked as `AppendEvents` checks it; if any is refused, the
-        run is created without them and `first_events_code` says why. Answered briefly (no
-        payloads), as `AppendEventsRequest.brief`.
+        """The run's first step as the submitting executor records it — the tools it pinned, the
+        policy's signed decision and the request it allows — appended after `run_started` in the
+        same transaction, so the run and its first request cost one commit (docs/write-path.md).
+        Only `tools_pinned`, `policy_decision` and `tool_requested`, at most 64, and only for a run
+        started with its plan (`started_by`, `plan_json`, no frame): anything else, or a malformed
+        event, refuses the whole creation (INVALID_ARGUMENT, nothing written). Each is checked as
+        `AppendEvents` checks it; if what they say is refused (a decision not as the policy signed
+        it, for another plan), the run is created without them and `first_events_code` says why.
+        Answered briefly (no payloads), as `AppendEventsRequest.brief`.
         """
 
     def __init__(
