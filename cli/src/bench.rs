@@ -483,7 +483,7 @@ async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
         let timelines = first_calls(spans, since);
         // A trace's calls are distinct names: as many as all traces' together means all of them.
         let calls: std::collections::HashSet<&str> =
-            timelines.iter().flat_map(|t| t.stages.iter().map(|(name, _)| name.as_str())).collect();
+            timelines.iter().flat_map(|t| t.stages.iter().map(|(name, _, _)| name.as_str())).collect();
         timelines.len() >= args.fixed_runs && timelines.iter().all(|t| t.stages.len() == calls.len())
     };
     let spans = receiver.wait_for(Duration::from_secs(20), complete).await;
@@ -500,33 +500,40 @@ async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
         ms(total.value_at_quantile(0.5)),
         ms(total.value_at_quantile(0.99)),
     );
-    // Where it goes: the median start of each server span before the call, from SubmitRun.
-    let mut starts: std::collections::HashMap<&str, Vec<u64>> = Default::default();
+    // Where it goes: the median start of each server span before the call, from SubmitRun,
+    // and the median time the server took to answer it.
+    let mut starts: std::collections::HashMap<&str, (Vec<u64>, Vec<u64>)> = Default::default();
     for t in &timelines {
-        for (name, at) in &t.stages {
-            starts.entry(name.as_str()).or_default().push(*at);
+        for (name, at, took) in &t.stages {
+            let (ats, tooks) = starts.entry(name.as_str()).or_default();
+            ats.push(*at);
+            tooks.push(*took);
         }
     }
+    let median = |mut v: Vec<u64>| {
+        v.sort_unstable();
+        v[v.len() / 2]
+    };
     // Spans in at least half of the traces, by their median start.
-    let mut stages: Vec<(u64, &str)> = starts
+    let mut stages: Vec<(u64, u64, &str)> = starts
         .into_iter()
-        .filter(|(_, at)| at.len() * 2 >= timelines.len())
-        .map(|(name, mut at)| {
-            at.sort_unstable();
-            (at[at.len() / 2], name)
-        })
+        .filter(|(_, (at, _))| at.len() * 2 >= timelines.len())
+        .map(|(name, (at, took))| (median(at), median(took), name))
         .collect();
     stages.sort_unstable();
-    let line: Vec<String> = stages.iter().map(|(at, name)| format!("{name} {}", ms(*at))).collect();
+    let line: Vec<String> = stages.iter().map(|(at, _, name)| format!("{name} {}", ms(*at))).collect();
     println!("prod    median start from SubmitRun: {}", line.join(", "));
+    let line: Vec<String> = stages.iter().map(|(_, took, name)| format!("{name} {}", ms(*took))).collect();
+    println!("prod    median time to answer (server side): {}", line.join(", "));
     Ok(())
 }
 
 /// One run's trace, read for its first tool call.
 struct FirstCall {
     first_call_us: u64,
-    /// Server spans that started before the call: (name, µs after SubmitRun started).
-    stages: Vec<(String, u64)>,
+    /// Server spans that started before the call: (name, µs after SubmitRun started, µs the
+    /// server took to answer).
+    stages: Vec<(String, u64, u64)>,
 }
 
 /// The traces rooted in a `SubmitRun` that started after `since` (Unix ns) and reached a tool
@@ -549,7 +556,7 @@ fn first_calls(spans: &[warden_testkit::otlp::ReceivedSpan], since: u64) -> Vec<
         }
         let t0 = submit.start_unix_nano;
         // Each call's first occurrence in the trace, so a median counts each run once.
-        let mut stages: Vec<(String, u64)> = Vec::new();
+        let mut stages: Vec<(String, u64, u64)> = Vec::new();
         let mut before: Vec<_> = spans
             .iter()
             .filter(|s| s.kind == SERVER && s.start_unix_nano >= t0 && s.start_unix_nano <= invoke)
@@ -557,8 +564,9 @@ fn first_calls(spans: &[warden_testkit::otlp::ReceivedSpan], since: u64) -> Vec<
         before.sort_by_key(|s| s.start_unix_nano);
         for s in before {
             let name = s.name.trim_start_matches("/warden.v1.");
-            if !stages.iter().any(|(n, _)| n == name) {
-                stages.push((name.to_string(), (s.start_unix_nano - t0) / 1_000));
+            if !stages.iter().any(|(n, _, _)| n == name) {
+                let took = s.end_unix_nano.saturating_sub(s.start_unix_nano) / 1_000;
+                stages.push((name.to_string(), (s.start_unix_nano - t0) / 1_000, took));
             }
         }
         out.push(FirstCall { first_call_us: (invoke - t0) / 1_000, stages });
