@@ -59,6 +59,32 @@ fn created_as(c: &pb::CreateRunResponse, run_id: &str) -> bool {
     !c.deduplicated && c.run.as_ref().is_some_and(|r| r.run_id == run_id)
 }
 
+/// A run whose creation's answer was lost, looked up by the id this submission picked: asked
+/// again (backing off) while the ledger cannot answer, within the outage grace, since a run
+/// recorded with its first request must be driven, not left to a successor. None: not
+/// recorded, or not known in time.
+async fn lost_creation(
+    ledger: &mut warden_proto::v1::ledger_client::LedgerClient<warden_grpc::auth::Ch>,
+    tenant: String,
+    run_id: &str,
+    grace: std::time::Duration,
+) -> Option<pb::LedgerRun> {
+    let started = tokio::time::Instant::now();
+    let mut backoff = std::time::Duration::from_millis(20);
+    loop {
+        let asked = pb::GetLedgerRunRequest { tenant: tenant.clone(), run_id: run_id.to_string() };
+        match ledger.get_run(asked).await {
+            Ok(run) => return Some(run.into_inner()),
+            Err(s) if maybe_committed(s.code()) && started.elapsed() < grace => {
+                tracing::debug!(run_id, error = %s, "looking up a run whose creation's answer was lost");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
 /// Whether a failed call may have been carried out all the same (its answer lost).
 fn maybe_committed(code: Code) -> bool {
     matches!(code, Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Cancelled | Code::Internal)
@@ -257,6 +283,7 @@ impl Runs for RunsService {
                 let mut ledger = self.ex.inner.ledger.clone();
                 let (mine, plan_json) = (run_id.clone(), sent_plan.clone());
                 let wait = std::time::Duration::from_millis(self.ex.inner.config.first_step_wait_ms);
+                let grace = std::time::Duration::from_millis(self.ex.inner.config.outage_grace_ms);
                 // The driver hears how the creation went even if this call is dropped meanwhile
                 // (its client gone): a run that was recorded is driven, not left to the sweeper.
                 let task_body = async move {
@@ -275,15 +302,14 @@ impl Runs for RunsService {
                         // recorded), not left to a successor that would find the request's
                         // outcome unknown.
                         Err(s) if maybe_committed(s.code()) => {
-                            let asked = pb::GetLedgerRunRequest { tenant, run_id: mine.clone() };
-                            match ledger.get_run(asked).await {
-                                Ok(run) => Ok(Response::new(pb::CreateRunResponse {
-                                    run: Some(run.into_inner()),
+                            match lost_creation(&mut ledger, tenant, &mine, grace).await {
+                                Some(run) => Ok(Response::new(pb::CreateRunResponse {
+                                    run: Some(run),
                                     first_events_code: Code::Unknown as i32,
                                     first_events_message: format!("the creation's answer was lost: {}", s.message()),
                                     ..Default::default()
                                 })),
-                                Err(_) => Err(s),
+                                None => Err(s),
                             }
                         }
                         other => other,
