@@ -75,7 +75,7 @@ async fn lost_creation(
         let asked = pb::GetLedgerRunRequest { tenant: tenant.clone(), run_id: run_id.to_string() };
         match ledger.get_run(asked).await {
             Ok(run) => return Some(run.into_inner()),
-            Err(s) if maybe_committed(s.code()) && started.elapsed() < grace => {
+            Err(s) if unanswered(&s) && started.elapsed() < grace => {
                 tracing::debug!(run_id, error = %s, "looking up a run whose creation's answer was lost");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
@@ -85,9 +85,15 @@ async fn lost_creation(
     }
 }
 
-/// Whether a failed call may have been carried out all the same (its answer lost).
-fn maybe_committed(code: Code) -> bool {
-    matches!(code, Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Cancelled | Code::Internal)
+/// Whether a failed call may have been carried out all the same (its answer lost); not one
+/// that never reached the ledger (no connection).
+fn maybe_committed(s: &Status) -> bool {
+    unanswered(s) && !crate::driver::never_sent(s)
+}
+
+/// A call the ledger did not answer (it may be down or restarting).
+fn unanswered(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Cancelled | Code::Internal)
 }
 
 /// The ledger's answer for the first step's `n` events a creation carried: recorded with the
@@ -301,17 +307,15 @@ impl Runs for RunsService {
                         // request is driven (the request appended again is answered as the one
                         // recorded), not left to a successor that would find the request's
                         // outcome unknown.
-                        Err(s) if maybe_committed(s.code()) => {
-                            match lost_creation(&mut ledger, tenant, &mine, grace).await {
-                                Some(run) => Ok(Response::new(pb::CreateRunResponse {
-                                    run: Some(run),
-                                    first_events_code: Code::Unknown as i32,
-                                    first_events_message: format!("the creation's answer was lost: {}", s.message()),
-                                    ..Default::default()
-                                })),
-                                None => Err(s),
-                            }
-                        }
+                        Err(s) if maybe_committed(&s) => match lost_creation(&mut ledger, tenant, &mine, grace).await {
+                            Some(run) => Ok(Response::new(pb::CreateRunResponse {
+                                run: Some(run),
+                                first_events_code: Code::Unknown as i32,
+                                first_events_message: format!("the creation's answer was lost: {}", s.message()),
+                                ..Default::default()
+                            })),
+                            None => Err(s),
+                        },
                         other => other,
                     };
                     let ours = created.as_ref().is_ok_and(|c| created_as(c.get_ref(), &mine));

@@ -30,6 +30,7 @@ pub(crate) use ctx::load_view;
 pub use ctx::{PLAN_ACK_MAX_BYTES, PlanAck};
 use scheduler::{PlanFailed, run_dag};
 pub use step::FALLBACK_TIMEOUT;
+pub(crate) use step::never_sent;
 use step::{may_ask_again, transient, within_grace};
 use warden_core::replan::{FailedStep, ReplanContext};
 use warden_core::run::StepStatus;

@@ -254,7 +254,7 @@ pub(super) fn in_doubt(s: &Status) -> bool {
 
 /// A call that never reached its callee: the connection was not established, so nothing was
 /// sent and nothing can have happened (unlike a call that broke off once sent).
-pub(super) fn never_sent(s: &Status) -> bool {
+pub(crate) fn never_sent(s: &Status) -> bool {
     if s.code() != Code::Unavailable {
         return false;
     }
