@@ -296,11 +296,12 @@ impl Runs for RunsService {
                     // The first step's decision and request, recorded with the run when the
                     // driver has them in time (one commit for both).
                     // (Waiting no time lets the offer go at once.)
-                    let first = gate.first_step(wait).await;
                     let mut request = request;
-                    if let Some(step) = &first {
-                        request.first_events = step.events.clone();
-                    }
+                    let reply = gate.first_step(wait).await.map(|step| {
+                        let n = step.events.len();
+                        request.first_events = step.events;
+                        (step.reply, n)
+                    });
                     let tenant = request.tenant.clone();
                     let created = match ledger.create_run(request).await {
                         // The answer may be lost after the commit: a run recorded with its first
@@ -328,8 +329,8 @@ impl Runs for RunsService {
                     // Answered after the gate: a step whose events were left out appends them
                     // once the run is on record. Not answered when the run is not this
                     // submission's: the step then finds the run not created.
-                    if let (Some(step), Ok(c), true) = (first, &created, ours) {
-                        let _ = step.reply.send(first_appended(c.get_ref(), step.events.len()));
+                    if let (Some((reply, n)), Ok(c), true) = (reply, &created, ours) {
+                        let _ = reply.send(first_appended(c.get_ref(), n));
                     }
                     created
                 };

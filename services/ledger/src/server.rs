@@ -435,16 +435,10 @@ impl LedgerService {
         let digest = warden_core::canonical::sha256_hex(warden_core::canonical_json(plan).as_bytes());
         let mut group = Vec::with_capacity(r.first_events.len());
         for (i, e) in r.first_events.iter().enumerate() {
-            if ![events::TOOLS_PINNED, events::POLICY_DECISION, events::TOOL_REQUESTED].contains(&e.event_type.as_str())
-            {
+            if !crate::store::FIRST_EVENT_TYPES.contains(&e.event_type.as_str()) {
                 return Err(invalid_field(
                     format!("first_events[{i}].event_type"),
-                    format!(
-                        "a run's first events are '{}', '{}' and '{}'",
-                        events::TOOLS_PINNED,
-                        events::POLICY_DECISION,
-                        events::TOOL_REQUESTED
-                    ),
+                    format!("a run's first events are {}", crate::store::FIRST_EVENT_TYPES.join(", ")),
                 ));
             }
             let checked = self

@@ -134,6 +134,10 @@ pub struct NewRun<'a> {
     pub first: Vec<OwnedEvent>,
 }
 
+/// What a run's creation may record of its first step (`NewRun::first`): the tools it pinned,
+/// its decision and its request. Outcomes carry receipts and end steps: never among them.
+pub const FIRST_EVENT_TYPES: [&str; 3] = [events::TOOLS_PINNED, events::POLICY_DECISION, events::TOOL_REQUESTED];
+
 /// What [`LedgerStore::create_run`] did.
 pub struct CreatedRun {
     pub run: RunRow,
@@ -475,9 +479,7 @@ impl LedgerStore {
         // The first step's events, decided in memory against the run as it will be recorded
         // (as an append to it would be), then written with it: one commit for both.
         let mut first = Ok(Vec::new());
-        // Outcomes carry receipts and end steps: a run's first step records none.
-        let firsts = [events::TOOLS_PINNED, events::POLICY_DECISION, events::TOOL_REQUESTED];
-        if new.first.iter().any(|e| !firsts.contains(&e.event_type.as_str())) {
+        if new.first.iter().any(|e| !FIRST_EVENT_TYPES.contains(&e.event_type.as_str())) {
             first = Err(LedgerError::Precondition("a run's first events are pins, decisions and requests only".into()));
         } else if !new.first.is_empty() {
             let run_id = new.run_id.to_string();
