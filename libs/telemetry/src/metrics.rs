@@ -34,6 +34,7 @@ pub const MODEL_TOKENS: &str = "warden_model_tokens_total";
 pub const MODEL_COST: &str = "warden_model_cost_usd";
 pub const OUTPUTS_SANITIZED: &str = "warden_outputs_sanitized_total";
 pub const LEDGER_RUNS_CREATED: &str = "warden_ledger_runs_created_total";
+pub const LEDGER_RUNS_READ: &str = "warden_ledger_runs_read_total";
 
 /// Every metric with its help text: described at install, listed in the README.
 pub const ALL: &[(&str, &str)] = &[
@@ -61,6 +62,7 @@ pub const ALL: &[(&str, &str)] = &[
         LEDGER_RUNS_CREATED,
         "runs created by the ledger, by first_step: recorded (its decision and request in the same commit), refused, none",
     ),
+    (LEDGER_RUNS_READ, "runs read from the database to decide appends, because the ledger's memory did not hold them"),
 ];
 
 /// Latency buckets, in seconds: sub-millisecond appends to multi-second tool calls.
@@ -203,6 +205,11 @@ pub fn ledger_appended(elapsed: Duration) {
 /// A run created; `first_step` is `recorded`, `refused` or `none` (see `CreateRunRequest.first_events`).
 pub fn ledger_run_created(first_step: &'static str) {
     metrics::counter!(LEDGER_RUNS_CREATED, "first_step" => first_step).increment(1);
+}
+
+/// Runs read from the database to decide appends (memory did not hold them).
+pub fn ledger_runs_read(n: usize) {
+    metrics::counter!(LEDGER_RUNS_READ).increment(n as u64);
 }
 
 pub fn ledger_batch_committed(events: usize, elapsed: Duration) {

@@ -174,6 +174,8 @@ pub struct LedgerStore {
     /// How many connections may be kept: at most 4 (about one per write lane) and never more
     /// than a quarter of the pool, so readers and the slow path always find connections.
     keep_at_most: usize,
+    /// Runs read from the database to decide an append (not held in memory), since start.
+    runs_read: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A connection kept for appends, with when it was last used.
@@ -308,7 +310,19 @@ impl LedgerStore {
             hot: Default::default(),
             kept: Default::default(),
             keep_at_most: (max_connections as usize / 4).min(4),
+            runs_read: Default::default(),
         })
+    }
+
+    /// How many times a run was read from the database to decide an append, since start:
+    /// what memory did not hold (see `store::hot`).
+    pub fn runs_read(&self) -> u64 {
+        self.runs_read.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_runs_read(&self, n: usize) {
+        self.runs_read.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        warden_telemetry::metrics::ledger_runs_read(n);
     }
 
     pub fn verifying_key(&self) -> ed25519_dalek::VerifyingKey {
@@ -777,35 +791,33 @@ impl LedgerStore {
 
     /// A batch's states are taken out of memory for its length and put back only once it
     /// committed: on any error they are dropped, and the runs' next appends read them.
+    ///
+    /// The runs memory holds are decided from memory; the others (not held, or only repeated
+    /// by this batch: see [`batch::drop_repeats`]) are read under their row lock in the same
+    /// transaction. So one run that must be read costs its own read, not every run's of the
+    /// batch.
     async fn try_groups(&self, groups: &[Vec<OwnedEvent>]) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
         let derived_alone = |g: &Vec<OwnedEvent>| g.len() == 1 && derived::has_effects(&g[0].event_type);
         // Only plain events are decided from memory; the rest goes the way below (which
         // refuses a group mixing derived events with others).
         if !groups.iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
-            let runs = batch::runs_of(groups);
-            if let Some(mut states) = self.hot.take_all(&runs) {
-                batch::drop_repeats(&mut states, groups);
-                if runs.iter().all(|r| states.contains_key(*r))
-                    && let decided = batch::decide_groups(states, groups)
-                    // A refusal writes nothing that a moved head could refuse in turn, so it
-                    // is decided again on the stored heads below.
-                    && decided.results.iter().all(Result::is_ok)
-                {
-                    // Every run in memory: nothing to read.
-                    if self.backend == Backend::Postgres && decided.fits_one_statement() {
-                        batch::write_one_statement(self, &decided).await?;
-                    } else if !decided.touched.is_empty() {
-                        // On a kept connection, as the one statement above: SQLite's pool
-                        // would otherwise ping the connection on its worker thread after
-                        // every batch.
-                        let mut conn = self.write_conn().await?;
-                        let mut tx = self.begin_write_on(&mut conn).await?;
-                        batch::write(self, &mut tx, &decided).await?;
-                        tx.commit().await?;
-                        self.keep(conn);
+            let mut states = self.hot.take_present(&batch::runs_of(groups));
+            batch::drop_repeats(&mut states, groups);
+            if !states.is_empty() {
+                let (held, read): (Vec<&[OwnedEvent]>, Vec<&[OwnedEvent]>) = groups
+                    .iter()
+                    .map(Vec::as_slice)
+                    .partition(|g| g.first().is_some_and(|e| states.contains_key(&e.run_id)));
+                let decided = batch::decide_groups(states, &held);
+                // A refusal writes nothing that a moved head could refuse in turn, so it is
+                // decided again on the stored heads below (what memory held is dropped).
+                if decided.results.iter().all(Result::is_ok) {
+                    if read.is_empty() {
+                        self.write_decided(&decided).await?;
+                        self.hot.put(decided.states.into_values());
+                        return Ok(decided.results);
                     }
-                    self.hot.put(decided.states.into_values());
-                    return Ok(decided.results);
+                    return self.write_with_read(groups, decided, &read).await;
                 }
             }
         }
@@ -852,6 +864,54 @@ impl LedgerStore {
             states_after.remove(run);
         }
         self.hot.put(states_after.into_values());
+        Ok(results)
+    }
+
+    /// Writes a batch decided wholly from memory: one statement on PostgreSQL when it fits,
+    /// else one transaction.
+    async fn write_decided(&self, decided: &batch::Decided) -> Result<(), LedgerError> {
+        if self.backend == Backend::Postgres && decided.fits_one_statement() {
+            batch::write_one_statement(self, decided).await?;
+        } else if !decided.touched.is_empty() {
+            // On a kept connection, as the one statement above: SQLite's pool would otherwise
+            // ping the connection on its worker thread after every batch.
+            let mut conn = self.write_conn().await?;
+            let mut tx = self.begin_write_on(&mut conn).await?;
+            batch::write(self, &mut tx, decided).await?;
+            tx.commit().await?;
+            self.keep(conn);
+        }
+        Ok(())
+    }
+
+    /// Writes what memory decided (`held`) and decides the groups of the other runs (`read`)
+    /// on their stored heads, in one transaction; answers every group of `groups` in order.
+    async fn write_with_read(
+        &self,
+        groups: &[Vec<OwnedEvent>],
+        held: batch::Decided,
+        read: &[&[OwnedEvent]],
+    ) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
+        let mut tx = self.begin_write().await?;
+        batch::write(self, &mut tx, &held).await?;
+        for run in batch::runs_of(read) {
+            self.hot.forget(run);
+        }
+        let states = batch::load_states(self, &mut tx, read).await?;
+        let decided = batch::decide_groups(states, read);
+        batch::write(self, &mut tx, &decided).await?;
+        tx.commit().await?;
+        // Back in the order asked: each group went one way, by its run.
+        let (mut from_memory, mut from_reads) = (held.results.into_iter(), decided.results.into_iter());
+        let results = groups
+            .iter()
+            .map(|g| {
+                let was_held = g.first().is_some_and(|e| held.states.contains_key(&e.run_id));
+                let next = if was_held { from_memory.next() } else { from_reads.next() };
+                next.unwrap_or_else(|| Err(LedgerError::Internal("a group went unanswered".into())))
+            })
+            .collect();
+        self.hot.put(held.states.into_values().chain(decided.states.into_values()));
         Ok(results)
     }
 
@@ -1080,6 +1140,91 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    fn note(run: &str, key: &str) -> OwnedEvent {
+        OwnedEvent {
+            tenant: "t".into(),
+            run_id: run.into(),
+            epoch: 1,
+            idempotency_key: key.into(),
+            event_type: "run_started".into(),
+            payload: json!({ "note": key }),
+            step_id: String::new(),
+            now_ms: 2,
+        }
+    }
+
+    /// Whether each event of each group was a repeat, or the group's refusal.
+    fn repeats(results: Vec<crate::group::GroupResult>) -> Vec<Result<Vec<bool>, String>> {
+        results
+            .into_iter()
+            .map(|r| r.map(|g| g.into_iter().map(|(_, dup)| dup).collect()).map_err(|e| e.to_string()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_batch_reads_only_the_runs_memory_cannot_answer() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}/ledger.db", dir.path().display());
+        let store = LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("store");
+        let plan = json!({ "steps": [] });
+        for run_id in ["a", "b"] {
+            let new = NewRun {
+                run_id,
+                tenant: "t",
+                agent: "",
+                plan: Some(&plan),
+                goal: "",
+                idempotency_key: "",
+                cancel_policy: 0,
+                now_ms: 1,
+                started_by: Some(("executor", 1)),
+                replay_policy: 0,
+                parent_run_id: "",
+                frame: None,
+                max_frames: 0,
+                first: Vec::new(),
+            };
+            store.create_run(new).await.expect("created");
+        }
+        let batch = store.append_groups(vec![vec![note("a", "n1")], vec![note("b", "n1")]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![false]), Ok(vec![false])]);
+        assert_eq!(store.runs_read(), 0, "runs just created are in memory");
+
+        // A run the batch only repeats an event of is read (nothing new of it is written to
+        // check memory against); the other run of the batch is not.
+        let batch = store.append_groups(vec![vec![note("a", "n1")], vec![note("b", "n2")]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![true]), Ok(vec![false])]);
+        assert_eq!(store.runs_read(), 1, "only the repeated run was read");
+
+        // A repeat beside something new of the same run is answered from memory: the new
+        // event's head write is conditional on the state the repeat was answered from.
+        let batch = store.append_groups(vec![vec![note("a", "n1"), note("a", "n3")], vec![note("b", "n2")]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![true, false]), Ok(vec![true])]);
+        assert_eq!(store.runs_read(), 2, "b, only repeated, was read; a was not");
+
+        // A refusal sends the whole batch to the stored heads: every group still gets its
+        // own answer, and nothing of the refused group is written.
+        let mut other_tenant = note("b", "n4");
+        other_tenant.tenant = "u".into();
+        let batch = store.append_groups(vec![vec![note("a", "n5")], vec![note("b", "n5"), other_tenant]]).await;
+        let answers = repeats(batch);
+        assert_eq!(answers[0], Ok(vec![false]));
+        assert!(answers[1].is_err(), "another tenant's event refuses its group: {answers:?}");
+
+        for (run, keys) in [("a", vec!["n1", "n3", "n5"]), ("b", vec!["n1", "n2"])] {
+            let events = store.events(run, 0, 100).await.expect("events");
+            let notes: Vec<&str> = events.iter().skip(2).map(|e| e.body.idempotency_key.as_str()).collect();
+            assert_eq!(notes, keys, "run {run}: each note once, in order");
+            for (i, e) in events.iter().enumerate() {
+                assert_eq!(e.body.seq, i as u64 + 1, "run {run}: contiguous");
+            }
+            for pair in events.windows(2) {
+                assert_eq!(pair[1].prev_hash, pair[0].hash, "run {run}: chained");
+            }
+        }
+    }
 
     #[test]
     fn sqlite_urls_get_create_mode() {

@@ -214,35 +214,51 @@ fn moved(run_id: &str) -> LedgerError {
 }
 
 /// The distinct runs of a batch.
-pub fn runs_of(groups: &[Vec<OwnedEvent>]) -> Vec<&str> {
-    let mut ids: Vec<&str> = groups.iter().flatten().map(|e| e.run_id.as_str()).collect();
+pub fn runs_of<G: AsRef<[OwnedEvent]>>(groups: &[G]) -> Vec<&str> {
+    let mut ids: Vec<&str> = events_of(groups).map(|e| e.run_id.as_str()).collect();
     ids.sort_unstable();
     ids.dedup();
     ids
 }
 
-/// Drops the states of runs the batch repeats an event of: a repeat writes nothing, so no
-/// conditional head write would catch a state another writer moved past, and its answer (a
-/// request's acknowledgement included) must be decided on the stored head.
-pub fn drop_repeats(states: &mut HashMap<String, RunState>, groups: &[Vec<OwnedEvent>]) {
-    for e in groups.iter().flatten() {
-        if states.get(&e.run_id).is_some_and(|s| s.events.contains_key(&e.idempotency_key)) {
-            states.remove(&e.run_id);
-        }
+/// Every event of a batch's groups, in order.
+fn events_of<G: AsRef<[OwnedEvent]>>(groups: &[G]) -> impl Iterator<Item = &OwnedEvent> {
+    groups.iter().flat_map(|g| g.as_ref().iter())
+}
+
+/// Drops the states of runs the batch only repeats events of: a repeat writes nothing, so
+/// with nothing new for the run no conditional head write would catch a state another writer
+/// moved past, and the repeat's answer (a request's acknowledgement included) must be decided
+/// on the stored head. A run with something new in the batch stays: its head write is
+/// conditional on the state the repeats were answered from, so a state moved past fails the
+/// whole transaction, answers included.
+pub fn drop_repeats<G: AsRef<[OwnedEvent]>>(states: &mut HashMap<String, RunState>, groups: &[G]) {
+    let mut repeated = HashSet::new();
+    let mut new = HashSet::new();
+    for e in events_of(groups) {
+        match states.get(&e.run_id) {
+            Some(s) if s.events.contains_key(&e.idempotency_key) => repeated.insert(e.run_id.as_str()),
+            Some(_) => new.insert(e.run_id.as_str()),
+            None => false,
+        };
+    }
+    for run in repeated.difference(&new) {
+        states.remove(*run);
     }
 }
 
 /// Reads the states of the batch's runs under their row lock: a run short enough is read
 /// whole (and can be kept in memory after the commit), a longer one only for the keys and
 /// receipts this batch needs.
-pub async fn load_states(
+pub async fn load_states<G: AsRef<[OwnedEvent]>>(
     store: &LedgerStore,
     tx: &mut Tx<'_>,
-    groups: &[Vec<OwnedEvent>],
+    groups: &[G],
 ) -> Result<HashMap<String, RunState>, LedgerError> {
     let mut states = HashMap::new();
     let runs: Vec<String> = runs_of(groups).into_iter().map(str::to_string).collect();
     let heads = lock_heads(store, tx, &runs).await?;
+    store.count_runs_read(heads.len());
     let (mut short, mut long): (Vec<RunHead>, Vec<RunHead>) =
         heads.into_values().partition(|h| h.last_seq <= hot::MAX_RUN_EVENTS && !store.hot.is_unkept(&h.run_id));
     // Read whole only what fits in memory: the payloads' size first (a run of few but large
@@ -285,7 +301,7 @@ pub async fn load_states(
     // Long runs: the keys and receipts this batch needs, as before runs were kept in memory.
     let mut keys = Vec::new();
     let mut receipt_ids = Vec::new();
-    for e in groups.iter().flatten().filter(|e| states.get(&e.run_id).is_some_and(|s| !s.whole)) {
+    for e in events_of(groups).filter(|e| states.get(&e.run_id).is_some_and(|s| !s.whole)) {
         keys.push((e.run_id.clone(), e.idempotency_key.clone()));
         if let Ok(Some(k)) = checks::cited_decision_key(&e.borrowed()) {
             keys.push((e.run_id.clone(), k));
@@ -298,7 +314,7 @@ pub async fn load_states(
         }
     }
     let taken = existing_receipts(tx, &receipt_ids).await?;
-    for e in groups.iter().flatten() {
+    for e in events_of(groups) {
         if let (Some(id), Some(st)) =
             (receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload), states.get_mut(&e.run_id))
             && taken.contains(&id)
@@ -340,10 +356,10 @@ pub struct Decided {
 /// Decides every group in memory against the runs' states, each group all or nothing: a
 /// refused event leaves its whole group out (and the states as they were before the group),
 /// and the other groups go on.
-pub fn decide_groups(mut states: HashMap<String, RunState>, groups: &[Vec<OwnedEvent>]) -> Decided {
+pub fn decide_groups<G: AsRef<[OwnedEvent]>>(mut states: HashMap<String, RunState>, groups: &[G]) -> Decided {
     let mut results = Vec::with_capacity(groups.len());
     let (mut new_events, mut new_receipts, mut touched) = (Vec::new(), Vec::new(), Vec::<String>::new());
-    for group in groups {
+    for group in groups.iter().map(AsRef::as_ref) {
         // Heads before the group, to put back if one of its events is refused.
         let saved_heads: HashMap<String, RunHead> =
             group.iter().filter_map(|e| states.get(&e.run_id).map(|s| (e.run_id.clone(), s.head.clone()))).collect();

@@ -100,14 +100,11 @@ impl HotRuns {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes the states of all these runs out of the cache if every one is there; otherwise
-    /// takes nothing.
-    pub fn take_all(&self, run_ids: &[&str]) -> Option<HashMap<String, RunState>> {
+    /// Takes the states of those of these runs the cache holds out of it (the others are
+    /// read from the database by the batch).
+    pub fn take_present(&self, run_ids: &[&str]) -> HashMap<String, RunState> {
         let mut inner = self.lock();
-        if !run_ids.iter().all(|r| inner.runs.contains_key(*r)) {
-            return None;
-        }
-        Some(run_ids.iter().filter_map(|r| inner.remove(r).map(|s| (r.to_string(), s))).collect())
+        run_ids.iter().filter_map(|r| inner.remove(r).map(|s| (r.to_string(), s))).collect()
     }
 
     /// Whether the run was found too large to keep (see [`HotRuns::mark_unkept`]).
@@ -215,7 +212,7 @@ mod tests {
     }
 
     #[test]
-    fn only_whole_live_runs_are_kept_and_a_batch_takes_all_or_nothing() {
+    fn only_whole_live_runs_are_kept_and_a_batch_takes_those_held() {
         let hot = HotRuns::default();
         hot.put([
             RunState::new(head("a", 2, "active"), true),
@@ -225,15 +222,14 @@ mod tests {
         ]);
         assert_eq!(hot.len(), 1);
         assert!(hot.is_unkept("d") && !hot.is_unkept("c") && !hot.is_unkept("b"), "only a live whole run is too large");
-        assert!(hot.take_all(&["a", "b"]).is_none());
-        assert_eq!(hot.len(), 1, "a refused take leaves everything in place");
-        let taken = hot.take_all(&["a"]).expect("a is hot");
+        let taken = hot.take_present(&["a", "b"]);
+        assert_eq!(taken.keys().collect::<Vec<_>>(), ["a"], "b is read by the batch");
         assert_eq!(taken["a"].stored_seq, 2);
         assert_eq!(hot.len(), 0, "taken out for the batch");
         let mut a = taken.into_values().next().unwrap();
         a.head.last_seq = 5;
         hot.put([a]);
-        assert_eq!(hot.take_all(&["a"]).expect("a")["a"].stored_seq, 5, "the committed head is the next condition");
+        assert_eq!(hot.take_present(&["a"])["a"].stored_seq, 5, "the committed head is the next condition");
     }
 
     #[test]
@@ -243,7 +239,7 @@ mod tests {
             hot.put([RunState::new(head(&format!("r{i}"), 2, "active"), true)]);
         }
         assert!(hot.len() <= MAX_RUNS / 8 * 7);
-        assert!(hot.take_all(&["r0"]).is_none());
-        assert!(hot.take_all(&[&format!("r{MAX_RUNS}")]).is_some());
+        assert!(hot.take_present(&["r0"]).is_empty());
+        assert_eq!(hot.take_present(&[&format!("r{MAX_RUNS}")]).len(), 1);
     }
 }
