@@ -792,18 +792,18 @@ impl LedgerStore {
     /// A batch's states are taken out of memory for its length and put back only once it
     /// committed: on any error they are dropped, and the runs' next appends read them.
     ///
-    /// The runs memory holds are decided from memory; the others (not held, or only repeated
-    /// by this batch: see [`batch::drop_repeats`]) are read under their row lock in the same
-    /// transaction. So one run that must be read costs its own read, not every run's of the
-    /// batch.
+    /// The runs memory holds are decided from memory; the others are read under their row
+    /// lock in the same transaction — whole if memory does not hold them, only their head if
+    /// the batch only repeats their events (see [`batch::take_repeats`]). So one run that must
+    /// be read costs its own read, not every run's of the batch.
     async fn try_groups(&self, groups: &[Vec<OwnedEvent>]) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
         let derived_alone = |g: &Vec<OwnedEvent>| g.len() == 1 && derived::has_effects(&g[0].event_type);
         // Only plain events are decided from memory; the rest goes the way below (which
         // refuses a group mixing derived events with others).
         if !groups.iter().flatten().any(|e| derived::has_effects(&e.event_type)) {
             let mut states = self.hot.take_present(&batch::runs_of(groups));
-            batch::drop_repeats(&mut states, groups);
-            if !states.is_empty() {
+            let repeated = batch::take_repeats(&mut states, groups);
+            if !states.is_empty() || !repeated.is_empty() {
                 let (held, read): (Vec<&[OwnedEvent]>, Vec<&[OwnedEvent]>) = groups
                     .iter()
                     .map(Vec::as_slice)
@@ -817,7 +817,7 @@ impl LedgerStore {
                         self.hot.put(decided.states.into_values());
                         return Ok(decided.results);
                     }
-                    return self.write_with_read(groups, decided, &read).await;
+                    return self.write_with_read(groups, decided, repeated, &read).await;
                 }
             }
         }
@@ -886,10 +886,13 @@ impl LedgerStore {
 
     /// Writes what memory decided (`held`) and decides the groups of the other runs (`read`)
     /// on their stored heads, in one transaction; answers every group of `groups` in order.
+    /// `repeated` holds what memory knew of runs the batch only repeats events of: used when
+    /// their stored heads show it is still current, else read whole like the rest.
     async fn write_with_read(
         &self,
         groups: &[Vec<OwnedEvent>],
         held: batch::Decided,
+        repeated: HashMap<String, hot::RunState>,
         read: &[&[OwnedEvent]],
     ) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
         let mut tx = self.begin_write().await?;
@@ -897,7 +900,10 @@ impl LedgerStore {
         for run in batch::runs_of(read) {
             self.hot.forget(run);
         }
-        let states = batch::load_states(self, &mut tx, read).await?;
+        let mut states = batch::still_current(self, &mut tx, repeated).await?;
+        let unread: Vec<&[OwnedEvent]> =
+            read.iter().copied().filter(|g| g.first().is_some_and(|e| !states.contains_key(&e.run_id))).collect();
+        states.extend(batch::load_states(self, &mut tx, &unread).await?);
         let decided = batch::decide_groups(states, read);
         batch::write(self, &mut tx, &decided).await?;
         tx.commit().await?;
@@ -1192,17 +1198,27 @@ mod tests {
         assert_eq!(repeats(batch), [Ok(vec![false]), Ok(vec![false])]);
         assert_eq!(store.runs_read(), 0, "runs just created are in memory");
 
-        // A run the batch only repeats an event of is read (nothing new of it is written to
-        // check memory against); the other run of the batch is not.
+        // A run the batch only repeats an event of is checked against its stored head (nothing
+        // new of it is written to check memory against); the other run is decided from memory.
         let batch = store.append_groups(vec![vec![note("a", "n1")], vec![note("b", "n2")]]).await;
         assert_eq!(repeats(batch), [Ok(vec![true]), Ok(vec![false])]);
-        assert_eq!(store.runs_read(), 1, "only the repeated run was read");
-
         // A repeat beside something new of the same run is answered from memory: the new
         // event's head write is conditional on the state the repeat was answered from.
         let batch = store.append_groups(vec![vec![note("a", "n1"), note("a", "n3")], vec![note("b", "n2")]]).await;
         assert_eq!(repeats(batch), [Ok(vec![true, false]), Ok(vec![true])]);
-        assert_eq!(store.runs_read(), 2, "b, only repeated, was read; a was not");
+        assert_eq!(store.runs_read(), 0, "every stored head was the one memory held");
+
+        // Another replica appends to a: this one's memory of a is behind. A batch only
+        // repeating an event of a reads a whole, and its next append follows the other's.
+        let replica = LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("replica");
+        let batch = replica.append_groups(vec![vec![note("a", "n6")]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![false])]);
+        let batch = store.append_groups(vec![vec![note("a", "n3")], vec![note("b", "n7")]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![true]), Ok(vec![false])]);
+        assert_eq!(store.runs_read(), 1, "a, moved on under the replica, was read; b was not");
+        let batch = store.append_groups(vec![vec![note("a", "n8")]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![false])]);
+        assert_eq!(store.runs_read(), 1, "a is in memory again, with the replica's event");
 
         // A refusal sends the whole batch to the stored heads: every group still gets its
         // own answer, and nothing of the refused group is written.
@@ -1213,7 +1229,7 @@ mod tests {
         assert_eq!(answers[0], Ok(vec![false]));
         assert!(answers[1].is_err(), "another tenant's event refuses its group: {answers:?}");
 
-        for (run, keys) in [("a", vec!["n1", "n3", "n5"]), ("b", vec!["n1", "n2"])] {
+        for (run, keys) in [("a", vec!["n1", "n3", "n6", "n8", "n5"]), ("b", vec!["n1", "n2", "n7"])] {
             let events = store.events(run, 0, 100).await.expect("events");
             let notes: Vec<&str> = events.iter().skip(2).map(|e| e.body.idempotency_key.as_str()).collect();
             assert_eq!(notes, keys, "run {run}: each note once, in order");

@@ -226,13 +226,17 @@ fn events_of<G: AsRef<[OwnedEvent]>>(groups: &[G]) -> impl Iterator<Item = &Owne
     groups.iter().flat_map(|g| g.as_ref().iter())
 }
 
-/// Drops the states of runs the batch only repeats events of: a repeat writes nothing, so
-/// with nothing new for the run no conditional head write would catch a state another writer
-/// moved past, and the repeat's answer (a request's acknowledgement included) must be decided
-/// on the stored head. A run with something new in the batch stays: its head write is
-/// conditional on the state the repeats were answered from, so a state moved past fails the
-/// whole transaction, answers included.
-pub fn drop_repeats<G: AsRef<[OwnedEvent]>>(states: &mut HashMap<String, RunState>, groups: &[G]) {
+/// Takes out the states of runs the batch only repeats events of, and returns them: a repeat
+/// writes nothing, so with nothing new for the run no conditional head write would catch a
+/// state another writer moved past, and the repeat's answer (a request's acknowledgement
+/// included) must be decided on the stored head ([`still_current`] tells whether memory is
+/// that head). A run with something new in the batch stays: its head write is conditional on
+/// the state the repeats were answered from, so a state moved past fails the whole
+/// transaction, answers included.
+pub fn take_repeats<G: AsRef<[OwnedEvent]>>(
+    states: &mut HashMap<String, RunState>,
+    groups: &[G],
+) -> HashMap<String, RunState> {
     let mut repeated = HashSet::new();
     let mut new = HashSet::new();
     for e in events_of(groups) {
@@ -242,9 +246,35 @@ pub fn drop_repeats<G: AsRef<[OwnedEvent]>>(states: &mut HashMap<String, RunStat
             None => false,
         };
     }
-    for run in repeated.difference(&new) {
-        states.remove(*run);
+    repeated.difference(&new).filter_map(|run| states.remove_entry(*run)).collect()
+}
+
+/// Of the `states` of runs a batch only repeats events of, those whose stored head, read
+/// under its row lock, is the one memory holds: nothing was appended to them since (the same
+/// seq and hash), nor was a writer fenced out or the run ended meanwhile. The others are
+/// dropped, to be read whole.
+pub async fn still_current(
+    store: &LedgerStore,
+    tx: &mut Tx<'_>,
+    states: HashMap<String, RunState>,
+) -> Result<HashMap<String, RunState>, LedgerError> {
+    if states.is_empty() {
+        return Ok(states);
     }
+    let ids: Vec<String> = states.keys().cloned().collect();
+    let heads = lock_heads(store, tx, &ids).await?;
+    Ok(states
+        .into_iter()
+        .filter(|(id, st)| {
+            heads.get(id).is_some_and(|h| {
+                h.last_seq == st.head.last_seq
+                    && h.head_hash == st.head.head_hash
+                    && h.max_epoch == st.head.max_epoch
+                    && h.status == st.head.status
+                    && h.tenant == st.head.tenant
+            })
+        })
+        .collect())
 }
 
 /// Reads the states of the batch's runs under their row lock: a run short enough is read
