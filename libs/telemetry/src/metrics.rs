@@ -62,7 +62,10 @@ pub const ALL: &[(&str, &str)] = &[
         LEDGER_RUNS_CREATED,
         "runs created by the ledger, by first_step: recorded (its decision and request in the same commit), refused, none",
     ),
-    (LEDGER_RUNS_READ, "runs read from the database to decide appends, because the ledger's memory did not hold them"),
+    (
+        LEDGER_RUNS_READ,
+        "runs read whole from the database to decide appends: not in the ledger's memory, moved on by another writer, or in a batch a refusal or a summary sent to the stored heads",
+    ),
 ];
 
 /// Latency buckets, in seconds: sub-millisecond appends to multi-second tool calls.
@@ -207,7 +210,7 @@ pub fn ledger_run_created(first_step: &'static str) {
     metrics::counter!(LEDGER_RUNS_CREATED, "first_step" => first_step).increment(1);
 }
 
-/// Runs read from the database to decide appends (memory did not hold them).
+/// Runs read whole from the database to decide appends (see [`LEDGER_RUNS_READ`]).
 pub fn ledger_runs_read(n: usize) {
     metrics::counter!(LEDGER_RUNS_READ).increment(n as u64);
 }

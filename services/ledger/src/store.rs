@@ -896,11 +896,16 @@ impl LedgerStore {
         read: &[&[OwnedEvent]],
     ) -> Result<Vec<crate::group::GroupResult>, LedgerError> {
         let mut tx = self.begin_write().await?;
+        // Every run of the batch locked first, in id order as the database path locks them:
+        // the writes and reads below then wait on no lock another batch could hold while it
+        // waits on one of these (locking a row again in the transaction is free).
+        let all: Vec<String> = batch::runs_of(groups).into_iter().map(str::to_string).collect();
+        let heads = batch::lock_heads(self, &mut tx, &all).await?;
         batch::write(self, &mut tx, &held).await?;
         for run in batch::runs_of(read) {
             self.hot.forget(run);
         }
-        let mut states = batch::still_current(self, &mut tx, repeated).await?;
+        let mut states = batch::still_current(repeated, &heads);
         let unread: Vec<&[OwnedEvent]> =
             read.iter().copied().filter(|g| g.first().is_some_and(|e| !states.contains_key(&e.run_id))).collect();
         states.extend(batch::load_states(self, &mut tx, &unread).await?);
@@ -1229,7 +1234,36 @@ mod tests {
         assert_eq!(answers[0], Ok(vec![false]));
         assert!(answers[1].is_err(), "another tenant's event refuses its group: {answers:?}");
 
-        for (run, keys) in [("a", vec!["n1", "n3", "n6", "n8", "n5"]), ("b", vec!["n1", "n2", "n7"])] {
+        // A request repeated by an executor another replica fenced out gets no answer: memory
+        // here still says epoch 1, the stored head says 2, and the repeat is decided on it.
+        let digest = warden_core::canonical::args_digest(&json!({}));
+        let call = json!({ "attempt": 1, "tool": "echo", "idempotency_key": "k1" });
+        let mut decision = note("a", "decision:d1");
+        decision.event_type = "policy_decision".into();
+        decision.step_id = "s1".into();
+        decision.payload = json!({ "decision_id": "d1", "outcome": "allow", "args_sha256": digest });
+        let mut request = note("a", "request:s1:1");
+        request.event_type = "tool_requested".into();
+        request.step_id = "s1".into();
+        request.payload = json!({ "decision_id": "d1", "args": {} });
+        for e in [&mut decision, &mut request] {
+            for (k, v) in call.as_object().expect("object") {
+                e.payload[k] = v.clone();
+            }
+        }
+        let batch = store.append_groups(vec![vec![decision, request.clone()]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![false, false])]);
+        let mut takeover = note("a", "n9");
+        takeover.epoch = 2;
+        assert_eq!(repeats(replica.append_groups(vec![vec![takeover]]).await), [Ok(vec![false])]);
+        let answers = repeats(store.append_groups(vec![vec![request]]).await);
+        assert!(
+            matches!(&answers[..], [Err(e)] if e.contains("epoch")),
+            "a stale repeat of a request is fenced: {answers:?}"
+        );
+
+        let a_keys = vec!["n1", "n3", "n6", "n8", "n5", "decision:d1", "request:s1:1", "n9"];
+        for (run, keys) in [("a", a_keys), ("b", vec!["n1", "n2", "n7"])] {
             let events = store.events(run, 0, 100).await.expect("events");
             let notes: Vec<&str> = events.iter().skip(2).map(|e| e.body.idempotency_key.as_str()).collect();
             assert_eq!(notes, keys, "run {run}: each note once, in order");

@@ -249,21 +249,12 @@ pub fn take_repeats<G: AsRef<[OwnedEvent]>>(
     repeated.difference(&new).filter_map(|run| states.remove_entry(*run)).collect()
 }
 
-/// Of the `states` of runs a batch only repeats events of, those whose stored head, read
-/// under its row lock, is the one memory holds: nothing was appended to them since (the same
-/// seq and hash), nor was a writer fenced out or the run ended meanwhile. The others are
-/// dropped, to be read whole.
-pub async fn still_current(
-    store: &LedgerStore,
-    tx: &mut Tx<'_>,
-    states: HashMap<String, RunState>,
-) -> Result<HashMap<String, RunState>, LedgerError> {
-    if states.is_empty() {
-        return Ok(states);
-    }
-    let ids: Vec<String> = states.keys().cloned().collect();
-    let heads = lock_heads(store, tx, &ids).await?;
-    Ok(states
+/// Of the `states` of runs a batch only repeats events of, those whose stored head (`heads`,
+/// read under the row lock) is the one memory holds: nothing was appended to them since (the
+/// same seq and hash; every change to what a state holds is an event), nor was a writer fenced
+/// out or the run ended meanwhile. The others are dropped, to be read whole.
+pub fn still_current(states: HashMap<String, RunState>, heads: &HashMap<String, RunHead>) -> HashMap<String, RunState> {
+    states
         .into_iter()
         .filter(|(id, st)| {
             heads.get(id).is_some_and(|h| {
@@ -274,7 +265,7 @@ pub async fn still_current(
                     && h.tenant == st.head.tenant
             })
         })
-        .collect())
+        .collect()
 }
 
 /// Reads the states of the batch's runs under their row lock: a run short enough is read
