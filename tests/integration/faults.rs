@@ -355,3 +355,112 @@ async fn a_batch_rides_out_faults_of_every_service() {
     }
     assert_batch_whole(&mesh, &ids).await;
 }
+
+/// A ledger in front of the real one that loses the answer to the first `CreateRun` it
+/// forwards: the creation is committed (the real ledger answered), the caller hears
+/// UNAVAILABLE. A real ledger cannot be made to lose an answer after its commit on demand; every
+/// other call goes through untouched.
+#[derive(Clone)]
+struct LosesACreationAnswer {
+    upstream: tonic::transport::Channel,
+    lost: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl tonic::server::NamedService for LosesACreationAnswer {
+    const NAME: &'static str = "warden.v1.Ledger";
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for LosesACreationAnswer {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        use std::sync::atomic::Ordering;
+        use tower::ServiceExt;
+        let upstream = self.upstream.clone();
+        let lose = req.uri().path() == "/warden.v1.Ledger/CreateRun" && self.lost.fetch_add(1, Ordering::SeqCst) == 0;
+        Box::pin(async move {
+            match upstream.oneshot(req).await {
+                // The response's head comes once the ledger's handler returned: committed. Only
+                // a success is lost (a refusal carries its status in the head).
+                Ok(answer) if lose && answer.headers().get("grpc-status").is_none() => {
+                    Ok(tonic::Status::unavailable("the answer was lost on the way").into_http())
+                }
+                Ok(answer) => Ok(answer.map(tonic::body::Body::new)),
+                Err(e) => Ok(tonic::Status::unavailable(e.to_string()).into_http()),
+            }
+        })
+    }
+}
+
+/// The ledger commits a run with its first request, and the executor never hears back. It
+/// looks the run up by the id it picked and drives it: the submission succeeds, the e-mail (not
+/// idempotent, so never sent on a guess) goes out once, and no operator is needed. Without the
+/// lookup the submission failed and the request recorded with the run waited for an operator.
+#[tokio::test]
+async fn a_creation_whose_answer_was_lost_is_driven_not_left_to_an_operator() {
+    let mut opts = graceful();
+    // The first step always travels with the creation, however slow the machine.
+    opts.executor_extra = "first_step_wait_ms = 20000".into();
+    let mut mesh = mesh_with(Backend::Sqlite, opts).await;
+    let upstream =
+        tonic::transport::Endpoint::from_shared(mesh.ledger.endpoint.clone()).expect("ledger endpoint").connect_lazy();
+    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let front = LosesACreationAnswer { upstream, lost: lost.clone() };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(front)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let executor = &mut mesh.executors[0];
+    executor.set_env("WARDEN_EXECUTOR__LEDGER_ENDPOINT", &format!("http://{addr}"));
+    executor.restart().expect("restart the executor in front of the losing ledger");
+
+    let mail = json!({"to": "ops@example.com", "subject": "once", "body": "b"});
+    let id = warden_testkit::eventually(Duration::from_secs(30), || {
+        let mut runs = mesh.runs();
+        let plan = plan(&[("mail", "email.send", mail.clone(), &[])]);
+        async move {
+            let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: plan, ..Default::default() };
+            match runs.submit_run(req).await {
+                Ok(r) => Some(Ok(r.into_inner().run_id)),
+                // The restarted executor not listening yet.
+                Err(s) if s.code() == tonic::Code::Unavailable && s.message().contains("connect") => None,
+                Err(s) => Some(Err(s)),
+            }
+        }
+    })
+    .await
+    .expect("the executor answered")
+    .unwrap_or_else(|s| panic!("a creation whose answer was lost failed the submission: {s:?}\n{}", mesh.logs()));
+    assert_eq!(lost.load(std::sync::atomic::Ordering::SeqCst), 1, "exactly one creation went through the front");
+
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{}", run.reason);
+    assert_eq!(mesh.outbox().len(), 1, "the mail went out once");
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let types: Vec<&str> = evs.iter().map(|e| e.event_type.as_str()).collect();
+    assert_eq!(types.iter().filter(|t| **t == "tool_requested").count(), 1, "{types:?}");
+    assert_eq!(types.iter().filter(|t| **t == "tool_completed").count(), 1, "{types:?}");
+    // The request was recorded with the run, in the creation's commit: the answer that was
+    // lost carried it.
+    assert!(types.len() >= 5, "{types:?}");
+    assert_eq!(&types[..5], ["run_submitted", "run_started", "tools_pinned", "policy_decision", "tool_requested"]);
+    assert!(evs[..5].iter().all(|e| e.timestamp_ms == evs[0].timestamp_ms), "one commit: {evs:?}");
+    assert_no_outage_recorded(&evs);
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+    let listed = mesh
+        .ledger()
+        .list_runs(pb::ListLedgerRunsRequest { tenant: "acme".into(), ..Default::default() })
+        .await
+        .expect("ListRuns")
+        .into_inner();
+    assert_eq!(listed.runs.len(), 1, "one run for one submission");
+}
