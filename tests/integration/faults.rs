@@ -424,22 +424,16 @@ async fn a_creation_whose_answer_was_lost_is_driven_not_left_to_an_operator() {
     executor.restart().expect("restart the executor in front of the losing ledger");
 
     let mail = json!({"to": "ops@example.com", "subject": "once", "body": "b"});
-    let id = warden_testkit::eventually(Duration::from_secs(30), || {
-        let mut runs = mesh.runs();
-        let plan = plan(&[("mail", "email.send", mail.clone(), &[])]);
-        async move {
-            let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: plan, ..Default::default() };
-            match runs.submit_run(req).await {
-                Ok(r) => Some(Ok(r.into_inner().run_id)),
-                // The restarted executor not listening yet.
-                Err(s) if s.code() == tonic::Code::Unavailable && s.message().contains("connect") => None,
-                Err(s) => Some(Err(s)),
-            }
-        }
-    })
-    .await
-    .expect("the executor answered")
-    .unwrap_or_else(|s| panic!("a creation whose answer was lost failed the submission: {s:?}\n{}", mesh.logs()));
+    // `restart` returns once the executor announced its address: it is listening.
+    let req = pb::SubmitRunRequest {
+        tenant: "acme".into(),
+        plan_json: plan(&[("mail", "email.send", mail, &[])]),
+        ..Default::default()
+    };
+    let id = match mesh.runs().submit_run(req).await {
+        Ok(r) => r.into_inner().run_id,
+        Err(s) => panic!("a creation whose answer was lost failed the submission: {s:?}\n{}", mesh.logs()),
+    };
     assert_eq!(lost.load(std::sync::atomic::Ordering::SeqCst), 1, "exactly one creation went through the front");
 
     let run = settled(&mesh, "acme", &id).await;

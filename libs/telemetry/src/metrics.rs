@@ -64,7 +64,7 @@ pub const ALL: &[(&str, &str)] = &[
     ),
     (
         LEDGER_RUNS_READ,
-        "runs read whole from the database to decide appends: not in the ledger's memory, moved on by another writer, or in a batch a refusal or a summary sent to the stored heads",
+        "runs read from the database to decide appends (whole, or what a batch needs of a run too large to keep): not in the ledger's memory, moved on by another writer, or in a batch a refusal or a summary sent to the stored heads",
     ),
 ];
 
@@ -210,7 +210,7 @@ pub fn ledger_run_created(first_step: &'static str) {
     metrics::counter!(LEDGER_RUNS_CREATED, "first_step" => first_step).increment(1);
 }
 
-/// Runs read whole from the database to decide appends (see [`LEDGER_RUNS_READ`]).
+/// Runs read from the database to decide appends (see [`LEDGER_RUNS_READ`]).
 pub fn ledger_runs_read(n: usize) {
     metrics::counter!(LEDGER_RUNS_READ).increment(n as u64);
 }

@@ -174,7 +174,7 @@ pub struct LedgerStore {
     /// How many connections may be kept: at most 4 (about one per write lane) and never more
     /// than a quarter of the pool, so readers and the slow path always find connections.
     keep_at_most: usize,
-    /// Runs read from the database to decide an append (not held in memory), since start.
+    /// Runs read from the database to decide an append, since start (see [`Self::runs_read`]).
     runs_read: Arc<std::sync::atomic::AtomicU64>,
 }
 
@@ -315,7 +315,7 @@ impl LedgerStore {
     }
 
     /// How many times a run was read from the database to decide an append, since start:
-    /// what memory did not hold (see `store::hot`).
+    /// whole, or only what a batch needs of a run too large to keep (see `store::hot`).
     pub fn runs_read(&self) -> u64 {
         self.runs_read.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -902,9 +902,7 @@ impl LedgerStore {
         let all: Vec<String> = batch::runs_of(groups).into_iter().map(str::to_string).collect();
         let heads = batch::lock_heads(self, &mut tx, &all).await?;
         batch::write(self, &mut tx, &held).await?;
-        for run in batch::runs_of(read) {
-            self.hot.forget(run);
-        }
+        // The runs read are not in memory: never held, or taken out by this batch.
         let mut states = batch::still_current(repeated, &heads);
         let unread: Vec<&[OwnedEvent]> =
             read.iter().copied().filter(|g| g.first().is_some_and(|e| !states.contains_key(&e.run_id))).collect();

@@ -237,16 +237,18 @@ pub fn take_repeats<G: AsRef<[OwnedEvent]>>(
     states: &mut HashMap<String, RunState>,
     groups: &[G],
 ) -> HashMap<String, RunState> {
-    let mut repeated = HashSet::new();
-    let mut new = HashSet::new();
-    for e in events_of(groups) {
-        match states.get(&e.run_id) {
-            Some(s) if s.events.contains_key(&e.idempotency_key) => repeated.insert(e.run_id.as_str()),
-            Some(_) => new.insert(e.run_id.as_str()),
-            None => false,
-        };
+    let known = |e: &OwnedEvent| states.get(&e.run_id).map(|s| s.events.contains_key(&e.idempotency_key));
+    let repeated: HashSet<&str> =
+        events_of(groups).filter(|e| known(e) == Some(true)).map(|e| e.run_id.as_str()).collect();
+    if repeated.is_empty() {
+        // The common case: nothing to look at twice, nothing allocated.
+        return HashMap::new();
     }
-    repeated.difference(&new).filter_map(|run| states.remove_entry(*run)).collect()
+    let with_new: HashSet<&str> = events_of(groups)
+        .filter(|e| repeated.contains(e.run_id.as_str()) && known(e) == Some(false))
+        .map(|e| e.run_id.as_str())
+        .collect();
+    repeated.difference(&with_new).filter_map(|run| states.remove_entry(*run)).collect()
 }
 
 /// Of the `states` of runs a batch only repeats events of, those whose stored head (`heads`,
