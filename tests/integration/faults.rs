@@ -256,6 +256,54 @@ async fn a_killed_executor_is_taken_over_before_its_lease_expires() {
     assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
 }
 
+/// A successor finds a run's first call requested, decided while the run was created, and no
+/// outcome. Asked again, it must be the same decision, or its request could not be the one
+/// recorded. Here the tenant gained a budget meanwhile, so the policy decides its calls only
+/// once a run is on record and will not decide this one again as it did: the call is not
+/// asked any other way (that would be another decision), it goes to an operator as an
+/// unknown outcome, and nothing after it runs.
+#[tokio::test]
+async fn a_first_call_the_policy_will_not_decide_again_goes_to_an_operator() {
+    let mut opts = graceful();
+    opts.executors = 2;
+    opts.lease_ttl_ms = 600_000;
+    // The first decision is always asked for while the run is created (never given up on a
+    // busy machine), so the call taken over is one decided early.
+    opts.executor_extra = "first_step_wait_ms = 20000".into();
+    let mut mesh = mesh_with(Backend::Postgres, opts).await;
+    let plan = plan(&[("wait", "sleep", json!({"ms": 2_000}), &[]), ("after", "echo", json!({"v": 1}), &["wait"])]);
+    let id = submit(&mesh, "acme", &plan).await;
+    let requested = first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "wait").await;
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let cited = payload(&requested)["decision_id"].clone();
+    let decision = evs
+        .iter()
+        .find(|e| e.event_type == "policy_decision" && payload(e)["decision_id"] == cited)
+        .expect("the decision the request cites");
+    assert!(
+        payload(decision)["plan_sha256"].as_str().is_some_and(|d| d.len() == 64),
+        "decided while the run was created: {}",
+        decision.payload_json
+    );
+    let owner = evs.iter().find(|e| e.event_type == "run_started").map(|e| payload(e)["executor"].clone());
+    let dead = if owner == Some(json!("executor-0")) { 0 } else { 1 };
+    mesh.executors[dead].kill();
+    mesh.policy.set_env("WARDEN_POLICY__TENANTS__ACME__MAX_CALLS_PER_RUN", "100");
+    mesh.policy.restart().expect("restart the policy with a budget for acme");
+
+    let run = settled(&mesh, "acme", &id).await;
+    assert_eq!(run.status(), pb::RunStatus::RequiresReconciliation, "{}\n{}", run.reason, mesh.logs());
+    assert!(run.reason.contains("did not decide it again"), "{}", run.reason);
+    let evs = events(&mut mesh.ledger(), "acme", &id).await;
+    let last = evs.iter().rfind(|e| e.event_type == "run_started").map(|e| payload(e)["executor"].clone());
+    assert_eq!(last, Some(json!(format!("executor-{}", 1 - dead))), "taken over");
+    let count = |kind: &str| evs.iter().filter(|e| e.event_type == kind).count();
+    assert_eq!(count("tool_requested"), 1, "the call was not requested again");
+    assert_eq!(count("tool_completed") + count("tool_failed") + count("step_failed"), 0, "nor settled as anything");
+    assert!(!evs.iter().any(|e| e.step_id == "after"), "nothing after it ran");
+    assert!(verify(&mut mesh.ledger(), "acme", &id).await.valid);
+}
+
 /// PostgreSQL itself restarts (fast shutdown: every connection dropped) under the ledger and
 /// the policy store while a run is in flight: the run completes, nothing is recorded as a
 /// decision or a failure, the chain verifies.

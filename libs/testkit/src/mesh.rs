@@ -191,12 +191,12 @@ impl ServiceProcess {
         }
     }
 
-    /// Changes an environment variable for the next (re)start.
     /// The value of `key` in the process's environment as the mesh set it (last setting wins).
     pub fn env_var(&self, key: &str) -> Option<&str> {
         self.env.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 
+    /// Changes an environment variable for the next (re)start.
     pub fn set_env(&mut self, key: &str, value: &str) {
         self.env.retain(|(k, _)| k != key);
         self.env.push((key.to_string(), value.to_string()));

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 use warden_core::plan::Plan;
+use warden_core::template::TemplateError;
 
 /// The step's arguments as they would be sent now, or why they cannot be derived.
 pub fn derive(plan_json: &str, step_id: &str, outputs: &HashMap<String, Value>) -> Result<Value, String> {
@@ -17,18 +18,37 @@ pub fn derive(plan_json: &str, step_id: &str, outputs: &HashMap<String, Value>) 
 }
 
 /// What the page shows for a call bound to `args_sha256`: the arguments when they hash to it.
+///
+/// A call is decided before the outcome of the step before it is recorded (one append carries
+/// that outcome, the decision and the request), so an approval can be seen a moment before
+/// the outputs its arguments are built from can be read. Then the view says `waiting` and the
+/// page asks again shortly; it is never left showing an unresolved reference.
 pub fn bound(plan_json: &str, step_id: &str, outputs: &HashMap<String, Value>, args_sha256: &str) -> Value {
-    match derive(plan_json, step_id, outputs) {
+    let plan = match Plan::parse(plan_json) {
+        Ok(p) => p,
+        Err(e) => return unbound(format!("the run's plan does not parse: {e}"), false),
+    };
+    let Some(step) = plan.step(step_id) else {
+        return unbound(format!("the plan has no step '{step_id}'"), false);
+    };
+    match warden_core::template::resolve(&step.params, outputs) {
         Ok(args) if warden_core::canonical::args_digest(&args) == args_sha256 => {
             serde_json::json!({"args": args, "digest_matches": true})
         }
-        Ok(_) => serde_json::json!({
-            "args": null,
-            "digest_matches": false,
-            "note": "the arguments derived from the plan hash differently: only the digest is shown",
-        }),
-        Err(why) => serde_json::json!({"args": null, "digest_matches": false, "note": why}),
+        Ok(_) => {
+            unbound("the arguments derived from the plan hash differently: only the digest is shown".into(), false)
+        }
+        // The plan's references name only its own steps (checked when it was parsed): a step
+        // without output here has not had its outcome recorded yet.
+        Err(TemplateError::UnknownStep { step_id: before, .. }) => {
+            unbound(format!("waiting for the outcome of step '{before}' to be recorded"), true)
+        }
+        Err(why) => unbound(why.to_string(), false),
     }
+}
+
+fn unbound(note: String, waiting: bool) -> Value {
+    serde_json::json!({"args": null, "digest_matches": false, "note": note, "waiting": waiting})
 }
 
 #[cfg(test)]
@@ -52,7 +72,14 @@ mod tests {
         let other = bound(PLAN, "mail", &outputs, &"0".repeat(64));
         assert_eq!((other["args"].clone(), other["digest_matches"].clone()), (Value::Null, json!(false)));
         let unresolved = bound(PLAN, "mail", &HashMap::new(), &digest);
-        assert_eq!(unresolved["digest_matches"], json!(false));
+        assert_eq!(
+            (unresolved["digest_matches"].clone(), unresolved["waiting"].clone()),
+            (json!(false), json!(true)),
+            "greet's outcome is not recorded yet: the page asks again"
+        );
+        let missing = HashMap::from([("greet".to_string(), json!({"other": 1}))]);
+        assert_eq!(bound(PLAN, "mail", &missing, &digest)["waiting"], json!(false), "no value there: it never will be");
+        assert_eq!(bound("not json", "mail", &outputs, &digest)["waiting"], json!(false));
         assert!(derive(PLAN, "nope", &outputs).is_err());
         assert!(derive("not json", "mail", &outputs).is_err());
     }

@@ -11,6 +11,8 @@
   const banner = document.getElementById("banner");
   const POLL_MS = 5000;        // the runs list refreshes this often while it is shown
   const RETRY_MS = 3000;       // a broken live stream is opened again after this long
+  const FILL_MS = 250;         // an approval's arguments waiting for an outcome are asked again after this long…
+  const FILL_TRIES = 40;       // …this many times at most
 
   // ---- session -----------------------------------------------------------------------------
   const session = {
@@ -605,7 +607,7 @@
       let prev = null;
       for (const a of items) {
         let card = list.querySelector(`[data-approval-id="${CSS.escape(a.approval_id)}"]`);
-        const version = `${a.state}|${a.bound ? "b" : ""}|${a.approver}`;
+        const version = `${a.state}|${a.bound ? (a.bound.args ? "args" : a.bound.note || "") : ""}|${a.approver}`;
         if (!card || card.dataset.version !== version) {
           const fresh = approvalCard(a, version);
           if (card) {
@@ -670,13 +672,18 @@
           h("div", { class: "actions" }, approve, deny), msg] : null);
     }
 
-    async function fill(a) {
+    // A call is decided a moment before the outcome it is built from is recorded: while the
+    // view says it is waiting for that, ask again (a few times, then the digest alone stays).
+    async function fill(a, tries = 0) {
       try {
         const full = await api(`/api/approvals/${enc(a.approval_id)}${q({ tenant })}`);
         if (!alive) return;
         const now = approvals.get(a.approval_id);
         if (now && now.state === "pending") approvals.set(a.approval_id, { ...now, bound: full.bound });
         render();
+        if (full.bound && full.bound.waiting && full.state === "pending" && tries < FILL_TRIES) {
+          setTimeout(() => { if (alive) fill(a, tries + 1); }, FILL_MS);
+        }
       } catch (e) { /* the card shows the digest; the next change refills it */ }
     }
 
