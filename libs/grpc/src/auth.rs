@@ -15,8 +15,9 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Status};
 
-/// A channel whose calls carry this process's bearer token (when it has one).
-pub type Ch = InterceptedService<Channel, Bearer>;
+/// A channel whose calls carry this process's bearer token (when it has one), each request
+/// sent ending with its data when its body is ready (see [`crate::eager`]).
+pub type Ch = InterceptedService<crate::eager::Eager<Channel>, Bearer>;
 
 static CLIENT_TOKEN: RwLock<Option<String>> = RwLock::new(None);
 

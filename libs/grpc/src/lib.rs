@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod catalog;
+pub mod eager;
 pub mod inproc;
 pub mod keyfile;
 pub mod launch;
@@ -219,18 +220,27 @@ pub async fn serve_with_inproc(
 /// A channel that connects on first use and reconnects after failures, so services can
 /// start in any order. Its calls carry this process's token (see [`auth`]).
 pub fn channel(endpoint: &str) -> Result<auth::Ch, Status> {
-    Ok(tonic::service::interceptor::InterceptedService::new(raw_channel(endpoint)?, auth::Bearer::process()))
+    Ok(tonic::service::interceptor::InterceptedService::new(
+        eager::Eager::new(raw_channel(endpoint)?),
+        auth::Bearer::process(),
+    ))
 }
 
 /// [`channel`] presenting `token` instead of the process's own.
 pub fn channel_with_token(endpoint: &str, token: &str) -> Result<auth::Ch, Status> {
-    Ok(tonic::service::interceptor::InterceptedService::new(raw_channel(endpoint)?, auth::Bearer::new(Some(token))?))
+    Ok(tonic::service::interceptor::InterceptedService::new(
+        eager::Eager::new(raw_channel(endpoint)?),
+        auth::Bearer::new(Some(token))?,
+    ))
 }
 
 /// A channel that never connects in memory (see [`inproc`]), even to an endpoint this process
 /// serves: for a client that must see what a remote client sees (`warden bench`).
 pub fn network_channel(endpoint: &str) -> Result<auth::Ch, Status> {
-    Ok(tonic::service::interceptor::InterceptedService::new(network(endpoint)?.connect_lazy(), auth::Bearer::process()))
+    Ok(tonic::service::interceptor::InterceptedService::new(
+        eager::Eager::new(network(endpoint)?.connect_lazy()),
+        auth::Bearer::process(),
+    ))
 }
 
 fn raw_channel(endpoint: &str) -> Result<Channel, Status> {
