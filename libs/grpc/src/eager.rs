@@ -10,8 +10,9 @@
 //! data is taken, and the data goes out with END_STREAM in one frame.
 //!
 //! A body that is not ready at once (a streaming request) is left as it is: what was taken is
-//! given first, the rest streams as before. Nothing is awaited and nothing is buffered that
-//! was not already in memory, so no request waits and no memory grows beyond the request.
+//! given first, the rest streams as before. Nothing is awaited, and at most [`MAX_TAKEN`]
+//! frames are taken ahead (a stream that could make frames without end streams the rest), so
+//! no request waits and no memory grows with what a body could still produce.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -21,6 +22,9 @@ use http_body::{Body as _, Frame, SizeHint};
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::Bytes;
+
+/// The most frames taken from a body before it is sent: a unary request has one.
+pub const MAX_TAKEN: usize = 4;
 
 /// A tonic client service whose requests' ready frames are taken before they are sent.
 #[derive(Clone, Debug)]
@@ -66,6 +70,9 @@ impl Ready {
         let rest = loop {
             if body.is_end_stream() {
                 break None;
+            }
+            if taken.len() == MAX_TAKEN {
+                break Some(body);
             }
             match Pin::new(&mut body).poll_frame(&mut cx) {
                 Poll::Ready(Some(frame)) => {
@@ -118,9 +125,17 @@ mod tests {
     fn collect(mut body: Body) -> (Vec<Result<Bytes, String>>, Vec<bool>) {
         let mut cx = Context::from_waker(Waker::noop());
         let (mut out, mut ends) = (Vec::new(), vec![body.is_end_stream()]);
-        while let Poll::Ready(Some(frame)) = Pin::new(&mut body).poll_frame(&mut cx) {
-            out.push(frame.map(|f| f.into_data().unwrap_or_default()).map_err(|s| s.message().to_string()));
-            ends.push(body.is_end_stream());
+        loop {
+            // The test bodies never wait on anything: a Pending (a stream yielding to its
+            // scheduler) is polled again.
+            match Pin::new(&mut body).poll_frame(&mut cx) {
+                Poll::Ready(Some(frame)) => {
+                    out.push(frame.map(|f| f.into_data().unwrap_or_default()).map_err(|s| s.message().to_string()));
+                    ends.push(body.is_end_stream());
+                }
+                Poll::Ready(None) => break,
+                Poll::Pending => {}
+            }
         }
         (out, ends)
     }
@@ -152,6 +167,15 @@ mod tests {
             vec![Ok(Bytes::from_static(b"first")), Ok(Bytes::from_static(b"later")), Err("broke".to_string())]
         );
         assert!(!ends[0], "a body with frames to give has not ended");
+    }
+
+    #[test]
+    fn a_long_ready_stream_is_taken_only_so_far() {
+        let frames = (0..100).map(|i| Ok::<_, Status>(Frame::data(Bytes::from(vec![i as u8]))));
+        let body = Ready::take(Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames))));
+        let (frames, _) = collect(body);
+        assert_eq!(frames.len(), 100, "every frame, in order: the rest streamed");
+        assert!(frames.iter().enumerate().all(|(i, f)| f.as_ref().is_ok_and(|b| b[..] == [i as u8])));
     }
 
     #[test]

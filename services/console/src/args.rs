@@ -10,11 +10,21 @@ use serde_json::Value;
 use warden_core::plan::Plan;
 use warden_core::template::TemplateError;
 
-/// The step's arguments as they would be sent now, or why they cannot be derived.
-pub fn derive(plan_json: &str, step_id: &str, outputs: &HashMap<String, Value>) -> Result<Value, String> {
+/// The step's parameters resolved against `outputs`: the outer error when the plan or the step
+/// cannot be read, the inner one when a reference does not resolve.
+fn resolve(
+    plan_json: &str,
+    step_id: &str,
+    outputs: &HashMap<String, Value>,
+) -> Result<Result<Value, TemplateError>, String> {
     let plan = Plan::parse(plan_json).map_err(|e| format!("the run's plan does not parse: {e}"))?;
     let step = plan.step(step_id).ok_or_else(|| format!("the plan has no step '{step_id}'"))?;
-    warden_core::template::resolve(&step.params, outputs).map_err(|e| e.to_string())
+    Ok(warden_core::template::resolve(&step.params, outputs))
+}
+
+/// The step's arguments as they would be sent now, or why they cannot be derived.
+pub fn derive(plan_json: &str, step_id: &str, outputs: &HashMap<String, Value>) -> Result<Value, String> {
+    resolve(plan_json, step_id, outputs)?.map_err(|e| e.to_string())
 }
 
 /// What the page shows for a call bound to `args_sha256`: the arguments when they hash to it.
@@ -24,26 +34,20 @@ pub fn derive(plan_json: &str, step_id: &str, outputs: &HashMap<String, Value>) 
 /// the outputs its arguments are built from can be read. Then the view says `waiting` and the
 /// page asks again shortly; it is never left showing an unresolved reference.
 pub fn bound(plan_json: &str, step_id: &str, outputs: &HashMap<String, Value>, args_sha256: &str) -> Value {
-    let plan = match Plan::parse(plan_json) {
-        Ok(p) => p,
-        Err(e) => return unbound(format!("the run's plan does not parse: {e}"), false),
-    };
-    let Some(step) = plan.step(step_id) else {
-        return unbound(format!("the plan has no step '{step_id}'"), false);
-    };
-    match warden_core::template::resolve(&step.params, outputs) {
-        Ok(args) if warden_core::canonical::args_digest(&args) == args_sha256 => {
+    match resolve(plan_json, step_id, outputs) {
+        Ok(Ok(args)) if warden_core::canonical::args_digest(&args) == args_sha256 => {
             serde_json::json!({"args": args, "digest_matches": true})
         }
-        Ok(_) => {
+        Ok(Ok(_)) => {
             unbound("the arguments derived from the plan hash differently: only the digest is shown".into(), false)
         }
         // The plan's references name only its own steps (checked when it was parsed): a step
         // without output here has not had its outcome recorded yet.
-        Err(TemplateError::UnknownStep { step_id: before, .. }) => {
+        Ok(Err(TemplateError::UnknownStep { step_id: before, .. })) => {
             unbound(format!("waiting for the outcome of step '{before}' to be recorded"), true)
         }
-        Err(why) => unbound(why.to_string(), false),
+        Ok(Err(why)) => unbound(why.to_string(), false),
+        Err(why) => unbound(why, false),
     }
 }
 
