@@ -1260,8 +1260,16 @@ mod tests {
             "a stale repeat of a request is fenced: {answers:?}"
         );
 
+        // The replica appends to b, and this one, its memory of b behind, appends something
+        // new: its head write finds b moved on, writes nothing, and the append is decided
+        // again on b's stored head, after the replica's event.
+        assert_eq!(repeats(replica.append_groups(vec![vec![note("b", "n10")]]).await), [Ok(vec![false])]);
+        let read_before = store.runs_read();
+        assert_eq!(repeats(store.append_groups(vec![vec![note("b", "n11")]]).await), [Ok(vec![false])]);
+        assert_eq!(store.runs_read(), read_before + 1, "b was read again after its head moved");
+
         let a_keys = vec!["n1", "n3", "n6", "n8", "n5", "decision:d1", "request:s1:1", "n9"];
-        for (run, keys) in [("a", a_keys), ("b", vec!["n1", "n2", "n7"])] {
+        for (run, keys) in [("a", a_keys), ("b", vec!["n1", "n2", "n7", "n10", "n11"])] {
             let events = store.events(run, 0, 100).await.expect("events");
             let notes: Vec<&str> = events.iter().skip(2).map(|e| e.body.idempotency_key.as_str()).collect();
             assert_eq!(notes, keys, "run {run}: each note once, in order");

@@ -5,10 +5,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use rusqlite::{Connection, OptionalExtension as _, TransactionBehavior, params};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use sqlx::ConnectOptions as _;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use warden_proto::v1 as pb;
 
 /// Why the host's durable state could not be used.
@@ -17,15 +16,15 @@ pub enum StateError {
     #[error("tool host state '{path}' cannot be used: {reason}")]
     Open { path: String, reason: String },
     #[error("tool host state is unavailable: {0}")]
-    Db(#[from] sqlx::Error),
+    Db(#[from] rusqlite::Error),
     #[error("a stored outcome is unreadable: {0}")]
     Corrupt(String),
 }
 
 /// The tables, created when missing. Every row is keyed by tenant first: nothing a call
 /// reads or writes can belong to another tenant.
-const SCHEMA: &[&str] = &[
-    "CREATE TABLE IF NOT EXISTS outcomes (
+const SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS outcomes (
         tenant TEXT NOT NULL,
         idempotency_key TEXT NOT NULL,
         tool TEXT NOT NULL,
@@ -33,22 +32,24 @@ const SCHEMA: &[&str] = &[
         outcome_json TEXT NOT NULL,
         recorded_at_ms INTEGER NOT NULL,
         PRIMARY KEY (tenant, idempotency_key)
-    ) WITHOUT ROWID",
-    // Calls of non-idempotent tools, marked before they act (see `ToolState::mark_started`).
-    "CREATE TABLE IF NOT EXISTS started (
+    ) WITHOUT ROWID;
+    -- Calls of non-idempotent tools, marked before they act (see `ToolState::mark_started`).
+    CREATE TABLE IF NOT EXISTS started (
         tenant TEXT NOT NULL,
         idempotency_key TEXT NOT NULL,
         started_at_ms INTEGER NOT NULL,
         PRIMARY KEY (tenant, idempotency_key)
-    ) WITHOUT ROWID",
-    "CREATE TABLE IF NOT EXISTS kv (
+    ) WITHOUT ROWID;
+    CREATE TABLE IF NOT EXISTS kv (
         tenant TEXT NOT NULL,
         key TEXT NOT NULL,
         value_json TEXT NOT NULL,
         PRIMARY KEY (tenant, key)
-    ) WITHOUT ROWID",
-];
+    ) WITHOUT ROWID;";
 
+/// How long a statement waits for another process's write lock on the state file before the
+/// call fails (retryable). The host owns its file; another writer is an operator's tool.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(2);
 /// The first outcome of one (tenant, idempotency key), as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recorded {
@@ -94,106 +95,82 @@ impl From<StoredOutcome> for pb::invoke_response::Outcome {
 /// `kv` store, but their in-flight guards do not see each other, so concurrent calls with
 /// one key on two hosts could both act (the second outcome is then discarded, see
 /// [`ToolState::record_outcome`]).
+///
+/// The file is used through one SQLite connection, called on the calling task's own thread:
+/// a statement here takes microseconds (WAL, no sync on an outcome's commit), less than
+/// handing it to a worker thread and waking the task again would (two hand-overs per call).
+/// What does wait on the disk — a started mark's sync, a WAL checkpoint every thousand pages,
+/// another process's write lock (at most [`BUSY_TIMEOUT`]) — holds the host's thread for that
+/// long, as the outbox's own sync does.
 pub struct ToolState {
-    pool: SqlitePool,
+    db: Mutex<Option<Connection>>,
     path: PathBuf,
-    /// Set once the tables exist; retried on the next call after a failure.
-    schema: tokio::sync::OnceCell<()>,
     outbox: PathBuf,
     outbox_lock: Mutex<()>,
-    /// Connections kept between outcome reads and writes (see [`ToolState::conn`]).
-    kept: Mutex<Vec<sqlx::pool::PoolConnection<sqlx::Sqlite>>>,
 }
-
-/// Connections [`ToolState`] keeps out of its pool at most.
-const KEPT_CONNECTIONS: usize = 2;
 
 impl ToolState {
     /// Opens (lazily: the first use connects and creates the tables) the state file at
-    /// `state`, creating its directory. Must be called within a Tokio runtime.
+    /// `state`, creating its directory.
     pub fn new(outbox: &str, state: &Path) -> Result<ToolState, StateError> {
         let open_error = |reason: String| StateError::Open { path: state.display().to_string(), reason };
         if let Some(dir) = state.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| open_error(e.to_string()))?;
         }
-        // WAL with synchronous=NORMAL, as the ledger: a committed outcome survives the host
-        // process dying (the restart the replay guards against); an OS crash may lose the
-        // last commits, which then read as unknown outcomes (see `ToolHostService::invoke`).
-        let options = SqliteConnectOptions::new()
-            .filename(state)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(10))
-            // Two statements a call: not logged one by one (slow ones still are).
-            .log_statements(log::LevelFilter::Off);
-        // No ping before each use: a SQLite connection is a file handle in this process.
-        let pool = SqlitePoolOptions::new()
-            .test_before_acquire(false)
-            .max_connections(4)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect_lazy_with(options);
         Ok(ToolState {
-            pool,
+            db: Mutex::default(),
             path: state.to_path_buf(),
-            schema: tokio::sync::OnceCell::new(),
             outbox: outbox.into(),
             outbox_lock: Mutex::default(),
-            kept: Mutex::default(),
         })
     }
 
-    /// A connection for an outcome's read or write. sqlx tests every connection given back
-    /// to its pool (a round trip to the connection's worker thread), which every call would
-    /// pay twice; so these connections are kept apart between uses ([`Self::keep`]). One whose
-    /// statement failed is not kept (the pool's test closes it if it is broken).
-    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StateError> {
-        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        match kept {
-            Some(conn) => Ok(conn),
-            None => Ok(self.db().await?.acquire().await?),
-        }
+    /// Opens the file with its tables.
+    ///
+    /// WAL with synchronous=NORMAL, as the ledger: a committed outcome survives the host
+    /// process dying (the restart the replay guards against); an OS crash may lose the last
+    /// commits, which then read as unknown outcomes (see `ToolHostService::invoke`).
+    fn open(&self) -> Result<Connection, StateError> {
+        let open_error =
+            |e: rusqlite::Error| StateError::Open { path: self.path.display().to_string(), reason: e.to_string() };
+        let conn = Connection::open(&self.path).map_err(open_error)?;
+        conn.busy_timeout(BUSY_TIMEOUT).map_err(open_error)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(open_error)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_error)?;
+        conn.execute_batch(SCHEMA).map_err(open_error)?;
+        Ok(conn)
     }
 
-    fn keep(&self, conn: sqlx::pool::PoolConnection<sqlx::Sqlite>) {
-        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-        if kept.len() < KEPT_CONNECTIONS {
-            kept.push(conn);
-        }
-    }
-
-    /// The pool, once the tables exist.
-    async fn db(&self) -> Result<&SqlitePool, StateError> {
-        self.schema
-            .get_or_try_init(|| async {
-                for statement in SCHEMA {
-                    sqlx::query(statement).execute(&self.pool).await.map_err(|e| StateError::Open {
-                        path: self.path.display().to_string(),
-                        reason: e.to_string(),
-                    })?;
-                }
-                Ok::<(), StateError>(())
-            })
-            .await?;
-        Ok(&self.pool)
+    /// Runs `f` on the connection, opening it first if it is not open (a failed open is tried
+    /// again on the next call).
+    fn with<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T, StateError>) -> Result<T, StateError> {
+        let mut db = self.db.lock().unwrap_or_else(|p| p.into_inner());
+        let mut conn = match db.take() {
+            Some(conn) => conn,
+            None => self.open()?,
+        };
+        let result = f(&mut conn);
+        *db = Some(conn);
+        result
     }
 
     /// Connects and creates the tables now (a server checks its state file at start).
     pub async fn ready(&self) -> Result<(), StateError> {
-        self.db().await.map(|_| ())
+        self.with(|_| Ok(()))
     }
 
     /// The outcome first recorded for `key` of `tenant`, if any.
     pub async fn outcome(&self, tenant: &str, key: &str) -> Result<Option<Recorded>, StateError> {
-        let mut conn = self.conn().await?;
-        let row: Option<(String, String, String)> = sqlx::query_as(
-            "SELECT tool, args_sha256, outcome_json FROM outcomes WHERE tenant = ? AND idempotency_key = ?",
-        )
-        .bind(tenant)
-        .bind(key)
-        .fetch_optional(&mut *conn)
-        .await?;
-        self.keep(conn);
+        self.read_outcome(tenant, key)
+    }
+
+    fn read_outcome(&self, tenant: &str, key: &str) -> Result<Option<Recorded>, StateError> {
+        let row: Option<(String, String, String)> = self.with(|c| {
+            let mut q = c.prepare_cached(
+                "SELECT tool, args_sha256, outcome_json FROM outcomes WHERE tenant = ?1 AND idempotency_key = ?2",
+            )?;
+            Ok(q.query_row(params![tenant, key], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional()?)
+        })?;
         row.map(|(tool, args_sha256, json)| {
             let stored: StoredOutcome =
                 serde_json::from_str(&json).map_err(|e| StateError::Corrupt(format!("outcome of key '{key}': {e}")))?;
@@ -211,20 +188,18 @@ impl ToolState {
     /// for its commit): lost to an OS crash, it would let a repeat act a second time, where a
     /// lost outcome only leaves the call in doubt.
     pub async fn mark_started(&self, tenant: &str, key: &str, now_ms: i64) -> Result<bool, StateError> {
-        let mut conn = self.db().await?.acquire().await?;
-        sqlx::query("PRAGMA synchronous = FULL").execute(&mut *conn).await?;
-        let inserted = sqlx::query(
-            "INSERT INTO started (tenant, idempotency_key, started_at_ms) VALUES (?, ?, ?)
-             ON CONFLICT (tenant, idempotency_key) DO NOTHING",
-        )
-        .bind(tenant)
-        .bind(key)
-        .bind(now_ms)
-        .execute(&mut *conn)
-        .await;
-        // Back to the pool's setting for outcomes (a connection left on FULL is only slower).
-        let _ = sqlx::query("PRAGMA synchronous = NORMAL").execute(&mut *conn).await;
-        Ok(inserted?.rows_affected() == 1)
+        self.with(|c| {
+            c.pragma_update(None, "synchronous", "FULL")?;
+            let inserted = c
+                .prepare_cached(
+                    "INSERT INTO started (tenant, idempotency_key, started_at_ms) VALUES (?1, ?2, ?3)
+                     ON CONFLICT (tenant, idempotency_key) DO NOTHING",
+                )
+                .and_then(|mut q| q.execute(params![tenant, key, now_ms]));
+            // Back to the setting for outcomes (a connection left on FULL is only slower).
+            let _ = c.pragma_update(None, "synchronous", "NORMAL");
+            Ok(inserted? == 1)
+        })
     }
 
     /// Records `recorded` as the outcome of `key` unless one is there already, and returns
@@ -239,60 +214,48 @@ impl ToolState {
     ) -> Result<(Recorded, bool), StateError> {
         let json = serde_json::to_string(&StoredOutcome::from(&recorded.outcome))
             .map_err(|e| StateError::Corrupt(e.to_string()))?;
-        let mut conn = self.conn().await?;
-        let inserted = sqlx::query(
-            "INSERT INTO outcomes (tenant, idempotency_key, tool, args_sha256, outcome_json, recorded_at_ms)
-             VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, idempotency_key) DO NOTHING",
-        )
-        .bind(tenant)
-        .bind(key)
-        .bind(&recorded.tool)
-        .bind(&recorded.args_sha256)
-        .bind(json)
-        .bind(now_ms)
-        .execute(&mut *conn)
-        .await?
-        .rows_affected()
-            == 1;
-        self.keep(conn);
+        let inserted = self.with(|c| {
+            let mut q = c.prepare_cached(
+                "INSERT INTO outcomes (tenant, idempotency_key, tool, args_sha256, outcome_json, recorded_at_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT (tenant, idempotency_key) DO NOTHING",
+            )?;
+            Ok(q.execute(params![tenant, key, recorded.tool, recorded.args_sha256, json, now_ms])? == 1)
+        })?;
         if inserted {
             return Ok((recorded.clone(), true));
         }
         let first = self
-            .outcome(tenant, key)
-            .await?
+            .read_outcome(tenant, key)?
             .ok_or_else(|| StateError::Corrupt(format!("outcome of key '{key}' vanished after a conflict")))?;
         Ok((first, false))
     }
 
     async fn kv_put(&self, tenant: &str, key: &str, value: &Value) -> Result<Option<Value>, StateError> {
-        // IMMEDIATE takes the write lock up front: read-then-write never races another writer.
-        let mut tx = self.db().await?.begin_with("BEGIN IMMEDIATE").await?;
-        let previous: Option<(String,)> = sqlx::query_as("SELECT value_json FROM kv WHERE tenant = ? AND key = ?")
-            .bind(tenant)
-            .bind(key)
-            .fetch_optional(&mut *tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO kv (tenant, key, value_json) VALUES (?, ?, ?)
-             ON CONFLICT (tenant, key) DO UPDATE SET value_json = excluded.value_json",
-        )
-        .bind(tenant)
-        .bind(key)
-        .bind(value.to_string())
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        previous.map(|(json,)| parse_kv(key, &json)).transpose()
+        let previous: Option<String> = self.with(|c| {
+            // IMMEDIATE takes the write lock up front: read-then-write never races another writer.
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let previous = tx
+                .prepare_cached("SELECT value_json FROM kv WHERE tenant = ?1 AND key = ?2")?
+                .query_row(params![tenant, key], |r| r.get(0))
+                .optional()?;
+            tx.prepare_cached(
+                "INSERT INTO kv (tenant, key, value_json) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (tenant, key) DO UPDATE SET value_json = excluded.value_json",
+            )?
+            .execute(params![tenant, key, value.to_string()])?;
+            tx.commit()?;
+            Ok(previous)
+        })?;
+        previous.map(|json| parse_kv(key, &json)).transpose()
     }
 
     async fn kv_get(&self, tenant: &str, key: &str) -> Result<Option<Value>, StateError> {
-        let row: Option<(String,)> = sqlx::query_as("SELECT value_json FROM kv WHERE tenant = ? AND key = ?")
-            .bind(tenant)
-            .bind(key)
-            .fetch_optional(self.db().await?)
-            .await?;
-        row.map(|(json,)| parse_kv(key, &json)).transpose()
+        let row: Option<String> = self.with(|c| {
+            Ok(c.prepare_cached("SELECT value_json FROM kv WHERE tenant = ?1 AND key = ?2")?
+                .query_row(params![tenant, key], |r| r.get(0))
+                .optional()?)
+        })?;
+        row.map(|json| parse_kv(key, &json)).transpose()
     }
 }
 
