@@ -189,29 +189,38 @@ pub async fn insert_receipts(tx: &mut Tx<'_>, receipts: &[Receipt]) -> Result<()
 /// Writes a run's new head, signed once for however many events the batch added, on condition
 /// that the stored head is still the one the batch was decided against.
 pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, st: &RunState) -> Result<(), LedgerError> {
-    let h = &st.head;
-    let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
-    let written = sqlx::query(
-        "UPDATE runs SET last_seq = $2, head_hash = $3, max_epoch = $4, status = $5, reason = $6, updated_at_ms = $7,
-             head_signature = $8, head_key_id = $9
-         WHERE run_id = $1 AND last_seq = $10",
+    let written = bind_head(
+        store,
+        sqlx::query(
+            "UPDATE runs SET last_seq = $2, head_hash = $3, max_epoch = $4, status = $5, reason = $6, updated_at_ms = $7,
+                 head_signature = $8, head_key_id = $9
+             WHERE run_id = $1 AND last_seq = $10",
+        ),
+        st,
     )
-    .bind(&h.run_id)
-    .bind(h.last_seq as i64)
-    .bind(&h.head_hash)
-    .bind(h.max_epoch as i64)
-    .bind(&h.status)
-    .bind(&h.reason)
-    .bind(h.updated_at_ms)
-    .bind(&signature)
-    .bind(&key_id)
-    .bind(st.stored_seq as i64)
     .execute(&mut **tx)
     .await?;
     if written.rows_affected() != 1 {
-        return Err(moved(&h.run_id));
+        return Err(moved(&st.head.run_id));
     }
     Ok(())
+}
+
+/// A head write's ten values, signed, in the order of [`write_head`]'s statement: run id, the
+/// new head's columns, then the stored `last_seq` it is conditional on.
+fn bind_head<'q>(store: &LedgerStore, q: Query<'q>, st: &'q RunState) -> Query<'q> {
+    let h = &st.head;
+    let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
+    q.bind(&h.run_id)
+        .bind(h.last_seq as i64)
+        .bind(&h.head_hash)
+        .bind(h.max_epoch as i64)
+        .bind(&h.status)
+        .bind(&h.reason)
+        .bind(h.updated_at_ms)
+        .bind(signature)
+        .bind(key_id)
+        .bind(st.stored_seq as i64)
 }
 
 fn moved(run_id: &str) -> LedgerError {
@@ -524,19 +533,7 @@ async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> R
     }
     let mut q = sqlx::query(&sql);
     for st in &heads {
-        let h = &st.head;
-        let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
-        q = q
-            .bind(&h.run_id)
-            .bind(h.last_seq as i64)
-            .bind(&h.head_hash)
-            .bind(h.max_epoch as i64)
-            .bind(&h.status)
-            .bind(&h.reason)
-            .bind(h.updated_at_ms)
-            .bind(signature)
-            .bind(key_id)
-            .bind(st.stored_seq as i64);
+        q = bind_head(store, q, st);
     }
     q = bind_events(q, &d.events);
     for r in &d.receipts {
