@@ -1178,7 +1178,7 @@ mod tests {
         let url = format!("sqlite://{}/ledger.db", dir.path().display());
         let store = LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("store");
         let plan = json!({ "steps": [] });
-        for run_id in ["a", "b"] {
+        for run_id in ["a", "b", "c"] {
             let new = NewRun {
                 run_id,
                 tenant: "t",
@@ -1268,8 +1268,18 @@ mod tests {
         assert_eq!(repeats(store.append_groups(vec![vec![note("b", "n11")]]).await), [Ok(vec![false])]);
         assert_eq!(store.runs_read(), read_before + 1, "b was read again after its head moved");
 
+        // Two runs in one batch, only the second moved on under the replica: the first run's
+        // head and event, written before the second's head write found nothing to change,
+        // are rolled back with it, and the batch decided again writes each once.
+        assert_eq!(repeats(replica.append_groups(vec![vec![note("b", "n12")]]).await), [Ok(vec![false])]);
+        let read_before = store.runs_read();
+        let batch = store.append_groups(vec![vec![note("c", "n1")], vec![note("b", "n13")]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![false]), Ok(vec![false])]);
+        assert!(store.runs_read() > read_before, "b was read again after its head moved");
+
         let a_keys = vec!["n1", "n3", "n6", "n8", "n5", "decision:d1", "request:s1:1", "n9"];
-        for (run, keys) in [("a", a_keys), ("b", vec!["n1", "n2", "n7", "n10", "n11"])] {
+        let b_keys = vec!["n1", "n2", "n7", "n10", "n11", "n12", "n13"];
+        for (run, keys) in [("a", a_keys), ("b", b_keys), ("c", vec!["n1"])] {
             let events = store.events(run, 0, 100).await.expect("events");
             let notes: Vec<&str> = events.iter().skip(2).map(|e| e.body.idempotency_key.as_str()).collect();
             assert_eq!(notes, keys, "run {run}: each note once, in order");

@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use rusqlite::{Connection, OptionalExtension as _, TransactionBehavior, params};
@@ -99,11 +100,20 @@ impl From<StoredOutcome> for pb::invoke_response::Outcome {
 /// The file is used through one SQLite connection, called on the calling task's own thread:
 /// a statement here takes microseconds (WAL, no sync on an outcome's commit), less than
 /// handing it to a worker thread and waking the task again would (two hand-overs per call).
-/// What does wait on the disk — a started mark's sync, a WAL checkpoint every thousand pages,
-/// another process's write lock (at most [`BUSY_TIMEOUT`]) — holds the host's thread for that
-/// long, as the outbox's own sync does.
+///
+/// What may wait — the first open, a started mark's sync, a `kv` transaction, another
+/// process's write lock (at most [`BUSY_TIMEOUT`]), the connection being in use by another
+/// call — runs in [`tokio::task::block_in_place`] instead, so the runtime's other tasks move
+/// to another thread meanwhile. In `warden dev` the same runtime serves the ledger, the policy
+/// service and the executor, which a tool host waiting on its disk must not stall. The fast
+/// path runs with no busy timeout: a statement that meets another writer's lock fails at
+/// once (nothing written) and is run again on the waiting path.
 pub struct ToolState {
     db: Mutex<Option<Connection>>,
+    /// Calls on the waiting path, holding the connection or queued for it.
+    waiting: AtomicUsize,
+    /// How long the waiting path waits for another connection's write lock.
+    busy_timeout: Duration,
     path: PathBuf,
     outbox: PathBuf,
     outbox_lock: Mutex<()>,
@@ -119,6 +129,8 @@ impl ToolState {
         }
         Ok(ToolState {
             db: Mutex::default(),
+            waiting: AtomicUsize::new(0),
+            busy_timeout: BUSY_TIMEOUT,
             path: state.to_path_buf(),
             outbox: outbox.into(),
             outbox_lock: Mutex::default(),
@@ -134,29 +146,65 @@ impl ToolState {
         let open_error =
             |e: rusqlite::Error| StateError::Open { path: self.path.display().to_string(), reason: e.to_string() };
         let conn = Connection::open(&self.path).map_err(open_error)?;
-        conn.busy_timeout(BUSY_TIMEOUT).map_err(open_error)?;
+        conn.busy_timeout(self.busy_timeout).map_err(open_error)?;
         conn.pragma_update(None, "journal_mode", "WAL").map_err(open_error)?;
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_error)?;
         conn.execute_batch(SCHEMA).map_err(open_error)?;
         Ok(conn)
     }
 
-    /// Runs `f` on the connection, opening it first if it is not open (a failed open is tried
-    /// again on the next call).
-    fn with<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T, StateError>) -> Result<T, StateError> {
-        let mut db = self.db.lock().unwrap_or_else(|p| p.into_inner());
-        let mut conn = match db.take() {
-            Some(conn) => conn,
-            None => self.open()?,
-        };
-        let result = f(&mut conn);
-        *db = Some(conn);
-        result
+    /// Runs `f` on the connection in place when it is open, free and `f` finds no other
+    /// writer's lock; otherwise (and always when `may_wait`) on the waiting path, see
+    /// [`ToolState`]. `f` must leave nothing written when it fails on a busy lock (one
+    /// statement, or a transaction that rolls back when dropped): it may run twice.
+    fn with<T>(
+        &self,
+        may_wait: bool,
+        mut f: impl FnMut(&mut Connection) -> Result<T, StateError>,
+    ) -> Result<T, StateError> {
+        if !may_wait {
+            // Busy with another in-place call (microseconds): wait for it here. Busy with a
+            // call on the waiting path: wait there too. (A waiting call that takes the lock
+            // between the check and `lock` is waited for here: rare, and only slower.)
+            let db = match self.db.try_lock() {
+                Ok(db) => Some(db),
+                Err(std::sync::TryLockError::WouldBlock) if self.waiting.load(Ordering::Acquire) == 0 => {
+                    self.db.lock().ok()
+                }
+                // A poisoned lock is recovered on the waiting path.
+                Err(_) => None,
+            };
+            if let Some(mut db) = db
+                && let Some(conn) = db.as_mut()
+            {
+                match f(conn) {
+                    Err(StateError::Db(e)) if is_busy(&e) => {}
+                    done => return done,
+                }
+            }
+        }
+        off_the_runtime(|| {
+            self.waiting.fetch_add(1, Ordering::AcqRel);
+            let _waited = Waiting(&self.waiting);
+            let mut db = self.db.lock().unwrap_or_else(|p| p.into_inner());
+            let mut conn = match db.take() {
+                Some(conn) => conn,
+                None => self.open()?,
+            };
+            let waits = conn.busy_timeout(self.busy_timeout).map_err(StateError::Db);
+            let result = waits.and_then(|()| f(&mut conn));
+            // Back to failing fast for the in-place path; a connection that cannot be set
+            // back is dropped (the next call opens a new one).
+            if conn.busy_timeout(Duration::ZERO).is_ok() {
+                *db = Some(conn);
+            }
+            result
+        })
     }
 
     /// Connects and creates the tables now (a server checks its state file at start).
     pub async fn ready(&self) -> Result<(), StateError> {
-        self.with(|_| Ok(()))
+        self.with(true, |_| Ok(()))
     }
 
     /// The outcome first recorded for `key` of `tenant`, if any.
@@ -165,7 +213,7 @@ impl ToolState {
     }
 
     fn read_outcome(&self, tenant: &str, key: &str) -> Result<Option<Recorded>, StateError> {
-        let row: Option<(String, String, String)> = self.with(|c| {
+        let row: Option<(String, String, String)> = self.with(false, |c| {
             let mut q = c.prepare_cached(
                 "SELECT tool, args_sha256, outcome_json FROM outcomes WHERE tenant = ?1 AND idempotency_key = ?2",
             )?;
@@ -188,7 +236,7 @@ impl ToolState {
     /// for its commit): lost to an OS crash, it would let a repeat act a second time, where a
     /// lost outcome only leaves the call in doubt.
     pub async fn mark_started(&self, tenant: &str, key: &str, now_ms: i64) -> Result<bool, StateError> {
-        self.with(|c| {
+        self.with(true, |c| {
             c.pragma_update(None, "synchronous", "FULL")?;
             let inserted = c
                 .prepare_cached(
@@ -214,7 +262,7 @@ impl ToolState {
     ) -> Result<(Recorded, bool), StateError> {
         let json = serde_json::to_string(&StoredOutcome::from(&recorded.outcome))
             .map_err(|e| StateError::Corrupt(e.to_string()))?;
-        let inserted = self.with(|c| {
+        let inserted = self.with(false, |c| {
             let mut q = c.prepare_cached(
                 "INSERT INTO outcomes (tenant, idempotency_key, tool, args_sha256, outcome_json, recorded_at_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT (tenant, idempotency_key) DO NOTHING",
@@ -231,7 +279,7 @@ impl ToolState {
     }
 
     async fn kv_put(&self, tenant: &str, key: &str, value: &Value) -> Result<Option<Value>, StateError> {
-        let previous: Option<String> = self.with(|c| {
+        let previous: Option<String> = self.with(true, |c| {
             // IMMEDIATE takes the write lock up front: read-then-write never races another writer.
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
             let previous = tx
@@ -250,12 +298,36 @@ impl ToolState {
     }
 
     async fn kv_get(&self, tenant: &str, key: &str) -> Result<Option<Value>, StateError> {
-        let row: Option<String> = self.with(|c| {
+        let row: Option<String> = self.with(false, |c| {
             Ok(c.prepare_cached("SELECT value_json FROM kv WHERE tenant = ?1 AND key = ?2")?
                 .query_row(params![tenant, key], |r| r.get(0))
                 .optional()?)
         })?;
         row.map(|json| parse_kv(key, &json)).transpose()
+    }
+}
+
+/// Counts a call off [`ToolState::waiting`] when it leaves the waiting path, however it leaves.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Whether a statement failed only because another connection holds the write lock.
+fn is_busy(e: &rusqlite::Error) -> bool {
+    matches!(e.sqlite_error_code(), Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked))
+}
+
+/// Runs `f`, which may wait on the disk or a lock, so that the runtime's other tasks are not
+/// held up meanwhile: in `block_in_place` on a multi-threaded Tokio runtime. A current-thread
+/// runtime (or none) has no other thread to give them, so `f` runs as it is there.
+pub(crate) fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 
@@ -455,9 +527,12 @@ impl Tool {
                 let line = json!({"message_id": message_id, "to": to, "subject": subject, "body": body,
                     "tenant": ctx.tenant, "run_id": ctx.run_id, "step_id": ctx.step_id,
                     "idempotency_key": ctx.idempotency_key});
-                let _guard = state.outbox_lock.lock().unwrap_or_else(|p| p.into_inner());
-                append_line(&state.outbox, &line.to_string())
-                    .map_err(|e| tool_error("outbox_unavailable", e.to_string(), true))?;
+                // The append is synced before the tool answers: it waits on the disk.
+                off_the_runtime(|| {
+                    let _guard = state.outbox_lock.lock().unwrap_or_else(|p| p.into_inner());
+                    append_line(&state.outbox, &line.to_string())
+                })
+                .map_err(|e| tool_error("outbox_unavailable", e.to_string(), true))?;
                 Ok(json!({"message_id": message_id, "to": to}))
             }
             Tool::Sleep => {
@@ -507,4 +582,70 @@ pub fn specs() -> Vec<pb::ToolSpec> {
 
 pub fn find(name: &str) -> Option<Tool> {
     ALL.iter().copied().find(|t| t.name() == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A state file with a second connection holding its write lock, as an operator's
+    /// `sqlite3` session might; the host waits for it (up to a minute here) rather than fail.
+    fn held_state() -> (tempfile::TempDir, std::sync::Arc<ToolState>, Connection) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tools.db");
+        let mut state = ToolState::new(dir.path().join("outbox").to_str().unwrap(), &path).unwrap();
+        state.busy_timeout = Duration::from_secs(60);
+        state.with(true, |_| Ok(())).unwrap();
+        let other = Connection::open(&path).unwrap();
+        other.execute_batch("BEGIN IMMEDIATE; INSERT INTO kv VALUES ('t', 'other', '1');").unwrap();
+        (dir, std::sync::Arc::new(state), other)
+    }
+
+    /// Waits (on the test's own thread, not a runtime worker) until a call is on the
+    /// waiting path.
+    fn until_waiting(state: &ToolState) {
+        while state.waiting.load(Ordering::Acquire) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_call_waiting_on_another_writer_leaves_the_runtime_to_other_tasks() {
+        let (_dir, state, other) = held_state();
+        let put = tokio::spawn({
+            let state = state.clone();
+            async move { state.kv_put("t", "k", &json!(1)).await }
+        });
+        until_waiting(&state);
+        // The runtime's only worker ran the waiting call; another task still runs.
+        let other_task = tokio::spawn(async { "ran" });
+        assert_eq!(other_task.await.unwrap(), "ran");
+        assert!(!put.is_finished(), "the call waits for the other writer");
+        other.execute_batch("COMMIT").unwrap();
+        assert_eq!(put.await.unwrap().unwrap(), None);
+        assert_eq!(state.kv_get("t", "k").await.unwrap(), Some(json!(1)));
+        assert_eq!(state.kv_get("t", "other").await.unwrap(), Some(json!(1)));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn an_outcome_meeting_another_writer_waits_for_it_and_is_recorded_once() {
+        let (_dir, state, other) = held_state();
+        let recorded = Recorded {
+            tool: "echo".into(),
+            args_sha256: "00".into(),
+            outcome: pb::invoke_response::Outcome::OutputJson("{}".into()),
+        };
+        let record = tokio::spawn({
+            let (state, recorded) = (state.clone(), recorded.clone());
+            async move { state.record_outcome("t", "key", &recorded, 1).await }
+        });
+        // The in-place attempt failed on the lock at once and went to the waiting path.
+        until_waiting(&state);
+        assert_eq!(tokio::spawn(async { 7 }).await.unwrap(), 7);
+        other.execute_batch("COMMIT").unwrap();
+        assert_eq!(record.await.unwrap().unwrap(), (recorded.clone(), true));
+        assert_eq!(state.outcome("t", "key").await.unwrap(), Some(recorded.clone()));
+        let again = Recorded { args_sha256: "11".into(), ..recorded.clone() };
+        assert_eq!(state.record_outcome("t", "key", &again, 2).await.unwrap(), (recorded, false));
+    }
 }

@@ -531,7 +531,11 @@ async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> R
     if sql.is_empty() {
         return Ok(());
     }
-    let mut q = sqlx::query(&sql);
+    // The text depends on how many runs, events and receipts the batch holds. A chain's
+    // few shapes stay prepared; the many of a busy batch would only push them out of the
+    // connection's statement cache, so those are prepared for the one use.
+    let usual = heads.len() <= 2 && d.events.len() <= 8 && d.receipts.len() <= 2;
+    let mut q = sqlx::query(&sql).persistent(usual);
     for st in &heads {
         q = bind_head(store, q, st);
     }
