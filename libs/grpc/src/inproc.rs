@@ -8,15 +8,18 @@
 //! [`crate::channel`] this process builds for exactly that endpoint string connects in memory;
 //! any other endpoint, and every client in another process, uses the network as before. When
 //! the `Incoming` is dropped the endpoint is forgotten: channels connect over TCP from then on
-//! (every channel looks the endpoint up again on every connect).
+//! (those built while it was registered look it up again on every connect).
 
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Mutex, OnceLock};
 use std::task::{Context, Poll};
 
+use hyper_util::rt::TokioIo;
 use tokio::io::DuplexStream;
+use tokio::net::TcpStream;
 use tokio::sync::mpsc;
+use tokio_util::either::Either;
 
 /// Bytes buffered in each direction of one in-process connection (HTTP/2 flow control still
 /// bounds what is in flight; a larger message passes through in pieces).
@@ -69,14 +72,42 @@ impl tokio_stream::Stream for Incoming {
     }
 }
 
-/// A connection in memory to `endpoint`, if this process serves it now (looked up on every
-/// connect: once the server stopped, its registration dropped, clients connect over TCP like
-/// any other, and through memory again if the endpoint is registered anew).
-pub(crate) fn dial(endpoint: &str) -> Option<DuplexStream> {
-    let sender = lock().get(endpoint).cloned()?;
-    let (client, server) = tokio::io::duplex(BUFFER_BYTES);
-    // Refused only if the server stopped since the lookup: the network, then.
-    sender.send(server).is_ok().then_some(client)
+/// A connector for [`tonic::transport::Endpoint::connect_with_connector_lazy`] if this
+/// process serves `endpoint`. It looks the endpoint up again on every connect: once the server
+/// stopped (its registration dropped), the channel connects over TCP like any other, and
+/// through memory again if the endpoint is registered anew.
+pub(crate) fn connector(
+    endpoint: &str,
+) -> Option<
+    impl tower::Service<
+        tonic::transport::Uri,
+        Response = TokioIo<Either<DuplexStream, TcpStream>>,
+        Error = std::io::Error,
+        Future = impl Send,
+    > + Send
+    + Clone
+    + 'static,
+> {
+    lock().get(endpoint)?;
+    let endpoint = endpoint.to_string();
+    Some(tower::service_fn(move |uri: tonic::transport::Uri| {
+        let sender = lock().get(&endpoint).cloned();
+        async move {
+            if let Some(sender) = sender {
+                let (client, server) = tokio::io::duplex(BUFFER_BYTES);
+                // Refused only if the server stopped since the lookup: the network, then.
+                if sender.send(server).is_ok() {
+                    return Ok(TokioIo::new(Either::Left(client)));
+                }
+            }
+            let refused = || std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("no host:port in {uri}"));
+            let host = uri.host().ok_or_else(refused)?.trim_start_matches('[').trim_end_matches(']');
+            let port = uri.port_u16().ok_or_else(refused)?;
+            let stream = TcpStream::connect((host, port)).await?;
+            stream.set_nodelay(true)?;
+            Ok(TokioIo::new(Either::Right(stream)))
+        }
+    }))
 }
 
 #[cfg(test)]

@@ -4,7 +4,6 @@
 
 pub mod auth;
 pub mod catalog;
-pub mod direct;
 pub mod eager;
 pub mod inproc;
 pub mod keyfile;
@@ -13,11 +12,12 @@ pub mod tool_schema;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use tokio::net::{TcpListener, UnixListener};
 use tonic::service::Routes;
-use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -221,7 +221,7 @@ pub async fn serve_with_inproc(
 /// start in any order. Its calls carry this process's token (see [`auth`]).
 pub fn channel(endpoint: &str) -> Result<auth::Ch, Status> {
     Ok(tonic::service::interceptor::InterceptedService::new(
-        eager::Eager::new(direct::Direct::new(endpoint, true)?),
+        eager::Eager::new(raw_channel(endpoint)?),
         auth::Bearer::process(),
     ))
 }
@@ -229,7 +229,7 @@ pub fn channel(endpoint: &str) -> Result<auth::Ch, Status> {
 /// [`channel`] presenting `token` instead of the process's own.
 pub fn channel_with_token(endpoint: &str, token: &str) -> Result<auth::Ch, Status> {
     Ok(tonic::service::interceptor::InterceptedService::new(
-        eager::Eager::new(direct::Direct::new(endpoint, true)?),
+        eager::Eager::new(raw_channel(endpoint)?),
         auth::Bearer::new(Some(token))?,
     ))
 }
@@ -238,9 +238,25 @@ pub fn channel_with_token(endpoint: &str, token: &str) -> Result<auth::Ch, Statu
 /// serves: for a client that must see what a remote client sees (`warden bench`).
 pub fn network_channel(endpoint: &str) -> Result<auth::Ch, Status> {
     Ok(tonic::service::interceptor::InterceptedService::new(
-        eager::Eager::new(direct::Direct::new(endpoint, false)?),
+        eager::Eager::new(network(endpoint)?.connect_lazy()),
         auth::Bearer::process(),
     ))
+}
+
+fn raw_channel(endpoint: &str) -> Result<Channel, Status> {
+    let network = network(endpoint)?;
+    Ok(match inproc::connector(endpoint) {
+        Some(connector) => network.connect_with_connector_lazy(connector),
+        None => network.connect_lazy(),
+    })
+}
+
+fn network(endpoint: &str) -> Result<Endpoint, Status> {
+    Ok(Endpoint::from_shared(endpoint.to_string())
+        .map_err(|e| Status::invalid_argument(format!("invalid endpoint '{endpoint}': {e}")))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(20)))
 }
 
 /// `INVALID_ARGUMENT` with a field violation: the client learns which field and why.

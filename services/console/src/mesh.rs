@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
 use warden_grpc::auth::{Bearer, Ch};
-use warden_grpc::direct::Direct;
 use warden_proto::v1::approvals_client::ApprovalsClient;
 use warden_proto::v1::capabilities_client::CapabilitiesClient;
 use warden_proto::v1::ledger_client::LedgerClient;
@@ -35,16 +35,19 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
 #[derive(Clone)]
 pub struct Mesh {
-    runs: Direct,
-    ledger: Direct,
-    policy: Direct,
+    runs: Channel,
+    ledger: Channel,
+    policy: Channel,
 }
 
-/// A lazily connected client of `endpoint`, over the network (a mesh that is down answers
-/// `503` quickly instead of hanging the page: connecting times out after 2 s).
-fn channel(endpoint: &str) -> Result<Direct, ApiError> {
-    Direct::new(endpoint, false)
-        .map_err(|e| ApiError::invalid("endpoint", format!("'{endpoint}' is not a valid endpoint: {}", e.message())))
+fn channel(endpoint: &str) -> Result<Channel, ApiError> {
+    Ok(Endpoint::from_shared(endpoint.to_string())
+        .map_err(|e| ApiError::invalid("endpoint", format!("'{endpoint}' is not a valid endpoint: {e}")))?
+        // A mesh that is down answers `503` quickly instead of hanging the page.
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(20))
+        .connect_lazy())
 }
 
 /// The caller's token as a client interceptor (a token that is not header text is refused).
@@ -61,7 +64,7 @@ impl Mesh {
         })
     }
 
-    fn with(&self, channel: &Direct, token: &str) -> Result<Ch, ApiError> {
+    fn with(&self, channel: &Channel, token: &str) -> Result<Ch, ApiError> {
         Ok(InterceptedService::new(warden_grpc::eager::Eager::new(channel.clone()), as_caller(token)?))
     }
 
