@@ -343,7 +343,6 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     first_event(&mesh, "acme", &run_id, |e| e.seq > 20).await;
     let restarter = pg.clone();
     tokio::task::spawn_blocking(move || restarter.restart()).await.expect("join").expect("restart postgres");
-    restarted.store(true, std::sync::atomic::Ordering::Release);
     // The first read after the restart is answered: every pooled connection the restart cut
     // is let go and the read asked again on another, inside the ledger.
     let at_restart = probe
@@ -353,6 +352,9 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
         .unwrap_or_else(|s| panic!("a read right after the restart: {s:?}"))
         .into_inner()
         .last_seq;
+    // Only now do the writers count down their last appends: however long that read took,
+    // the stream goes on past it (it once ended before a slow read under load).
+    restarted.store(true, std::sync::atomic::Ordering::Release);
     let mut written = 0;
     for t in tasks {
         written += t.await.expect("writer");
