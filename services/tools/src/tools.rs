@@ -324,7 +324,7 @@ fn is_busy(e: &rusqlite::Error) -> bool {
 /// Runs `f`, which may wait on the disk or a lock, so that the runtime's other tasks are not
 /// held up meanwhile: in `block_in_place` on a multi-threaded Tokio runtime. A current-thread
 /// runtime (or none) has no other thread to give them, so `f` runs as it is there.
-pub(crate) fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
+fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current() {
         Ok(rt) if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
         _ => f(),
