@@ -12,12 +12,11 @@ use std::sync::{Arc, RwLock};
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
 use tonic::{Request, Status};
 
 /// A channel whose calls carry this process's bearer token (when it has one), each request
 /// sent ending with its data when its body is ready (see [`crate::eager`]).
-pub type Ch = InterceptedService<crate::eager::Eager<Channel>, Bearer>;
+pub type Ch = InterceptedService<crate::eager::Eager<crate::inproc::Link>, Bearer>;
 
 static CLIENT_TOKEN: RwLock<Option<String>> = RwLock::new(None);
 

@@ -1,113 +1,219 @@
-//! In-process connections. When several services share one process (`warden dev`), their
-//! clients reach each other through memory instead of loopback TCP: the same HTTP/2 and gRPC
-//! (so authentication, telemetry, limits and errors are exactly those of a remote call), minus
-//! the kernel's TCP stack, two system calls per frame and a socket wake-up per message.
+//! In-process calls. When several services share one process (`warden dev`), their clients
+//! call each other's handlers directly: the request a client encodes is handed to the served
+//! routes, behind the same server layers (telemetry, authentication, decoding limits and
+//! checks, errors are exactly those of a remote call), and the response body the routes make is
+//! what the client decodes — no HTTP/2 framing, no connection task, no copy through a pipe, no
+//! task per call. The handler runs in the caller's task, as a remote handler runs in one task
+//! of its own; dropping the call drops the handler, as a remote client's reset does.
 //!
-//! A process registers the endpoint it serves ([`register`]) and serves the returned
-//! [`Incoming`] beside its listener ([`crate::serve_with_inproc`]). From then on every
-//! [`crate::channel`] this process builds for exactly that endpoint string connects in memory;
-//! any other endpoint, and every client in another process, uses the network as before. When
-//! the `Incoming` is dropped the endpoint is forgotten: channels connect over TCP from then on
-//! (those built while it was registered look it up again on every connect).
+//! A process registers the endpoint it serves ([`register`]) and hands the registration to
+//! [`crate::serve_with_inproc`], which installs its routes. From then on every
+//! [`crate::channel`] this process builds for exactly that endpoint string calls them in
+//! memory; any other endpoint, and every client in another process, uses the network. A call
+//! made before the routes are installed waits for them. Once the server stops (or the
+//! registration is dropped unserved) the endpoint is forgotten: calls go over the network from
+//! then on, and in memory again if it is registered anew.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Mutex, OnceLock};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use tokio::io::DuplexStream;
-use tokio::net::TcpStream;
-use tokio::sync::mpsc;
-use tokio_util::either::Either;
+use tokio::sync::watch;
+use tonic::Status;
+use tonic::body::Body;
+use tonic::transport::Channel;
+use tower::ServiceExt as _;
+use tower::util::BoxCloneSyncService;
 
-/// Bytes buffered in each direction of one in-process connection (HTTP/2 flow control still
-/// bounds what is in flight; a larger message passes through in pieces).
-const BUFFER_BYTES: usize = 256 << 10;
+/// A served endpoint's routes behind its server layers.
+pub(crate) type Local = BoxCloneSyncService<http::Request<Body>, http::Response<Body>, Infallible>;
 
-type Registry = Mutex<HashMap<String, mpsc::UnboundedSender<DuplexStream>>>;
+/// What a registered endpoint is doing.
+#[derive(Clone)]
+enum State {
+    /// Registered; its routes are not installed yet: calls wait.
+    Starting,
+    Serving(Local),
+    /// Stopped, or never served: calls use the network.
+    Gone,
+}
+
+type Registry = Mutex<HashMap<String, watch::Receiver<State>>>;
 
 fn registry() -> &'static Registry {
     static REGISTRY: OnceLock<Registry> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
 }
 
-fn lock() -> std::sync::MutexGuard<'static, HashMap<String, mpsc::UnboundedSender<DuplexStream>>> {
+fn lock() -> std::sync::MutexGuard<'static, HashMap<String, watch::Receiver<State>>> {
     // The map holds no invariant a panicking holder could break: use it as left.
     registry().lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The connections this process's own clients open to an endpoint it serves; a stream of
-/// server-side halves for [`crate::serve_with_inproc`].
-pub struct Incoming {
+/// This process serves an endpoint to its own clients (see [`register`]); hand it to
+/// [`crate::serve_with_inproc`].
+pub struct Registration {
     endpoint: String,
-    sender: mpsc::UnboundedSender<DuplexStream>,
-    connections: mpsc::UnboundedReceiver<DuplexStream>,
+    state: watch::Sender<State>,
 }
 
 /// Declares that this process serves `endpoint` (as its clients will spell it, e.g.
-/// `http://127.0.0.1:7100`): channels built for it from now on connect in memory. A second
+/// `http://127.0.0.1:7100`): channels built for it from now on call it in memory. A second
 /// registration of the same endpoint replaces the first.
-pub fn register(endpoint: &str) -> Incoming {
-    let (sender, connections) = mpsc::unbounded_channel();
-    lock().insert(endpoint.to_string(), sender.clone());
-    Incoming { endpoint: endpoint.to_string(), sender, connections }
+pub fn register(endpoint: &str) -> Registration {
+    let (state, watching) = watch::channel(State::Starting);
+    lock().insert(endpoint.to_string(), watching);
+    Registration { endpoint: endpoint.to_string(), state }
 }
 
-impl Drop for Incoming {
+impl Registration {
+    /// Calls reach `routes` from now on, until this registration is dropped.
+    pub(crate) fn serve(&self, routes: Local) {
+        self.state.send_replace(State::Serving(routes));
+    }
+}
+
+impl Drop for Registration {
     fn drop(&mut self) {
+        self.state.send_replace(State::Gone);
         let mut map = lock();
         // Only this registration's entry: a later one for the same endpoint stays.
-        if map.get(&self.endpoint).is_some_and(|s| s.same_channel(&self.sender)) {
+        if map.get(&self.endpoint).is_some_and(|r| r.same_channel(&self.state.subscribe())) {
             map.remove(&self.endpoint);
         }
     }
 }
 
-impl tokio_stream::Stream for Incoming {
-    type Item = std::io::Result<DuplexStream>;
+/// The registration of `endpoint` in this process, if it is registered.
+fn lookup(endpoint: &str) -> Option<watch::Receiver<State>> {
+    lock().get(endpoint).cloned()
+}
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.connections.poll_recv(cx).map(|c| c.map(Ok))
+type BoxFuture = Pin<Box<dyn Future<Output = Result<http::Response<Body>, tonic::codegen::StdError>> + Send>>;
+
+/// How a [`crate::channel`] reaches its endpoint.
+#[derive(Clone)]
+pub struct Link(Way);
+
+#[derive(Clone)]
+enum Way {
+    Network(Channel),
+    /// An endpoint this process registered: its routes while it serves them, the network
+    /// otherwise.
+    Local {
+        endpoint: std::sync::Arc<str>,
+        state: watch::Receiver<State>,
+        network: Channel,
+    },
+}
+
+impl Link {
+    /// In memory if this process has registered `endpoint`, over `network` otherwise.
+    pub(crate) fn to(endpoint: &str, network: Channel) -> Link {
+        Link(match lookup(endpoint) {
+            Some(state) => Way::Local { endpoint: endpoint.into(), state, network },
+            None => Way::Network(network),
+        })
     }
 }
 
-/// A connector for [`tonic::transport::Endpoint::connect_with_connector_lazy`] if this
-/// process serves `endpoint`. It looks the endpoint up again on every connect: once the server
-/// stopped (its registration dropped), the channel connects over TCP like any other, and
-/// through memory again if the endpoint is registered anew.
-pub(crate) fn connector(
-    endpoint: &str,
-) -> Option<
-    impl tower::Service<
-        tonic::transport::Uri,
-        Response = TokioIo<Either<DuplexStream, TcpStream>>,
-        Error = std::io::Error,
-        Future = impl Send,
-    > + Send
-    + Clone
-    + 'static,
-> {
-    lock().get(endpoint)?;
-    let endpoint = endpoint.to_string();
-    Some(tower::service_fn(move |uri: tonic::transport::Uri| {
-        let sender = lock().get(&endpoint).cloned();
-        async move {
-            if let Some(sender) = sender {
-                let (client, server) = tokio::io::duplex(BUFFER_BYTES);
-                // Refused only if the server stopped since the lookup: the network, then.
-                if sender.send(server).is_ok() {
-                    return Ok(TokioIo::new(Either::Left(client)));
-                }
-            }
-            let refused = || std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("no host:port in {uri}"));
-            let host = uri.host().ok_or_else(refused)?.trim_start_matches('[').trim_end_matches(']');
-            let port = uri.port_u16().ok_or_else(refused)?;
-            let stream = TcpStream::connect((host, port)).await?;
-            stream.set_nodelay(true)?;
-            Ok(TokioIo::new(Either::Right(stream)))
+/// Always over the network.
+impl From<Channel> for Link {
+    fn from(network: Channel) -> Link {
+        Link(Way::Network(network))
+    }
+}
+
+impl tower::Service<http::Request<Body>> for Link {
+    type Response = http::Response<Body>;
+    type Error = tonic::codegen::StdError;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        match &mut self.0 {
+            Way::Network(channel) => channel.poll_ready(cx).map_err(Into::into),
+            // Which way the call goes is known when it is made: a call that ends up on the
+            // network readies its own clone of the channel.
+            Way::Local { .. } => Poll::Ready(Ok(())),
         }
-    }))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        match &mut self.0 {
+            Way::Network(channel) => {
+                let call = channel.call(request);
+                Box::pin(async move { call.await.map_err(Into::into) })
+            }
+            Way::Local { endpoint, state, network } => {
+                if matches!(*state.borrow(), State::Gone)
+                    && let Some(again) = lookup(endpoint)
+                {
+                    // Registered anew since this link last looked.
+                    *state = again;
+                }
+                let mut state = state.clone();
+                let network = network.clone();
+                Box::pin(async move {
+                    let served = match state.wait_for(|s| !matches!(s, State::Starting)).await {
+                        Ok(s) => match &*s {
+                            State::Serving(routes) => Some(routes.clone()),
+                            _ => None,
+                        },
+                        // The registration was dropped before its routes were installed.
+                        Err(_) => None,
+                    };
+                    match served {
+                        Some(routes) => Ok(call_local(routes, request).await),
+                        None => network.oneshot(request).await.map_err(Into::into),
+                    }
+                })
+            }
+        }
+    }
+}
+
+/// Calls `routes` with `request`, keeping the deadline its `grpc-timeout` sets as a remote
+/// server would.
+async fn call_local(routes: Local, request: http::Request<Body>) -> http::Response<Body> {
+    let deadline = request.headers().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
+    let call = routes.oneshot(request);
+    let answered = match deadline {
+        Some(deadline) => match tokio::time::timeout(deadline, call).await {
+            Ok(answered) => answered,
+            Err(_) => return Status::deadline_exceeded("Timeout expired").into_http(),
+        },
+        None => call.await,
+    };
+    match answered {
+        Ok(response) => response,
+        Err(never) => match never {},
+    }
+}
+
+/// A `grpc-timeout` header's duration (gRPC over HTTP/2: at most 8 digits and a unit); `None`
+/// for anything else, which a remote server ignores too.
+fn grpc_timeout(value: &str) -> Option<Duration> {
+    if value.len() < 2 || value.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = value.split_at(value.len() - 1);
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -123,6 +229,23 @@ pub(crate) mod tests {
         Ok(HealthClient::new(channel).check(ask).await?.into_inner().status())
     }
 
+    /// Serves no routes but health on a listener of its own, and to this process's clients of
+    /// `registration`'s endpoint in memory; a stop, and the server's task.
+    async fn serve(
+        registration: super::Registration,
+    ) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), crate::ServeError>>) {
+        // The server's listener is elsewhere: the endpoint is reached in memory or not at all.
+        let listener = crate::bind("127.0.0.1:0").await.expect("bind");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            crate::serve_with_inproc(listener, Some(registration), Routes::default(), &["warden.test"], async {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        (stop, server)
+    }
+
     /// Nothing listens on the registered endpoint's port, so only a connection through memory
     /// can answer; a network channel to it, and any channel while no server is registered, find
     /// nothing; a channel built earlier reaches a server registered anew.
@@ -132,18 +255,6 @@ pub(crate) mod tests {
         let held = tokio::net::TcpSocket::new_v4().expect("socket");
         held.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
         let endpoint = crate::endpoint_of(held.local_addr().expect("a free port"));
-        let serve = |incoming: super::Incoming| async move {
-            // The server's listener is elsewhere: `endpoint` is reached in memory or not at all.
-            let listener = crate::bind("127.0.0.1:0").await.expect("bind");
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let server = tokio::spawn(async move {
-                crate::serve_with_inproc(listener, Some(incoming), Routes::default(), &["warden.test"], async {
-                    let _ = stopped.await;
-                })
-                .await
-            });
-            (stop, server)
-        };
 
         let (stop, server) = serve(super::register(&endpoint)).await;
         let early = crate::channel(&endpoint).expect("channel");
@@ -162,5 +273,50 @@ pub(crate) mod tests {
         assert_eq!(check(early).await.expect("answered in memory again"), ServingStatus::Serving);
         let _ = stop.send(());
         server.await.expect("server task").expect("served");
+    }
+
+    /// A call made after the endpoint is registered but before its routes are installed waits
+    /// for them, and is answered in memory.
+    #[tokio::test]
+    async fn a_call_before_the_server_starts_waits_for_it() {
+        let held = tokio::net::TcpSocket::new_v4().expect("socket");
+        held.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let endpoint = crate::endpoint_of(held.local_addr().expect("a free port"));
+        let registration = super::register(&endpoint);
+        let early = tokio::spawn(check(crate::channel(&endpoint).expect("channel")));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!early.is_finished(), "nothing answers before the routes are installed");
+        let (stop, server) = serve(registration).await;
+        assert_eq!(early.await.expect("task").expect("answered in memory"), ServingStatus::Serving);
+        let _ = stop.send(());
+        server.await.expect("server task").expect("served");
+
+        // A registration dropped without being served sends waiting calls to the network.
+        let registration = super::register(&endpoint);
+        let waiting = tokio::spawn(check(crate::channel(&endpoint).expect("channel")));
+        drop(registration);
+        let refused = waiting.await.expect("task").expect_err("nothing listens");
+        assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    }
+
+    #[test]
+    fn grpc_timeouts_are_read_as_a_remote_server_reads_them() {
+        use std::time::Duration;
+        for (header, expected) in [
+            ("1H", Some(Duration::from_secs(3600))),
+            ("2M", Some(Duration::from_secs(120))),
+            ("30S", Some(Duration::from_secs(30))),
+            ("250m", Some(Duration::from_millis(250))),
+            ("99999999u", Some(Duration::from_micros(99_999_999))),
+            ("7n", Some(Duration::from_nanos(7))),
+            ("123456789S", None),
+            ("S", None),
+            ("", None),
+            ("5x", None),
+            ("-5S", None),
+            ("+5S", None),
+        ] {
+            assert_eq!(super::grpc_timeout(header), expected, "{header:?}");
+        }
     }
 }

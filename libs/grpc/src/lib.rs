@@ -17,7 +17,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, UnixListener};
 use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Channel, Endpoint, Server};
+use tonic::transport::{Endpoint, Server};
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -148,7 +148,7 @@ pub async fn serve(
 /// `inproc` (see [`inproc`]).
 pub async fn serve_with_inproc(
     listener: impl Into<Listeners>,
-    inproc: Option<inproc::Incoming>,
+    inproc: Option<inproc::Registration>,
     routes: Routes,
     services: &[&str],
     shutdown: impl Future<Output = ()> + Send,
@@ -197,11 +197,18 @@ pub async fn serve_with_inproc(
     // incoming stream, which owns the accepted sockets).
     let incoming = TcpIncoming::from(tcp).with_nodelay(Some(true));
     let network = server().serve_with_incoming_shutdown(incoming, stopped(stopping.clone()));
+    // This process's own clients call the routes, behind the same layer, in memory until the
+    // stop (the registration, dropped then, sends later calls to the network).
+    if let Some(registration) = &inproc {
+        use tower::Layer as _;
+        registration.serve(inproc::Local::new(warden_telemetry::grpc::ServerLayer.layer(routes.clone())));
+    }
     let local = async {
-        match inproc {
-            Some(connections) => server().serve_with_incoming_shutdown(connections, stopped(stopping.clone())).await,
-            None => Ok(()),
+        if let Some(registration) = inproc {
+            stopped(stopping.clone()).await;
+            drop(registration);
         }
+        Ok::<(), tonic::transport::Error>(())
     };
     let node = async {
         match unix {
@@ -238,17 +245,13 @@ pub fn channel_with_token(endpoint: &str, token: &str) -> Result<auth::Ch, Statu
 /// serves: for a client that must see what a remote client sees (`warden bench`).
 pub fn network_channel(endpoint: &str) -> Result<auth::Ch, Status> {
     Ok(tonic::service::interceptor::InterceptedService::new(
-        eager::Eager::new(network(endpoint)?.connect_lazy()),
+        eager::Eager::new(network(endpoint)?.connect_lazy().into()),
         auth::Bearer::process(),
     ))
 }
 
-fn raw_channel(endpoint: &str) -> Result<Channel, Status> {
-    let network = network(endpoint)?;
-    Ok(match inproc::connector(endpoint) {
-        Some(connector) => network.connect_with_connector_lazy(connector),
-        None => network.connect_lazy(),
-    })
+fn raw_channel(endpoint: &str) -> Result<inproc::Link, Status> {
+    Ok(inproc::Link::to(endpoint, network(endpoint)?.connect_lazy()))
 }
 
 fn network(endpoint: &str) -> Result<Endpoint, Status> {

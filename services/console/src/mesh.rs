@@ -65,7 +65,7 @@ impl Mesh {
     }
 
     fn with(&self, channel: &Channel, token: &str) -> Result<Ch, ApiError> {
-        Ok(InterceptedService::new(warden_grpc::eager::Eager::new(channel.clone()), as_caller(token)?))
+        Ok(InterceptedService::new(warden_grpc::eager::Eager::new(channel.clone().into()), as_caller(token)?))
     }
 
     pub fn runs(&self, token: &str) -> Result<RunsClient<Ch>, ApiError> {

@@ -31,6 +31,17 @@ fn marks(rows: usize, cols: usize, from: usize) -> String {
         .join(", ")
 }
 
+/// `(?, …, ?), …`: SQLite's anonymous marks for `rows` rows of `cols` values, bound in the
+/// order they appear. SQLite takes `$n` as a *named* parameter: its parser looks each name up
+/// among those seen before (a string comparison per earlier name) and sqlx's binder asks each
+/// parameter's name back (another scan), so a statement of thousands of `$n` cost time
+/// quadratic in its size — a tenth of `warden dev`'s CPU in a busy batch. Anonymous marks are
+/// numbered as they are parsed and have no name to look up.
+fn anonymous_marks(rows: usize, cols: usize) -> String {
+    let row = format!("({})", vec!["?"; cols].join(", "));
+    vec![row; rows].join(", ")
+}
+
 /// `$1, …, $n`: the list of an `IN (…)` over `n` bound values.
 fn placeholders(n: usize) -> String {
     (1..=n).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ")
@@ -150,9 +161,12 @@ pub async fn insert_events(tx: &mut Tx<'_>, events: &[ChainedEvent]) -> Result<(
 
 /// The `INSERT` of `rows` events, their values bound from `$from + 1` on (see [`bind_events`]).
 pub fn insert_events_sql(rows: usize, from: usize) -> String {
+    insert_events_with(&marks(rows, 10, from))
+}
+
+fn insert_events_with(marks: &str) -> String {
     format!(
-        "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash) VALUES {}",
-        marks(rows, 10, from)
+        "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash) VALUES {marks}"
     )
 }
 
@@ -166,10 +180,11 @@ pub fn bind_events<'q>(mut q: Query<'q>, events: &'q [ChainedEvent]) -> Query<'q
 
 /// The `INSERT` of `rows` receipts, their values bound from `$from + 1` on.
 fn insert_receipts_sql(rows: usize, from: usize) -> String {
-    format!(
-        "INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES {}",
-        marks(rows, 8, from)
-    )
+    insert_receipts_with(&marks(rows, 8, from))
+}
+
+fn insert_receipts_with(marks: &str) -> String {
+    format!("INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES {marks}")
 }
 
 pub async fn insert_receipts(tx: &mut Tx<'_>, receipts: &[Receipt]) -> Result<(), LedgerError> {
@@ -209,10 +224,14 @@ pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, st: &RunState) -> 
 /// A head write's ten values, signed, in the order of [`write_head`]'s statement: run id, the
 /// new head's columns, then the stored `last_seq` it is conditional on.
 fn bind_head<'q>(store: &LedgerStore, q: Query<'q>, st: &'q RunState) -> Query<'q> {
+    bind_head_columns(store, q.bind(&st.head.run_id), st).bind(st.stored_seq as i64)
+}
+
+/// The new head's eight columns, signed, in the order `UPDATE runs SET` lists them.
+fn bind_head_columns<'q>(store: &LedgerStore, q: Query<'q>, st: &'q RunState) -> Query<'q> {
     let h = &st.head;
     let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
-    q.bind(&h.run_id)
-        .bind(h.last_seq as i64)
+    q.bind(h.last_seq as i64)
         .bind(&h.head_hash)
         .bind(h.max_epoch as i64)
         .bind(&h.status)
@@ -220,8 +239,14 @@ fn bind_head<'q>(store: &LedgerStore, q: Query<'q>, st: &'q RunState) -> Query<'
         .bind(h.updated_at_ms)
         .bind(signature)
         .bind(key_id)
-        .bind(st.stored_seq as i64)
 }
+
+/// The head write of [`write_one_query`], with anonymous marks: the new head's columns, then
+/// the run id and the stored `last_seq` it is conditional on, in that order.
+const UPDATE_HEAD_ANONYMOUS: &str =
+    "UPDATE runs SET last_seq = ?, head_hash = ?, max_epoch = ?, status = ?, reason = ?,
+     updated_at_ms = ?, head_signature = ?, head_key_id = ?
+ WHERE run_id = ? AND last_seq = ?;\n";
 
 fn moved(run_id: &str) -> LedgerError {
     LedgerError::Moved(format!("run '{run_id}' moved on under another writer; append again"))
@@ -492,40 +517,21 @@ impl Decided {
 /// SQLite: the batch's statements — each run's conditional head write, then the events, then
 /// the receipts — sent as ONE query inside `tx`. sqlx runs every SQLite statement on the
 /// connection's worker thread, a hand-over and a wake-up each way per query; one query for
-/// the lot is one hand-over where there were one per head plus two. The statements number
-/// their parameters across the query (`$n` is the query's n-th bound value), and each reports
+/// the lot is one hand-over where there were one per head plus two. The statements' anonymous
+/// marks take the query's bound values in order, across statements, and each reports
 /// its own changes: a head write that changed no row means another writer moved the head,
 /// and the transaction is rolled back (dropped) unwritten as with [`write_head`].
 async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<(), LedgerError> {
     use futures::TryStreamExt as _;
     let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
-    let mut sql = String::new();
-    for i in 0..heads.len() {
-        let n = |c: usize| i * 10 + c;
-        sql.push_str(&format!(
-            "UPDATE runs SET last_seq = ${}, head_hash = ${}, max_epoch = ${}, status = ${}, reason = ${},
-                 updated_at_ms = ${}, head_signature = ${}, head_key_id = ${}
-             WHERE run_id = ${} AND last_seq = ${};\n",
-            n(2),
-            n(3),
-            n(4),
-            n(5),
-            n(6),
-            n(7),
-            n(8),
-            n(9),
-            n(1),
-            n(10)
-        ));
-    }
-    let mut from = heads.len() * 10;
+    // Anonymous marks throughout (see [`anonymous_marks`]), bound in the order they appear.
+    let mut sql = UPDATE_HEAD_ANONYMOUS.repeat(heads.len());
     if !d.events.is_empty() {
-        sql.push_str(&insert_events_sql(d.events.len(), from));
+        sql.push_str(&insert_events_with(&anonymous_marks(d.events.len(), 10)));
         sql.push_str(";\n");
-        from += d.events.len() * 10;
     }
     if !d.receipts.is_empty() {
-        sql.push_str(&insert_receipts_sql(d.receipts.len(), from));
+        sql.push_str(&insert_receipts_with(&anonymous_marks(d.receipts.len(), 8)));
         sql.push(';');
     }
     if sql.is_empty() {
@@ -537,7 +543,7 @@ async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> R
     let usual = heads.len() <= 2 && d.events.len() <= 8 && d.receipts.len() <= 2;
     let mut q = sqlx::query(&sql).persistent(usual);
     for st in &heads {
-        q = bind_head(store, q, st);
+        q = bind_head_columns(store, q, st).bind(&st.head.run_id).bind(st.stored_seq as i64);
     }
     q = bind_events(q, &d.events);
     for r in &d.receipts {
