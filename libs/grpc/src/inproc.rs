@@ -12,7 +12,8 @@
 //! memory; any other endpoint, and every client in another process, uses the network. A call
 //! made before the routes are installed waits for them. Once the server stops (or the
 //! registration is dropped unserved) the endpoint is forgotten: calls go over the network from
-//! then on, and in memory again if it is registered anew.
+//! then on, and in memory again if it is registered anew. A stop does not wait for in-memory
+//! calls under way: they run in their callers' tasks and end with them.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -176,32 +177,41 @@ impl tower::Service<http::Request<Body>> for Link {
     }
 }
 
-/// Calls `routes` with `request`, keeping the deadline its `grpc-timeout` sets as a remote
-/// server would.
-async fn call_local(routes: Local, request: http::Request<Body>) -> http::Response<Body> {
+/// Calls `routes` with `request` as a remote server would: the request without the client's
+/// own extensions (HTTP/2 carries none), the deadline its `grpc-timeout` sets (expired:
+/// `CANCELLED "Timeout expired"`, tonic's answer), and a handler that panics answered with
+/// `CANCELLED` (a remote handler's task ends, its stream is reset) instead of unwinding into
+/// the caller's task.
+async fn call_local(routes: Local, mut request: http::Request<Body>) -> http::Response<Body> {
+    use futures::FutureExt as _;
+    *request.extensions_mut() = http::Extensions::new();
     let deadline = request.headers().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
-    let call = routes.oneshot(request);
+    let call = std::panic::AssertUnwindSafe(routes.oneshot(request)).catch_unwind();
     let answered = match deadline {
         Some(deadline) => match tokio::time::timeout(deadline, call).await {
             Ok(answered) => answered,
-            Err(_) => return Status::deadline_exceeded("Timeout expired").into_http(),
+            Err(_) => return Status::cancelled("Timeout expired").into_http(),
         },
         None => call.await,
     };
     match answered {
-        Ok(response) => response,
-        Err(never) => match never {},
+        Ok(Ok(response)) => response,
+        Ok(Err(never)) => match never {},
+        Err(_) => {
+            tracing::error!("a handler panicked under an in-process call");
+            Status::cancelled("the handler stopped").into_http()
+        }
     }
 }
 
-/// A `grpc-timeout` header's duration (gRPC over HTTP/2: at most 8 digits and a unit); `None`
-/// for anything else, which a remote server ignores too.
+/// A `grpc-timeout` header's duration, read as tonic's server reads it (at most 8 digits, as
+/// `u64` parses them, and a unit); `None` for anything else, which a remote server ignores too.
 fn grpc_timeout(value: &str) -> Option<Duration> {
-    if value.len() < 2 || value.len() > 9 {
+    if value.is_empty() {
         return None;
     }
     let (digits, unit) = value.split_at(value.len() - 1);
-    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+    if digits.len() > 8 {
         return None;
     }
     let n: u64 = digits.parse().ok()?;
@@ -229,6 +239,15 @@ pub(crate) mod tests {
         Ok(HealthClient::new(channel).check(ask).await?.into_inner().status())
     }
 
+    /// An endpoint whose port is bound and never listening: connections to it are refused, and
+    /// no other test gets the port while the socket is held.
+    fn unserved_endpoint() -> (tokio::net::TcpSocket, String) {
+        let held = tokio::net::TcpSocket::new_v4().expect("socket");
+        held.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let endpoint = crate::endpoint_of(held.local_addr().expect("a free port"));
+        (held, endpoint)
+    }
+
     /// Serves no routes but health on a listener of its own, and to this process's clients of
     /// `registration`'s endpoint in memory; a stop, and the server's task.
     async fn serve(
@@ -251,10 +270,7 @@ pub(crate) mod tests {
     /// nothing; a channel built earlier reaches a server registered anew.
     #[tokio::test]
     async fn a_served_endpoint_is_reached_in_memory_and_forgotten_once_the_server_stops() {
-        // Bound, never listening: connections to it are refused, and no other test gets the port.
-        let held = tokio::net::TcpSocket::new_v4().expect("socket");
-        held.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
-        let endpoint = crate::endpoint_of(held.local_addr().expect("a free port"));
+        let (_held, endpoint) = unserved_endpoint();
 
         let (stop, server) = serve(super::register(&endpoint)).await;
         let early = crate::channel(&endpoint).expect("channel");
@@ -279,9 +295,7 @@ pub(crate) mod tests {
     /// for them, and is answered in memory.
     #[tokio::test]
     async fn a_call_before_the_server_starts_waits_for_it() {
-        let held = tokio::net::TcpSocket::new_v4().expect("socket");
-        held.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
-        let endpoint = crate::endpoint_of(held.local_addr().expect("a free port"));
+        let (_held, endpoint) = unserved_endpoint();
         let registration = super::register(&endpoint);
         let early = tokio::spawn(check(crate::channel(&endpoint).expect("channel")));
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -299,6 +313,70 @@ pub(crate) mod tests {
         assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
     }
 
+    /// A service whose `Panic` method panics and whose every other method never answers.
+    #[derive(Clone)]
+    struct Trouble;
+
+    impl tonic::server::NamedService for Trouble {
+        const NAME: &'static str = "warden.test.Trouble";
+    }
+
+    impl tower::Service<http::Request<tonic::body::Body>> for Trouble {
+        type Response = http::Response<tonic::body::Body>;
+        type Error = std::convert::Infallible;
+        type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+            let panics = request.uri().path().ends_with("/Panic");
+            Box::pin(async move {
+                if panics {
+                    panic!("a handler's defect");
+                }
+                std::future::pending::<()>().await;
+                Ok(http::Response::new(tonic::body::Body::default()))
+            })
+        }
+    }
+
+    /// As from a remote server: a handler that panics is answered `CANCELLED` and the caller's
+    /// task goes on; a call past its `grpc-timeout` is answered `CANCELLED "Timeout expired"`.
+    #[tokio::test]
+    async fn a_panicking_or_overdue_handler_is_answered_as_a_remote_server_answers() {
+        use tower::ServiceExt as _;
+        let (_held, endpoint) = unserved_endpoint();
+        let registration = super::register(&endpoint);
+        let listener = crate::bind("127.0.0.1:0").await.expect("bind");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            crate::serve_with_inproc(listener, Some(registration), Routes::new(Trouble), &[], async {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        let link = super::Link::to(&endpoint, crate::network(&endpoint).expect("endpoint").connect_lazy());
+        let call = |method: &str, timeout: Option<&str>| {
+            let mut request = http::Request::builder().uri(format!("/warden.test.Trouble/{method}"));
+            if let Some(t) = timeout {
+                request = request.header("grpc-timeout", t);
+            }
+            link.clone().oneshot(request.body(tonic::body::Body::default()).expect("request"))
+        };
+        let status = |r: &http::Response<tonic::body::Body>| {
+            tonic::Status::from_header_map(r.headers()).expect("a status in the headers")
+        };
+        let panicked = call("Panic", None).await.expect("answered");
+        assert_eq!(status(&panicked).code(), Code::Cancelled, "{:?}", status(&panicked));
+        let overdue = call("Wait", Some("20m")).await.expect("answered");
+        assert_eq!(status(&overdue).code(), Code::Cancelled, "{:?}", status(&overdue));
+        assert_eq!(status(&overdue).message(), "Timeout expired");
+        let _ = stop.send(());
+        server.await.expect("server task").expect("served");
+    }
+
     #[test]
     fn grpc_timeouts_are_read_as_a_remote_server_reads_them() {
         use std::time::Duration;
@@ -314,7 +392,7 @@ pub(crate) mod tests {
             ("", None),
             ("5x", None),
             ("-5S", None),
-            ("+5S", None),
+            ("+5S", Some(Duration::from_secs(5))),
         ] {
             assert_eq!(super::grpc_timeout(header), expected, "{header:?}");
         }

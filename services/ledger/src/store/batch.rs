@@ -493,8 +493,8 @@ pub async fn write(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<
     insert_receipts(tx, &d.receipts).await
 }
 
-/// The most parameters one whole-batch statement (PostgreSQL) or query (SQLite, whose
-/// statements number theirs across the query: 32,766 at most) may bind.
+/// The most parameters one whole-batch statement (PostgreSQL: 65,535 at most) or query (SQLite:
+/// 32,766 per statement) may bind.
 const MAX_STATEMENT_PARAMS: usize = 30_000;
 
 impl Decided {
