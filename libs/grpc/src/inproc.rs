@@ -156,6 +156,14 @@ impl tower::Service<http::Request<Body>> for Link {
                     // Registered anew since this link last looked.
                     *state = again;
                 }
+                // The usual case, served now: straight to the routes.
+                let served = match &*state.borrow() {
+                    State::Serving(routes) => Some(routes.clone()),
+                    _ => None,
+                };
+                if let Some(routes) = served {
+                    return Box::pin(async move { Ok(call_local(routes, request).await) });
+                }
                 let mut state = state.clone();
                 let network = network.clone();
                 Box::pin(async move {

@@ -178,18 +178,14 @@ pub fn bind_events<'q>(mut q: Query<'q>, events: &'q [ChainedEvent]) -> Query<'q
     q
 }
 
-/// The `INSERT` of `rows` receipts, their values bound from `$from + 1` on.
-fn insert_receipts_sql(rows: usize, from: usize) -> String {
-    insert_receipts_with(&marks(rows, 8, from))
-}
-
+/// The `INSERT` of receipts whose values `marks` takes (see [`bind_receipt`]).
 fn insert_receipts_with(marks: &str) -> String {
     format!("INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES {marks}")
 }
 
 pub async fn insert_receipts(tx: &mut Tx<'_>, receipts: &[Receipt]) -> Result<(), LedgerError> {
     for chunk in receipts.chunks(ROWS) {
-        let sql = insert_receipts_sql(chunk.len(), 0);
+        let sql = insert_receipts_with(&marks(chunk.len(), 8, 0));
         let mut q = sqlx::query(&sql);
         for r in chunk {
             q = bind_receipt(q, r);
