@@ -233,7 +233,7 @@ impl Counters {
             commits = sqlx::query_scalar::<_, i64>(
                 "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
                  WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-                   AND (query ILIKE 'COMMIT%' OR query ILIKE 'WITH h (%')",
+                   AND (query ILIKE 'COMMIT%' OR query ILIKE 'WITH h %')",
             )
             .fetch_one(&mut c)
             .await

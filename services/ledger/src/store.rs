@@ -867,10 +867,10 @@ impl LedgerStore {
         Ok(results)
     }
 
-    /// Writes a batch decided wholly from memory: one statement on PostgreSQL when it fits,
-    /// else one transaction.
+    /// Writes a batch decided wholly from memory: one statement on PostgreSQL, one transaction
+    /// on SQLite.
     async fn write_decided(&self, decided: &batch::Decided) -> Result<(), LedgerError> {
-        if self.backend == Backend::Postgres && decided.fits_one_statement() {
+        if self.backend == Backend::Postgres {
             batch::write_one_statement(self, decided).await?;
         } else if !decided.touched.is_empty() {
             // On a kept connection, as the one statement above: SQLite's pool would otherwise

@@ -489,18 +489,12 @@ pub async fn write(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<
     insert_receipts(tx, &d.receipts).await
 }
 
-/// The most parameters one whole-batch statement (PostgreSQL: 65,535 at most) or query (SQLite:
-/// 32,766 per statement) may bind.
+/// The most parameters one whole-batch query may bind (SQLite: 32,766 per statement).
 const MAX_STATEMENT_PARAMS: usize = 30_000;
 
 impl Decided {
     fn params(&self) -> usize {
         self.touched.len() * 10 + self.events.len() * 10 + self.receipts.len() * 8
-    }
-
-    /// Whether [`write_one_statement`] can take the batch.
-    pub fn fits_one_statement(&self) -> bool {
-        self.params() <= MAX_STATEMENT_PARAMS
     }
 
     /// Whether [`write_one_query`] can take the batch (each `INSERT` within [`ROWS`] rows, as
@@ -578,18 +572,6 @@ async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> R
     Ok(())
 }
 
-/// `($n::type, …)` for one row, numbering from `*next`.
-fn typed_row(types: &[&str], next: &mut usize) -> String {
-    let cells: Vec<String> = types
-        .iter()
-        .map(|t| {
-            *next += 1;
-            format!("${}::{t}", *next)
-        })
-        .collect();
-    format!("({})", cells.join(", "))
-}
-
 /// PostgreSQL, all runs' states in memory: the whole batch in ONE statement, committed on its
 /// own (no BEGIN, no COMMIT round trips). Data-modifying CTEs: `l` locks, in run id order (no
 /// deadlock with `lock_heads` or another replica), the heads whose stored `last_seq` is still
@@ -598,66 +580,45 @@ fn typed_row(types: &[&str], next: &mut usize) -> String {
 /// writer moved writes nothing at all, for any run of the batch (`Moved`). Unique keys on
 /// `(run_id, seq)`, `(run_id, idempotency_key)` and `receipt_id` still hold: a violation fails
 /// the statement whole.
+///
+/// The rows travel as three JSON arrays (`json_to_recordset`), not as one mark per value: the
+/// statement's text is then the same for every batch, so each connection prepares it (and
+/// PostgreSQL parses it) once. With a mark per value its text differed with every batch's
+/// count of runs, events and receipts: a busy batch's many shapes missed the connection's
+/// statement cache, and each paid a preparing round trip and PostgreSQL's parsing and
+/// planning of thousands of marks.
 pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(), LedgerError> {
     if d.touched.is_empty() {
         return Ok(());
     }
-    const HEAD: [&str; 10] = ["text", "bigint", "bigint", "text", "bigint", "text", "text", "bigint", "text", "text"];
-    const EVENT: [&str; 10] = ["text", "bigint", "text", "text", "text", "bigint", "text", "bigint", "text", "text"];
-    const RECEIPT: [&str; 8] = ["text", "text", "text", "bigint", "bigint", "text", "text", "text"];
-    let mut next = 0;
-    let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
-    let head_rows: Vec<String> = heads.iter().map(|_| typed_row(&HEAD, &mut next)).collect();
-    let event_rows: Vec<String> = d.events.iter().map(|_| typed_row(&EVENT, &mut next)).collect();
-    let receipt_rows: Vec<String> = d.receipts.iter().map(|_| typed_row(&RECEIPT, &mut next)).collect();
-    let mut sql = format!(
-        "WITH h (run_id, prev_seq, last_seq, head_hash, max_epoch, status, reason, updated_at_ms, head_signature, head_key_id)
-           AS (VALUES {rows}),
-         l AS (SELECT r.run_id FROM runs AS r JOIN h ON r.run_id = h.run_id AND r.last_seq = h.prev_seq
-               ORDER BY r.run_id FOR UPDATE OF r),
-         ok AS (SELECT count(*) = {n} AS whole FROM l),
-         u AS (UPDATE runs AS r SET last_seq = h.last_seq, head_hash = h.head_hash, max_epoch = h.max_epoch,
-                 status = h.status, reason = h.reason, updated_at_ms = h.updated_at_ms,
-                 head_signature = h.head_signature, head_key_id = h.head_key_id
-               FROM h WHERE r.run_id = h.run_id AND r.last_seq = h.prev_seq AND (SELECT whole FROM ok)
-               RETURNING r.run_id),
-         e AS (INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash)
-               SELECT v.* FROM (VALUES {events}) AS v WHERE (SELECT count(*) FROM u) = {n})",
-        rows = head_rows.join(", "),
-        n = heads.len(),
-        events = event_rows.join(", "),
-    );
-    if !d.receipts.is_empty() {
-        sql.push_str(&format!(
-            ", rc AS (INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash)
-               SELECT v.* FROM (VALUES {}) AS v WHERE (SELECT count(*) FROM u) = {})",
-            receipt_rows.join(", "),
-            heads.len()
-        ));
-    }
-    sql.push_str(&format!(" SELECT count(*) = {} FROM u", heads.len()));
-    let mut q = sqlx::query(&sql);
-    for st in &heads {
-        let h = &st.head;
-        let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
-        q = q
-            .bind(h.run_id.clone())
-            .bind(st.stored_seq as i64)
-            .bind(h.last_seq as i64)
-            .bind(h.head_hash.clone())
-            .bind(h.max_epoch as i64)
-            .bind(h.status.clone())
-            .bind(h.reason.clone())
-            .bind(h.updated_at_ms)
-            .bind(signature)
-            .bind(key_id);
-    }
-    for e in &d.events {
-        q = bind_event(q, e);
-    }
-    for r in &d.receipts {
-        q = bind_receipt(q, r);
-    }
+    let heads: Vec<HeadRow<'_>> = d
+        .touched
+        .iter()
+        .filter_map(|r| d.states.get(r))
+        .map(|st| {
+            let h = &st.head;
+            let (head_signature, head_key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
+            HeadRow {
+                run_id: &h.run_id,
+                prev_seq: st.stored_seq as i64,
+                last_seq: h.last_seq as i64,
+                head_hash: &h.head_hash,
+                max_epoch: h.max_epoch as i64,
+                status: &h.status,
+                reason: &h.reason,
+                updated_at_ms: h.updated_at_ms,
+                head_signature,
+                head_key_id,
+            }
+        })
+        .collect();
+    let events: Vec<EventRow<'_>> = d.events.iter().map(EventRow::of).collect();
+    let receipts: Vec<ReceiptRow<'_>> = d.receipts.iter().map(ReceiptRow::of).collect();
+    let q = sqlx::query(ONE_STATEMENT)
+        .bind(rows_json(&heads)?)
+        .bind(rows_json(&events)?)
+        .bind(rows_json(&receipts)?)
+        .bind(heads.len() as i64);
     let mut conn = store.write_conn().await?;
     let whole: bool = q.fetch_one(&mut *conn).await?.try_get(0)?;
     store.keep(conn);
@@ -665,6 +626,112 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
         return Err(moved(&d.touched.join(", ")));
     }
     Ok(())
+}
+
+/// Rows as one JSON array for `json_to_recordset`.
+fn rows_json<T: serde::Serialize>(rows: &[T]) -> Result<String, LedgerError> {
+    serde_json::to_string(rows).map_err(|e| LedgerError::Internal(format!("a batch's rows as JSON: {e}")))
+}
+
+/// [`write_one_statement`]'s statement: `$1` the heads, `$2` the events, `$3` the receipts (JSON
+/// arrays of objects named as the columns), `$4` how many heads.
+const ONE_STATEMENT: &str = "\
+WITH h AS (SELECT * FROM json_to_recordset($1::json) AS x (run_id text, prev_seq bigint, last_seq bigint, \
+             head_hash text, max_epoch bigint, status text, reason text, updated_at_ms bigint, head_signature text, \
+             head_key_id text)),
+     l AS (SELECT r.run_id FROM runs AS r JOIN h ON r.run_id = h.run_id AND r.last_seq = h.prev_seq
+           ORDER BY r.run_id FOR UPDATE OF r),
+     ok AS (SELECT count(*) = $4::bigint AS whole FROM l),
+     u AS (UPDATE runs AS r SET last_seq = h.last_seq, head_hash = h.head_hash, max_epoch = h.max_epoch,
+             status = h.status, reason = h.reason, updated_at_ms = h.updated_at_ms,
+             head_signature = h.head_signature, head_key_id = h.head_key_id
+           FROM h WHERE r.run_id = h.run_id AND r.last_seq = h.prev_seq AND (SELECT whole FROM ok)
+           RETURNING r.run_id),
+     e AS (INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, \
+             prev_hash, hash)
+           SELECT x.* FROM json_to_recordset($2::json) AS x (run_id text, seq bigint, event_type text, \
+             payload_json text, step_id text, epoch bigint, idempotency_key text, timestamp_ms bigint, prev_hash text, \
+             hash text)
+           WHERE (SELECT count(*) FROM u) = $4::bigint),
+     rc AS (INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash)
+           SELECT x.* FROM json_to_recordset($3::json) AS x (receipt_id text, run_id text, step_id text, \
+             attempt bigint, seq bigint, body_json text, status text, hash text)
+           WHERE (SELECT count(*) FROM u) = $4::bigint)
+SELECT count(*) = $4::bigint FROM u";
+
+/// A `runs` head as [`ONE_STATEMENT`] reads it.
+#[derive(serde::Serialize)]
+struct HeadRow<'a> {
+    run_id: &'a str,
+    prev_seq: i64,
+    last_seq: i64,
+    head_hash: &'a str,
+    max_epoch: i64,
+    status: &'a str,
+    reason: &'a str,
+    updated_at_ms: i64,
+    head_signature: String,
+    head_key_id: String,
+}
+
+/// An `events` row as [`ONE_STATEMENT`] reads it.
+#[derive(serde::Serialize)]
+struct EventRow<'a> {
+    run_id: &'a str,
+    seq: i64,
+    event_type: &'a str,
+    payload_json: String,
+    step_id: &'a str,
+    epoch: i64,
+    idempotency_key: &'a str,
+    timestamp_ms: i64,
+    prev_hash: &'a str,
+    hash: &'a str,
+}
+
+impl<'a> EventRow<'a> {
+    fn of(e: &'a ChainedEvent) -> Self {
+        EventRow {
+            run_id: &e.body.run_id,
+            seq: e.body.seq as i64,
+            event_type: &e.body.event_type,
+            payload_json: warden_core::canonical::canonical_value(&e.body.payload),
+            step_id: &e.body.step_id,
+            epoch: e.body.epoch as i64,
+            idempotency_key: &e.body.idempotency_key,
+            timestamp_ms: e.body.timestamp_ms,
+            prev_hash: &e.prev_hash,
+            hash: &e.hash,
+        }
+    }
+}
+
+/// A `receipts` row as [`ONE_STATEMENT`] reads it.
+#[derive(serde::Serialize)]
+struct ReceiptRow<'a> {
+    receipt_id: &'a str,
+    run_id: &'a str,
+    step_id: &'a str,
+    attempt: i64,
+    seq: i64,
+    body_json: String,
+    status: &'a str,
+    hash: &'a str,
+}
+
+impl<'a> ReceiptRow<'a> {
+    fn of(r: &'a Receipt) -> Self {
+        ReceiptRow {
+            receipt_id: &r.receipt_id,
+            run_id: &r.run_id,
+            step_id: &r.step_id,
+            attempt: r.attempt as i64,
+            seq: r.seq as i64,
+            body_json: warden_core::canonical_json(r),
+            status: &r.status,
+            hash: &r.hash,
+        }
+    }
 }
 
 /// One event against its run's state: the existing event of its key (a retry), or the new
