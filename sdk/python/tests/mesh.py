@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# util-linux's setpriv sets the same death signal and then execs the service, so no Python
+# code runs in the forked child. Python code between fork and exec (``preexec_fn``) is unsafe
+# in a process with threads — this one has gRPC's — and was seen to leave a restarted host
+# dead before it listened. The ``preexec_fn`` is kept only for machines without setpriv.
+_SETPRIV = shutil.which("setpriv")
+
+
+def _spawn_argv(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """The command that starts ``argv`` as a child that dies with this process."""
+    if _SETPRIV is not None:
+        return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
+    return argv, _die_with_parent
+
+
 @dataclass
 class Service:
     """One process of the mesh; ``endpoint`` is what it announced."""
@@ -66,14 +82,15 @@ class Service:
 
     def start(self, timeout: float = 60.0) -> None:
         log = open(self.log, "a", encoding="utf-8")  # noqa: SIM115 (owned by the child)
+        argv, preexec = _spawn_argv(self.argv)
         self.proc = subprocess.Popen(
-            self.argv,
+            argv,
             env={**os.environ, **self.env},
             stdout=subprocess.PIPE,
             stderr=log,
             stdin=subprocess.DEVNULL,
             text=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=preexec,
         )
         log.close()
         lines: queue.Queue[str] = queue.Queue()
