@@ -113,6 +113,10 @@ pub async fn start(config: WardenConfig, listener: tokio::net::TcpListener) -> a
     // Also before: the services' channels to this process's own endpoint connect in memory,
     // not through loopback TCP (outside clients and other tool hosts use the network).
     let inproc = warden_grpc::inproc::register(&warden_grpc::endpoint_of(listener.local_addr()?));
+    // The policy, ledger and tool host sign and verify in this one process: a signature one of
+    // them made is recognised when another checks it, without curve arithmetic
+    // (`warden_core::signature`); anything signed elsewhere is verified in full.
+    warden_core::signature::remember_own_signatures();
     let ledger = warden_ledger::open(&config.ledger).await.context("opening the ledger")?;
     let policy = warden_policy::build(&config.policy).await?;
     let planner = warden_planner::PlannerService::new(&config.planner)?;

@@ -14,7 +14,7 @@
 //! signature can never be read as an acknowledgement or the reverse (their JSON differs and
 //! both are parsed strictly).
 
-use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
+use ed25519_dalek::{Signature, SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
 
 use crate::auth::{AuthError, SignedClaims, key_id};
@@ -60,7 +60,7 @@ pub fn sign_ack(mut claims: RequestAckClaims, key: &SigningKey) -> SignedClaims 
 /// `claims` as RFC 8785 JSON, signed.
 fn signed(claims: &impl Serialize, key_id: String, key: &SigningKey) -> SignedClaims {
     let claims_json = canonical_json(claims).into_bytes();
-    let signature = key.sign(&claims_json).to_bytes().to_vec();
+    let signature = crate::signature::sign(key, &claims_json).to_bytes().to_vec();
     SignedClaims { claims_json, signature, key_id }
 }
 
@@ -74,7 +74,9 @@ fn verified<T: serde::de::DeserializeOwned>(
     }
     let key = keys(&signed.key_id).ok_or_else(|| AuthError::UnknownKey(signed.key_id.clone()))?;
     let sig = Signature::from_slice(&signed.signature).map_err(|_| AuthError::BadSignature)?;
-    key.verify(&signed.claims_json, &sig).map_err(|_| AuthError::BadSignature)?;
+    if !crate::signature::verify(&key, &signed.claims_json, &sig) {
+        return Err(AuthError::BadSignature);
+    }
     serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))
 }
 

@@ -3,7 +3,7 @@
 //! arguments, the idempotency key and an expiry; the signature covers their RFC 8785 bytes.
 //! Tool hosts verify before acting, so a buggy executor cannot run what policy did not allow.
 
-use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
+use ed25519_dalek::{Signature, SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
 
 use crate::canonical::canonical_json;
@@ -82,7 +82,7 @@ pub fn key_id(key: &VerifyingKey) -> String {
 pub fn sign(mut claims: AuthorizationClaims, key: &SigningKey) -> SignedClaims {
     claims.key_id = key_id(&key.verifying_key());
     let claims_json = canonical_json(&claims).into_bytes();
-    let signature = key.sign(&claims_json).to_bytes().to_vec();
+    let signature = crate::signature::sign(key, &claims_json).to_bytes().to_vec();
     SignedClaims { claims_json, signature, key_id: claims.key_id }
 }
 
@@ -143,7 +143,9 @@ pub fn verify(
     }
     let key = keys(&signed.key_id).ok_or_else(|| AuthError::UnknownKey(signed.key_id.clone()))?;
     let sig = Signature::from_slice(&signed.signature).map_err(|_| AuthError::BadSignature)?;
-    key.verify(&signed.claims_json, &sig).map_err(|_| AuthError::BadSignature)?;
+    if !crate::signature::verify(&key, &signed.claims_json, &sig) {
+        return Err(AuthError::BadSignature);
+    }
     let claims: AuthorizationClaims =
         serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))?;
     if claims.key_id != signed.key_id {

@@ -7,7 +7,7 @@
 //! The payload carries `key_id` (inside what is signed) and `signature` (hex Ed25519 over the
 //! RFC 8785 JSON of the payload without `signature`).
 
-use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
+use ed25519_dalek::{Signature, SigningKey, VerifyingKey};
 use serde_json::Value;
 
 use crate::auth::{AuthError, key_id};
@@ -18,7 +18,7 @@ pub fn sign_decision(mut payload: Value, key: &SigningKey) -> Value {
     let Some(obj) = payload.as_object_mut() else { return payload };
     obj.remove("signature");
     obj.insert("key_id".into(), Value::String(key_id(&key.verifying_key())));
-    let signature = key.sign(canonical_value(&payload).as_bytes());
+    let signature = crate::signature::sign(key, canonical_value(&payload).as_bytes());
     if let Some(obj) = payload.as_object_mut() {
         obj.insert("signature".into(), Value::String(hex::encode(signature.to_bytes())));
     }
@@ -37,7 +37,11 @@ pub fn verify_decision(payload: &Value, keys: impl Fn(&str) -> Option<VerifyingK
     let sig = Signature::from_slice(&bytes).map_err(|_| AuthError::BadSignature)?;
     let mut signed = obj.clone();
     signed.remove("signature");
-    key.verify(canonical_value(&Value::Object(signed)).as_bytes(), &sig).map_err(|_| AuthError::BadSignature)
+    if crate::signature::verify(&key, canonical_value(&Value::Object(signed)).as_bytes(), &sig) {
+        Ok(())
+    } else {
+        Err(AuthError::BadSignature)
+    }
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ pub mod plan;
 pub mod receipt;
 pub mod replan;
 pub mod run;
+pub mod signature;
 pub mod template;
 pub mod trace;
 
