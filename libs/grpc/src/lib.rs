@@ -34,9 +34,38 @@ pub enum ServeError {
     Bind { addr: String, source: std::io::Error },
 }
 
-/// Binds `addr` (use port 0 for any free port).
+/// How many connections the kernel may hold completed for a server before it accepts them (the
+/// kernel caps it at `net.core.somaxconn`, 4096 on current kernels).
+///
+/// `TcpListener::bind`'s 1024 overflowed on a burst: a thousand clients connecting at once to
+/// an executor busy driving runs filled the queue, the kernel dropped the handshakes it had no
+/// room for (`TcpExtListenOverflows`), and clients whose retried handshake came late hit their
+/// connect timeout (`warden bench --batch-runs 1000` failed about one try in three so).
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds `addr` (use port 0 for any free port), the first of its addresses that binds, with
+/// `SO_REUSEADDR` (as `TcpListener::bind`) and a [`LISTEN_BACKLOG`] queue.
 pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr: addr.to_string(), source })
+    let refused = |source| ServeError::Bind { addr: addr.to_string(), source };
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await.map_err(refused)? {
+        match listen(a) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(refused(
+        last.unwrap_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "the address resolves to nothing")
+        }),
+    ))
+}
+
+fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Where a server listens: its TCP address, and a Unix domain socket beside it for clients on
@@ -505,6 +534,36 @@ mod tests {
                 }
             }
             (names, file)
+        }
+    }
+
+    /// A burst of connections larger than `TcpListener::bind`'s queue of 1024, to a server that
+    /// accepts none of them yet, completes every handshake: the kernel holds them all until the
+    /// server gets to them (fewer if this kernel caps the queue lower, or this process may
+    /// open fewer sockets).
+    #[tokio::test]
+    async fn a_burst_of_connections_beyond_1024_waits_in_the_queue_instead_of_being_dropped() {
+        let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(1024);
+        let burst = 1500.min(somaxconn.saturating_sub(1));
+        let listener = super::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let mut connects = tokio::task::JoinSet::new();
+        for _ in 0..burst {
+            connects.spawn(async move {
+                tokio::time::timeout(std::time::Duration::from_secs(20), tokio::net::TcpStream::connect(addr)).await
+            });
+        }
+        let mut held = Vec::new();
+        while let Some(r) = connects.join_next().await {
+            held.push(r.expect("task").expect("handshake completed, not dropped").expect("connected"));
+        }
+        assert_eq!(held.len(), burst);
+        // And the server then accepts them in turn.
+        for _ in 0..burst {
+            listener.accept().await.expect("accept");
         }
     }
 
