@@ -378,6 +378,10 @@ mod tests {
 
     /// [`host`], configured otherwise by `config` (its outbox and policy endpoint are set).
     fn host_with(dir: &std::path::Path, config: ToolsConfig) -> ToolHostService {
+        // As in `warden dev`, where the host checks what the same process signed: every
+        // refusal below must hold with the memo of own signatures on (`warden_core::signature`),
+        // though this process signs the forgeries too.
+        warden_core::signature::remember_own_signatures();
         let config = ToolsConfig {
             outbox_path: dir.join("outbox.jsonl").display().to_string(),
             // Never contacted: the signing key is known already.
