@@ -37,14 +37,15 @@ pub enum ServeError {
 /// How many connections the kernel may hold completed for a server before it accepts them (the
 /// kernel caps it at `net.core.somaxconn`, 4096 on current kernels).
 ///
-/// `TcpListener::bind`'s 1024 overflowed on a burst: a thousand clients connecting at once to
-/// an executor busy driving runs filled the queue, the kernel dropped the handshakes it had no
+/// `TcpListener::bind`'s 128 (the standard library's and mio's value) overflowed on a burst: a
+/// thousand clients connecting at once to an executor busy driving runs filled the queue, the kernel dropped the handshakes it had no
 /// room for (`TcpExtListenOverflows`), and clients whose retried handshake came late hit their
 /// connect timeout (`warden bench --batch-runs 1000` failed about one try in three so).
 pub const LISTEN_BACKLOG: u32 = 4096;
 
 /// Binds `addr` (use port 0 for any free port), the first of its addresses that binds, with
-/// `SO_REUSEADDR` (as `TcpListener::bind`) and a [`LISTEN_BACKLOG`] queue.
+/// `SO_REUSEADDR` except on Windows (as `TcpListener::bind`: there it would let another process
+/// take a port in use) and a [`LISTEN_BACKLOG`] queue.
 pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
     let refused = |source| ServeError::Bind { addr: addr.to_string(), source };
     let mut last = None;
@@ -63,6 +64,7 @@ pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
 
 fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    #[cfg(not(windows))]
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
@@ -537,17 +539,24 @@ mod tests {
         }
     }
 
-    /// A burst of connections larger than `TcpListener::bind`'s queue of 1024, to a server that
-    /// accepts none of them yet, completes every handshake: the kernel holds them all until the
-    /// server gets to them (fewer if this kernel caps the queue lower, or this process may
-    /// open fewer sockets).
+    /// A burst of connections far larger than `TcpListener::bind`'s queue of 128, to a server
+    /// that accepts none of them yet, completes every handshake: the kernel holds them all until
+    /// the server gets to them (fewer if this kernel caps the queue lower, or this process may
+    /// open fewer files: two per connection, client and server side, stay open).
     #[tokio::test]
     async fn a_burst_of_connections_beyond_1024_waits_in_the_queue_instead_of_being_dropped() {
         let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(1024);
-        let burst = 1500.min(somaxconn.saturating_sub(1));
+        let open_files: usize = std::fs::read_to_string("/proc/self/limits")
+            .ok()
+            .and_then(|s| {
+                let line = s.lines().find(|l| l.starts_with("Max open files"))?;
+                line.split_whitespace().nth(3)?.parse().ok()
+            })
+            .unwrap_or(1024);
+        let burst = 1500.min(somaxconn.saturating_sub(1)).min(open_files.saturating_sub(256) / 2);
         let listener = super::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let mut connects = tokio::task::JoinSet::new();
