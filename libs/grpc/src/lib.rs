@@ -38,9 +38,10 @@ pub enum ServeError {
 /// kernel caps it at `net.core.somaxconn`, 4096 on current kernels).
 ///
 /// `TcpListener::bind`'s 128 (the standard library's and mio's value) overflowed on a burst: a
-/// thousand clients connecting at once to an executor busy driving runs filled the queue, the kernel dropped the handshakes it had no
-/// room for (`TcpExtListenOverflows`), and clients whose retried handshake came late hit their
-/// connect timeout (`warden bench --batch-runs 1000` failed about one try in three so).
+/// thousand clients connecting at once to an executor busy driving runs filled the queue, the
+/// kernel dropped the handshakes it had no room for (`TcpExtListenOverflows`), and clients
+/// whose retried handshake came late hit their connect timeout (`warden bench --batch-runs
+/// 1000` failed about one try in three so).
 pub const LISTEN_BACKLOG: u32 = 4096;
 
 /// Binds `addr` (use port 0 for any free port), the first of its addresses that binds, with
