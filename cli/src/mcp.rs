@@ -108,7 +108,9 @@ pub async fn run(target: &Target, policy_endpoint: Option<String>, cmd: McpComma
 async fn serve_http(gateway: Gateway, addr: &str, path: &str) -> anyhow::Result<i32> {
     use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
     use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot bind {addr}"))?;
+    // The services' bind: a listen queue of `LISTEN_BACKLOG`, not tokio's 128, for many MCP
+    // clients connecting at once.
+    let listener = warden_grpc::bind(addr).await?;
     let bound = listener.local_addr()?;
     anyhow::ensure!(
         bound.ip().is_loopback() || gateway.inner.tokens.enabled(),
