@@ -876,9 +876,14 @@ impl LedgerStore {
             // On a kept connection, as the one statement above: SQLite's pool would otherwise
             // ping the connection on its worker thread after every batch.
             let mut conn = self.write_conn().await?;
-            let mut tx = self.begin_write_on(&mut conn).await?;
-            batch::write(self, &mut tx, decided).await?;
-            tx.commit().await?;
+            if decided.fits_one_query() {
+                // The transaction and its statements in one query (one hand-over).
+                batch::write_committed(self, &mut conn, decided).await?;
+            } else {
+                let mut tx = self.begin_write_on(&mut conn).await?;
+                batch::write(self, &mut tx, decided).await?;
+                tx.commit().await?;
+            }
             self.keep(conn);
         }
         Ok(())
@@ -1164,6 +1169,26 @@ mod tests {
         }
     }
 
+    /// A root run of tenant `t`, started by an executor at epoch 1.
+    fn new_run<'a>(run_id: &'a str, plan: &'a serde_json::Value) -> NewRun<'a> {
+        NewRun {
+            run_id,
+            tenant: "t",
+            agent: "",
+            plan: Some(plan),
+            goal: "",
+            idempotency_key: "",
+            cancel_policy: 0,
+            now_ms: 1,
+            started_by: Some(("executor", 1)),
+            replay_policy: 0,
+            parent_run_id: "",
+            frame: None,
+            max_frames: 0,
+            first: Vec::new(),
+        }
+    }
+
     /// Whether each event of each group was a repeat, or the group's refusal.
     fn repeats(results: Vec<crate::group::GroupResult>) -> Vec<Result<Vec<bool>, String>> {
         results
@@ -1179,23 +1204,7 @@ mod tests {
         let store = LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("store");
         let plan = json!({ "steps": [] });
         for run_id in ["a", "b", "c"] {
-            let new = NewRun {
-                run_id,
-                tenant: "t",
-                agent: "",
-                plan: Some(&plan),
-                goal: "",
-                idempotency_key: "",
-                cancel_policy: 0,
-                now_ms: 1,
-                started_by: Some(("executor", 1)),
-                replay_policy: 0,
-                parent_run_id: "",
-                frame: None,
-                max_frames: 0,
-                first: Vec::new(),
-            };
-            store.create_run(new).await.expect("created");
+            store.create_run(new_run(run_id, &plan)).await.expect("created");
         }
         let batch = store.append_groups(vec![vec![note("a", "n1")], vec![note("b", "n1")]]).await;
         assert_eq!(repeats(batch), [Ok(vec![false]), Ok(vec![false])]);
@@ -1292,6 +1301,37 @@ mod tests {
         }
     }
 
+    /// SQLite commits a batch decided from memory in the same query as its writes; a head
+    /// that moved under it must stop that query before `COMMIT` even when nothing else would
+    /// fail (here the head moved without an event at the seq the batch writes), and leave no
+    /// transaction open on the connection it keeps.
+    #[tokio::test]
+    async fn a_batch_whose_head_moved_commits_nothing() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}/ledger.db", dir.path().display());
+        let store = LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("store");
+        let plan = json!({ "steps": [] });
+        store.create_run(new_run("a", &plan)).await.expect("created");
+        assert_eq!(repeats(store.append_groups(vec![vec![note("a", "n1")]]).await), [Ok(vec![false])]);
+        let before = store.events("a", 0, 100).await.expect("events");
+        // Another writer moved the stored head on (memory here still holds the old one).
+        sqlx::query("UPDATE runs SET last_seq = last_seq + 5 WHERE run_id = 'a'")
+            .execute(store.pool())
+            .await
+            .expect("moved");
+        let read_before = store.runs_read();
+        assert_eq!(repeats(store.append_groups(vec![vec![note("a", "n2")]]).await), [Ok(vec![false])]);
+        assert_eq!(store.runs_read(), read_before + 1, "decided again on the stored head");
+        let events = store.events("a", 0, 100).await.expect("events");
+        let n2: Vec<u64> = events.iter().filter(|e| e.body.idempotency_key == "n2").map(|e| e.body.seq).collect();
+        let last = before.last().expect("an event").body.seq;
+        assert_eq!(n2, [last + 6], "written once, after the moved head; nothing at {}", last + 1);
+        assert_eq!(events.len(), before.len() + 1);
+        // The kept connection is in no transaction: the next batch commits on it.
+        assert_eq!(repeats(store.append_groups(vec![vec![note("a", "n3")]]).await), [Ok(vec![false])]);
+        let events = store.events("a", 0, 100).await.expect("events");
+        assert_eq!(events.last().expect("an event").body.seq, last + 7);
+    }
     #[test]
     fn sqlite_urls_get_create_mode() {
         let dir = std::env::temp_dir().join(format!("warden-url-{}", std::process::id()));

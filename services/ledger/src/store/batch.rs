@@ -499,7 +499,7 @@ impl Decided {
 
     /// Whether [`write_one_query`] can take the batch (each `INSERT` within [`ROWS`] rows, as
     /// the statement-by-statement path chunks them).
-    fn fits_one_query(&self) -> bool {
+    pub(crate) fn fits_one_query(&self) -> bool {
         self.params() <= MAX_STATEMENT_PARAMS && self.events.len() <= ROWS && self.receipts.len() <= ROWS
     }
 }
@@ -512,43 +512,110 @@ impl Decided {
 /// its own changes: a head write that changed no row means another writer moved the head,
 /// and the transaction is rolled back (dropped) unwritten as with [`write_head`].
 async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<(), LedgerError> {
-    use futures::TryStreamExt as _;
     let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
-    // Anonymous marks throughout (see [`anonymous_marks`]), bound in the order they appear.
-    let mut sql = UPDATE_HEAD_ANONYMOUS.repeat(heads.len());
+    let sql = one_query_sql(&heads, d, false);
+    if sql.is_empty() {
+        return Ok(());
+    }
+    let (changes, failed) = run_one_query(store, tx, &sql, &heads, d).await;
+    // Each statement reports its changes in order: the heads' are the first `heads.len()`.
+    one_query_outcome(&heads, &changes, 0, 1, failed)
+}
+
+/// SQLite, a batch decided wholly from memory that [`Decided::fits_one_query`]: the whole
+/// transaction — `BEGIN IMMEDIATE`, the statements of [`write_one_query`], `COMMIT` — as ONE
+/// query on `conn`, so one hand-over to sqlx's worker thread per commit where `BEGIN`, the
+/// statements and `COMMIT` took three (each a wake-up of that thread and one of the caller's).
+///
+/// Nothing may commit when a head write changed no row (another writer moved the head, or the
+/// row is gone), so each head write is followed by a guard statement that fails the query
+/// unless the write changed exactly one row: `json()` of text that is not JSON is an error
+/// in SQLite, and `changes()` is the row count of the statement just before. A failed
+/// statement ends the query before `COMMIT`; the transaction is then rolled back here, and
+/// the connection is given up if even that fails (it must not go back in a transaction).
+pub async fn write_committed(
+    store: &LedgerStore,
+    conn: &mut sqlx::pool::PoolConnection<Any>,
+    d: &Decided,
+) -> Result<(), LedgerError> {
+    let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
+    let sql = one_query_sql(&heads, d, true);
+    let (changes, failed) = run_one_query(store, conn, &sql, &heads, d).await;
+    // BEGIN reports first; then each head its write and its guard.
+    let outcome = one_query_outcome(&heads, &changes, 1, 2, failed);
+    if outcome.is_err() {
+        // Whatever ended the query, no transaction may stay open on the connection. (After a
+        // failed COMMIT, SQLite may have rolled back already: "no transaction is active".)
+        let active = sqlx::query("ROLLBACK").execute(&mut **conn).await;
+        if let Err(e) = active
+            && !e.to_string().contains("no transaction is active")
+        {
+            tracing::warn!(error = %e, "rolling back a failed batch failed; closing its connection");
+            conn.close_on_drop();
+        }
+    }
+    outcome
+}
+
+/// Fails the query unless the statement before it changed exactly one row (see
+/// [`write_committed`]).
+const EXACTLY_ONE_CHANGE: &str = "SELECT json(CASE changes() WHEN 1 THEN '1' ELSE 'head moved' END);\n";
+
+/// The text of [`write_one_query`]'s query, or with `committed` of [`write_committed`]'s.
+fn one_query_sql(heads: &[&RunState], d: &Decided, committed: bool) -> String {
+    let mut sql = String::new();
+    if committed {
+        sql.push_str("BEGIN IMMEDIATE;\n");
+    }
+    for _ in heads {
+        sql.push_str(UPDATE_HEAD_ANONYMOUS);
+        if committed {
+            sql.push_str(EXACTLY_ONE_CHANGE);
+        }
+    }
     if !d.events.is_empty() {
         sql.push_str(&insert_events_with(&anonymous_marks(d.events.len(), 10)));
         sql.push_str(";\n");
     }
     if !d.receipts.is_empty() {
         sql.push_str(&insert_receipts_with(&anonymous_marks(d.receipts.len(), 8)));
-        sql.push(';');
+        sql.push_str(";\n");
     }
-    if sql.is_empty() {
-        return Ok(());
+    if committed {
+        sql.push_str("COMMIT;");
     }
+    sql
+}
+
+/// Runs a one-query batch on `conn`: each statement's changes, in order, up to the first that
+/// failed, and that failure.
+async fn run_one_query(
+    store: &LedgerStore,
+    conn: &mut sqlx::AnyConnection,
+    sql: &str,
+    heads: &[&RunState],
+    d: &Decided,
+) -> (Vec<u64>, Option<sqlx::Error>) {
+    use futures::TryStreamExt as _;
     // The text depends on how many runs, events and receipts the batch holds. A chain's
     // few shapes stay prepared; the many of a busy batch would only push them out of the
     // connection's statement cache, so those are prepared for the one use.
     let usual = heads.len() <= 2 && d.events.len() <= 8 && d.receipts.len() <= 2;
-    let mut q = sqlx::query(&sql).persistent(usual);
-    for st in &heads {
+    let mut q = sqlx::query(sql).persistent(usual);
+    for st in heads {
         q = bind_head_columns(store, q, st).bind(&st.head.run_id).bind(st.stored_seq as i64);
     }
     q = bind_events(q, &d.events);
     for r in &d.receipts {
         q = bind_receipt(q, r);
     }
-    // Each statement's changes, in order, up to the first that failed. A head that changed
-    // nothing is the answer even when a later statement failed: that run's first new event
-    // then met the one the other writer stored at its seq.
-    let mut changes = Vec::with_capacity(heads.len() + 2);
+    let mut changes = Vec::with_capacity(2 * heads.len() + 4);
     let mut failed = None;
     // sqlx 0.8 deprecates several statements in one query (only its SQLite driver takes
     // them), pointing at `raw_sql`, which binds nothing; until a successor binds, this is the
     // one way to one hand-over. Should it go, `fits_one_query` false is the old path.
     #[allow(deprecated)]
-    let mut steps = q.fetch_many(&mut **tx);
+    let mut steps = q.fetch_many(conn);
     loop {
         match steps.try_next().await {
             Ok(Some(step)) => changes.extend(step.left().map(|done| done.rows_affected())),
@@ -559,14 +626,29 @@ async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> R
             }
         }
     }
-    drop(steps);
-    if let Some(st) = heads.iter().zip(&changes).find_map(|(st, n)| (*n != 1).then_some(st)) {
+    (changes, failed)
+}
+
+/// What a one-query batch came to, from its statements' `changes` (the i-th head's write
+/// reported at `first + i * stride`) and the failure that ended it, if any. A head that
+/// changed nothing is the answer even when a later statement failed: its guard, or that
+/// run's first new event meeting the one the other writer stored at its seq.
+fn one_query_outcome(
+    heads: &[&RunState],
+    changes: &[u64],
+    first: usize,
+    stride: usize,
+    failed: Option<sqlx::Error>,
+) -> Result<(), LedgerError> {
+    let head_changes = |i: usize| changes.get(first + i * stride).copied();
+    if let Some(st) = heads.iter().enumerate().find_map(|(i, st)| head_changes(i).is_some_and(|n| n != 1).then_some(st))
+    {
         return Err(moved(&st.head.run_id));
     }
     if let Some(e) = failed {
         return Err(e.into());
     }
-    if changes.len() < heads.len() {
+    if heads.iter().enumerate().any(|(i, _)| head_changes(i).is_none()) {
         return Err(LedgerError::Internal("a head write went unreported".into()));
     }
     Ok(())
