@@ -1304,7 +1304,7 @@ mod tests {
     /// SQLite commits a batch decided from memory in the same query as its writes; a head
     /// that moved under it must stop that query before `COMMIT` even when nothing else would
     /// fail (here the head moved without an event at the seq the batch writes), and leave no
-    /// transaction open on the connection it keeps.
+    /// transaction open.
     #[tokio::test]
     async fn a_batch_whose_head_moved_commits_nothing() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -1327,10 +1327,29 @@ mod tests {
         let last = before.last().expect("an event").body.seq;
         assert_eq!(n2, [last + 6], "written once, after the moved head; nothing at {}", last + 1);
         assert_eq!(events.len(), before.len() + 1);
-        // The kept connection is in no transaction: the next batch commits on it.
+        // No transaction was left open: the next batch commits.
         assert_eq!(repeats(store.append_groups(vec![vec![note("a", "n3")]]).await), [Ok(vec![false])]);
         let events = store.events("a", 0, 100).await.expect("events");
         assert_eq!(events.last().expect("an event").body.seq, last + 7);
+
+        // Two runs in one batch, the second's head moved: the first's write and guard pass,
+        // the second's guard stops the query, and neither run's event is committed by it.
+        store.create_run(new_run("b", &plan)).await.expect("created");
+        assert_eq!(repeats(store.append_groups(vec![vec![note("b", "n1")]]).await), [Ok(vec![false])]);
+        let b_last = store.events("b", 0, 100).await.expect("events").last().expect("an event").body.seq;
+        sqlx::query("UPDATE runs SET last_seq = last_seq + 5 WHERE run_id = 'b'")
+            .execute(store.pool())
+            .await
+            .expect("moved");
+        let read_before = store.runs_read();
+        let batch = store.append_groups(vec![vec![note("a", "n4")], vec![note("b", "n2")]]).await;
+        assert_eq!(repeats(batch), [Ok(vec![false]), Ok(vec![false])]);
+        assert!(store.runs_read() > read_before, "decided again on the stored heads");
+        let seq_of = |events: &[ChainedEvent], key: &str| -> Vec<u64> {
+            events.iter().filter(|e| e.body.idempotency_key == key).map(|e| e.body.seq).collect()
+        };
+        assert_eq!(seq_of(&store.events("a", 0, 100).await.expect("events"), "n4"), [last + 8], "a: once, next");
+        assert_eq!(seq_of(&store.events("b", 0, 100).await.expect("events"), "n2"), [b_last + 6], "b: once, after");
     }
     #[test]
     fn sqlite_urls_get_create_mode() {

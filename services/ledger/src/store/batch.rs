@@ -531,8 +531,10 @@ async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> R
 /// row is gone), so each head write is followed by a guard statement that fails the query
 /// unless the write changed exactly one row: `json()` of text that is not JSON is an error
 /// in SQLite, and `changes()` is the row count of the statement just before. A failed
-/// statement ends the query before `COMMIT`; the transaction is then rolled back here, and
-/// the connection is given up if even that fails (it must not go back in a transaction).
+/// statement ends the query before `COMMIT`; the transaction is then rolled back here. The
+/// connection is closed instead of given back whenever that cannot be done: the rollback
+/// failed, or this future was dropped before the query settled. A query whose answers stop
+/// short of `COMMIT`'s without an error counts as failed.
 pub async fn write_committed(
     store: &LedgerStore,
     conn: &mut sqlx::pool::PoolConnection<Any>,
@@ -540,21 +542,53 @@ pub async fn write_committed(
 ) -> Result<(), LedgerError> {
     let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
     let sql = one_query_sql(&heads, d, true);
-    let (changes, failed) = run_one_query(store, conn, &sql, &heads, d).await;
-    // BEGIN reports first; then each head its write and its guard.
-    let outcome = one_query_outcome(&heads, &changes, 1, 2, failed);
+    // sqlx does not know of a transaction begun by a query: should this future be dropped
+    // half-way (the connection's worker then stops at its next answer, the transaction
+    // open), the connection is closed, never given back to the pool still in it.
+    let mut guard = CloseUnlessSettled { conn, settled: false };
+    let (changes, failed) = run_one_query(store, guard.conn, &sql, &heads, d).await;
+    let (first, stride) = COMMITTED_HEAD_REPORTS;
+    let mut outcome = one_query_outcome(&heads, &changes, first, stride, failed);
+    // Every statement must have reported, COMMIT last: a query whose answers stopped without
+    // an error (its worker gone) committed nothing anyone saw.
+    let statements = 2 + 2 * heads.len() + usize::from(!d.events.is_empty()) + usize::from(!d.receipts.is_empty());
+    if outcome.is_ok() && changes.len() != statements {
+        outcome = Err(LedgerError::Internal(format!(
+            "the batch's query answered {} of its {statements} statements",
+            changes.len()
+        )));
+    }
     if outcome.is_err() {
         // Whatever ended the query, no transaction may stay open on the connection. (After a
         // failed COMMIT, SQLite may have rolled back already: "no transaction is active".)
-        let active = sqlx::query("ROLLBACK").execute(&mut **conn).await;
+        let active = sqlx::query("ROLLBACK").execute(&mut **guard.conn).await;
         if let Err(e) = active
             && !e.to_string().contains("no transaction is active")
         {
             tracing::warn!(error = %e, "rolling back a failed batch failed; closing its connection");
-            conn.close_on_drop();
+            return outcome;
         }
     }
+    guard.settled = true;
     outcome
+}
+
+/// Where [`write_committed`]'s query reports head i's write: at `first + i * stride` (BEGIN
+/// reports first; then each head its write and its guard).
+const COMMITTED_HEAD_REPORTS: (usize, usize) = (1, 2);
+
+/// Closes its connection when it is dropped unless `settled` (see [`write_committed`]).
+struct CloseUnlessSettled<'a> {
+    conn: &'a mut sqlx::pool::PoolConnection<Any>,
+    settled: bool,
+}
+
+impl Drop for CloseUnlessSettled<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.conn.close_on_drop();
+        }
+    }
 }
 
 /// Fails the query unless the statement before it changed exactly one row (see
@@ -855,4 +889,59 @@ fn decide(states: &mut HashMap<String, RunState>, e: &OwnedEvent) -> Result<(Cha
     );
     st.head.advance(&event);
     Ok((event, false, capability_id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(run_id: &str) -> RunState {
+        RunState::new(
+            RunHead {
+                run_id: run_id.into(),
+                tenant: "t".into(),
+                status: "running".into(),
+                reason: String::new(),
+                last_seq: 3,
+                head_hash: String::new(),
+                max_epoch: 1,
+                updated_at_ms: 0,
+            },
+            false,
+        )
+    }
+
+    /// Which head a one-query batch's answers say moved: in [`write_committed`]'s query head
+    /// i reports at 1 + 2i (after BEGIN, and each earlier head's write and guard).
+    #[test]
+    fn a_committed_batch_names_the_head_that_moved() {
+        let (a, b) = (state("a"), state("b"));
+        let heads = [&a, &b];
+        let failed = || Some(sqlx::Error::Protocol("malformed JSON".into()));
+        // The query's statements, in order: head i's write where its answer is looked for.
+        let d = Decided {
+            results: Vec::new(),
+            events: Vec::new(),
+            receipts: Vec::new(),
+            states: HashMap::new(),
+            touched: Vec::new(),
+        };
+        let sql = one_query_sql(&heads, &d, true);
+        let writes: Vec<usize> = (sql.split(";\n").enumerate())
+            .filter_map(|(n, statement)| statement.trim_start().starts_with("UPDATE runs").then_some(n))
+            .collect();
+        let (first, stride) = COMMITTED_HEAD_REPORTS;
+        assert_eq!(writes, [first, first + stride], "{sql}");
+        // BEGIN, a's write (1 row), a's guard, b's write (0 rows); b's guard failed.
+        let moved = one_query_outcome(&heads, &[0, 1, 1, 0], first, stride, failed());
+        assert!(matches!(&moved, Err(LedgerError::Moved(m)) if m.contains("'b'")), "{moved:?}");
+        // Stopped before b's write reported: the failure itself, not a moved head.
+        let broken = one_query_outcome(&heads, &[0, 1, 1], 1, 2, failed());
+        assert!(matches!(&broken, Err(e) if !matches!(e, LedgerError::Moved(_))), "{broken:?}");
+        // Every head wrote its row.
+        assert!(one_query_outcome(&heads, &[0, 1, 1, 1, 1, 3, 1, 0], first, stride, None).is_ok());
+        // The form without BEGIN and guards: head i at i.
+        let moved = one_query_outcome(&heads, &[1, 0], 0, 1, failed());
+        assert!(matches!(&moved, Err(LedgerError::Moved(m)) if m.contains("'b'")), "{moved:?}");
+    }
 }
