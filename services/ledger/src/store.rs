@@ -1351,6 +1351,7 @@ mod tests {
         assert_eq!(seq_of(&store.events("a", 0, 100).await.expect("events"), "n4"), [last + 8], "a: once, next");
         assert_eq!(seq_of(&store.events("b", 0, 100).await.expect("events"), "n2"), [b_last + 6], "b: once, after");
     }
+
     #[test]
     fn sqlite_urls_get_create_mode() {
         let dir = std::env::temp_dir().join(format!("warden-url-{}", std::process::id()));

@@ -242,7 +242,7 @@ fn bind_head_columns<'q>(store: &LedgerStore, q: Query<'q>, st: &'q RunState) ->
 const UPDATE_HEAD_ANONYMOUS: &str =
     "UPDATE runs SET last_seq = ?, head_hash = ?, max_epoch = ?, status = ?, reason = ?,
      updated_at_ms = ?, head_signature = ?, head_key_id = ?
- WHERE run_id = ? AND last_seq = ?;\n";
+ WHERE run_id = ? AND last_seq = ?";
 
 fn moved(run_id: &str) -> LedgerError {
     LedgerError::Moved(format!("run '{run_id}' moved on under another writer; append again"))
@@ -513,7 +513,7 @@ impl Decided {
 /// and the transaction is rolled back (dropped) unwritten as with [`write_head`].
 async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<(), LedgerError> {
     let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
-    let sql = one_query_sql(&heads, d, false);
+    let (sql, _) = one_query_sql(&heads, d, false);
     if sql.is_empty() {
         return Ok(());
     }
@@ -541,7 +541,7 @@ pub async fn write_committed(
     d: &Decided,
 ) -> Result<(), LedgerError> {
     let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
-    let sql = one_query_sql(&heads, d, true);
+    let (sql, statements) = one_query_sql(&heads, d, true);
     // sqlx does not know of a transaction begun by a query: should this future be dropped
     // half-way (the connection's worker then stops at its next answer, the transaction
     // open), the connection is closed, never given back to the pool still in it.
@@ -551,7 +551,6 @@ pub async fn write_committed(
     let mut outcome = one_query_outcome(&heads, &changes, first, stride, failed);
     // Every statement must have reported, COMMIT last: a query whose answers stopped without
     // an error (its worker gone) committed nothing anyone saw.
-    let statements = 2 + 2 * heads.len() + usize::from(!d.events.is_empty()) + usize::from(!d.receipts.is_empty());
     if outcome.is_ok() && changes.len() != statements {
         outcome = Err(LedgerError::Internal(format!(
             "the batch's query answered {} of its {statements} statements",
@@ -593,32 +592,36 @@ impl Drop for CloseUnlessSettled<'_> {
 
 /// Fails the query unless the statement before it changed exactly one row (see
 /// [`write_committed`]).
-const EXACTLY_ONE_CHANGE: &str = "SELECT json(CASE changes() WHEN 1 THEN '1' ELSE 'head moved' END);\n";
+const EXACTLY_ONE_CHANGE: &str = "SELECT json(CASE changes() WHEN 1 THEN '1' ELSE 'head moved' END)";
 
-/// The text of [`write_one_query`]'s query, or with `committed` of [`write_committed`]'s.
-fn one_query_sql(heads: &[&RunState], d: &Decided, committed: bool) -> String {
-    let mut sql = String::new();
+/// The text of [`write_one_query`]'s query, or with `committed` of [`write_committed`]'s, and
+/// how many statements it holds.
+fn one_query_sql(heads: &[&RunState], d: &Decided, committed: bool) -> (String, usize) {
+    let (mut sql, mut statements) = (String::new(), 0);
+    let mut push = |statement: &str| {
+        sql.push_str(statement);
+        sql.push_str(";\n");
+        statements += 1;
+    };
     if committed {
-        sql.push_str("BEGIN IMMEDIATE;\n");
+        push("BEGIN IMMEDIATE");
     }
     for _ in heads {
-        sql.push_str(UPDATE_HEAD_ANONYMOUS);
+        push(UPDATE_HEAD_ANONYMOUS);
         if committed {
-            sql.push_str(EXACTLY_ONE_CHANGE);
+            push(EXACTLY_ONE_CHANGE);
         }
     }
     if !d.events.is_empty() {
-        sql.push_str(&insert_events_with(&anonymous_marks(d.events.len(), 10)));
-        sql.push_str(";\n");
+        push(&insert_events_with(&anonymous_marks(d.events.len(), 10)));
     }
     if !d.receipts.is_empty() {
-        sql.push_str(&insert_receipts_with(&anonymous_marks(d.receipts.len(), 8)));
-        sql.push_str(";\n");
+        push(&insert_receipts_with(&anonymous_marks(d.receipts.len(), 8)));
     }
     if committed {
-        sql.push_str("COMMIT;");
+        push("COMMIT");
     }
-    sql
+    (sql, statements)
 }
 
 /// Runs a one-query batch on `conn`: each statement's changes, in order, up to the first that
@@ -682,7 +685,7 @@ fn one_query_outcome(
     if let Some(e) = failed {
         return Err(e.into());
     }
-    if heads.iter().enumerate().any(|(i, _)| head_changes(i).is_none()) {
+    if (0..heads.len()).any(|i| head_changes(i).is_none()) {
         return Err(LedgerError::Internal("a head write went unreported".into()));
     }
     Ok(())
@@ -926,7 +929,8 @@ mod tests {
             states: HashMap::new(),
             touched: Vec::new(),
         };
-        let sql = one_query_sql(&heads, &d, true);
+        let (sql, statements) = one_query_sql(&heads, &d, true);
+        assert_eq!(statements, 6, "BEGIN, two writes and their guards, COMMIT: {sql}");
         let writes: Vec<usize> = (sql.split(";\n").enumerate())
             .filter_map(|(n, statement)| statement.trim_start().starts_with("UPDATE runs").then_some(n))
             .collect();
