@@ -488,9 +488,29 @@ pub fn is_fenced(status: &Status) -> bool {
         && status.get_details_error_info().is_some_and(|i| i.reason == STALE_EPOCH)
 }
 
+/// Whether the client's own transport failed under the call — the callee killed or the
+/// connection reset mid-request — rather than the callee answering. A status the callee sent
+/// has no source error; one the client made of a broken connection (reset, broken pipe,
+/// stream closed) carries the transport error, whatever code tonic gives it (mostly UNKNOWN).
+/// Such a call decided nothing: callers treat it as an outage, not as the callee's answer.
+pub fn broke_off(status: &Status) -> bool {
+    matches!(status.code(), Code::Unknown | Code::Cancelled | Code::Internal | Code::Unavailable)
+        && std::error::Error::source(status).is_some()
+}
+
 #[cfg(test)]
 mod tests {
     use tonic::service::Routes;
+
+    #[test]
+    fn a_connection_broken_under_a_call_broke_off_and_a_callees_own_error_did_not() {
+        let broken =
+            tonic::Status::from_error(Box::new(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "broken pipe")));
+        assert_eq!(broken.code(), tonic::Code::Unknown);
+        assert!(super::broke_off(&broken));
+        assert!(!super::broke_off(&tonic::Status::unknown("the callee's own unknown error")));
+        assert!(!super::broke_off(&tonic::Status::internal("a bug in the callee")));
+    }
 
     /// The services a reflection client of either version lists, and whether it can fetch
     /// the file declaring `warden.v1.Runs`.

@@ -857,12 +857,14 @@ impl pb::policy_server::Policy for PolicyService {
         }
         // A stage that cannot reach its store (or the ledger) has decided nothing: the caller
         // gets UNAVAILABLE, nothing is recorded, and it asks again — a blip is not a decision.
-        // A stage that fails otherwise is a deny with its own rule id, recorded like any other
-        // decision — never an allow.
+        // So is a call whose connection broke off under it (the ledger killed mid-answer:
+        // tonic makes that UNKNOWN). A stage that fails otherwise is a deny with its own rule
+        // id, recorded like any other decision — never an allow.
         let rule = match self.stages(&r, &mut checked).await {
             Ok(rule) => rule,
             Err(e)
-                if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled) =>
+                if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled)
+                    || warden_grpc::broke_off(&e) =>
             {
                 tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, error = %e, "policy stage unavailable; not deciding");
                 if let Some((key, claim)) = checked.semantic_claim.take() {

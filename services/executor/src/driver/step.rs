@@ -274,15 +274,7 @@ pub(crate) fn never_sent(s: &Status) -> bool {
 /// reached, said it cannot answer now, or the connection broke off under the call (a callee
 /// killed mid-request: the client's own transport error, whatever code tonic gives it).
 pub(super) fn transient(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::ResourceExhausted | Code::Aborted) || broke_off(s)
-}
-
-/// The client's transport failed under the call: a status the callee sent has no source
-/// error, one the client made of a broken connection (reset, broken pipe, stream closed)
-/// carries the transport error.
-pub(super) fn broke_off(s: &Status) -> bool {
-    matches!(s.code(), Code::Unknown | Code::Cancelled | Code::Internal | Code::Unavailable)
-        && std::error::Error::source(s).is_some()
+    matches!(s.code(), Code::Unavailable | Code::ResourceExhausted | Code::Aborted) || warden_grpc::broke_off(s)
 }
 
 /// `d` scaled by a factor in [0.5, 1.5), so callers that failed together do not retry together.
@@ -772,7 +764,7 @@ pub(super) async fn execute_attempt(
             // shuts down arrives as INTERNAL): the host may have acted.
             Ok(Err(s))
                 if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded)
-                    || broke_off(&s) =>
+                    || warden_grpc::broke_off(&s) =>
             {
                 asked += 1;
                 unknown = format!("tool host call broke off: {}", host_said(ctx, s.message()));
