@@ -654,7 +654,7 @@ pub async fn export_with(
         .map_err(err)?
         .into_inner();
     let run = ledger
-        .get_run(pb::GetLedgerRunRequest { tenant: target.tenant.clone(), run_id: run_id.into() })
+        .get_run(pb::GetLedgerRunRequest { tenant: target.tenant.clone(), run_id: run_id.into(), with_events: false })
         .await
         .map_err(err)?
         .into_inner();

@@ -737,7 +737,7 @@ async fn a_critic_reviews_gated_calls_and_its_verdicts_are_recorded_and_replayed
     assert_eq!(model.received().len(), 2);
 
     // The same call decided again: the recorded verdict is replayed.
-    let get = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: refused.clone() };
+    let get = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: refused.clone(), with_events: false };
     let epoch = mesh.ledger().get_run(get).await.expect("run").into_inner().max_epoch;
     let args = json!({"to": "someone@elsewhere.example", "subject": "s", "body": "b"});
     let again = mesh

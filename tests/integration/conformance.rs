@@ -194,7 +194,7 @@ async fn k01_ledger_refuses_tool_events_without_a_recorded_allow(backend: Backen
     let e = ledger.append_event(append("tool_completed", &d.decision_id)).await.expect_err("a deny is no allow");
     assert!(e.message().contains("not an allow"), "{e:?}");
     let run = ledger
-        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone(), with_events: false })
         .await
         .expect("run")
         .into_inner();
@@ -376,8 +376,11 @@ async fn k11_stale_lease_holder_cannot_append(backend: Backend) {
     let e = ledger.append_event(append(old.epoch, "by-old-2")).await.expect_err("stale holder is fenced");
     assert!(warden_grpc::is_fenced(&e), "{e:?}");
     assert!(!leases.renew(&old, ttl).await.expect("redis"), "stale holder cannot renew");
-    let run =
-        ledger.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id }).await.expect("run").into_inner();
+    let run = ledger
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id, with_events: false })
+        .await
+        .expect("run")
+        .into_inner();
     assert_eq!((run.last_seq, run.max_epoch), (3, new.epoch), "the refused write left nothing behind");
 }
 

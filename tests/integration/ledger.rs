@@ -182,12 +182,12 @@ async fn bad_appends_write_nothing(backend: Backend) {
         .expect_err("other tenant");
     assert_eq!(e.code(), tonic::Code::NotFound, "another tenant's run does not exist for it");
     let e = ledger
-        .get_run(pb::GetLedgerRunRequest { tenant: "globex".into(), run_id: run_id.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "globex".into(), run_id: run_id.clone(), with_events: false })
         .await
         .expect_err("other tenant");
     assert_eq!(e.code(), tonic::Code::NotFound);
     let run = ledger
-        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone(), with_events: false })
         .await
         .expect("run")
         .into_inner();
@@ -275,7 +275,7 @@ async fn reads_after_a_postgres_restart_are_answered() {
     let run_id = empty_run(&mut ledger, "acme").await;
     let get = |l: &LedgerClient<Ch>| {
         let (mut l, r) = (l.clone(), run_id.clone());
-        async move { l.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: r }).await }
+        async move { l.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: r, with_events: false }).await }
     };
     // Reads at once, so the pool holds several connections.
     let reads: Vec<_> = (0..8).map(|_| tokio::spawn(get(&ledger))).collect();
@@ -347,7 +347,7 @@ async fn postgres_restart_mid_stream_loses_and_doubles_nothing() {
     // is let go and the read asked again on another, inside the ledger.
     let at_restart = probe
         .clone()
-        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone(), with_events: false })
         .await
         .unwrap_or_else(|s| panic!("a read right after the restart: {s:?}"))
         .into_inner()
@@ -620,7 +620,9 @@ async fn revisions_and_pauses_are_held_to_what_they_mean(backend: Backend) {
     }
     assert_eq!(events(&mut ledger, "acme", &run_id).await.len(), before, "no refused revision left anything");
     ledger.append_event(append("plan_revised", "r1", revised(1, &["c"], &["c"]))).await.expect("round 1");
-    let run = ledger.get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() }).await;
+    let run = ledger
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone(), with_events: false })
+        .await;
     let plan: serde_json::Value = serde_json::from_str(&run.expect("run").into_inner().plan_json).expect("plan");
     assert_eq!(plan["steps"][0]["id"], "c", "the round's plan is the run's plan");
     // Round 2 may not reuse the ids of round 1 nor those before it.
@@ -642,4 +644,69 @@ async fn revisions_and_pauses_are_held_to_what_they_mean_on_sqlite() {
 #[tokio::test]
 async fn revisions_and_pauses_are_held_to_what_they_mean_on_postgres() {
     revisions_and_pauses_are_held_to_what_they_mean(Backend::Postgres).await;
+}
+
+/// `GetRun` with `with_events` answers the run's log with its row, as `StreamEvents` would,
+/// up to 1 MiB of events; the executor's `GetRun` streams whatever did not fit, so its steps
+/// are the whole log's however long. Nobody else's run is answered.
+async fn a_run_read_with_its_events_is_its_whole_log(backend: Backend) {
+    let mesh = mesh_on(backend).await;
+    let get = |tenant: &str, run_id: &str, with_events| pb::GetLedgerRunRequest {
+        tenant: tenant.into(),
+        run_id: run_id.into(),
+        with_events,
+    };
+    let mut ledger = mesh.ledger();
+
+    let small = crate::submit(&mesh, "acme", &plan(&[("a", "echo", json!({"n": 1}), &[])])).await;
+    crate::ended(&mesh, "acme", &small).await;
+    let read = ledger.get_run(get("acme", &small, true)).await.expect("read").into_inner();
+    assert_eq!(read.events, events(&mut ledger, "acme", &small).await, "the whole log, as streamed");
+    assert_eq!(read.events.last().map(|e| e.seq), Some(read.last_seq));
+    let plain = ledger.get_run(get("acme", &small, false)).await.expect("read").into_inner();
+    assert!(plain.events.is_empty(), "events only when asked");
+    assert_eq!(pb::LedgerRun { events: Vec::new(), ..read }, plain, "the same row either way");
+    let other = ledger.get_run(get("globex", &small, true)).await.expect_err("another tenant's run");
+    assert_eq!(other.code(), tonic::Code::NotFound);
+
+    // Six steps echoing 200 kB each from the one before: the plan and every request carry
+    // it (outcomes keep large outputs by reference), 1.4 MB of events in all.
+    let big = "x".repeat(200_000);
+    let params: Vec<serde_json::Value> = (0..6)
+        .map(|i| if i == 0 { json!({"text": big}) } else { json!({"text": format!("{{{{s{}.output.text}}}}", i - 1)}) })
+        .collect();
+    let ids: Vec<String> = (0..6).map(|i| format!("s{i}")).collect();
+    let deps: Vec<Vec<&str>> = (0..6).map(|i| if i == 0 { vec![] } else { vec![ids[i - 1].as_str()] }).collect();
+    let steps: Vec<(&str, &str, serde_json::Value, &[&str])> =
+        (0..6).map(|i| (ids[i].as_str(), "echo", params[i].clone(), &deps[i][..])).collect();
+    let long = plan(&steps);
+    let long = crate::submit(&mesh, "acme", &long).await;
+    let run = crate::ended(&mesh, "acme", &long).await;
+    let whole = events(&mut ledger, "acme", &long).await;
+    let read = ledger.get_run(get("acme", &long, true)).await.expect("read").into_inner();
+    assert!(
+        !read.events.is_empty() && read.events.len() < whole.len(),
+        "{} of {} events",
+        read.events.len(),
+        whole.len()
+    );
+    assert_eq!(read.events[..], whole[..read.events.len()], "a prefix of the log");
+    let carried: usize = read.events.iter().map(|e| e.payload_json.len()).sum();
+    assert!(carried <= 1 << 20, "{carried} bytes of payloads");
+    // The executor's answer (WaitRun's, and GetRun's) folds the rest too.
+    assert_eq!(run.status(), pb::RunStatus::Completed, "{:?}", run.reason);
+    assert_eq!(run.steps.len(), 6);
+    assert!(run.steps.iter().all(|s| s.status() == pb::StepStatus::Completed && s.attempts == 1), "{:?}", run.steps);
+    let again = mesh.runs().get_run(pb::GetRunRequest { tenant: "acme".into(), run_id: long }).await.expect("get");
+    assert_eq!(again.into_inner().steps, run.steps);
+}
+
+#[tokio::test]
+async fn a_run_read_with_its_events_is_its_whole_log_on_sqlite() {
+    a_run_read_with_its_events_is_its_whole_log(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_run_read_with_its_events_is_its_whole_log_on_postgres() {
+    a_run_read_with_its_events_is_its_whole_log(Backend::Postgres).await;
 }

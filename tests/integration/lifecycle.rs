@@ -21,7 +21,7 @@ async fn lifecycle(backend: Backend) {
     assert_eq!(progress.completed_stages, ["greet", "shout", "remember", "recall", "notify"]);
 
     let run = l
-        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone(), with_events: false })
         .await
         .expect("run")
         .into_inner();
@@ -83,7 +83,7 @@ async fn lifecycle(backend: Backend) {
     assert_eq!(checkpoints[0].payload_json, r#"{"cursor":5}"#);
 
     let before = l
-        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone(), with_events: false })
         .await
         .expect("run")
         .into_inner()
@@ -94,7 +94,7 @@ async fn lifecycle(backend: Backend) {
     let e = l.put_artifact(artifact("bad key!", json!(1), "a5")).await.expect_err("bad key");
     assert_field_violation(&e, "key");
     let after = l
-        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone(), with_events: false })
         .await
         .expect("run")
         .into_inner()
@@ -179,7 +179,7 @@ async fn transactions(backend: Backend) {
     assert!(!state(l.clone()).await.found, "staged effects are not committed state");
 
     let before = l
-        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run.clone(), with_events: false })
         .await
         .expect("run")
         .into_inner()
@@ -187,7 +187,7 @@ async fn transactions(backend: Backend) {
     let e = l.commit_tx(commit("tx1", "no-such-decision")).await.expect_err("no allow");
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     let after = l
-        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run.clone(), with_events: false })
         .await
         .expect("run")
         .into_inner()

@@ -84,7 +84,7 @@ async fn services_sharing_a_node_call_each_other_over_unix_sockets() {
     assert_eq!(mesh.outbox().len(), 1, "exactly one email");
 
     let endpoint = format!("unix:{socket}");
-    let get = || pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone() };
+    let get = || pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: run_id.clone(), with_events: false };
     let ledger = |token: &str| {
         pb::ledger_client::LedgerClient::new(warden_grpc::channel_with_token(&endpoint, token).expect("channel"))
     };
@@ -126,7 +126,7 @@ async fn first_decisions_are_asked_for_while_runs_are_created(backend: Backend) 
         assert_eq!(run.status(), pb::RunStatus::Completed, "{}: {id}\n{}", run.reason, mesh.logs());
         let mut ledger = mesh.ledger();
         assert!(verify(&mut ledger, "acme", &id).await.valid);
-        let req = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() };
+        let req = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone(), with_events: false };
         let recorded = ledger.get_run(req).await.expect("run").into_inner().plan_json;
         let digest = warden_core::canonical::sha256_hex(recorded.as_bytes());
         let evs = events(&mut ledger, "acme", &id).await;

@@ -251,7 +251,10 @@ async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger(backend: Ba
     let mut l = mesh.ledger();
     let t = || "globex".to_string();
     let codes = [
-        l.get_run(pb::GetLedgerRunRequest { tenant: t(), run_id: id.clone() }).await.err().map(|e| e.code()),
+        l.get_run(pb::GetLedgerRunRequest { tenant: t(), run_id: id.clone(), with_events: false })
+            .await
+            .err()
+            .map(|e| e.code()),
         l.verify_run(pb::VerifyRunRequest { tenant: t(), run_id: id.clone() }).await.err().map(|e| e.code()),
         l.list_receipts(pb::ListReceiptsRequest { tenant: t(), run_id: id.clone(), ..Default::default() })
             .await
@@ -310,14 +313,19 @@ async fn k20_a_caller_scoped_to_one_tenant_never_reaches_another_tenants_runs(ba
 
     let code = |r: Result<tonic::Response<pb::LedgerRun>, tonic::Status>| r.err().map(|e| e.code());
     let (mut g, mut a) = (mesh.ledger_as(globex), mesh.ledger_as(acme));
-    let as_acme = || pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone() };
+    let as_acme = || pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: id.clone(), with_events: false };
     assert_eq!(code(g.get_run(as_acme()).await), Some(Code::PermissionDenied), "naming another tenant");
     assert_eq!(
-        code(g.get_run(pb::GetLedgerRunRequest { tenant: "globex".into(), run_id: id.clone() }).await),
+        code(
+            g.get_run(pb::GetLedgerRunRequest { tenant: "globex".into(), run_id: id.clone(), with_events: false })
+                .await
+        ),
         Some(Code::NotFound)
     );
     assert_eq!(
-        code(g.get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: id.clone() }).await),
+        code(
+            g.get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: id.clone(), with_events: false }).await
+        ),
         Some(Code::PermissionDenied)
     );
     assert_eq!(code(mesh.ledger_as("").get_run(as_acme()).await), Some(Code::Unauthenticated), "no token");

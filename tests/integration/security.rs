@@ -779,7 +779,7 @@ async fn a_run_created_with_its_first_step_records_it_only_as_the_policy_signed_
         assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
         assert_eq!(warden_grpc::field_violations(&e)[0].0, field);
     }
-    let req = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: "first-bad".into() };
+    let req = pb::GetLedgerRunRequest { tenant: "acme".into(), run_id: "first-bad".into(), with_events: false };
     assert_eq!(code(mesh.ledger().get_run(req).await), Code::NotFound, "nothing written");
 
     let ledger = scrape(&mesh.ledger.metrics_url).await;
@@ -1074,4 +1074,25 @@ async fn a_call_that_succeeds_on_retry_keeps_its_semantic_key() {
     let dup = settled(&mesh, "acme", &second).await;
     assert_eq!(dup.status(), pb::RunStatus::Failed);
     assert!(dup.reason.contains("semantic_duplicate"), "{}", dup.reason);
+}
+
+/// `Runs.WaitRun` answers a run still driven here without asking the ledger when the caller's
+/// tenant submitted it; anyone else's wait is answered from the ledger as before: refused
+/// for a token of another tenant, NOT_FOUND for a run of another tenant.
+#[tokio::test]
+async fn a_wait_for_another_tenants_run_in_flight_is_refused() {
+    let mut opts = with_tokens(MeshOptions::default());
+    opts.tenants.iter_mut().filter(|(t, _)| t == "acme").for_each(|(_, tools)| tools.push("sleep".into()));
+    let mesh = mesh_with(Backend::Sqlite, opts).await;
+    let plan = plan(&[("nap", "sleep", json!({"ms": 1500}), &[]), ("after", "echo", json!({}), &["nap"])]);
+    let req = pb::SubmitRunRequest { tenant: "acme".into(), plan_json: plan, ..Default::default() };
+    let run_id = mesh.runs_as(ACME).submit_run(req).await.expect("submit").into_inner().run_id;
+    let wait = |tenant: &str| pb::WaitRunRequest { tenant: tenant.into(), run_id: run_id.clone(), timeout_ms: 60_000 };
+    let as_globex = mesh.runs_as(GLOBEX).wait_run(wait("acme")).await;
+    assert_eq!(code(as_globex), Code::PermissionDenied, "a token of another tenant");
+    let for_globex = mesh.runs_as(GLOBEX).wait_run(wait("globex")).await;
+    assert_eq!(code(for_globex), Code::NotFound, "another tenant's run, while it runs");
+    let mine = mesh.runs_as(ACME).wait_run(wait("acme")).await.expect("its own").into_inner();
+    assert_eq!(mine.status(), pb::RunStatus::Completed, "{mine:?}");
+    assert!(mine.steps.iter().all(|s| s.status() == pb::StepStatus::Completed), "{mine:?}");
 }

@@ -13,7 +13,7 @@ pub mod output;
 pub mod replay;
 pub mod runs;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -49,8 +49,9 @@ pub(crate) struct Inner {
     pub planner: PlannerClient<Ch>,
     pub catalog: ToolCatalog,
     pub leases: LeaseStore,
-    /// Runs this replica is driving right now.
-    pub driving: Mutex<HashSet<String>>,
+    /// Runs this replica is driving right now, with their tenant where it is known before
+    /// the driver reads the run (runs submitted here).
+    pub driving: Mutex<HashMap<String, Option<String>>>,
     /// Cancel and pause tokens of the runs this replica holds the lease of.
     pub signals: Mutex<HashMap<String, RunTokens>>,
     /// Woken when this replica stops driving a run (it ended, blocked, or was handed off):
@@ -183,7 +184,14 @@ impl Executor {
 
     /// Whether this replica drives `run_id` now.
     pub(crate) fn drives(&self, run_id: &str) -> bool {
-        self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).contains(run_id)
+        self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).contains_key(run_id)
+    }
+
+    /// Whether this replica drives `run_id` now, submitted here for `tenant`: a run that is
+    /// that tenant's and still going without a look at the ledger.
+    pub(crate) fn drives_for(&self, run_id: &str, tenant: &str) -> bool {
+        let d = self.inner.driving.lock().unwrap_or_else(|p| p.into_inner());
+        d.get(run_id).is_some_and(|t| t.as_deref() == Some(tenant))
     }
 
     /// What wakes when this replica stops driving `run_id`.
@@ -211,9 +219,10 @@ impl Executor {
     pub fn dispatch(&self, run_id: String) {
         {
             let mut d = self.inner.driving.lock().unwrap_or_else(|p| p.into_inner());
-            if !d.insert(run_id.clone()) {
+            if d.contains_key(&run_id) {
                 return;
             }
+            d.insert(run_id.clone(), None);
         }
         let this = self.clone();
         // A child of whatever dispatched it (a resume, an approval), or a trace of its own
@@ -240,7 +249,7 @@ impl Executor {
         how: driver::Submitted,
     ) {
         let run_id = lease.run_id.clone();
-        self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).insert(run_id.clone());
+        self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).insert(run_id.clone(), Some(tenant.clone()));
         let this = self.clone();
         // A child of the SubmitRun request's span, so a client's `traceparent` is the run's parent.
         let span = driver::run_span(&run_id);
@@ -300,7 +309,7 @@ impl Executor {
                 if run.status() == pb::RunStatus::Pending && now - run.created_at_ms < SUBMIT_GRACE_MS {
                     continue;
                 }
-                let mine = self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).contains(&run.run_id);
+                let mine = self.drives(&run.run_id);
                 if !mine && !self.inner.leases.is_held(&run.run_id).await? {
                     tracing::info!(run_id = %run.run_id, "sweeper picked up run without a live lease");
                     self.dispatch(run.run_id);

@@ -84,7 +84,7 @@ pub async fn replay_run(
         .inner
         .ledger
         .clone()
-        .get_run(pb::GetLedgerRunRequest { tenant: tenant.to_string(), run_id: run_id.to_string() })
+        .get_run(pb::GetLedgerRunRequest { tenant: tenant.to_string(), run_id: run_id.to_string(), with_events: false })
         .await?
         .into_inner();
     let first = submitted(ex, tenant, run_id).await?;

@@ -11,7 +11,7 @@ use warden_proto::v1 as pb;
 use warden_proto::v1::runs_server::Runs;
 
 use crate::Executor;
-use crate::driver::load_view;
+use crate::driver::{load_run, load_view};
 
 pub struct RunsService {
     ex: Executor,
@@ -72,7 +72,7 @@ async fn lost_creation(
     let started = tokio::time::Instant::now();
     let mut backoff = std::time::Duration::from_millis(20);
     loop {
-        let asked = pb::GetLedgerRunRequest { tenant: tenant.clone(), run_id: run_id.to_string() };
+        let asked = pb::GetLedgerRunRequest { tenant: tenant.clone(), run_id: run_id.to_string(), with_events: false };
         match ledger.get_run(asked).await {
             Ok(run) => return Some(run.into_inner()),
             Err(s) if unanswered(&s) && started.elapsed() < grace => {
@@ -407,8 +407,15 @@ impl Runs for RunsService {
         };
         // Settled already: answered at once. A run this replica drives is waited for in
         // memory (woken when its driver stops); any other is followed through the ledger (which
-        // wakes followers as it commits) until an event leaves it settled.
+        // wakes followers as it commits) until an event leaves it settled. A run submitted
+        // here for this tenant and still driven is going: nothing to look at until its driver
+        // stops (a driver stops when the run ends, blocks or is handed off).
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(timeout);
+        let look = || async {
+            let req =
+                pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), with_events: false };
+            Ok::<_, Status>(self.ex.inner.ledger.clone().get_run(req).await?.into_inner())
+        };
         loop {
             let stopped = self.ex.drives(&r.run_id).then(|| self.ex.stopped_driving(&r.run_id));
             let woken = stopped.as_ref().map(|n| Box::pin(n.notified()));
@@ -421,18 +428,13 @@ impl Runs for RunsService {
                 self.ex.forget_stopped_driving(&r.run_id);
                 woken = None;
             }
-            let now = self
-                .ex
-                .inner
-                .ledger
-                .clone()
-                .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
-                .await?
-                .into_inner();
-            if settled(now.status()) || tokio::time::Instant::now() >= deadline {
-                break;
-            }
             if let Some(woken) = woken {
+                if !self.ex.drives_for(&r.run_id, &r.tenant) && settled(look().await?.status()) {
+                    break;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    break;
+                }
                 tokio::select! {
                     _ = woken => {
                         // The driver stopped: most often the run settled, so the answer itself
@@ -452,6 +454,10 @@ impl Runs for RunsService {
                     // This replica is leaving: answer now; the client asks another.
                     _ = self.ex.inner.handoff.cancelled() => break,
                 }
+            }
+            let now = look().await?;
+            if settled(now.status()) || tokio::time::Instant::now() >= deadline {
+                break;
             }
             let follow = pb::StreamEventsRequest {
                 tenant: r.tenant.clone(),
@@ -485,15 +491,7 @@ impl Runs for RunsService {
         let r = req.into_inner();
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
-        let run = self
-            .ex
-            .inner
-            .ledger
-            .clone()
-            .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
-            .await?
-            .into_inner();
-        let (view, _) = load_view(&self.ex, &r.tenant, &r.run_id).await?;
+        let (run, view) = load_run(&self.ex, &r.tenant, &r.run_id).await?;
         let waiting_for = view.waiting_for();
         let steps = view
             .steps
@@ -586,7 +584,8 @@ impl Runs for RunsService {
         }
         let mut ledger = self.ex.inner.ledger.clone();
         for _ in 0..5 {
-            let get = pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() };
+            let get =
+                pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), with_events: false };
             let run = ledger.get_run(get).await?.into_inner();
             let status = run.status();
             match status {
@@ -632,7 +631,8 @@ impl Runs for RunsService {
             // A run no executor holds is resumed to be cancelled by one. Its status is read
             // again: a driver may have paused or blocked the run since it was read above (the
             // ledger refuses a pause after the request, so this reading is the last word on it).
-            let get = pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() };
+            let get =
+                pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), with_events: false };
             let now = ledger.get_run(get).await?.into_inner().status();
             if matches!(now, pb::RunStatus::Blocked | pb::RunStatus::Paused) {
                 let resumed =
@@ -835,7 +835,7 @@ impl Runs for RunsService {
             other => return Err(invalid_field("outcome", format!("'{other}' is neither 'completed' nor 'failed'"))),
         };
         let mut ledger = self.ex.inner.ledger.clone();
-        let get = pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() };
+        let get = pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone(), with_events: false };
         let run = ledger.get_run(get).await?.into_inner();
         if run.status() != pb::RunStatus::RequiresReconciliation {
             let name = warden_grpc::convert::status_name(run.status);
@@ -926,7 +926,8 @@ impl RunsService {
                 return Err(Status::permission_denied(format!("agent '{agent}' may {what} only its own runs")));
             }
         }
-        let get = pb::GetLedgerRunRequest { tenant: tenant.to_string(), run_id: run_id.to_string() };
+        let get =
+            pb::GetLedgerRunRequest { tenant: tenant.to_string(), run_id: run_id.to_string(), with_events: false };
         let run = self.ex.inner.ledger.clone().get_run(get).await?.into_inner();
         Ok((run.status(), run.max_epoch))
     }

@@ -27,6 +27,9 @@ use crate::store::{LedgerStore, NewRun, OwnedEvent, RunRow, SummaryRow};
 const PAGE: u32 = 1000;
 /// Events buffered per stream before the server waits for a slow consumer.
 const STREAM_BUFFER: usize = 256;
+/// Most event bytes `GetRun` carries with its run (`with_events`): well under the gRPC message
+/// limit whatever the payload limit; a reader streams whatever did not fit.
+const EVENTS_WITH_RUN_BYTES: usize = 1 << 20;
 /// How long a caught-up follower waits for a published event before it reads the database
 /// (events another ledger replica appended are never published here).
 const FOLLOW_POLL: Duration = Duration::from_millis(500);
@@ -136,6 +139,7 @@ fn run_to_proto(r: RunRow) -> pb::LedgerRun {
         created_at_ms: r.created_at_ms,
         updated_at_ms: r.updated_at_ms,
         cancel_policy: r.cancel_policy,
+        events: Vec::new(),
     }
 }
 
@@ -1060,7 +1064,24 @@ impl Ledger for LedgerService {
     async fn get_run(&self, req: Request<pb::GetLedgerRunRequest>) -> Result<Response<pb::LedgerRun>, Status> {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
-        Ok(Response::new(run_to_proto(self.visible_run(&r.tenant, &r.run_id).await?)))
+        let run = self.visible_run(&r.tenant, &r.run_id).await?;
+        if !r.with_events {
+            return Ok(Response::new(run_to_proto(run)));
+        }
+        // Read after the row, whose last_seq the events reach (a batch commits its events and
+        // the head together); a later append may show too, as on a stream.
+        let page = self.store.events(&run.run_id, 0, PAGE).await?;
+        let mut answer = run_to_proto(run);
+        let mut bytes = 0;
+        for e in &page {
+            let e = event_to_proto(e);
+            bytes += prost::Message::encoded_len(&e);
+            if bytes > EVENTS_WITH_RUN_BYTES {
+                break;
+            }
+            answer.events.push(e);
+        }
+        Ok(Response::new(answer))
     }
 
     async fn list_runs(

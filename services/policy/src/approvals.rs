@@ -294,7 +294,7 @@ pub async fn expire_approvals(policy: PolicyService, every: Duration) {
 async fn resume_once(policy: &PolicyService, a: &ApprovalRow) -> Result<bool, Status> {
     let mut ledger = policy.ledger();
     let run = ledger
-        .get_run(pb::GetLedgerRunRequest { tenant: a.tenant.clone(), run_id: a.run_id.clone() })
+        .get_run(pb::GetLedgerRunRequest { tenant: a.tenant.clone(), run_id: a.run_id.clone(), with_events: false })
         .await?
         .into_inner();
     match run.status() {

@@ -174,7 +174,11 @@ async fn record_with_retries(mut ledger: LedgerClient<warden_grpc::auth::Ch>, mu
         match code {
             _ if fenced => {
                 let run = ledger
-                    .get_run(pb::GetLedgerRunRequest { tenant: req.tenant.clone(), run_id: req.run_id.clone() })
+                    .get_run(pb::GetLedgerRunRequest {
+                        tenant: req.tenant.clone(),
+                        run_id: req.run_id.clone(),
+                        with_events: false,
+                    })
                     .await;
                 if let Ok(run) = run {
                     req.epoch = run.into_inner().max_epoch;

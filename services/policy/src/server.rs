@@ -392,7 +392,11 @@ impl PolicyService {
                     None => {
                         self.ledger
                             .clone()
-                            .get_run(pb::GetLedgerRunRequest { tenant: r.tenant.clone(), run_id: r.run_id.clone() })
+                            .get_run(pb::GetLedgerRunRequest {
+                                tenant: r.tenant.clone(),
+                                run_id: r.run_id.clone(),
+                                with_events: false,
+                            })
                             .await?
                             .into_inner()
                             .plan_json

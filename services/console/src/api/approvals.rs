@@ -59,7 +59,7 @@ async fn with_arguments(mesh: &Mesh, token: &str, approvals: &[pb::Approval]) ->
 async fn plan_and_outputs(mesh: &Mesh, token: &str, tenant: &str, run_id: &str) -> Result<PlanAndOutputs, ApiError> {
     let stored = mesh
         .ledger(token)?
-        .get_run(request(pb::GetLedgerRunRequest { tenant: tenant.into(), run_id: run_id.into() }))
+        .get_run(request(pb::GetLedgerRunRequest { tenant: tenant.into(), run_id: run_id.into(), with_events: false }))
         .await?
         .into_inner();
     let run = mesh

@@ -94,7 +94,11 @@ pub async fn export(
         .await?
         .into_inner();
     let stored = ledger
-        .get_run(request(pb::GetLedgerRunRequest { tenant: run.tenant.clone(), run_id: run.run_id.clone() }))
+        .get_run(request(pb::GetLedgerRunRequest {
+            tenant: run.tenant.clone(),
+            run_id: run.run_id.clone(),
+            with_events: false,
+        }))
         .await?
         .into_inner();
     let mut out = String::new();

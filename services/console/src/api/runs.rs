@@ -97,7 +97,7 @@ pub async fn detail(
     let run_id = path_id(path, "run_id")?;
     let tenant = Query::parse(raw.as_deref(), &["tenant"])?.tenant()?;
     let get = pb::GetRunRequest { tenant: tenant.clone(), run_id: run_id.clone() };
-    let ledger_get = pb::GetLedgerRunRequest { tenant: tenant.clone(), run_id: run_id.clone() };
+    let ledger_get = pb::GetLedgerRunRequest { tenant: tenant.clone(), run_id: run_id.clone(), with_events: false };
     let progress_get = pb::GetRunProgressRequest { tenant: tenant.clone(), run_id: run_id.clone() };
     let receipts_get =
         pb::ListReceiptsRequest { tenant, run_id, step_id: String::new(), page_size: 1000, after_seq: 0 };

@@ -450,6 +450,45 @@ pub(super) fn retryable(s: &Status) -> bool {
 
 /// Reads a run's whole log and folds it.
 pub(crate) async fn load_view(ex: &Executor, tenant: &str, run_id: &str) -> Result<(RunView, Vec<pb::Event>), Status> {
+    let mut view = RunView::default();
+    let mut all = Vec::new();
+    fold_log(ex, tenant, run_id, 0, &mut view, Some(&mut all)).await?;
+    Ok((view, all))
+}
+
+/// A run's ledger row and its whole log folded: one request to the ledger, which answers the
+/// log with the row (`with_events`) unless it is too large to carry, when the rest is
+/// streamed after what the answer carried.
+pub(crate) async fn load_run(ex: &Executor, tenant: &str, run_id: &str) -> Result<(pb::LedgerRun, RunView), Status> {
+    let mut run = ex
+        .inner
+        .ledger
+        .clone()
+        .get_run(pb::GetLedgerRunRequest { tenant: tenant.to_string(), run_id: run_id.to_string(), with_events: true })
+        .await?
+        .into_inner();
+    let mut view = RunView::default();
+    let mut since = 0;
+    for e in std::mem::take(&mut run.events) {
+        let ce = event_from_proto(&e);
+        view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
+        since = e.seq;
+    }
+    if since < run.last_seq {
+        fold_log(ex, tenant, run_id, since, &mut view, None).await?;
+    }
+    Ok((run, view))
+}
+
+/// Folds a run's events after `since` into `view`, keeping them in `all` when given.
+async fn fold_log(
+    ex: &Executor,
+    tenant: &str,
+    run_id: &str,
+    since: u64,
+    view: &mut RunView,
+    mut all: Option<&mut Vec<pb::Event>>,
+) -> Result<(), Status> {
     let mut stream = ex
         .inner
         .ledger
@@ -457,17 +496,17 @@ pub(crate) async fn load_view(ex: &Executor, tenant: &str, run_id: &str) -> Resu
         .stream_events(pb::StreamEventsRequest {
             tenant: tenant.to_string(),
             run_id: run_id.to_string(),
-            since_seq: 0,
+            since_seq: since,
             follow: false,
         })
         .await?
         .into_inner();
-    let mut view = RunView::default();
-    let mut all = Vec::new();
     while let Some(e) = stream.message().await? {
         let ce = event_from_proto(&e);
         view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
-        all.push(e);
+        if let Some(all) = all.as_deref_mut() {
+            all.push(e);
+        }
     }
-    Ok((view, all))
+    Ok(())
 }

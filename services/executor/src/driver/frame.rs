@@ -124,7 +124,7 @@ async fn wait(ctx: &RunCtx, child: &str) -> Result<pb::LedgerRun, DriveError> {
     let mut poll = Duration::from_millis(20);
     let mut cancelled = false;
     loop {
-        let get = pb::GetLedgerRunRequest { tenant: ctx.tenant.clone(), run_id: child.to_string() };
+        let get = pb::GetLedgerRunRequest { tenant: ctx.tenant.clone(), run_id: child.to_string(), with_events: false };
         match ctx.ex.inner.ledger.clone().get_run(get).await {
             Ok(run) => {
                 let run = run.into_inner();
@@ -178,7 +178,7 @@ pub(super) async fn cancel_child(ctx: &RunCtx, run: &pb::LedgerRun) -> Result<bo
     let _ = ctx.ex.inner.leases.signal(&run.run_id, warden_lease::RunSignal::Cancel).await;
     // Read again: a frame paused or blocked by now (the ledger takes neither after the
     // request, so this reading stands) is resumed to be cancelled.
-    let get = pb::GetLedgerRunRequest { tenant: ctx.tenant.clone(), run_id: run.run_id.clone() };
+    let get = pb::GetLedgerRunRequest { tenant: ctx.tenant.clone(), run_id: run.run_id.clone(), with_events: false };
     if let Ok(now) = ledger.get_run(get).await.map(|r| r.into_inner())
         && matches!(now.status(), pb::RunStatus::Blocked | pb::RunStatus::Paused)
     {
@@ -194,7 +194,7 @@ pub(super) async fn cancel_child(ctx: &RunCtx, run: &pb::LedgerRun) -> Result<bo
 /// Waits for nothing; the frame ends on its own driver.
 pub(super) async fn cancel_open_frame(ctx: &RunCtx, child: &str) -> Result<(), DriveError> {
     for _ in 0..5 {
-        let get = pb::GetLedgerRunRequest { tenant: ctx.tenant.clone(), run_id: child.to_string() };
+        let get = pb::GetLedgerRunRequest { tenant: ctx.tenant.clone(), run_id: child.to_string(), with_events: false };
         let run = ctx.ex.inner.ledger.clone().get_run(get).await.map_err(DriveError::Ledger)?.into_inner();
         let ended = pb::RunStatus::try_from(run.status)
             .ok()

@@ -26,8 +26,8 @@ use warden_proto::v1 as pb;
 use crate::Executor;
 pub use creation::{Creation, CreationGate, gate as creation_gate};
 use ctx::RunCtx;
-pub(crate) use ctx::load_view;
 pub use ctx::{PLAN_ACK_MAX_BYTES, PlanAck};
+pub(crate) use ctx::{load_run, load_view};
 use scheduler::{PlanFailed, run_dag};
 pub use step::FALLBACK_TIMEOUT;
 pub(crate) use step::never_sent;
@@ -84,7 +84,7 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         .inner
         .ledger
         .clone()
-        .get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: run_id.to_string() })
+        .get_run(pb::GetLedgerRunRequest { tenant: String::new(), run_id: run_id.to_string(), with_events: false })
         .await
         .map_err(DriveError::Ledger)?
         .into_inner();

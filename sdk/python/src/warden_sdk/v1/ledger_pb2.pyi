@@ -628,18 +628,26 @@ class GetLedgerRunRequest(_message.Message):
 
     TENANT_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    WITH_EVENTS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """Empty tenant is an operator read across tenants (internal callers only)."""
     run_id: _builtins.str
+    with_events: _builtins.bool
+    """Also answer the run's events from seq 1, as StreamEvents would (the same caller may read
+    both): one request instead of two for a reader that folds the whole log, such as the
+    executor's GetRun. At most 1,000 events and 1 MiB of them; when the last one carried is
+    below last_seq, the caller streams the rest after it.
+    """
     def __init__(
         self,
         *,
         tenant: _builtins.str = ...,
         run_id: _builtins.str = ...,
+        with_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "tenant", b"tenant", "with_events", b"with_events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -661,6 +669,7 @@ class LedgerRun(_message.Message):
     CREATED_AT_MS_FIELD_NUMBER: _builtins.int
     UPDATED_AT_MS_FIELD_NUMBER: _builtins.int
     CANCEL_POLICY_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     tenant: _builtins.str
     status: _common_pb2.RunStatus.ValueType
@@ -673,6 +682,12 @@ class LedgerRun(_message.Message):
     created_at_ms: _builtins.int
     updated_at_ms: _builtins.int
     cancel_policy: _common_pb2.CancelPolicy.ValueType
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Event]:
+        """Only when asked (GetLedgerRunRequest.with_events): the first events of the run, read
+        after the row (so possibly past last_seq, never short of it unless capped).
+        """
+
     def __init__(
         self,
         *,
@@ -688,10 +703,11 @@ class LedgerRun(_message.Message):
         created_at_ms: _builtins.int = ...,
         updated_at_ms: _builtins.int = ...,
         cancel_policy: _common_pb2.CancelPolicy.ValueType = ...,
+        events: _abc.Iterable[_common_pb2.Event] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_policy", b"cancel_policy", "created_at_ms", b"created_at_ms", "goal", b"goal", "head_hash", b"head_hash", "last_seq", b"last_seq", "max_epoch", b"max_epoch", "plan_json", b"plan_json", "reason", b"reason", "run_id", b"run_id", "status", b"status", "tenant", b"tenant", "updated_at_ms", b"updated_at_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_policy", b"cancel_policy", "created_at_ms", b"created_at_ms", "events", b"events", "goal", b"goal", "head_hash", b"head_hash", "last_seq", b"last_seq", "max_epoch", b"max_epoch", "plan_json", b"plan_json", "reason", b"reason", "run_id", b"run_id", "status", b"status", "tenant", b"tenant", "updated_at_ms", b"updated_at_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
