@@ -89,6 +89,10 @@ pub struct BenchArgs {
     /// uses TCP.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: Transport,
+    /// Connect anew for every run, as if each came from a client of its own. By default the
+    /// runs share one channel (one HTTP/2 connection), as a gRPC client process's calls do.
+    #[arg(long)]
+    connect_per_run: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -109,9 +113,26 @@ fn workers_per_service(flag: Option<usize>) -> usize {
     env.or(flag.filter(|n| *n > 0)).unwrap_or(cores / PROD_SERVICES).max(1)
 }
 
+#[derive(Clone)]
 struct Endpoints {
     runs: String,
-    ledger: String,
+    /// The one channel every run shares, unless each run connects anew (`--connect-per-run`).
+    shared: Option<RunsClient<warden_grpc::auth::Ch>>,
+}
+
+impl Endpoints {
+    fn new(runs: String, args: &BenchArgs) -> anyhow::Result<Endpoints> {
+        let shared = if args.connect_per_run { None } else { Some(runs_client(&runs)?) };
+        Ok(Endpoints { runs, shared })
+    }
+
+    /// The client a run is submitted and waited for through.
+    fn runs(&self) -> anyhow::Result<RunsClient<warden_grpc::auth::Ch>> {
+        match &self.shared {
+            Some(c) => Ok(c.clone()),
+            None => runs_client(&self.runs),
+        }
+    }
 }
 
 /// A chain of `n` echo steps, each depending on (and referencing) the previous one.
@@ -144,7 +165,7 @@ pub(crate) fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<warde
 /// time is submit → terminal status as the client sees it.
 async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Duration> {
     let started = Instant::now();
-    let mut runs = runs_client(&ep.runs)?;
+    let mut runs = ep.runs()?;
     let run_id = runs
         .submit_run(pb::SubmitRunRequest { tenant: tenant.into(), plan_json: plan.into(), ..Default::default() })
         .await
@@ -341,8 +362,7 @@ async fn measure(
     let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..args.batch_runs {
-        let (ep, plan, tenant) =
-            (Endpoints { runs: ep.runs.clone(), ledger: ep.ledger.clone() }, plan.clone(), tenant.to_string());
+        let (ep, plan, tenant) = (ep.clone(), plan.clone(), tenant.to_string());
         tasks.push(tokio::spawn(async move { one_run(&ep, &tenant, &plan).await }));
     }
     let mut runs = hist();
@@ -372,7 +392,7 @@ async fn dev_shape(args: &BenchArgs) -> anyhow::Result<()> {
     base.planner.max_steps = args.steps.max(args.batch_steps);
     let config = crate::dev::dev_config(base, &dir, &endpoint);
     let mesh = crate::dev::start(config, listener).await?;
-    let ep = Endpoints { runs: endpoint.clone(), ledger: endpoint };
+    let ep = Endpoints::new(endpoint, args)?;
     let counters =
         Counters { processes: vec![("warden-dev".into(), vec![std::process::id()])], postmaster: None, db: None };
     let r = measure("dev", &ep, "default", args, &counters).await;
@@ -424,7 +444,7 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
         }
     );
     let ProdShape { pg, _redis, mesh } = start_prod(args, workers, Vec::new()).await?;
-    let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };
+    let ep = Endpoints::new(mesh.executors[0].endpoint.clone(), args)?;
     let pid = |p: &warden_testkit::ServiceProcess| p.pid().into_iter().collect::<Vec<u32>>();
     let mut processes = vec![
         ("ledger".to_string(), pid(&mesh.ledger)),
@@ -469,7 +489,7 @@ async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
     let env = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
     let prod = start_prod(args, workers, env).await?;
     let mesh = &prod.mesh;
-    let ep = Endpoints { runs: mesh.executors[0].endpoint.clone(), ledger: mesh.ledger.endpoint.clone() };
+    let ep = Endpoints::new(mesh.executors[0].endpoint.clone(), args)?;
     for _ in 0..3 {
         one_run(&ep, "default", &chain(1)).await.context("warm-up run")?;
     }

@@ -691,8 +691,9 @@ async fn a_run_read_with_its_events_is_its_whole_log(backend: Backend) {
         whole.len()
     );
     assert_eq!(read.events[..], whole[..read.events.len()], "a prefix of the log");
-    let carried: usize = read.events.iter().map(|e| e.payload_json.len()).sum();
-    assert!(carried <= 1 << 20, "{carried} bytes of payloads");
+    let carried: usize = read.events.iter().map(prost::Message::encoded_len).sum();
+    assert!(carried <= 1 << 20, "{carried} bytes of events");
+    assert!(prost::Message::encoded_len(&read) < warden_grpc::MAX_MESSAGE_BYTES);
     // The executor's answer (WaitRun's, and GetRun's) folds the rest too.
     assert_eq!(run.status(), pb::RunStatus::Completed, "{:?}", run.reason);
     assert_eq!(run.steps.len(), 6);

@@ -249,7 +249,14 @@ impl Executor {
         how: driver::Submitted,
     ) {
         let run_id = lease.run_id.clone();
-        self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).insert(run_id.clone(), Some(tenant.clone()));
+        // Never over a driver already here (the lease makes that impossible; were it not, the
+        // entry without a tenant only costs WaitRun its shortcut).
+        self.inner
+            .driving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(run_id.clone())
+            .or_insert(Some(tenant.clone()));
         let this = self.clone();
         // A child of the SubmitRun request's span, so a client's `traceparent` is the run's parent.
         let span = driver::run_span(&run_id);

@@ -1072,11 +1072,16 @@ impl Ledger for LedgerService {
         // the head together); a later append may show too, as on a stream.
         let page = self.store.events(&run.run_id, 0, PAGE).await?;
         let mut answer = run_to_proto(run);
+        // The row counts too (its plan and goal are each up to the payload limit), so the
+        // reply stays under the message limit whatever that limit is configured to.
+        let budget = EVENTS_WITH_RUN_BYTES
+            .min(warden_grpc::MAX_MESSAGE_BYTES.saturating_sub(prost::Message::encoded_len(&answer) + (64 << 10)));
         let mut bytes = 0;
         for e in &page {
             let e = event_to_proto(e);
-            bytes += prost::Message::encoded_len(&e);
-            if bytes > EVENTS_WITH_RUN_BYTES {
+            // Each element's tag and length prefix included.
+            bytes += prost::Message::encoded_len(&e) + 8;
+            if bytes > budget {
                 break;
             }
             answer.events.push(e);
