@@ -1301,6 +1301,47 @@ mod tests {
         }
     }
 
+    /// A batch that only repeats a run's policy decisions answers them from memory even when
+    /// memory is behind the stored head: a recorded decision is the same event whatever was
+    /// appended since, and no authority rides on its answer (a request's repeat, which
+    /// carries an acknowledgement, is still checked against the stored head, above).
+    #[tokio::test]
+    async fn a_batch_repeating_only_decisions_is_answered_from_memory() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}/ledger.db", dir.path().display());
+        let store = LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("store");
+        let plan = json!({ "steps": [] });
+        for run_id in ["a", "b"] {
+            store.create_run(new_run(run_id, &plan)).await.expect("created");
+        }
+        let mut decision = note("a", "decision:d1");
+        decision.event_type = "policy_decision".into();
+        decision.step_id = "s1".into();
+        decision.payload = json!({ "decision_id": "d1", "outcome": "deny", "attempt": 1, "tool": "echo" });
+        let first = store.append_groups(vec![vec![decision.clone()]]).await.remove(0).expect("recorded");
+        // Another replica appends to a, at a later epoch: memory here is behind.
+        let replica = LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("replica");
+        let mut takeover = note("a", "n1");
+        takeover.epoch = 2;
+        assert_eq!(repeats(replica.append_groups(vec![vec![takeover]]).await), [Ok(vec![false])]);
+
+        let read_before = store.runs_read();
+        let mut batch = store.append_groups(vec![vec![decision.clone()], vec![note("b", "n1")]]).await;
+        let answered = batch.remove(0).expect("the repeat answered");
+        assert!(answered[0].1, "as a repeat");
+        assert_eq!(answered[0].0, first[0].0, "the recorded decision, as stored");
+        assert_eq!(repeats(batch), [Ok(vec![false])]);
+        assert_eq!(store.runs_read(), read_before, "a was not read to answer it");
+        // The same decision with other content is still refused.
+        let mut altered = decision;
+        altered.payload["outcome"] = json!("allow");
+        let answers = repeats(store.append_groups(vec![vec![altered]]).await);
+        assert!(matches!(&answers[..], [Err(_)]), "{answers:?}");
+        let keys: Vec<String> =
+            store.events("a", 0, 100).await.expect("events").into_iter().map(|e| e.body.idempotency_key).collect();
+        assert_eq!(keys.iter().filter(|k| *k == "decision:d1").count(), 1, "{keys:?}");
+    }
+
     /// SQLite commits a batch decided from memory in the same query as its writes; a head
     /// that moved under it must stop that query before `COMMIT` even when nothing else would
     /// fail (here the head moved without an event at the seq the batch writes), and leave no

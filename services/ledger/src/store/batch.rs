@@ -9,6 +9,7 @@ use std::collections::{HashMap, HashSet};
 
 use sqlx::{Any, Row, Transaction};
 use warden_core::chain::{ChainedEvent, EventBody, link};
+use warden_core::events;
 use warden_core::receipt::{Receipt, receipt_for, receipt_id};
 
 use super::checks::{self, RunHead};
@@ -268,6 +269,14 @@ fn events_of<G: AsRef<[OwnedEvent]>>(groups: &[G]) -> impl Iterator<Item = &Owne
 /// that head). A run with something new in the batch stays: its head write is conditional on
 /// the state the repeats were answered from, so a state moved past fails the whole
 /// transaction, answers included.
+///
+/// A run the batch only repeats policy decisions of stays too: a decision is a fact whoever
+/// repeats it (the policy records each one itself unless an executor did first), memory holds
+/// only events that committed, and an event never changes, so the answer — this decision, at
+/// this seq — is the stored one whatever else was appended since; no acknowledgement or other
+/// authority rides on it. Under load the policy's own records often meet the executor's
+/// append of the same decision in one lane; each such repeat would otherwise send its whole
+/// batch the way that reads heads under their row lock and writes every run's head by itself.
 pub fn take_repeats<G: AsRef<[OwnedEvent]>>(
     states: &mut HashMap<String, RunState>,
     groups: &[G],
@@ -279,11 +288,21 @@ pub fn take_repeats<G: AsRef<[OwnedEvent]>>(
         // The common case: nothing to look at twice, nothing allocated.
         return HashMap::new();
     }
-    let with_new: HashSet<&str> = events_of(groups)
-        .filter(|e| repeated.contains(e.run_id.as_str()) && known(e) == Some(false))
-        .map(|e| e.run_id.as_str())
-        .collect();
-    repeated.difference(&with_new).filter_map(|run| states.remove_entry(*run)).collect()
+    // Of the runs with a repeat: whether the batch has something new of it, and whether it
+    // repeats anything other than a decision.
+    let mut seen: HashMap<&str, (bool, bool)> = HashMap::new();
+    for e in events_of(groups).filter(|e| repeated.contains(e.run_id.as_str())) {
+        let (new, other) = seen.entry(e.run_id.as_str()).or_default();
+        if known(e) == Some(false) {
+            *new = true;
+        } else if e.event_type != events::POLICY_DECISION {
+            *other = true;
+        }
+    }
+    seen.into_iter()
+        .filter(|(_, (new, other))| !new && *other)
+        .filter_map(|(run, _)| states.remove_entry(run))
+        .collect()
 }
 
 /// Of the `states` of runs a batch only repeats events of, those whose stored head (`heads`,
