@@ -1340,6 +1340,25 @@ mod tests {
         let keys: Vec<String> =
             store.events("a", 0, 100).await.expect("events").into_iter().map(|e| e.body.idempotency_key).collect();
         assert_eq!(keys.iter().filter(|k| *k == "decision:d1").count(), 1, "{keys:?}");
+
+        // Memory of a, still behind (epoch 1), is caught by a's next new event: its head write
+        // finds the head moved, and it is decided again on the stored head — where epoch 1 is
+        // fenced out and epoch 2 appends after the replica's event.
+        let answers = repeats(store.append_groups(vec![vec![note("a", "stale")]]).await);
+        assert!(matches!(&answers[..], [Err(e)] if e.contains("epoch")), "{answers:?}");
+        assert!(store.runs_read() > read_before, "a was read once its head was found moved");
+        let mut current = note("a", "n2");
+        current.epoch = 2;
+        assert_eq!(repeats(store.append_groups(vec![vec![current]]).await), [Ok(vec![false])]);
+        let events = store.events("a", 0, 100).await.expect("events");
+        let tail: Vec<&str> = events.iter().skip(2).map(|e| e.body.idempotency_key.as_str()).collect();
+        assert_eq!(tail, ["decision:d1", "n1", "n2"]);
+        for (i, e) in events.iter().enumerate() {
+            assert_eq!(e.body.seq, i as u64 + 1, "contiguous");
+        }
+        for pair in events.windows(2) {
+            assert_eq!(pair[1].prev_hash, pair[0].hash, "chained");
+        }
     }
 
     /// SQLite commits a batch decided from memory in the same query as its writes; a head

@@ -262,7 +262,8 @@ fn events_of<G: AsRef<[OwnedEvent]>>(groups: &[G]) -> impl Iterator<Item = &Owne
     groups.iter().flat_map(|g| g.as_ref().iter())
 }
 
-/// Takes out the states of runs the batch only repeats events of, and returns them: a repeat
+/// Takes out the states of runs the batch only repeats events of (other than policy decisions
+/// alone, below), and returns them: a repeat
 /// writes nothing, so with nothing new for the run no conditional head write would catch a
 /// state another writer moved past, and the repeat's answer (a request's acknowledgement
 /// included) must be decided on the stored head ([`still_current`] tells whether memory is
@@ -277,6 +278,10 @@ fn events_of<G: AsRef<[OwnedEvent]>>(groups: &[G]) -> impl Iterator<Item = &Owne
 /// authority rides on it. Under load the policy's own records often meet the executor's
 /// append of the same decision in one lane; each such repeat would otherwise send its whole
 /// batch the way that reads heads under their row lock and writes every run's head by itself.
+/// A state left behind so (another replica appended) is put back as it was, its `stored_seq`
+/// still the old head's: the run's next new event finds its head moved, and that batch is
+/// decided again on stored heads — the cost of a stale memory moves to that batch, and only
+/// where replicas share a database.
 pub fn take_repeats<G: AsRef<[OwnedEvent]>>(
     states: &mut HashMap<String, RunState>,
     groups: &[G],
