@@ -470,8 +470,7 @@ pub(crate) async fn load_run(ex: &Executor, tenant: &str, run_id: &str) -> Resul
     let mut view = RunView::default();
     let mut since = 0;
     for e in std::mem::take(&mut run.events) {
-        let ce = event_from_proto(&e);
-        view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
+        apply(&mut view, &e);
         since = e.seq;
     }
     if since < run.last_seq {
@@ -502,11 +501,16 @@ async fn fold_log(
         .await?
         .into_inner();
     while let Some(e) = stream.message().await? {
-        let ce = event_from_proto(&e);
-        view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
+        apply(view, &e);
         if let Some(all) = all.as_deref_mut() {
             all.push(e);
         }
     }
     Ok(())
+}
+
+/// Folds one event of the log into `view`.
+fn apply(view: &mut RunView, e: &pb::Event) {
+    let ce = event_from_proto(e);
+    view.apply(ce.body.seq, &ce.body.event_type, &ce.body.step_id, &ce.body.payload);
 }
