@@ -2,6 +2,7 @@
 
 use serde_json::json;
 use warden_proto::v1 as pb;
+use warden_testkit::MeshOptions;
 
 use crate::*;
 
@@ -710,4 +711,87 @@ async fn a_run_read_with_its_events_is_its_whole_log_on_sqlite() {
 #[tokio::test]
 async fn a_run_read_with_its_events_is_its_whole_log_on_postgres() {
     a_run_read_with_its_events_is_its_whole_log(Backend::Postgres).await;
+}
+
+/// A burst of submissions larger than the ledger's admission queue (`ledger.max_pending_runs`,
+/// here 3) is each either recorded whole and run to its end, or refused at once with
+/// RESOURCE_EXHAUSTED and a retry hint, having written nothing. None times out waiting for a
+/// database connection. A refused submission tried again later is admitted.
+async fn a_burst_past_the_admission_queue_is_recorded_or_refused_whole(backend: Backend) {
+    use tonic_types::StatusExt;
+    let opts =
+        MeshOptions { env: vec![("WARDEN_LEDGER__MAX_PENDING_RUNS".into(), "3".into())], ..MeshOptions::default() };
+    let mesh = mesh_with(backend, opts).await;
+    let plan = plan(&[("say", "echo", json!({"v": 1}), &[])]);
+    let submit = |i: usize| {
+        let mut runs = mesh.runs();
+        let plan = plan.clone();
+        async move {
+            let req = pb::SubmitRunRequest {
+                tenant: "acme".into(),
+                plan_json: plan,
+                idempotency_key: format!("burst-{i}"),
+                ..Default::default()
+            };
+            runs.submit_run(req).await.map(|r| r.into_inner().run_id)
+        }
+    };
+    let answers = futures::future::join_all((0..40).map(submit)).await;
+    let mut admitted = Vec::new();
+    let mut refused = Vec::new();
+    for (i, answer) in answers.into_iter().enumerate() {
+        match answer {
+            Ok(run_id) => admitted.push(run_id),
+            Err(s) => {
+                assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+                assert!(s.message().contains("ledger.max_pending_runs"), "{s:?}");
+                assert!(s.get_details_retry_info().and_then(|r| r.retry_delay).is_some(), "a retry hint: {s:?}");
+                refused.push(i);
+            }
+        }
+    }
+    let ledger = crate::observability::scrape(&mesh.ledger.metrics_url).await;
+    let counted = crate::observability::value(&ledger, "warden_ledger_submissions_refused_total", &[]);
+    assert_eq!(counted, refused.len() as f64, "every refusal counted");
+    // The refused wrote nothing: the tenant's runs are exactly the admitted ones.
+    let listed = mesh
+        .ledger()
+        .list_runs(pb::ListLedgerRunsRequest { tenant: "acme".into(), page_size: 100, ..Default::default() })
+        .await
+        .expect("listed")
+        .into_inner();
+    let mut recorded: Vec<String> = listed.runs.into_iter().map(|r| r.run_id).collect();
+    recorded.sort();
+    let mut expected = admitted.clone();
+    expected.sort();
+    assert_eq!(recorded, expected, "{} refused", refused.len());
+    // Refused submissions tried again (with their keys) are admitted once the queue drains.
+    for i in refused {
+        let run_id = loop {
+            match submit(i).await {
+                Ok(run_id) => break run_id,
+                Err(s) if s.code() == tonic::Code::ResourceExhausted => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await
+                }
+                Err(s) => panic!("refused again: {s:?}"),
+            }
+        };
+        admitted.push(run_id);
+    }
+    let mut l = mesh.ledger();
+    for run_id in &admitted {
+        let run = ended(&mesh, "acme", run_id).await;
+        assert_eq!(run.status(), pb::RunStatus::Completed, "{run_id}: {}", run.reason);
+        assert!(verify(&mut l, "acme", run_id).await.valid, "{run_id}");
+    }
+}
+
+#[tokio::test]
+async fn a_burst_past_the_admission_queue_is_recorded_or_refused_whole_on_sqlite() {
+    a_burst_past_the_admission_queue_is_recorded_or_refused_whole(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_burst_past_the_admission_queue_is_recorded_or_refused_whole_on_postgres() {
+    a_burst_past_the_admission_queue_is_recorded_or_refused_whole(Backend::Postgres).await;
 }

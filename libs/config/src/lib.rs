@@ -110,6 +110,13 @@ pub struct LedgerConfig {
     /// included — cannot fan out exponentially). Past it `CreateRun` of a frame is
     /// FAILED_PRECONDITION and the step fails `frame_refused`.
     pub max_frames_per_root: u64,
+    /// Most run submissions waiting to be recorded at once. Submissions wait in a queue and
+    /// are written together, many in one commit. Past this bound a submission is refused at
+    /// once with RESOURCE_EXHAUSTED and a retry hint, and nothing is written.
+    pub max_pending_runs: usize,
+    /// Most bytes of run submissions (their requests' encoded size) waiting at once. Past it,
+    /// a submission is refused as past `max_pending_runs`. At least 8 MiB, one request's most.
+    pub max_pending_run_bytes: usize,
 }
 
 impl Default for LedgerConfig {
@@ -126,6 +133,8 @@ impl Default for LedgerConfig {
             max_batch: 128,
             policy_endpoint: "http://127.0.0.1:7102".into(),
             max_frames_per_root: 100,
+            max_pending_runs: 10_000,
+            max_pending_run_bytes: 256 << 20,
         }
     }
 }
@@ -766,6 +775,7 @@ impl WardenConfig {
             ("ledger.write_lanes", self.ledger.write_lanes as u64),
             ("ledger.max_batch", self.ledger.max_batch as u64),
             ("ledger.max_frames_per_root", self.ledger.max_frames_per_root),
+            ("ledger.max_pending_runs", self.ledger.max_pending_runs as u64),
             ("planner.max_steps", self.planner.max_steps as u64),
             ("executor.max_concurrency", self.executor.max_concurrency as u64),
             ("executor.max_plan_bytes", self.executor.max_plan_bytes as u64),
@@ -775,6 +785,9 @@ impl WardenConfig {
         ];
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(invalid(key, "must be greater than zero"));
+        }
+        if self.ledger.max_pending_run_bytes < 8 << 20 {
+            return Err(invalid("ledger.max_pending_run_bytes", "at least 8388608 (one request's largest size)"));
         }
         if self.ledger.max_output_bytes > 7 << 20 {
             return Err(invalid("ledger.max_output_bytes", "at most 7340032 (an output travels in one gRPC message)"));

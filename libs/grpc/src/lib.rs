@@ -482,6 +482,12 @@ pub fn fenced(message: impl Into<String>) -> Status {
     Status::with_error_details(Code::FailedPrecondition, message, info)
 }
 
+/// `RESOURCE_EXHAUSTED` for a request refused because too many are waiting ahead of it:
+/// nothing was done, and `RetryInfo` says when trying again is likely to be admitted.
+pub fn busy(message: impl Into<String>, retry_after: Duration) -> Status {
+    Status::with_error_details(Code::ResourceExhausted, message, ErrorDetails::with_retry_info(Some(retry_after)))
+}
+
 /// Whether `status` is a fencing refusal (see [`fenced`]).
 pub fn is_fenced(status: &Status) -> bool {
     status.code() == Code::FailedPrecondition

@@ -35,6 +35,7 @@ pub const MODEL_COST: &str = "warden_model_cost_usd";
 pub const OUTPUTS_SANITIZED: &str = "warden_outputs_sanitized_total";
 pub const LEDGER_RUNS_CREATED: &str = "warden_ledger_runs_created_total";
 pub const LEDGER_RUNS_READ: &str = "warden_ledger_runs_read_total";
+pub const LEDGER_SUBMISSIONS_REFUSED: &str = "warden_ledger_submissions_refused_total";
 
 /// Every metric with its help text: described at install, listed in the README.
 pub const ALL: &[(&str, &str)] = &[
@@ -58,6 +59,10 @@ pub const ALL: &[(&str, &str)] = &[
     (MODEL_TOKENS, "model tokens, by tenant, model and type (input, output)"),
     (MODEL_COST, "model cost in US dollars since the process started, by tenant and model (only grows)"),
     (OUTPUTS_SANITIZED, "tool outputs withheld by the step pipeline, by rule (output_schema or output_rule:<name>)"),
+    (
+        LEDGER_SUBMISSIONS_REFUSED,
+        "run submissions refused RESOURCE_EXHAUSTED because the ledger's admission queue was full",
+    ),
     (
         LEDGER_RUNS_CREATED,
         "runs created by the ledger, by first_step: recorded (its decision and request in the same commit), refused, none",
@@ -208,6 +213,11 @@ pub fn ledger_appended(elapsed: Duration) {
 /// A run created; `first_step` is `recorded`, `refused` or `none` (see `CreateRunRequest.first_events`).
 pub fn ledger_run_created(first_step: &'static str) {
     metrics::counter!(LEDGER_RUNS_CREATED, "first_step" => first_step).increment(1);
+}
+
+/// A run submission refused because the ledger's admission queue was full.
+pub fn ledger_submission_refused() {
+    metrics::counter!(LEDGER_SUBMISSIONS_REFUSED).increment(1);
 }
 
 /// Runs read from the database to decide appends (see [`LEDGER_RUNS_READ`]).

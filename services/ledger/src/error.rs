@@ -22,6 +22,9 @@ pub enum LedgerError {
     /// the pool lets the connection go, and an append or a read is tried again on another.
     #[error("storage unavailable: {0}")]
     Disconnected(String),
+    /// Too many submissions are waiting already: refused before anything was written.
+    #[error("{0}")]
+    Busy(String),
     #[error("internal ledger error: {0}")]
     Internal(String),
 }
@@ -35,6 +38,7 @@ impl LedgerError {
                 | LedgerError::InvalidArgument { .. }
                 | LedgerError::Fenced { .. }
                 | LedgerError::Precondition(_)
+                | LedgerError::Busy(_)
         )
     }
 
@@ -50,6 +54,7 @@ impl LedgerError {
             LedgerError::Unavailable(m) => LedgerError::Unavailable(m.clone()),
             LedgerError::Moved(m) => LedgerError::Moved(m.clone()),
             LedgerError::Disconnected(m) => LedgerError::Disconnected(m.clone()),
+            LedgerError::Busy(m) => LedgerError::Busy(m.clone()),
             LedgerError::Internal(m) => LedgerError::Internal(m.clone()),
         }
     }
@@ -99,10 +104,15 @@ impl From<LedgerError> for Status {
             LedgerError::Unavailable(_) | LedgerError::Moved(_) | LedgerError::Disconnected(_) => {
                 Status::unavailable(e.to_string())
             }
+            LedgerError::Busy(m) => warden_grpc::busy(m, std::time::Duration::from_millis(RETRY_AFTER_BUSY_MS)),
             LedgerError::Internal(_) => Status::internal(e.to_string()),
         }
     }
 }
+
+/// When a submission refused as [`LedgerError::Busy`] is told to try again: about the time a
+/// full queue of creations takes to drain.
+pub const RETRY_AFTER_BUSY_MS: u64 = 200;
 
 /// SQLite's BUSY (5) and LOCKED (6), including their extended codes (5 + 256·n, …).
 fn sqlite_busy(code: &str) -> bool {

@@ -3,6 +3,7 @@
 //! refuses writes from stale lease holders (fencing epochs), refuses tool events that cite
 //! no recorded allow decision, and deduplicates retried appends by idempotency key.
 
+pub mod admit;
 pub mod error;
 pub mod follow;
 pub mod group;
@@ -25,7 +26,11 @@ pub async fn open(config: &LedgerConfig) -> Result<LedgerService, LedgerError> {
         .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
     let store = LedgerStore::connect(&config.database_url, config.max_connections, key).await?;
     LedgerService::new(store, config.max_payload_bytes, config.write_lanes, config.max_batch, &config.policy_endpoint)
-        .map(|s| s.with_max_output_bytes(config.max_output_bytes).with_max_frames(config.max_frames_per_root))
+        .map(|s| {
+            s.with_max_output_bytes(config.max_output_bytes)
+                .with_max_frames(config.max_frames_per_root)
+                .with_admission(config.max_pending_runs, config.max_pending_run_bytes)
+        })
         .map_err(|e| LedgerError::Unavailable(e.message().to_string()))
 }
 

@@ -18,6 +18,7 @@ use warden_grpc::{invalid_field, now_ms, prefix_field};
 use warden_proto::v1 as pb;
 use warden_proto::v1::ledger_server::Ledger;
 
+use crate::admit::Admission;
 use crate::error::LedgerError;
 use crate::follow::{Feed, Followers};
 use crate::group::GroupCommit;
@@ -88,11 +89,15 @@ pub struct LedgerService {
     /// Largest output stored by reference (`PutOutput`).
     max_output_bytes: usize,
     max_frames: u64,
+    /// Most runs one write of queued submissions holds (`ledger.max_batch`).
+    max_batch: usize,
     /// Runs being followed: the write lanes publish each event as it commits, so a follower
     /// that has caught up reads nothing more from the database.
     followers: Arc<Followers>,
     /// Appends go through group commit.
     writer: GroupCommit,
+    /// Run submissions wait here, bounded, and are written together.
+    admission: Admission,
     recent: Arc<Mutex<RecentDecisions>>,
     /// Digests of recently created runs' plans (run id → (tenant, hex SHA-256 of the plan as
     /// recorded)): a decision asked for while its run was being created names the plan it was
@@ -215,7 +220,12 @@ impl LedgerService {
             .then(|| warden_grpc::channel(policy_endpoint).map(warden_proto::v1::policy_client::PolicyClient::new))
             .transpose()?;
         let followers = Arc::new(Followers::default());
+        let defaults = warden_config::LedgerConfig::default();
+        let admission =
+            Admission::start(store.clone(), defaults.max_pending_runs, defaults.max_pending_run_bytes, max_batch);
         Ok(LedgerService {
+            admission,
+            max_batch,
             policy_keys: Default::default(),
             policy,
             writer: GroupCommit::start(store.clone(), lanes, max_batch, followers.clone()),
@@ -232,6 +242,13 @@ impl LedgerService {
     /// Sets the largest output `PutOutput` stores (`ledger.max_output_bytes`).
     pub fn with_max_output_bytes(mut self, max: usize) -> LedgerService {
         self.max_output_bytes = max;
+        self
+    }
+
+    /// Bounds the submissions waiting to be recorded (`ledger.max_pending_runs`,
+    /// `ledger.max_pending_run_bytes`).
+    pub fn with_admission(mut self, max_pending: usize, max_bytes: usize) -> LedgerService {
+        self.admission = Admission::start(self.store.clone(), max_pending, max_bytes, self.max_batch);
         self
     }
 
@@ -815,6 +832,7 @@ impl Ledger for LedgerService {
         warden_grpc::auth::require_mesh(&req, "CreateRun (submit runs through Runs.SubmitRun)")?;
         let agent = warden_grpc::auth::agent(&req, &req.get_ref().agent)?;
         let r = req.into_inner();
+        let size = prost::Message::encoded_len(&r);
         id_field("tenant", &r.tenant)?;
         if !r.idempotency_key.is_empty() {
             id_field("idempotency_key", &r.idempotency_key)?;
@@ -844,6 +862,9 @@ impl Ledger for LedgerService {
         if !r.parent_run_id.is_empty() {
             id_field("parent_run_id", &r.parent_run_id)?;
         }
+        // A place in the queue of submissions first, before anything is read or prepared: a
+        // full queue refuses at once, having done nothing.
+        let place = self.admission.admit(size)?;
         let frame = self.check_frame(&r).await?;
         let run_id = if r.run_id.is_empty() {
             uuid::Uuid::now_v7().to_string()
@@ -862,25 +883,23 @@ impl Ledger for LedgerService {
             Ok(group) => (group, None),
             Err(refused) => (Vec::new(), Some(refused)),
         };
-        let created = self
-            .store
-            .create_run(NewRun {
-                run_id: &run_id,
-                tenant: &r.tenant,
-                agent: &agent,
-                plan: plan.as_ref(),
-                goal: &r.goal,
-                idempotency_key: &r.idempotency_key,
-                cancel_policy: r.cancel_policy,
-                now_ms: now,
-                started_by: (!r.started_by.is_empty()).then_some((r.started_by.as_str(), r.epoch)),
-                replay_policy: r.replay_policy,
-                parent_run_id: &r.parent_run_id,
-                frame: frame.clone(),
-                max_frames: self.max_frames,
-                first,
-            })
-            .await?;
+        let prepared = self.store.prepare_run(NewRun {
+            run_id: &run_id,
+            tenant: &r.tenant,
+            agent: &agent,
+            plan: plan.as_ref(),
+            goal: &r.goal,
+            idempotency_key: &r.idempotency_key,
+            cancel_policy: r.cancel_policy,
+            now_ms: now,
+            started_by: (!r.started_by.is_empty()).then_some((r.started_by.as_str(), r.epoch)),
+            replay_policy: r.replay_policy,
+            parent_run_id: &r.parent_run_id,
+            frame: frame.clone(),
+            max_frames: self.max_frames,
+            first,
+        });
+        let created = self.admission.create(place, prepared).await?;
         let (run, deduplicated) = (created.run, created.deduplicated);
         let (first_appended, first_refused): (Vec<_>, _) = match created.first {
             _ if deduplicated => (Vec::new(), None),

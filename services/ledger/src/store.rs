@@ -17,7 +17,7 @@ use sqlx::ConnectOptions as _;
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::migrate::Migrator;
 use sqlx::{AnyPool, Row};
-use warden_core::chain::{ChainedEvent, EventBody, GENESIS_HASH, link};
+use warden_core::chain::{ChainedEvent, EventBody, link};
 use warden_core::events::{self, RunStatus};
 use warden_core::head::Head;
 use warden_core::receipt::{Receipt, receipt_for, receipt_id};
@@ -26,10 +26,12 @@ use crate::error::LedgerError;
 
 mod batch;
 mod checks;
+mod create;
 pub mod derived;
 mod hot;
 mod unbound;
 
+pub use create::PreparedRun;
 pub use unbound::UnboundDecision;
 
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("migrations/postgres");
@@ -426,184 +428,6 @@ impl LedgerStore {
         }
         tx.commit().await?;
         self.get_run(run_id).await?.ok_or_else(|| LedgerError::Internal("imported run vanished".into()))
-    }
-
-    /// Creates a run with its first events, or returns the run an earlier submission with
-    /// the same `(tenant, idempotency_key)` created (deduplicated).
-    pub async fn create_run(&self, new: NewRun<'_>) -> Result<CreatedRun, LedgerError> {
-        let earlier = |run| CreatedRun { run, deduplicated: true, first: Ok(Vec::new()) };
-        if !new.idempotency_key.is_empty()
-            && let Some(run) = self.run_by_submit_key(new.tenant, new.idempotency_key).await?
-        {
-            return Ok(earlier(run));
-        }
-        let mut payload = events::submitted_payload(new.tenant, new.cancel_policy, new.plan, new.goal, new.agent);
-        events::add_goal_fields(&mut payload, new.replay_policy, new.parent_run_id);
-        if let Some(frame) = &new.frame {
-            payload["frame"] = frame.clone();
-        }
-        let first = link(
-            EventBody {
-                run_id: new.run_id.to_string(),
-                seq: 1,
-                event_type: events::RUN_SUBMITTED.to_string(),
-                payload,
-                step_id: String::new(),
-                epoch: 0,
-                idempotency_key: events::RUN_SUBMITTED.to_string(),
-                timestamp_ms: new.now_ms,
-            },
-            GENESIS_HASH,
-        );
-        let mut chain = vec![first];
-        if let Some((executor, epoch)) = new.started_by {
-            let started = link(
-                EventBody {
-                    run_id: new.run_id.to_string(),
-                    seq: 2,
-                    event_type: events::RUN_STARTED.to_string(),
-                    payload: events::started_payload(executor, epoch),
-                    step_id: String::new(),
-                    epoch,
-                    idempotency_key: format!("run_started:{epoch}"),
-                    timestamp_ms: new.now_ms,
-                },
-                &chain[0].hash,
-            );
-            chain.push(started);
-        }
-        let Some(head) = chain.last() else { return Err(LedgerError::Internal("no first event".into())) };
-        let status = if chain.len() == 2 { RunStatus::Active } else { RunStatus::Pending };
-        let mut state = hot::RunState::new(
-            checks::RunHead {
-                run_id: new.run_id.to_string(),
-                tenant: new.tenant.to_string(),
-                status: status.as_str().to_string(),
-                reason: String::new(),
-                last_seq: head.body.seq,
-                head_hash: head.hash.clone(),
-                max_epoch: new.started_by.map(|(_, e)| e).unwrap_or(0),
-                updated_at_ms: new.now_ms,
-            },
-            true,
-        );
-        for e in &chain {
-            state.remember(e.clone());
-        }
-        // The first step's events, decided in memory against the run as it will be recorded
-        // (as an append to it would be), then written with it: one commit for both.
-        let mut first = Ok(Vec::new());
-        if new.first.iter().any(|e| !FIRST_EVENT_TYPES.contains(&e.event_type.as_str())) {
-            first = Err(LedgerError::Precondition("a run's first events are pins, decisions and requests only".into()));
-        } else if !new.first.is_empty() {
-            let run_id = new.run_id.to_string();
-            let states = HashMap::from([(run_id.clone(), state)]);
-            let mut decided = batch::decide_groups(states, std::slice::from_ref(&new.first));
-            state = decided.states.remove(&run_id).ok_or_else(|| LedgerError::Internal("run state lost".into()))?;
-            first = match decided.results.pop() {
-                Some(Ok(_)) => {
-                    chain.extend(decided.events.iter().cloned());
-                    Ok(decided.events)
-                }
-                Some(Err(e)) => Err(e),
-                None => Err(LedgerError::Internal("the first events were not decided".into())),
-            };
-        }
-        let (last_seq, head_hash, max_epoch) =
-            (state.head.last_seq, state.head.head_hash.clone(), state.head.max_epoch);
-        let plan_json = new.plan.map(warden_core::canonical_json).unwrap_or_default();
-        let submit_key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
-        let (signature, key_id) = self.sign_head(new.run_id, last_seq, &head_hash);
-        // A root run on PostgreSQL is one statement, committed on its own (its run row and
-        // first events together, as a data-modifying CTE: all or nothing), not a transaction of
-        // four round trips. A child frame also counts against its root's limit: a transaction.
-        let one_statement = self.backend == Backend::Postgres && new.frame.is_none();
-        let insert_run = "INSERT INTO runs (run_id, tenant, status, reason, plan_json, goal, cancel_policy, submit_key, last_seq, head_hash, max_epoch,
-                               created_at_ms, updated_at_ms, head_signature, head_key_id)
-             VALUES ($1, $2, $3, '', $4, $5, $6, $7, $8, $9, $10, $11, $11, $12, $13)";
-        let sql = if one_statement {
-            format!("WITH r AS ({insert_run} RETURNING run_id) {}", batch::insert_events_sql(chain.len(), 13))
-        } else {
-            insert_run.to_string()
-        };
-        let query = sqlx::query(&sql)
-            .bind(new.run_id)
-            .bind(new.tenant)
-            .bind(status.as_str())
-            .bind(&plan_json)
-            .bind(new.goal)
-            .bind(new.cancel_policy as i64)
-            .bind(submit_key)
-            .bind(last_seq as i64)
-            .bind(&head_hash)
-            .bind(max_epoch as i64)
-            .bind(new.now_ms)
-            .bind(&signature)
-            .bind(&key_id);
-        // A concurrent submission with the same key won the race: its run is the answer.
-        let raced = async |e: sqlx::Error| -> Result<CreatedRun, LedgerError> {
-            if let (Some(key), true) = (submit_key, is_unique_violation(&e))
-                && let Some(run) = self.run_by_submit_key(new.tenant, key).await?
-            {
-                return Ok(earlier(run));
-            }
-            Err(e.into())
-        };
-        if one_statement {
-            if let Err(e) = batch::bind_events(query, &chain).execute(&self.pool).await {
-                return raced(e).await;
-            }
-        } else {
-            let mut tx = self.pool.begin().await?;
-            if let Err(e) = query.execute(&mut *tx).await {
-                drop(tx);
-                return raced(e).await;
-            }
-            if let Some(root) = new.frame.as_ref().and_then(|f| f.get("root_run_id")).and_then(Value::as_str) {
-                let counted = sqlx::query(
-                    "INSERT INTO frame_counts (root_run_id, opened) VALUES ($1, 1)
-                     ON CONFLICT (root_run_id) DO UPDATE SET opened = frame_counts.opened + 1
-                     WHERE frame_counts.opened < $2",
-                )
-                .bind(root)
-                .bind(new.max_frames.min(i64::MAX as u64) as i64)
-                .execute(&mut *tx)
-                .await?;
-                if counted.rows_affected() == 0 || new.max_frames == 0 {
-                    drop(tx);
-                    return Err(LedgerError::Precondition(format!(
-                        "run tree '{root}' opened its {} child frames (ledger.max_frames_per_root): no more",
-                        new.max_frames
-                    )));
-                }
-            }
-            batch::insert_events(&mut tx, &chain).await?;
-            tx.commit().await?;
-        }
-        self.hot.put_new(state);
-        let run = RunRow {
-            run_id: new.run_id.to_string(),
-            tenant: new.tenant.to_string(),
-            status,
-            reason: String::new(),
-            plan_json,
-            goal: new.goal.to_string(),
-            cancel_policy: new.cancel_policy,
-            last_seq,
-            head_hash,
-            max_epoch,
-            created_at_ms: new.now_ms,
-            updated_at_ms: new.now_ms,
-            head_signature: signature,
-            head_key_id: key_id,
-        };
-        Ok(CreatedRun { run, deduplicated: false, first })
-    }
-
-    async fn run_by_submit_key(&self, tenant: &str, key: &str) -> Result<Option<RunRow>, LedgerError> {
-        let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND submit_key = $2");
-        let row = sqlx::query(&sql).bind(tenant).bind(key).fetch_optional(&self.pool).await?;
-        row.as_ref().map(run_from_row).transpose()
     }
 
     pub async fn get_run(&self, run_id: &str) -> Result<Option<RunRow>, LedgerError> {
@@ -1151,6 +975,36 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
 }
 
+/// A root run of tenant `t`, started by an executor at epoch 1, submitted with `key` (empty:
+/// none).
+#[cfg(test)]
+pub(crate) fn test_run<'a>(run_id: &'a str, key: &'a str, plan: &'a Value) -> NewRun<'a> {
+    NewRun {
+        run_id,
+        tenant: "t",
+        agent: "",
+        plan: Some(plan),
+        goal: "",
+        idempotency_key: key,
+        cancel_policy: 0,
+        now_ms: 1,
+        started_by: Some(("executor", 1)),
+        replay_policy: 0,
+        parent_run_id: "",
+        frame: None,
+        max_frames: 0,
+        first: Vec::new(),
+    }
+}
+
+/// A store on a fresh SQLite file, kept while the returned directory lives.
+#[cfg(test)]
+pub(crate) async fn test_sqlite() -> (tempfile::TempDir, LedgerStore) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}/ledger.db", dir.path().display());
+    (dir, LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("store"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1171,22 +1025,7 @@ mod tests {
 
     /// A root run of tenant `t`, started by an executor at epoch 1.
     fn new_run<'a>(run_id: &'a str, plan: &'a serde_json::Value) -> NewRun<'a> {
-        NewRun {
-            run_id,
-            tenant: "t",
-            agent: "",
-            plan: Some(plan),
-            goal: "",
-            idempotency_key: "",
-            cancel_policy: 0,
-            now_ms: 1,
-            started_by: Some(("executor", 1)),
-            replay_policy: 0,
-            parent_run_id: "",
-            frame: None,
-            max_frames: 0,
-            first: Vec::new(),
-        }
+        test_run(run_id, "", plan)
     }
 
     /// Whether each event of each group was a repeat, or the group's refusal.

@@ -23,7 +23,7 @@ type Tx<'a> = Transaction<'a, Any>;
 /// Rows per multi-row statement (10 parameters each stays under every backend's limit).
 const ROWS: usize = 400;
 
-fn marks(rows: usize, cols: usize, from: usize) -> String {
+pub fn marks(rows: usize, cols: usize, from: usize) -> String {
     (0..rows)
         .map(|r| {
             format!("({})", (1..=cols).map(|c| format!("${}", from + r * cols + c)).collect::<Vec<_>>().join(", "))
@@ -152,7 +152,7 @@ fn bind_receipt<'q>(q: Query<'q>, r: &'q Receipt) -> Query<'q> {
         .bind(&r.hash)
 }
 
-pub async fn insert_events(tx: &mut Tx<'_>, events: &[ChainedEvent]) -> Result<(), LedgerError> {
+pub async fn insert_events(tx: &mut Tx<'_>, events: &[ChainedEvent]) -> Result<(), sqlx::Error> {
     for chunk in events.chunks(ROWS) {
         let sql = insert_events_sql(chunk.len(), 0);
         bind_events(sqlx::query(&sql), chunk).execute(&mut **tx).await?;
