@@ -113,6 +113,30 @@ impl Admission {
     }
 }
 
+/// The jobs of one write: `first` and whatever is queued behind it, within a write's bounds,
+/// and the job that did not fit, if any. A job whose caller went away is left out unwritten,
+/// and its place freed. Its caller learns nothing more of it (a lost answer is read as a
+/// creation that may have been recorded, and looked up). The ledger writes no run its
+/// submitter stopped waiting for while it was queued.
+fn gather(first: Job, rx: &mut mpsc::UnboundedReceiver<Job>, max_batch: usize) -> (Vec<Job>, Option<Job>) {
+    let (mut binds, mut bytes) = (0, 0);
+    let mut jobs = Vec::new();
+    let mut next = Some(first);
+    while let Some(job) = next.take().or_else(|| if jobs.len() < max_batch { rx.try_recv().ok() } else { None }) {
+        if job.reply.is_closed() {
+            continue;
+        }
+        let fits = binds + job.run.binds() <= MAX_BINDS && bytes + job.place.bytes <= MAX_WRITE_BYTES;
+        if !fits && !jobs.is_empty() {
+            return (jobs, Some(job));
+        }
+        binds += job.run.binds();
+        bytes += job.place.bytes;
+        jobs.push(job);
+    }
+    (jobs, None)
+}
+
 /// Takes queued runs and writes them, gathering into each write whatever queued up while
 /// the writes before it were in flight.
 async fn write_queued(store: LedgerStore, mut rx: mpsc::UnboundedReceiver<Job>, writers: usize, max_batch: usize) {
@@ -128,17 +152,10 @@ async fn write_queued(store: LedgerStore, mut rx: mpsc::UnboundedReceiver<Job>, 
         };
         // A write slot first: what queues while waiting for it joins this write.
         let Ok(slot) = in_flight.clone().acquire_owned().await else { return };
-        let (mut binds, mut bytes) = (first.run.binds(), first.place.bytes);
-        let mut jobs = vec![first];
-        while jobs.len() < max_batch {
-            let Ok(job) = rx.try_recv() else { break };
-            if binds + job.run.binds() > MAX_BINDS || bytes + job.place.bytes > MAX_WRITE_BYTES {
-                held = Some(job);
-                break;
-            }
-            binds += job.run.binds();
-            bytes += job.place.bytes;
-            jobs.push(job);
+        let jobs;
+        (jobs, held) = gather(first, &mut rx, max_batch);
+        if jobs.is_empty() {
+            continue;
         }
         let span = tracing::info_span!(parent: &jobs[0].span, "ledger.create_runs", batch.runs = jobs.len());
         for other in &jobs[1..] {
@@ -195,6 +212,38 @@ mod tests {
         assert!(refused(admission.admit(31)).message().contains("ledger.max_pending_run_bytes"));
         drop(third);
         admission.admit(100).expect("every byte free again");
+    }
+
+    #[tokio::test]
+    async fn a_write_leaves_out_submissions_whose_callers_went_away() {
+        let (_dir, store) = store().await;
+        let admission = Admission::start(store.clone(), 5, 16 << 20, 8);
+        let plan = json!({ "steps": [] });
+        let job = |id: &str, bytes: usize| {
+            let (reply, answer) = oneshot::channel();
+            let run = store.prepare_run(crate::store::test_run(id, "", &plan));
+            let place = admission.admit(bytes).expect("a place");
+            (Job { run, place, reply, span: tracing::Span::none() }, answer)
+        };
+        let (gone, answer) = job("gone", 10);
+        drop(answer);
+        let (kept, _kept) = job("kept", 3 << 20);
+        let (also_gone, answer) = job("also-gone", 10);
+        drop(answer);
+        let (too_big, _too_big) = job("too-big", 3 << 20);
+        let (queue, mut rx) = mpsc::unbounded_channel();
+        for queued in [kept, also_gone, too_big] {
+            queue.send(queued).map_err(|_| "queued").expect("queued");
+        }
+        let (jobs, held) = gather(gone, &mut rx, 8);
+        let ids: Vec<&str> = jobs.iter().map(|j| j.run.run_id()).collect();
+        assert_eq!(ids, ["kept"], "those whose callers went away are left out");
+        assert_eq!(held.as_ref().map(|j| j.run.run_id()), Some("too-big"), "past the write's bytes: the next write");
+        // The places left out are free again: two held (kept, too-big), three free.
+        for _ in 0..3 {
+            std::mem::forget(admission.admit(1).expect("a place freed"));
+        }
+        assert!(admission.admit(1).is_err(), "the two kept still hold theirs");
     }
 
     #[tokio::test]

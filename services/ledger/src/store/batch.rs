@@ -38,7 +38,7 @@ pub fn marks(rows: usize, cols: usize, from: usize) -> String {
 /// parameter's name back (another scan), so a statement of thousands of `$n` cost time
 /// quadratic in its size — a tenth of `warden dev`'s CPU in a busy batch. Anonymous marks are
 /// numbered as they are parsed and have no name to look up.
-fn anonymous_marks(rows: usize, cols: usize) -> String {
+pub fn anonymous_marks(rows: usize, cols: usize) -> String {
     let row = format!("({})", vec!["?"; cols].join(", "));
     vec![row; rows].join(", ")
 }

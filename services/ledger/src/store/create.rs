@@ -5,7 +5,9 @@
 //! one commit for all of them, all or nothing. `crate::admit` queues submissions and decides
 //! which ones go together.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+
+use sqlx::Row as _;
 
 use serde_json::Value;
 use warden_core::chain::{ChainedEvent, EventBody, GENESIS_HASH, link};
@@ -39,6 +41,10 @@ pub struct PreparedRun {
 }
 
 impl PreparedRun {
+    pub fn run_id(&self) -> &str {
+        &self.run.run_id
+    }
+
     pub fn is_frame(&self) -> bool {
         self.frame.is_some()
     }
@@ -163,21 +169,65 @@ impl LedgerStore {
         self.write_run(prepared).await
     }
 
-    /// Writes prepared submissions, answering each. Root runs are written together, in one
-    /// commit. If one of them names a key or a run id already taken, the whole write is
-    /// refused by the database and nothing is written. Each run is then written on its own, so
-    /// the one that repeats an earlier submission is answered with that submission's run.
+    /// Writes prepared submissions, answering each in order. Root runs are written together,
+    /// in one commit:
+    /// - Keys already on record are looked up first, in one read. A submission naming one is
+    ///   answered with the earlier run (deduplicated), and a key named twice in the batch is
+    ///   written once, its repeat after it.
+    /// - If the write is refused as a whole, nothing is written. That happens when a key or run
+    ///   id is taken meanwhile, or on a deadlock with another write of the same keys. Each run
+    ///   is then written on its own.
+    /// - Any other failure answers every run of the write with it.
     pub async fn create_runs(&self, runs: Vec<PreparedRun>) -> Vec<Result<CreatedRun, LedgerError>> {
-        if runs.len() > 1 && !runs.iter().any(PreparedRun::is_frame) {
-            match self.write_together(&runs).await {
-                Ok(()) => return runs.into_iter().map(|p| Ok(self.created(p))).collect(),
-                Err(e) if is_unique_violation(&e) => {}
-                Err(e) => {
-                    let e = LedgerError::from(e);
-                    return runs.iter().map(|_| Err(e.clone_for_batch())).collect();
-                }
+        if runs.len() < 2 || runs.iter().any(PreparedRun::is_frame) {
+            return self.write_each(runs).await;
+        }
+        let keys: Vec<(&str, &str)> =
+            runs.iter().filter_map(|p| Some((p.run.tenant.as_str(), p.submit_key.as_deref()?))).collect();
+        let recorded = match self.runs_by_submit_keys(&keys).await {
+            Ok(recorded) => recorded,
+            Err(e) => return runs.iter().map(|_| Err(e.clone_for_batch())).collect(),
+        };
+        let mut answers: Vec<Option<Result<CreatedRun, LedgerError>>> = runs.iter().map(|_| None).collect();
+        let (mut together, mut after) = (Vec::new(), Vec::new());
+        let mut named = HashSet::new();
+        for (i, p) in runs.into_iter().enumerate() {
+            let key = p.submit_key.as_ref().map(|k| (p.run.tenant.clone(), k.clone()));
+            if let Some(run) = key.as_ref().and_then(|k| recorded.get(k)) {
+                answers[i] = Some(Ok(CreatedRun { run: run.clone(), deduplicated: true, first: Ok(Vec::new()) }));
+            } else if key.is_some_and(|k| !named.insert(k)) {
+                after.push((i, p));
+            } else {
+                together.push((i, p));
             }
         }
+        let (places, together): (Vec<usize>, Vec<PreparedRun>) = together.into_iter().unzip();
+        let written = match together.len() {
+            0 => Vec::new(),
+            1 => self.write_each(together).await,
+            _ => match self.write_together(&together).await {
+                Ok(()) => together.into_iter().map(|p| Ok(self.created(p))).collect(),
+                Err(e) if is_unique_violation(&e) || is_conflict(&e) => self.write_each(together).await,
+                Err(e) => {
+                    let e = LedgerError::from(e);
+                    together.iter().map(|_| Err(e.clone_for_batch())).collect()
+                }
+            },
+        };
+        for (i, answer) in places.into_iter().zip(written) {
+            answers[i] = Some(answer);
+        }
+        for (i, p) in after {
+            answers[i] = Some(self.write_run(p).await);
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(LedgerError::Internal("a submission was not answered".into()))))
+            .collect()
+    }
+
+    /// Writes each submission on its own, in order.
+    async fn write_each(&self, runs: Vec<PreparedRun>) -> Vec<Result<CreatedRun, LedgerError>> {
         let mut answers = Vec::with_capacity(runs.len());
         for run in runs {
             answers.push(self.write_run(run).await);
@@ -247,8 +297,8 @@ impl LedgerStore {
     /// a single statement: the run rows and the events as one data-modifying CTE. On SQLite it
     /// is one transaction.
     async fn write_together(&self, runs: &[PreparedRun]) -> Result<(), sqlx::Error> {
-        let insert_runs = format!("{INSERT_RUN} {}", batch::marks(runs.len(), RUN_VALUES, 0));
         if self.backend == Backend::Postgres {
+            let insert_runs = format!("{INSERT_RUN} {}", batch::marks(runs.len(), RUN_VALUES, 0));
             let events = runs.iter().map(|p| p.chain.len()).sum();
             let sql = format!(
                 "WITH r AS ({insert_runs} RETURNING run_id) {}",
@@ -264,6 +314,7 @@ impl LedgerStore {
             q.execute(&self.pool).await?;
             return Ok(());
         }
+        let insert_runs = format!("{INSERT_RUN} {}", batch::anonymous_marks(runs.len(), RUN_VALUES));
         let mut tx = self.pool.begin().await?;
         let mut q = sqlx::query(&insert_runs);
         for p in runs {
@@ -275,6 +326,32 @@ impl LedgerStore {
         tx.commit().await
     }
 
+    /// The runs recorded under these `(tenant, key)` pairs, in one read.
+    async fn runs_by_submit_keys(
+        &self,
+        keys: &[(&str, &str)],
+    ) -> Result<HashMap<(String, String), RunRow>, LedgerError> {
+        if keys.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let sql = format!(
+            "SELECT {RUN_COLUMNS}, submit_key FROM runs WHERE (tenant, submit_key) IN (VALUES {})",
+            batch::marks(keys.len(), 2, 0)
+        );
+        let mut q = sqlx::query(&sql);
+        for (tenant, key) in keys {
+            q = q.bind(*tenant).bind(*key);
+        }
+        let rows = q.fetch_all(&self.pool).await?;
+        rows.iter()
+            .map(|r| {
+                let run = super::run_from_row(r)?;
+                let key: String = r.try_get("submit_key")?;
+                Ok(((run.tenant.clone(), key), run))
+            })
+            .collect()
+    }
+
     pub(super) async fn run_by_submit_key(&self, tenant: &str, key: &str) -> Result<Option<RunRow>, LedgerError> {
         let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = $1 AND submit_key = $2");
         let row = sqlx::query(&sql).bind(tenant).bind(key).fetch_optional(&self.pool).await?;
@@ -283,6 +360,11 @@ impl LedgerStore {
 }
 
 /// `q` with a run row's fifteen values bound, in [`INSERT_RUN`]'s order.
+/// A deadlock or serialization failure: the statement was rolled back, nothing written.
+fn is_conflict(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if matches!(d.code().as_deref(), Some("40P01" | "40001")))
+}
+
 fn bind_run<'q>(q: Query<'q>, p: &'q PreparedRun) -> Query<'q> {
     let r = &p.run;
     q.bind(r.run_id.as_str())
@@ -325,37 +407,58 @@ mod tests {
         events.into_iter().map(|e| e.body.event_type).collect()
     }
 
+    /// Each answer as (run id, deduplicated), or the refusal.
+    fn answered(answers: Vec<Result<CreatedRun, LedgerError>>) -> Vec<Result<(String, bool), String>> {
+        answers.into_iter().map(|r| r.map(|c| (c.run.run_id, c.deduplicated)).map_err(|e| e.to_string())).collect()
+    }
+
+    fn made(run_id: &str, deduplicated: bool) -> Result<(String, bool), String> {
+        Ok((run_id.to_string(), deduplicated))
+    }
+
     async fn runs_written_together_are_each_whole(store: LedgerStore) {
         let plan = json!({ "steps": [] });
-        let (a, b, c) = (
-            store.prepare_run(new_run("a", "", &plan)),
+        // Runs of different lengths in one write: a submitted without a lease (no run_started).
+        let unleased = NewRun { started_by: None, ..new_run("a", "", &plan) };
+        let first = vec![
+            store.prepare_run(unleased),
             store.prepare_run(new_run("b", "kb", &plan)),
             store.prepare_run(new_run("c", "", &plan)),
-        );
-        let answers = store.create_runs(vec![a, b, c]).await;
-        let ids: Vec<(String, bool)> =
-            answers.into_iter().map(|r| r.map(|c| (c.run.run_id, c.deduplicated)).expect("created")).collect();
-        assert_eq!(ids, [("a".into(), false), ("b".into(), false), ("c".into(), false)]);
-        for run in ["a", "b", "c"] {
+        ];
+        assert_eq!(answered(store.create_runs(first).await), [made("a", false), made("b", false), made("c", false)]);
+        assert_eq!(whole(&store, "a").await, ["run_submitted"]);
+        for run in ["b", "c"] {
             assert_eq!(whole(&store, run).await, ["run_submitted", "run_started"], "{run}");
         }
 
-        // One of the next write repeats b's key: the write as a whole is refused by the
-        // database, writing nothing, and each run is written on its own. The repeat is answered
-        // with b, and the others are created.
-        let (d, again, e) = (
+        // b2 repeats b's key, on record: answered with b. e2 repeats e's key in the same write:
+        // e is written, then e2 answered with it. Neither repeat writes or keeps anything.
+        let second = vec![
             store.prepare_run(new_run("d", "", &plan)),
             store.prepare_run(new_run("b2", "kb", &plan)),
             store.prepare_run(new_run("e", "ke", &plan)),
-        );
-        let answers = store.create_runs(vec![d, again, e]).await;
-        let ids: Vec<(String, bool)> =
-            answers.into_iter().map(|r| r.map(|c| (c.run.run_id, c.deduplicated)).expect("answered")).collect();
-        assert_eq!(ids, [("d".into(), false), ("b".into(), true), ("e".into(), false)]);
-        assert!(store.get_run("b2").await.expect("read").is_none(), "the repeat wrote no run");
-        for run in ["d", "e"] {
+            store.prepare_run(new_run("e2", "ke", &plan)),
+            store.prepare_run(new_run("f", "", &plan)),
+        ];
+        let expected = [made("d", false), made("b", true), made("e", false), made("e", true), made("f", false)];
+        assert_eq!(answered(store.create_runs(second).await), expected);
+        for run in ["b2", "e2"] {
+            assert!(store.get_run(run).await.expect("read").is_none(), "{run} wrote no run");
+            assert!(store.hot.take_present(&[run]).is_empty(), "{run} is not held in memory");
+        }
+        for run in ["d", "e", "f"] {
             assert_eq!(whole(&store, run).await, ["run_submitted", "run_started"], "{run}");
         }
+
+        // A run id already taken refuses the whole write, which writes nothing: each run is then
+        // written on its own, and only the one naming a's id is refused.
+        let third = vec![store.prepare_run(new_run("g", "", &plan)), store.prepare_run(new_run("a", "", &plan))];
+        let answers = answered(store.create_runs(third).await);
+        assert_eq!(answers[0], made("g", false));
+        assert!(answers[1].is_err(), "{answers:?}");
+        assert_eq!(whole(&store, "a").await, ["run_submitted"], "a is as it was");
+        assert_eq!(whole(&store, "g").await, ["run_submitted", "run_started"]);
+
         // Written runs are appended to as any other.
         let note = crate::store::OwnedEvent {
             tenant: "t".into(),
