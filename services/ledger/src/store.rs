@@ -178,7 +178,14 @@ pub struct LedgerStore {
     keep_at_most: usize,
     /// Runs read from the database to decide an append, since start (see [`Self::runs_read`]).
     runs_read: Arc<std::sync::atomic::AtomicU64>,
+    /// Reads in flight at once (see [`Self::reading`]): half the pool, so that the writers
+    /// (the write lanes, the run writer) always find connections.
+    reads: Arc<tokio::sync::Semaphore>,
 }
+
+/// How long a read waits for its turn behind others before it is answered UNAVAILABLE: far
+/// past a busy moment, so that only a database that stopped answering ends the wait.
+const READ_TURN_WAIT: Duration = Duration::from_secs(30);
 
 /// A connection kept for appends, with when it was last used.
 type KeptConnection = (sqlx::pool::PoolConnection<sqlx::Any>, std::time::Instant);
@@ -313,6 +320,7 @@ impl LedgerStore {
             kept: Default::default(),
             keep_at_most: (max_connections as usize / 4).min(4),
             runs_read: Default::default(),
+            reads: Arc::new(tokio::sync::Semaphore::new((max_connections as usize / 2).max(1))),
         })
     }
 
@@ -446,11 +454,23 @@ impl LedgerStore {
     /// database (it restarted; the pool lets each such connection go, so at most as many
     /// times as the pool holds, plus one), as appends are: a read changes nothing, and its
     /// caller would otherwise be answered UNAVAILABLE once per dead pooled connection.
+    ///
+    /// Reads take turns: at most half the pool's connections read at once, and the others
+    /// wait here. Without turns, a burst of reads (thousands of runs ending at once, each
+    /// answered from the ledger) queued in the pool, and those past its 5 s acquire timeout —
+    /// meant for a database that does not answer — failed UNAVAILABLE.
     async fn reading<T, F, Fut>(&self, mut read: F) -> Result<T, LedgerError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
     {
+        let _turn = match tokio::time::timeout(READ_TURN_WAIT, self.reads.acquire()).await {
+            Ok(Ok(turn)) => turn,
+            _ => {
+                let waited = READ_TURN_WAIT.as_secs();
+                return Err(LedgerError::Unavailable(format!("a read waited {waited} s for its turn behind others")));
+            }
+        };
         let mut dropped = 0;
         loop {
             match read().await.map_err(LedgerError::from) {
