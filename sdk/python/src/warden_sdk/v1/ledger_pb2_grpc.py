@@ -169,7 +169,9 @@ class LedgerServicer:
 
     def CreateRun(self, request, context):
         """Creates a run and its first event (run_submitted) atomically. Idempotent per
-        (tenant, idempotency_key): a retry returns the existing run.
+        (tenant, idempotency_key): a retry returns the existing run. Submissions wait
+        in a bounded queue and are written together; past its bound (ledger.max_pending_runs,
+        ledger.max_pending_run_bytes) RESOURCE_EXHAUSTED with a RetryInfo, nothing written.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

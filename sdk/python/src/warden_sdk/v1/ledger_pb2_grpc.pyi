@@ -36,7 +36,9 @@ class LedgerStub:
     def __new__(cls, channel: _aio.Channel) -> LedgerAsyncStub: ...
     CreateRun: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.CreateRunRequest, _ledger_pb2.CreateRunResponse]
     """Creates a run and its first event (run_submitted) atomically. Idempotent per
-    (tenant, idempotency_key): a retry returns the existing run.
+    (tenant, idempotency_key): a retry returns the existing run. Submissions wait
+    in a bounded queue and are written together; past its bound (ledger.max_pending_runs,
+    ledger.max_pending_run_bytes) RESOURCE_EXHAUSTED with a RetryInfo, nothing written.
     """
     AppendEvent: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.AppendEventRequest, _ledger_pb2.AppendEventResponse]
     """Appends one event. Idempotent per (run, idempotency_key); refused with
@@ -109,7 +111,9 @@ class LedgerAsyncStub(LedgerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateRun: _aio.UnaryUnaryMultiCallable[_ledger_pb2.CreateRunRequest, _ledger_pb2.CreateRunResponse]  # type: ignore[assignment]
     """Creates a run and its first event (run_submitted) atomically. Idempotent per
-    (tenant, idempotency_key): a retry returns the existing run.
+    (tenant, idempotency_key): a retry returns the existing run. Submissions wait
+    in a bounded queue and are written together; past its bound (ledger.max_pending_runs,
+    ledger.max_pending_run_bytes) RESOURCE_EXHAUSTED with a RetryInfo, nothing written.
     """
     AppendEvent: _aio.UnaryUnaryMultiCallable[_ledger_pb2.AppendEventRequest, _ledger_pb2.AppendEventResponse]  # type: ignore[assignment]
     """Appends one event. Idempotent per (run, idempotency_key); refused with
@@ -185,7 +189,9 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.CreateRunResponse, _abc.Awaitable[_ledger_pb2.CreateRunResponse]]:
         """Creates a run and its first event (run_submitted) atomically. Idempotent per
-        (tenant, idempotency_key): a retry returns the existing run.
+        (tenant, idempotency_key): a retry returns the existing run. Submissions wait
+        in a bounded queue and are written together; past its bound (ledger.max_pending_runs,
+        ledger.max_pending_run_bytes) RESOURCE_EXHAUSTED with a RetryInfo, nothing written.
         """
 
     @_abc_1.abstractmethod

@@ -99,6 +99,9 @@ class RunsServicer:
     def SubmitRun(self, request, context):
         """Records the run durably and dispatches it. The plan is validated first;
         an invalid plan is refused with INVALID_ARGUMENT and nothing is written.
+        When the ledger already has ledger.max_pending_runs submissions waiting to be
+        recorded, the submission is refused at once with RESOURCE_EXHAUSTED and a
+        RetryInfo detail; nothing is written, and trying again after the hint is safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -36,6 +36,9 @@ class RunsStub:
     SubmitRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.SubmitRunRequest, _runs_pb2.SubmitRunResponse]
     """Records the run durably and dispatches it. The plan is validated first;
     an invalid plan is refused with INVALID_ARGUMENT and nothing is written.
+    When the ledger already has ledger.max_pending_runs submissions waiting to be
+    recorded, the submission is refused at once with RESOURCE_EXHAUSTED and a
+    RetryInfo detail; nothing is written, and trying again after the hint is safe.
     """
     GetRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.GetRunRequest, _runs_pb2.Run]
     WaitRun: _grpc.UnaryUnaryMultiCallable[_runs_pb2.WaitRunRequest, _runs_pb2.Run]
@@ -86,6 +89,9 @@ class RunsAsyncStub(RunsStub):
     SubmitRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.SubmitRunRequest, _runs_pb2.SubmitRunResponse]  # type: ignore[assignment]
     """Records the run durably and dispatches it. The plan is validated first;
     an invalid plan is refused with INVALID_ARGUMENT and nothing is written.
+    When the ledger already has ledger.max_pending_runs submissions waiting to be
+    recorded, the submission is refused at once with RESOURCE_EXHAUSTED and a
+    RetryInfo detail; nothing is written, and trying again after the hint is safe.
     """
     GetRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.GetRunRequest, _runs_pb2.Run]  # type: ignore[assignment]
     WaitRun: _aio.UnaryUnaryMultiCallable[_runs_pb2.WaitRunRequest, _runs_pb2.Run]  # type: ignore[assignment]
@@ -139,6 +145,9 @@ class RunsServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_runs_pb2.SubmitRunResponse, _abc.Awaitable[_runs_pb2.SubmitRunResponse]]:
         """Records the run durably and dispatches it. The plan is validated first;
         an invalid plan is refused with INVALID_ARGUMENT and nothing is written.
+        When the ledger already has ledger.max_pending_runs submissions waiting to be
+        recorded, the submission is refused at once with RESOURCE_EXHAUSTED and a
+        RetryInfo detail; nothing is written, and trying again after the hint is safe.
         """
 
     @_abc_1.abstractmethod
