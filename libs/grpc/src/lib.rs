@@ -499,10 +499,22 @@ pub fn is_fenced(status: &Status) -> bool {
 /// has no source error; one the client made of a broken connection (reset, broken pipe,
 /// stream closed) carries the transport error, whatever code tonic gives it (mostly UNKNOWN).
 /// Such a call decided nothing: callers treat it as an outage, not as the callee's answer.
+///
+/// One kind of broken connection arrives without its source. When hyper fails a call with an
+/// HTTP/2 error (the connection reset, a protocol or flow-control error, a GOAWAY), tonic makes
+/// the status from the error's reason, mostly INTERNAL, with the message
+/// [`H2_ERROR_PREFIX`]`…`, and does not attach the error (tonic 0.14, `Status::from_error`).
+/// Thousands of concurrent calls on one connection to a CPU-starved server have produced this:
+/// read as the callee's answer, it failed a step. It is recognised by tonic's message. A
+/// callee relaying such a status from its own call downstream is read the same way, as an
+/// outage: the caller asks again, which every call this is used for allows.
 pub fn broke_off(status: &Status) -> bool {
-    matches!(status.code(), Code::Unknown | Code::Cancelled | Code::Internal | Code::Unavailable)
-        && std::error::Error::source(status).is_some()
+    let transport = std::error::Error::source(status).is_some() || status.message().starts_with(H2_ERROR_PREFIX);
+    matches!(status.code(), Code::Unknown | Code::Cancelled | Code::Internal | Code::Unavailable) && transport
 }
+
+/// How tonic begins the message of a status it made of an HTTP/2 error (see [`broke_off`]).
+pub const H2_ERROR_PREFIX: &str = "h2 protocol error: ";
 
 #[cfg(test)]
 mod tests {
@@ -516,6 +528,11 @@ mod tests {
         assert!(super::broke_off(&broken));
         assert!(!super::broke_off(&tonic::Status::unknown("the callee's own unknown error")));
         assert!(!super::broke_off(&tonic::Status::internal("a bug in the callee")));
+        // An HTTP/2 error hyper met under the call, as tonic hands it over: no source.
+        let reset = tonic::Status::internal("h2 protocol error: http2 error");
+        assert!(std::error::Error::source(&reset).is_none());
+        assert!(super::broke_off(&reset));
+        assert!(!super::broke_off(&tonic::Status::invalid_argument("h2 protocol error: http2 error")));
     }
 
     /// The services a reflection client of either version lists, and whether it can fetch

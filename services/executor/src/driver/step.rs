@@ -922,6 +922,8 @@ mod tests {
         let broken = Status::from_error(Box::new(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "broken pipe")));
         assert_eq!(broken.code(), Code::Unknown);
         assert!(transient(&broken), "a policy killed mid-request is waited out");
+        let reset = Status::internal("h2 protocol error: http2 error");
+        assert!(transient(&reset), "an HTTP/2 error under the call (tonic attaches no source) is waited out");
         assert!(!transient(&Status::unknown("the callee's own unknown error")));
         assert!(!transient(&Status::internal("a bug in the callee")));
         assert!(transient(&Status::unavailable("store blip")));
