@@ -200,6 +200,7 @@ pub async fn serve_with_inproc(
         routes.add_service(health).add_service(reflection().build_v1()?).add_service(reflection().build_v1alpha()?);
     let server = || {
         Server::builder()
+            .initial_connection_window_size(CONNECTION_WINDOW)
             // Outermost, so the span and the RED metrics cover everything a request meets,
             // authentication refusals included; the caller's trace context becomes its parent.
             .layer(warden_telemetry::grpc::ServerLayer)
@@ -290,9 +291,23 @@ fn network(endpoint: &str) -> Result<Endpoint, Status> {
     Ok(Endpoint::from_shared(endpoint.to_string())
         .map_err(|e| Status::invalid_argument(format!("invalid endpoint '{endpoint}': {e}")))?
         .connect_timeout(Duration::from_secs(2))
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(20)))
 }
+
+/// The HTTP/2 connection window every server and client of the mesh asks for (the protocol's
+/// default is 64 KiB).
+///
+/// h2 counts each small DATA frame that has arrived but that no handler has read yet against a
+/// budget of half the connection window. Past that budget it closes the connection with
+/// GOAWAY ENHANCE_YOUR_CALM ("too_many_data_frames"), and every call on the connection fails.
+/// With the default window that is about 130 small frames. An executor driving thousands of
+/// runs carries thousands of concurrent calls on one connection to each peer, and a busy peer
+/// reads them in bursts: at 4,000 runs at once the executor closed its connections this way.
+/// 16 MiB allows about 60,000 frames waiting. It also lets that much data be in flight on one
+/// connection, twice the largest message.
+pub const CONNECTION_WINDOW: u32 = 16 << 20;
 
 /// `INVALID_ARGUMENT` with a field violation: the client learns which field and why.
 pub fn invalid_field(field: impl Into<String>, description: impl Into<String>) -> Status {
