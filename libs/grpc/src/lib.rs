@@ -296,17 +296,18 @@ fn network(endpoint: &str) -> Result<Endpoint, Status> {
         .http2_keep_alive_interval(Duration::from_secs(20)))
 }
 
-/// The HTTP/2 connection window every server and client of the mesh asks for (the protocol's
-/// default is 64 KiB).
+/// The HTTP/2 connection window every server and client of the mesh asks for. hyper's
+/// defaults are 1 MiB for a server and 5 MiB for a client.
 ///
-/// h2 counts each small DATA frame that has arrived but that no handler has read yet against a
-/// budget of half the connection window. Past that budget it closes the connection with
-/// GOAWAY ENHANCE_YOUR_CALM ("too_many_data_frames"), and every call on the connection fails.
-/// With the default window that is about 130 small frames. An executor driving thousands of
-/// runs carries thousands of concurrent calls on one connection to each peer, and a busy peer
-/// reads them in bursts: at 4,000 runs at once the executor closed its connections this way.
-/// 16 MiB allows about 60,000 frames waiting. It also lets that much data be in flight on one
-/// connection, twice the largest message.
+/// h2 counts each small DATA frame (under 256 bytes) that has arrived but that no handler has
+/// read yet against a budget of half the connection window, at up to 256 bytes a frame. Past
+/// that budget it closes the connection with GOAWAY ENHANCE_YOUR_CALM ("too_many_data_frames"),
+/// and every call on the connection fails. With a server's default window that is 2,000–4,000
+/// small frames. An executor driving thousands of runs carries thousands of concurrent calls
+/// on one connection to each peer, and a busy peer reads them in bursts: at 4,000 runs at
+/// once the executor closed its connections this way. 16 MiB allows at least 32,768 frames
+/// waiting. It also lets a peer leave that much unread on one connection, twice the largest
+/// message.
 pub const CONNECTION_WINDOW: u32 = 16 << 20;
 
 /// `INVALID_ARGUMENT` with a field violation: the client learns which field and why.
@@ -511,21 +512,17 @@ pub fn is_fenced(status: &Status) -> bool {
 
 /// Whether the client's own transport failed under the call — the callee killed or the
 /// connection reset mid-request — rather than the callee answering. A status the callee sent
-/// has no source error; one the client made of a broken connection (reset, broken pipe,
-/// stream closed) carries the transport error, whatever code tonic gives it (mostly UNKNOWN).
-/// Such a call decided nothing: callers treat it as an outage, not as the callee's answer.
+/// has no source error. One the client made of a broken connection carries the transport
+/// error, whatever code tonic gives it: mostly UNKNOWN, INTERNAL for most HTTP/2 errors, and
+/// RESOURCE_EXHAUSTED for a GOAWAY ENHANCE_YOUR_CALM (which h2 sends when a connection's
+/// small DATA frames pile up; see [`CONNECTION_WINDOW`]). Such a call decided nothing, so
+/// callers treat it as an outage, not as the callee's answer.
 ///
-/// One kind of broken connection arrives without its source. When hyper fails a call with an
-/// HTTP/2 error (the connection reset, a protocol or flow-control error, a GOAWAY), tonic makes
-/// the status from the error's reason, mostly INTERNAL, with the message
-/// [`H2_ERROR_PREFIX`]`…`, and does not attach the error (tonic 0.14, `Status::from_error`).
-/// Thousands of concurrent calls on one connection to a CPU-starved server have produced this:
-/// read as the callee's answer, it failed a step. It is recognised by tonic's message. A
-/// callee relaying such a status from its own call downstream is read the same way, as an
-/// outage: the caller asks again, which every call this is used for allows.
+/// A callee may also relay such a status from its own call downstream: it then arrives without
+/// its source, but with tonic's message ([`H2_ERROR_PREFIX`]`…`), and is read the same way.
+/// The caller asks again, which every call this is used for allows.
 pub fn broke_off(status: &Status) -> bool {
-    let transport = std::error::Error::source(status).is_some() || status.message().starts_with(H2_ERROR_PREFIX);
-    matches!(status.code(), Code::Unknown | Code::Cancelled | Code::Internal | Code::Unavailable) && transport
+    std::error::Error::source(status).is_some() || status.message().starts_with(H2_ERROR_PREFIX)
 }
 
 /// How tonic begins the message of a status it made of an HTTP/2 error (see [`broke_off`]).
@@ -543,11 +540,16 @@ mod tests {
         assert!(super::broke_off(&broken));
         assert!(!super::broke_off(&tonic::Status::unknown("the callee's own unknown error")));
         assert!(!super::broke_off(&tonic::Status::internal("a bug in the callee")));
-        // An HTTP/2 error hyper met under the call, as tonic hands it over: no source.
-        let reset = tonic::Status::internal("h2 protocol error: http2 error");
-        assert!(std::error::Error::source(&reset).is_none());
-        assert!(super::broke_off(&reset));
-        assert!(!super::broke_off(&tonic::Status::invalid_argument("h2 protocol error: http2 error")));
+        // A GOAWAY ENHANCE_YOUR_CALM, as tonic makes a status of it: RESOURCE_EXHAUSTED.
+        let calm = tonic::Status::from_error(Box::new(h2::Error::from(h2::Reason::ENHANCE_YOUR_CALM)));
+        assert_eq!(calm.code(), tonic::Code::ResourceExhausted);
+        assert!(super::broke_off(&calm), "{calm:?}");
+        let reset = tonic::Status::from_error(Box::new(h2::Error::from(h2::Reason::PROTOCOL_ERROR)));
+        assert!(super::broke_off(&reset), "{reset:?}");
+        // Such a status relayed by a callee: its message only.
+        assert!(super::broke_off(&tonic::Status::internal(reset.message())));
+        // A callee's own refusals are its answer.
+        assert!(!super::broke_off(&tonic::Status::resource_exhausted("quota")));
     }
 
     /// The services a reflection client of either version lists, and whether it can fetch

@@ -45,6 +45,7 @@ fn channel(endpoint: &str) -> Result<Channel, ApiError> {
         .map_err(|e| ApiError::invalid("endpoint", format!("'{endpoint}' is not a valid endpoint: {e}")))?
         // A mesh that is down answers `503` quickly instead of hanging the page.
         .connect_timeout(Duration::from_secs(2))
+        .initial_connection_window_size(warden_grpc::CONNECTION_WINDOW)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(20))
         .connect_lazy())
