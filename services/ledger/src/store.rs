@@ -1226,9 +1226,7 @@ mod tests {
     /// transaction open.
     #[tokio::test]
     async fn a_batch_whose_head_moved_commits_nothing() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let url = format!("sqlite://{}/ledger.db", dir.path().display());
-        let store = LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("store");
+        let (_dir, store) = test_sqlite().await;
         let plan = json!({ "steps": [] });
         store.create_run(new_run("a", &plan)).await.expect("created");
         assert_eq!(repeats(store.append_groups(vec![vec![note("a", "n1")]]).await), [Ok(vec![false])]);
