@@ -5,7 +5,9 @@
 //! Everything is measured the way a client sees it: from `SubmitRun` to `WaitRun` answering
 //! the terminal status. The chain's figure is that wall time divided by its steps; the batch's
 //! is steps over the wall time of all runs; a run's fixed cost is the wall time of one-step
-//! runs. The production shape also reports CPU per step per process (from /proc) and, from
+//! runs. Each workload is run a second time with every run followed on the ledger
+//! (`StreamEvents`), for per-step p50 and p99 as a follower sees them (see [`followed_run`]);
+//! the figures above are taken without followers. The production shape also reports CPU per step per process (from /proc) and, from
 //! PostgreSQL's `pg_stat_statements`, commits and SQL statements per step
 //! (`WARDEN_BENCH_SQL=1` lists the most called statements).
 
@@ -116,20 +118,30 @@ fn workers_per_service(flag: Option<usize>) -> usize {
 #[derive(Clone)]
 struct Endpoints {
     runs: String,
-    /// The one channel every run shares, unless each run connects anew (`--connect-per-run`).
-    shared: Option<RunsClient<warden_grpc::auth::Ch>>,
+    /// The ledger, whose `StreamEvents` the followed passes read (see [`followed_run`]).
+    ledger: String,
+    /// The channels every run shares, unless each run connects anew (`--connect-per-run`).
+    shared: Option<(RunsClient<warden_grpc::auth::Ch>, LedgerClient<warden_grpc::auth::Ch>)>,
 }
 
 impl Endpoints {
-    fn new(runs: String, args: &BenchArgs) -> anyhow::Result<Endpoints> {
-        let shared = if args.connect_per_run { None } else { Some(runs_client(&runs)?) };
-        Ok(Endpoints { runs, shared })
+    fn new(runs: String, ledger: String, args: &BenchArgs) -> anyhow::Result<Endpoints> {
+        let shared = if args.connect_per_run { None } else { Some((runs_client(&runs)?, ledger_client(&ledger)?)) };
+        Ok(Endpoints { runs, ledger, shared })
+    }
+
+    /// The client a run's events are followed through.
+    fn ledger(&self) -> anyhow::Result<LedgerClient<warden_grpc::auth::Ch>> {
+        match &self.shared {
+            Some((_, c)) => Ok(c.clone()),
+            None => ledger_client(&self.ledger),
+        }
     }
 
     /// The client a run is submitted and waited for through.
     fn runs(&self) -> anyhow::Result<RunsClient<warden_grpc::auth::Ch>> {
         match &self.shared {
-            Some(c) => Ok(c.clone()),
+            Some((c, _)) => Ok(c.clone()),
             None => runs_client(&self.runs),
         }
     }
@@ -165,6 +177,17 @@ pub(crate) fn ledger_client(endpoint: &str) -> anyhow::Result<LedgerClient<warde
 /// time is submit → terminal status as the client sees it.
 async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Duration> {
     let started = Instant::now();
+    let (mut runs, run_id) = submit(ep, tenant, plan).await?;
+    completed(&mut runs, tenant, &run_id).await?;
+    Ok(started.elapsed())
+}
+
+/// Submits one plan; returns the client it went through and the run's id.
+async fn submit(
+    ep: &Endpoints,
+    tenant: &str,
+    plan: &str,
+) -> anyhow::Result<(RunsClient<warden_grpc::auth::Ch>, String)> {
     let mut runs = ep.runs()?;
     let run_id = runs
         .submit_run(pb::SubmitRunRequest { tenant: tenant.into(), plan_json: plan.into(), ..Default::default() })
@@ -172,12 +195,63 @@ async fn one_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Dur
         .map_err(|s| anyhow::anyhow!("submit refused: {}", describe(&s)))?
         .into_inner()
         .run_id;
+    Ok((runs, run_id))
+}
+
+/// Waits for the run's end (`Runs.WaitRun`), which must be `completed`.
+async fn completed(runs: &mut RunsClient<warden_grpc::auth::Ch>, tenant: &str, run_id: &str) -> anyhow::Result<()> {
     let run = runs
-        .wait_run(pb::WaitRunRequest { tenant: tenant.into(), run_id: run_id.clone(), timeout_ms: 600_000 })
+        .wait_run(pb::WaitRunRequest { tenant: tenant.into(), run_id: run_id.into(), timeout_ms: 600_000 })
         .await?
         .into_inner();
     anyhow::ensure!(run.status() == pb::RunStatus::Completed, "run {run_id} ended {:?}: {}", run.status(), run.reason);
-    Ok(started.elapsed())
+    Ok(())
+}
+
+/// Requests a follower may receive while it catches up rather than as they are committed:
+/// the first is recorded with the run itself, before `SubmitRun` answers, and the second may
+/// be committed before the follower's subscription is in place. Intervals that start at one of
+/// them are left out of [`followed_run`]'s.
+const CAUGHT_UP_REQUESTS: usize = 2;
+
+/// Runs one plan as [`one_run`] does while following its events on the ledger
+/// (`StreamEvents`), and returns each step's wall time as a follower sees it: the interval
+/// between the arrivals of consecutive `tool_requested` events. A step's request is published
+/// to followers as it commits, so one interval is one step of the chain: the previous call,
+/// the next decision, and the commit of its outcome with the next request. Intervals starting
+/// at one of the first [`CAUGHT_UP_REQUESTS`] requests are left out.
+async fn followed_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Result<Vec<Duration>> {
+    let (mut runs, run_id) = submit(ep, tenant, plan).await?;
+    let follow = pb::StreamEventsRequest { tenant: tenant.into(), run_id: run_id.clone(), since_seq: 0, follow: true };
+    let mut stream = ep.ledger()?.stream_events(follow).await?.into_inner();
+    let mut arrivals = Vec::new();
+    let followed = async {
+        while let Some(e) = stream.message().await? {
+            if e.event_type == warden_core::events::TOOL_REQUESTED {
+                arrivals.push(Instant::now());
+            }
+            if warden_core::events::status_after(&e.event_type).is_some_and(|s| s.is_terminal()) {
+                return Ok(());
+            }
+        }
+        anyhow::bail!("the events of run {run_id} ended before the run did")
+    };
+    tokio::time::timeout(Duration::from_secs(600), followed).await.context("following a run")??;
+    completed(&mut runs, tenant, &run_id).await?;
+    Ok(arrivals.windows(2).skip(CAUGHT_UP_REQUESTS).map(|w| w[1] - w[0]).collect())
+}
+
+/// Per-step p50 and p99 of followed runs (see [`followed_run`]), or why there are none.
+fn followed_steps(h: &Histogram<u64>, runs: usize) -> String {
+    if h.is_empty() {
+        return format!("per step: none measured (runs of more than {} steps have some)", CAUGHT_UP_REQUESTS + 1);
+    }
+    format!(
+        "per step, {runs} runs followed apart from the figure above: p50 {}  p99 {}  ({} steps)",
+        ms(h.value_at_quantile(0.5)),
+        ms(h.value_at_quantile(0.99)),
+        h.len()
+    )
 }
 
 fn hist() -> Histogram<u64> {
@@ -356,6 +430,14 @@ async fn measure(
         ms(per_step.max()),
     );
     println!("{shape:<5}   {}", counters.report(&before, &after, (args.steps * args.sequential_runs) as u64));
+    // Per step, from runs of their own, so following them costs the figure above nothing.
+    let mut steps = hist();
+    for _ in 0..args.sequential_runs {
+        for d in followed_run(ep, tenant, &plan).await? {
+            steps.record((d.as_micros() as u64).max(1))?;
+        }
+    }
+    println!("{shape:<5}   {}", followed_steps(&steps, args.sequential_runs));
 
     let plan = chain(args.batch_steps);
     let before = counters.snapshot().await;
@@ -381,6 +463,19 @@ async fn measure(
         ms(runs.value_at_quantile(0.99)),
     );
     println!("{shape:<5}   {}", counters.report(&before, &after, n));
+    // Per step, from a batch of its own, each run followed.
+    let mut tasks = Vec::new();
+    for _ in 0..args.batch_runs {
+        let (ep, plan, tenant) = (ep.clone(), plan.clone(), tenant.to_string());
+        tasks.push(tokio::spawn(async move { followed_run(&ep, &tenant, &plan).await }));
+    }
+    let mut steps = hist();
+    for t in tasks {
+        for d in t.await?? {
+            steps.record((d.as_micros() as u64).max(1))?;
+        }
+    }
+    println!("{shape:<5}   {}", followed_steps(&steps, args.batch_runs));
     Ok(())
 }
 
@@ -392,7 +487,7 @@ async fn dev_shape(args: &BenchArgs) -> anyhow::Result<()> {
     base.planner.max_steps = args.steps.max(args.batch_steps);
     let config = crate::dev::dev_config(base, &dir, &endpoint);
     let mesh = crate::dev::start(config, listener).await?;
-    let ep = Endpoints::new(endpoint, args)?;
+    let ep = Endpoints::new(endpoint.clone(), endpoint, args)?;
     let counters =
         Counters { processes: vec![("warden-dev".into(), vec![std::process::id()])], postmaster: None, db: None };
     let r = measure("dev", &ep, "default", args, &counters).await;
@@ -444,7 +539,7 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
         }
     );
     let ProdShape { pg, _redis, mesh } = start_prod(args, workers, Vec::new()).await?;
-    let ep = Endpoints::new(mesh.executors[0].endpoint.clone(), args)?;
+    let ep = Endpoints::new(mesh.executors[0].endpoint.clone(), mesh.ledger.endpoint.clone(), args)?;
     let pid = |p: &warden_testkit::ServiceProcess| p.pid().into_iter().collect::<Vec<u32>>();
     let mut processes = vec![
         ("ledger".to_string(), pid(&mesh.ledger)),
@@ -489,7 +584,7 @@ async fn first_call(args: &BenchArgs) -> anyhow::Result<()> {
     let env = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
     let prod = start_prod(args, workers, env).await?;
     let mesh = &prod.mesh;
-    let ep = Endpoints::new(mesh.executors[0].endpoint.clone(), args)?;
+    let ep = Endpoints::new(mesh.executors[0].endpoint.clone(), mesh.ledger.endpoint.clone(), args)?;
     for _ in 0..3 {
         one_run(&ep, "default", &chain(1)).await.context("warm-up run")?;
     }

@@ -3,6 +3,7 @@
 
 mod agent;
 mod bad_input;
+mod bench;
 mod branches;
 mod conformance;
 mod console;

@@ -1,0 +1,29 @@
+//! `warden bench` itself: what it reports is read off real runs (the `warden dev` shape here,
+//! which needs no servers; the production shape is the same code over other endpoints).
+
+/// The per-step figures come from following each run's events, for the chain and for every
+/// run of the batch: one interval per step, leaving out those that start at one of a run's
+/// first two requests (which a follower may receive as it catches up).
+#[test]
+fn the_bench_reports_per_step_percentiles_from_followed_runs() {
+    let warden = warden_testkit::mesh::bin_dir().expect("binaries").join("warden");
+    let dir = tempfile::tempdir().expect("dir");
+    let out = std::process::Command::new(warden)
+        .current_dir(dir.path())
+        .args(["bench", "--suite", "steps", "--shape", "dev", "--steps", "6", "--sequential-runs", "2"])
+        .args(["--fixed-runs", "1", "--batch-runs", "3", "--batch-steps", "4"])
+        .output()
+        .expect("run");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    let per_step: Vec<&str> = said.lines().filter(|l| l.contains("per step, ")).collect();
+    // Chain: 6 requests per run, 5 intervals, the first two left out: 3 per run, 2 runs.
+    // Batch: 4 requests per run, 3 intervals, the first two left out: 1 per run, 3 runs.
+    assert_eq!(per_step.len(), 2, "{said}");
+    assert!(per_step[0].contains("2 runs followed") && per_step[0].ends_with("(6 steps)"), "{said}");
+    assert!(per_step[1].contains("3 runs followed") && per_step[1].ends_with("(3 steps)"), "{said}");
+    for line in per_step {
+        let p50 = line.split("p50 ").nth(1).and_then(|r| r.split("ms").next()).expect("p50");
+        assert!(p50.trim().parse::<f64>().expect("a figure") > 0.0, "{line}");
+    }
+}
