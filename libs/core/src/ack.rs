@@ -14,7 +14,7 @@
 //! signature can never be read as an acknowledgement or the reverse (their JSON differs and
 //! both are parsed strictly).
 
-use ed25519_dalek::{Signature, SigningKey, VerifyingKey};
+use ed25519_dalek::{SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
 
 use crate::auth::{AuthError, SignedClaims, key_id};
@@ -69,12 +69,8 @@ fn verified<T: serde::de::DeserializeOwned>(
     signed: &SignedClaims,
     keys: impl Fn(&str) -> Option<VerifyingKey>,
 ) -> Result<T, AuthError> {
-    if signed.claims_json.is_empty() && signed.signature.is_empty() {
-        return Err(AuthError::Missing);
-    }
-    let key = keys(&signed.key_id).ok_or_else(|| AuthError::UnknownKey(signed.key_id.clone()))?;
-    let sig = Signature::from_slice(&signed.signature).map_err(|_| AuthError::BadSignature)?;
-    if !crate::signature::verify(&key, &signed.claims_json, &sig) {
+    let s = crate::auth::signature_of(signed, keys)?;
+    if !crate::signature::verify(&s.key, &s.message, &s.signature) {
         return Err(AuthError::BadSignature);
     }
     serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))
@@ -87,7 +83,18 @@ pub fn verify_ack(
     keys: impl Fn(&str) -> Option<VerifyingKey>,
     call: &AckedCall<'_>,
 ) -> Result<RequestAckClaims, AuthError> {
-    let claims: RequestAckClaims = verified(signed, keys)?;
+    let s = crate::auth::signature_of(signed, keys)?;
+    if !crate::signature::verify(&s.key, &s.message, &s.signature) {
+        return Err(AuthError::BadSignature);
+    }
+    check_signed_ack(signed, call)
+}
+
+/// What [`verify_ack`] checks once the signature (`auth::signature_of`) verified: the claims,
+/// their key id and that they acknowledge `call`.
+pub fn check_signed_ack(signed: &SignedClaims, call: &AckedCall<'_>) -> Result<RequestAckClaims, AuthError> {
+    let claims: RequestAckClaims =
+        serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))?;
     if claims.key_id != signed.key_id {
         return Err(AuthError::Mismatch { field: "key_id" });
     }

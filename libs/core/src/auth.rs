@@ -138,14 +138,34 @@ pub fn verify(
     call: &CallIdentity<'_>,
     now_ms: i64,
 ) -> Result<AuthorizationClaims, AuthError> {
+    let s = signature_of(signed, keys)?;
+    if !crate::signature::verify(&s.key, &s.message, &s.signature) {
+        return Err(AuthError::BadSignature);
+    }
+    check_signed(signed, call, now_ms)
+}
+
+/// What [`verify`] checks first: the signature `signed` carries, by the key it names, over its
+/// claims, for the caller to check (alone, or with others: `signature::verify_all`).
+pub fn signature_of(
+    signed: &SignedClaims,
+    keys: impl Fn(&str) -> Option<VerifyingKey>,
+) -> Result<crate::signature::Signed, AuthError> {
     if signed.claims_json.is_empty() && signed.signature.is_empty() {
         return Err(AuthError::Missing);
     }
     let key = keys(&signed.key_id).ok_or_else(|| AuthError::UnknownKey(signed.key_id.clone()))?;
-    let sig = Signature::from_slice(&signed.signature).map_err(|_| AuthError::BadSignature)?;
-    if !crate::signature::verify(&key, &signed.claims_json, &sig) {
-        return Err(AuthError::BadSignature);
-    }
+    let signature = Signature::from_slice(&signed.signature).map_err(|_| AuthError::BadSignature)?;
+    Ok(crate::signature::Signed { key, message: signed.claims_json.clone(), signature })
+}
+
+/// What [`verify`] checks once the signature of [`signature_of`] verified: the claims, their
+/// key id, expiry and binding to `call`.
+pub fn check_signed(
+    signed: &SignedClaims,
+    call: &CallIdentity<'_>,
+    now_ms: i64,
+) -> Result<AuthorizationClaims, AuthError> {
     let claims: AuthorizationClaims =
         serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))?;
     if claims.key_id != signed.key_id {

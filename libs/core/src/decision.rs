@@ -27,6 +27,16 @@ pub fn sign_decision(mut payload: Value, key: &SigningKey) -> Value {
 
 /// Verifies a decision payload's signature with the key its `key_id` names.
 pub fn verify_decision(payload: &Value, keys: impl Fn(&str) -> Option<VerifyingKey>) -> Result<(), AuthError> {
+    let s = decision_signature(payload, keys)?;
+    if crate::signature::verify(&s.key, &s.message, &s.signature) { Ok(()) } else { Err(AuthError::BadSignature) }
+}
+
+/// The signature [`verify_decision`] checks, for the caller to check (alone, or with others:
+/// `signature::verify_all`): by the key `key_id` names, over the payload without `signature`.
+pub fn decision_signature(
+    payload: &Value,
+    keys: impl Fn(&str) -> Option<VerifyingKey>,
+) -> Result<crate::signature::Signed, AuthError> {
     let obj = payload.as_object().ok_or_else(|| AuthError::Malformed("a decision is a JSON object".into()))?;
     let text = |k: &str| obj.get(k).and_then(Value::as_str);
     let (Some(kid), Some(sig_hex)) = (text("key_id"), text("signature")) else {
@@ -34,14 +44,10 @@ pub fn verify_decision(payload: &Value, keys: impl Fn(&str) -> Option<VerifyingK
     };
     let key = keys(kid).ok_or_else(|| AuthError::UnknownKey(kid.to_string()))?;
     let bytes = hex::decode(sig_hex).map_err(|_| AuthError::BadSignature)?;
-    let sig = Signature::from_slice(&bytes).map_err(|_| AuthError::BadSignature)?;
+    let signature = Signature::from_slice(&bytes).map_err(|_| AuthError::BadSignature)?;
     let mut signed = obj.clone();
     signed.remove("signature");
-    if crate::signature::verify(&key, canonical_value(&Value::Object(signed)).as_bytes(), &sig) {
-        Ok(())
-    } else {
-        Err(AuthError::BadSignature)
-    }
+    Ok(crate::signature::Signed { key, message: canonical_value(&Value::Object(signed)).into_bytes(), signature })
 }
 
 #[cfg(test)]

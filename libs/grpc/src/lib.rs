@@ -9,6 +9,7 @@ pub mod inproc;
 pub mod keyfile;
 pub mod launch;
 pub mod tool_schema;
+pub mod verify;
 
 use std::future::Future;
 use std::net::SocketAddr;

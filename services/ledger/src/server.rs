@@ -103,6 +103,9 @@ pub struct LedgerService {
     /// recorded)): a decision asked for while its run was being created names the plan it was
     /// decided against, and is recorded only in a run whose plan has that digest.
     plan_digests: Arc<Mutex<HashMap<String, (String, String)>>>,
+    /// Checks the decisions' signatures of concurrent appends together (see
+    /// `warden_grpc::verify`).
+    verifier: Arc<warden_grpc::verify::Verifier>,
 }
 
 /// Plan digests kept in [`LedgerService::plan_digests`] before it is emptied (the first
@@ -236,6 +239,7 @@ impl LedgerService {
             followers,
             recent: Default::default(),
             plan_digests: Default::default(),
+            verifier: Default::default(),
         })
     }
 
@@ -309,9 +313,13 @@ impl LedgerService {
                 Status::unavailable(format!("policy keys unavailable; decision not verified: {why}"))
             })?;
         }
-        warden_core::decision::verify_decision(payload, |id| self.policy_keys.get(id)).map_err(|e| {
-            Status::permission_denied(format!("policy_decision refused: not as the policy signed it: {e}"))
-        })?;
+        let not_signed =
+            |e| Status::permission_denied(format!("policy_decision refused: not as the policy signed it: {e}"));
+        let signature =
+            warden_core::decision::decision_signature(payload, |id| self.policy_keys.get(id)).map_err(not_signed)?;
+        if self.verifier.verify(vec![signature]).await.first() != Some(&true) {
+            return Err(not_signed(warden_core::auth::AuthError::BadSignature));
+        }
         // The signature covers where the decision belongs: a genuine record of one call cannot
         // be replayed into another run, step or tenant.
         let text = |k: &str| payload.get(k).and_then(Value::as_str).unwrap_or_default();

@@ -27,7 +27,7 @@ use serde_json::Value;
 use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
 use warden_config::ToolsConfig;
-use warden_core::ack::{AckedCall, verify_ack};
+use warden_core::ack::{AckedCall, check_signed_ack};
 use warden_core::auth::{self, CallIdentity};
 use warden_core::canonical::args_digest;
 use warden_core::ids::{check_id, check_step_id};
@@ -123,6 +123,8 @@ pub struct ToolHostService {
     ledger_keys: warden_grpc::keyfile::KeyRing,
     ledger: LedgerClient<warden_grpc::auth::Ch>,
     in_flight: Arc<InFlight>,
+    /// Checks the signatures of concurrent calls together (see `warden_grpc::verify`).
+    verifier: Arc<warden_grpc::verify::Verifier>,
     /// What `ListTools` declares (timeouts and output schemas as configured).
     specs: Arc<Vec<pb::ToolSpec>>,
     /// Each declared tool's declaration digest and effect class (see `auth::check_declaration`).
@@ -150,6 +152,7 @@ impl ToolHostService {
             ledger_keys: Default::default(),
             ledger: LedgerClient::new(warden_grpc::channel(&config.ledger_endpoint)?),
             in_flight: Default::default(),
+            verifier: Default::default(),
         })
     }
 
@@ -197,6 +200,10 @@ impl ToolHostService {
     /// Both proofs every call needs before anything happens: policy allowed exactly this call
     /// (the authorization), and the ledger durably recorded its request citing that allow
     /// (the acknowledgement) — so no effect happens outside the record.
+    ///
+    /// Their two signatures are checked together, and with those of other calls arriving
+    /// meanwhile (see `warden_grpc::verify`); what is refused, and in what order, is as if each
+    /// were checked alone (`auth::verify`, then `ack::verify_ack`).
     async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<(), Status> {
         let signed = warden_grpc::convert::claims_from_wire(r.authorization.as_ref());
         if !signed.key_id.is_empty() {
@@ -217,15 +224,28 @@ impl ToolHostService {
             tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, error = %e, "refused unauthorized call");
             Status::permission_denied(format!("refused: {what}{e}"))
         };
-        let claims = auth::verify(&signed, |id| self.keys.get(id), &call, now_ms()).map_err(|e| refused(e, ""))?;
+        let not_acked = "no ledger acknowledgement that the request is recorded: ";
+        // Expiry is judged when the call arrived, not after its turn in the batch.
+        let now = now_ms();
+        let authorization = auth::signature_of(&signed, |id| self.keys.get(id)).map_err(|e| refused(e, ""))?;
+        let ack = warden_grpc::convert::claims_from_wire(r.request_ack.as_ref());
+        // The acknowledgement's signature goes with the authorization's when its key is known
+        // already; a key to learn is learnt only for a call whose authorization holds.
+        let known = ack.key_id.is_empty() || self.ledger_keys.get(&ack.key_id).is_some();
+        let ack_signature = known.then(|| auth::signature_of(&ack, |id| self.ledger_keys.get(id)));
+        let mut items = vec![authorization];
+        if let Some(Ok(s)) = &ack_signature {
+            items.push(s.clone());
+        }
+        let answers = self.verifier.verify(items).await;
+        if answers.first() != Some(&true) {
+            return Err(refused(auth::AuthError::BadSignature, ""));
+        }
+        let claims = auth::check_signed(&signed, &call, now).map_err(|e| refused(e, ""))?;
         // Decided for the tool as this host declares it now (class, version, schemas).
         if let Some((digest, effect)) = self.declared.get(&r.tool) {
             auth::check_declaration(&claims, digest, effect)
                 .map_err(|e| refused(e, "decided for another declaration of the tool: "))?;
-        }
-        let ack = warden_grpc::convert::claims_from_wire(r.request_ack.as_ref());
-        if !ack.key_id.is_empty() {
-            let _ = self.ledger_keys.learn(&ack.key_id, || keyfile::ledger_keys(&self.ledger)).await;
         }
         let acked = AckedCall {
             tenant: &r.tenant,
@@ -235,8 +255,21 @@ impl ToolHostService {
             decision_id: &claims.decision_id,
             idempotency_key: &r.idempotency_key,
         };
-        verify_ack(&ack, |id| self.ledger_keys.get(id), &acked)
-            .map_err(|e| refused(e, "no ledger acknowledgement that the request is recorded: "))?;
+        match ack_signature {
+            Some(Err(e)) => return Err(refused(e, not_acked)),
+            Some(Ok(_)) if answers.get(1) != Some(&true) => {
+                return Err(refused(auth::AuthError::BadSignature, not_acked));
+            }
+            Some(Ok(_)) => {}
+            None => {
+                let _ = self.ledger_keys.learn(&ack.key_id, || keyfile::ledger_keys(&self.ledger)).await;
+                let s = auth::signature_of(&ack, |id| self.ledger_keys.get(id)).map_err(|e| refused(e, not_acked))?;
+                if self.verifier.verify(vec![s]).await.first() != Some(&true) {
+                    return Err(refused(auth::AuthError::BadSignature, not_acked));
+                }
+            }
+        }
+        check_signed_ack(&ack, &acked).map_err(|e| refused(e, not_acked))?;
         Ok(())
     }
 
@@ -622,6 +655,67 @@ mod tests {
         assert!(outbox(dir.path()).is_empty(), "nothing was sent");
         invoke(&host, call("acme", "run1:s1:1", "email.send", mail)).await;
         assert_eq!(outbox(dir.path()).len(), 1, "the acknowledged call runs");
+    }
+
+    /// `signed` signed again without the memo of own signatures, as by another process.
+    fn signed_elsewhere(signed: &mut Option<pb::SignedAuthorization>, key: &SigningKey) {
+        use ed25519_dalek::Signer;
+        let s = signed.as_mut().expect("signed");
+        s.signature = key.sign(&s.claims_json).to_bytes().to_vec();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn concurrent_calls_signed_elsewhere_are_checked_together_and_each_refused_on_its_own() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = host(dir.path());
+        // Calls whose signatures this process did not make, so each is checked on the curve;
+        // handled together, their signatures are checked as a batch. Every third call's
+        // acknowledgement, and every fifth call's authorization, has one byte changed.
+        let calls: Vec<pb::InvokeRequest> = (0..30)
+            .map(|i| {
+                let mut c = call("acme", &format!("run1:s1:{i}"), "echo", json!({"i": i}));
+                signed_elsewhere(&mut c.authorization, &policy_key());
+                signed_elsewhere(&mut c.request_ack, &ledger_key());
+                c
+            })
+            .collect();
+        // All as signed: one batch that holds.
+        let answers = futures::future::join_all(calls.iter().enumerate().map(|(i, c)| {
+            let host = host.clone();
+            async move { host.verify(c, &args_digest(&json!({"i": i}))).await }
+        }))
+        .await;
+        assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+        let answers = futures::future::join_all(calls.iter().enumerate().map(|(i, c)| {
+            let mut c = c.clone();
+            if i % 3 == 0
+                && let Some(a) = c.request_ack.as_mut()
+            {
+                a.signature[10] ^= 1;
+            }
+            if i % 5 == 0
+                && let Some(a) = c.authorization.as_mut()
+            {
+                a.signature[40] ^= 1;
+            }
+            let host = host.clone();
+            async move { (i, host.verify(&c, &args_digest(&json!({"i": i}))).await) }
+        }))
+        .await;
+        for (i, answer) in answers {
+            let acked = i % 3 != 0;
+            match (i % 5 == 0, acked) {
+                (true, _) => {
+                    let e = answer.expect_err("altered authorization");
+                    assert_eq!(e.message(), "refused: authorization signature does not verify", "call {i}");
+                }
+                (false, false) => {
+                    let e = answer.expect_err("altered acknowledgement");
+                    assert!(e.message().contains("no ledger acknowledgement"), "call {i}: {e:?}");
+                }
+                (false, true) => answer.unwrap_or_else(|e| panic!("call {i}: {e:?}")),
+            }
+        }
     }
 
     #[tokio::test]
