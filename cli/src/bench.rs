@@ -546,6 +546,9 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
         ("policy".to_string(), pid(&mesh.policy)),
         ("executor".to_string(), pid(&mesh.executors[0])),
         ("tools".to_string(), pid(&mesh.tools)),
+        // A submission's plan is checked by the planner, and its lease taken in Redis.
+        ("planner".to_string(), pid(&mesh.planner)),
+        ("redis".to_string(), _redis.pid().into_iter().collect()),
     ];
     processes.push(("client".to_string(), vec![std::process::id()]));
     let db = mesh.database_url.clone();

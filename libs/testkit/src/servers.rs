@@ -108,6 +108,11 @@ fn spawn_redis(bin: &Path, port: u16) -> anyhow::Result<Child> {
 }
 
 impl Redis {
+    /// The server's process, when this process started it.
+    pub fn pid(&self) -> Option<u32> {
+        self._child.as_ref().map(|c| c.lock().unwrap_or_else(|p| p.into_inner()).id())
+    }
+
     /// Kills the server (SIGKILL: every key is gone, as Redis keeps nothing on disk here),
     /// leaves it down for `down`, and starts it again on the same port. Only for a server
     /// this process started.
