@@ -7,9 +7,9 @@
 //! is steps over the wall time of all runs; a run's fixed cost is the wall time of one-step
 //! runs. Each workload is run a second time with every run followed on the ledger
 //! (`StreamEvents`), for per-step p50 and p99 as a follower sees them (see [`followed_run`]);
-//! the figures above are taken without followers. The production shape also reports CPU per step per process (from /proc) and, from
-//! PostgreSQL's `pg_stat_statements`, commits and SQL statements per step
-//! (`WARDEN_BENCH_SQL=1` lists the most called statements).
+//! the headline figures are taken without followers. The production shape also reports CPU
+//! per step per process (from /proc) and, from PostgreSQL's `pg_stat_statements`, commits and
+//! SQL statements per step (`WARDEN_BENCH_SQL=1` lists the most called statements).
 
 use std::time::{Duration, Instant};
 
@@ -241,6 +241,14 @@ async fn followed_run(ep: &Endpoints, tenant: &str, plan: &str) -> anyhow::Resul
     Ok(arrivals.windows(2).skip(CAUGHT_UP_REQUESTS).map(|w| w[1] - w[0]).collect())
 }
 
+/// Adds a followed run's step times (see [`followed_run`]) to `h`, in microseconds.
+fn record_steps(h: &mut Histogram<u64>, steps: Vec<Duration>) -> anyhow::Result<()> {
+    for d in steps {
+        h.record((d.as_micros() as u64).max(1))?;
+    }
+    Ok(())
+}
+
 /// Per-step p50 and p99 of followed runs (see [`followed_run`]), or why there are none.
 fn followed_steps(h: &Histogram<u64>, runs: usize) -> String {
     if h.is_empty() {
@@ -433,9 +441,7 @@ async fn measure(
     // Per step, from runs of their own, so following them costs the figure above nothing.
     let mut steps = hist();
     for _ in 0..args.sequential_runs {
-        for d in followed_run(ep, tenant, &plan).await? {
-            steps.record((d.as_micros() as u64).max(1))?;
-        }
+        record_steps(&mut steps, followed_run(ep, tenant, &plan).await?)?;
     }
     println!("{shape:<5}   {}", followed_steps(&steps, args.sequential_runs));
 
@@ -471,9 +477,7 @@ async fn measure(
     }
     let mut steps = hist();
     for t in tasks {
-        for d in t.await?? {
-            steps.record((d.as_micros() as u64).max(1))?;
-        }
+        record_steps(&mut steps, t.await??)?;
     }
     println!("{shape:<5}   {}", followed_steps(&steps, args.batch_runs));
     Ok(())

@@ -69,10 +69,7 @@ fn verified<T: serde::de::DeserializeOwned>(
     signed: &SignedClaims,
     keys: impl Fn(&str) -> Option<VerifyingKey>,
 ) -> Result<T, AuthError> {
-    let s = crate::auth::signature_of(signed, keys)?;
-    if !crate::signature::verify(&s.key, &s.message, &s.signature) {
-        return Err(AuthError::BadSignature);
-    }
+    crate::auth::check_signature(signed, keys)?;
     serde_json::from_slice(&signed.claims_json).map_err(|e| AuthError::Malformed(e.to_string()))
 }
 
@@ -83,10 +80,7 @@ pub fn verify_ack(
     keys: impl Fn(&str) -> Option<VerifyingKey>,
     call: &AckedCall<'_>,
 ) -> Result<RequestAckClaims, AuthError> {
-    let s = crate::auth::signature_of(signed, keys)?;
-    if !crate::signature::verify(&s.key, &s.message, &s.signature) {
-        return Err(AuthError::BadSignature);
-    }
+    crate::auth::check_signature(signed, keys)?;
     check_signed_ack(signed, call)
 }
 

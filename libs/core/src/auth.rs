@@ -138,11 +138,20 @@ pub fn verify(
     call: &CallIdentity<'_>,
     now_ms: i64,
 ) -> Result<AuthorizationClaims, AuthError> {
+    check_signature(signed, keys)?;
+    check_signed(signed, call, now_ms)
+}
+
+/// The signature of [`signature_of`], checked alone.
+pub(crate) fn check_signature(
+    signed: &SignedClaims,
+    keys: impl Fn(&str) -> Option<VerifyingKey>,
+) -> Result<(), AuthError> {
     let s = signature_of(signed, keys)?;
     if !crate::signature::verify(&s.key, &s.message, &s.signature) {
         return Err(AuthError::BadSignature);
     }
-    check_signed(signed, call, now_ms)
+    Ok(())
 }
 
 /// What [`verify`] checks first: the signature `signed` carries, by the key it names, over its
