@@ -232,11 +232,10 @@ impl ToolHostService {
         // The acknowledgement's signature goes with the authorization's when its key is known
         // already; a key to learn is learnt only for a call whose authorization holds.
         let known = ack.key_id.is_empty() || self.ledger_keys.get(&ack.key_id).is_some();
-        let ack_signature = known.then(|| auth::signature_of(&ack, |id| self.ledger_keys.get(id)));
         let mut items = vec![authorization];
-        if let Some(Ok(s)) = &ack_signature {
-            items.push(s.clone());
-        }
+        // What became of the acknowledgement's signature: None when its key is still to learn.
+        let ack_signature =
+            known.then(|| auth::signature_of(&ack, |id| self.ledger_keys.get(id)).map(|s| items.push(s)));
         let answers = self.verifier.verify(items).await;
         if answers.first() != Some(&true) {
             return Err(refused(auth::AuthError::BadSignature, ""));
