@@ -684,7 +684,12 @@
         if (full.bound && full.bound.waiting && full.state === "pending" && tries < FILL_TRIES) {
           setTimeout(() => { if (alive) fill(a, tries + 1); }, FILL_MS);
         }
-      } catch (e) { /* the card shows the digest; the next change refills it */ }
+      } catch (e) {
+        // A failed ask (the mesh busy, a blip) is tried again within the same budget; the
+        // card shows the digest meanwhile.
+        const refused = e && (e.status === 401 || e.status === 403);
+        if (alive && !refused && tries < FILL_TRIES) setTimeout(() => { if (alive) fill(a, tries + 1); }, FILL_MS);
+      }
     }
 
     function watch() {
@@ -711,6 +716,11 @@
         const page = await api(`/api/approvals${q({ tenant, state: "pending", page_size: 200 })}`);
         for (const a of page.approvals) approvals.set(a.approval_id, a);
         render();
+        // Listed while the outcome its arguments are built from was still being recorded: the
+        // live stream will not fill it (it is known already), so it is asked again from here.
+        for (const a of page.approvals) {
+          if (a.state === "pending" && a.bound && a.bound.waiting) fill(a);
+        }
       } catch (e) {
         if (e.status !== 401) list.replaceChildren(describe(e));
       }
