@@ -181,7 +181,23 @@ pub struct LedgerStore {
     /// Reads in flight at once (see [`Self::reading`]): half the pool, so that the writers
     /// (the write lanes, the run writer) always find connections.
     reads: Arc<tokio::sync::Semaphore>,
+    /// Request acknowledgements signed while their batch was being written, for the answer to
+    /// take (see [`Self::acknowledge`]).
+    presigned: Arc<std::sync::Mutex<HashMap<(String, u64), Presigned>>>,
 }
+
+/// An acknowledgement signed ahead, with what it was signed for: the tenant and the event's
+/// hash must match the committed event it is taken for.
+struct Presigned {
+    tenant: String,
+    hash: String,
+    ack: warden_core::auth::SignedClaims,
+}
+
+/// At most this many acknowledgements wait to be taken. Each is taken by the answer of the
+/// request that wrote it; one whose caller went away is never taken, and the map is emptied
+/// when it reaches this bound (the next answers then sign their own).
+const MAX_PRESIGNED: usize = 4_096;
 
 /// How long a read waits for its turn behind others before it is answered UNAVAILABLE: far
 /// past a busy moment, so that only a database that stopped answering ends the wait.
@@ -321,6 +337,7 @@ impl LedgerStore {
             keep_at_most: (max_connections as usize / 4).min(4),
             runs_read: Default::default(),
             reads: Arc::new(tokio::sync::Semaphore::new((max_connections as usize / 2).max(1))),
+            presigned: Default::default(),
         })
     }
 
@@ -345,8 +362,47 @@ impl LedgerStore {
     }
 
     /// The signed acknowledgement that `event` — a `tool_requested` — is recorded (see
-    /// `warden_core::ack`). Only called for events that are committed.
+    /// `warden_core::ack`). Only called for events that are committed. One signed while the
+    /// event's batch was being written is taken when it was signed for this tenant and this
+    /// exact event (run, seq and hash).
     pub fn acknowledge(&self, tenant: &str, event: &ChainedEvent) -> warden_core::auth::SignedClaims {
+        let key = (event.body.run_id.clone(), event.body.seq);
+        let ahead = self.presigned.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+        match ahead {
+            Some(p) if p.tenant == tenant && p.hash == event.hash => p.ack,
+            _ => self.sign_ack(tenant, event),
+        }
+    }
+
+    /// Signs the acknowledgements of `decided`'s requests, to be taken by [`Self::acknowledge`]
+    /// once the batch is committed: done while the batch's statement is in flight, the signing
+    /// costs a chain's step no time. Kept only after the write succeeded (`keep`).
+    fn presign(&self, decided: &batch::Decided) -> Vec<((String, u64), Presigned)> {
+        decided
+            .events
+            .iter()
+            .filter(|e| e.body.event_type == events::TOOL_REQUESTED)
+            .filter_map(|e| {
+                let tenant = &decided.states.get(&e.body.run_id)?.head.tenant;
+                let ack = self.sign_ack(tenant, e);
+                let p = Presigned { tenant: tenant.clone(), hash: e.hash.clone(), ack };
+                Some(((e.body.run_id.clone(), e.body.seq), p))
+            })
+            .collect()
+    }
+
+    fn keep_presigned(&self, signed: Vec<((String, u64), Presigned)>) {
+        if signed.is_empty() {
+            return;
+        }
+        let mut kept = self.presigned.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() + signed.len() > MAX_PRESIGNED {
+            kept.clear();
+        }
+        kept.extend(signed);
+    }
+
+    fn sign_ack(&self, tenant: &str, event: &ChainedEvent) -> warden_core::auth::SignedClaims {
         let p = &event.body.payload;
         let text = |k: &str| p.get(k).and_then(serde_json::Value::as_str).unwrap_or_default().to_string();
         let claims = warden_core::ack::RequestAckClaims {
@@ -714,6 +770,19 @@ impl LedgerStore {
     /// Writes a batch decided wholly from memory: one statement on PostgreSQL, one transaction
     /// on SQLite.
     async fn write_decided(&self, decided: &batch::Decided) -> Result<(), LedgerError> {
+        // The requests' acknowledgements are signed while the statement is in flight (the
+        // database works on another core meanwhile), and kept only once it committed.
+        let presign = async {
+            tokio::task::yield_now().await;
+            self.presign(decided)
+        };
+        let (written, signed) = tokio::join!(self.write_decided_now(decided), presign);
+        written?;
+        self.keep_presigned(signed);
+        Ok(())
+    }
+
+    async fn write_decided_now(&self, decided: &batch::Decided) -> Result<(), LedgerError> {
         if self.backend == Backend::Postgres {
             batch::write_one_statement(self, decided).await?;
         } else if !decided.touched.is_empty() {
@@ -1224,6 +1293,45 @@ mod tests {
     /// that moved under it must stop that query before `COMMIT` even when nothing else would
     /// fail (here the head moved without an event at the seq the batch writes), and leave no
     /// transaction open.
+    /// An acknowledgement signed ahead is handed out only for the tenant and the exact event
+    /// it was signed for, once; any other answer is signed afresh.
+    #[tokio::test]
+    async fn an_acknowledgement_signed_ahead_is_taken_only_for_its_own_event() {
+        let (_dir, store) = test_sqlite().await;
+        let request = |hash: &str| ChainedEvent {
+            body: EventBody {
+                run_id: "r".into(),
+                seq: 3,
+                event_type: events::TOOL_REQUESTED.into(),
+                payload: json!({"decision_id": "d", "attempt": 1, "idempotency_key": "r:s:1"}),
+                step_id: "s".into(),
+                epoch: 1,
+                idempotency_key: "r:s:1:requested".into(),
+                timestamp_ms: 2,
+            },
+            prev_hash: "p".into(),
+            hash: hash.into(),
+        };
+        let (ours, other) = (request("h1"), request("h2"));
+        let ahead = |tenant: &str, e: &ChainedEvent| {
+            let p = Presigned { tenant: tenant.into(), hash: e.hash.clone(), ack: store.sign_ack(tenant, e) };
+            store.keep_presigned(vec![(("r".into(), 3), p)]);
+        };
+        // Signed ahead for another event at the same place (a write that did not commit).
+        ahead("t", &other);
+        assert_eq!(store.acknowledge("t", &ours), store.sign_ack("t", &ours));
+        // Signed ahead for another tenant.
+        ahead("u", &ours);
+        let taken = store.acknowledge("t", &ours);
+        assert_eq!(taken, store.sign_ack("t", &ours));
+        assert_ne!(taken, store.sign_ack("u", &ours));
+        // Its own: taken once, then gone.
+        ahead("t", &ours);
+        assert_eq!(store.presigned.lock().expect("lock").len(), 1);
+        assert_eq!(store.acknowledge("t", &ours), store.sign_ack("t", &ours));
+        assert!(store.presigned.lock().expect("lock").is_empty());
+    }
+
     #[tokio::test]
     async fn a_batch_whose_head_moved_commits_nothing() {
         let (_dir, store) = test_sqlite().await;
