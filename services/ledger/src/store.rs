@@ -199,6 +199,9 @@ struct Presigned {
 /// when it reaches this bound (the next answers then sign their own).
 const MAX_PRESIGNED: usize = 4_096;
 
+/// Past this many requests in a batch, none is signed ahead (see [`LedgerStore::presign`]).
+const MAX_PRESIGNED_PER_BATCH: usize = 8;
+
 /// How long a read waits for its turn behind others before it is answered UNAVAILABLE: far
 /// past a busy moment, so that only a database that stopped answering ends the wait.
 const READ_TURN_WAIT: Duration = Duration::from_secs(30);
@@ -367,6 +370,7 @@ impl LedgerStore {
     /// exact event (run, seq and hash).
     pub fn acknowledge(&self, tenant: &str, event: &ChainedEvent) -> warden_core::auth::SignedClaims {
         let key = (event.body.run_id.clone(), event.body.seq);
+        // Taken out whether or not it matches: one that does not is of no use to anyone.
         let ahead = self.presigned.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
         match ahead {
             Some(p) if p.tenant == tenant && p.hash == event.hash => p.ack,
@@ -378,10 +382,14 @@ impl LedgerStore {
     /// once the batch is committed: done while the batch's statement is in flight, the signing
     /// costs a chain's step no time. Kept only after the write succeeded (`keep`).
     fn presign(&self, decided: &batch::Decided) -> Vec<((String, u64), Presigned)> {
-        decided
-            .events
-            .iter()
-            .filter(|e| e.body.event_type == events::TOOL_REQUESTED)
+        let requests = || decided.events.iter().filter(|e| e.body.event_type == events::TOOL_REQUESTED);
+        // A busy batch is left to its answers: its statement waits on a busy database, and
+        // signing many here would hold its commit back (nothing is gained when the cores are
+        // full anyway). A chain's batch holds one request.
+        if requests().count() > MAX_PRESIGNED_PER_BATCH {
+            return Vec::new();
+        }
+        requests()
             .filter_map(|e| {
                 let tenant = &decided.states.get(&e.body.run_id)?.head.tenant;
                 let ack = self.sign_ack(tenant, e);
@@ -1289,10 +1297,6 @@ mod tests {
         }
     }
 
-    /// SQLite commits a batch decided from memory in the same query as its writes; a head
-    /// that moved under it must stop that query before `COMMIT` even when nothing else would
-    /// fail (here the head moved without an event at the seq the batch writes), and leave no
-    /// transaction open.
     /// An acknowledgement signed ahead is handed out only for the tenant and the exact event
     /// it was signed for, once; any other answer is signed afresh.
     #[tokio::test]
@@ -1332,6 +1336,10 @@ mod tests {
         assert!(store.presigned.lock().expect("lock").is_empty());
     }
 
+    /// SQLite commits a batch decided from memory in the same query as its writes; a head
+    /// that moved under it must stop that query before `COMMIT` even when nothing else would
+    /// fail (here the head moved without an event at the seq the batch writes), and leave no
+    /// transaction open.
     #[tokio::test]
     async fn a_batch_whose_head_moved_commits_nothing() {
         let (_dir, store) = test_sqlite().await;
