@@ -64,7 +64,7 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value = "both")]
     shape: Shape,
     /// Steps in the sequential plan.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..), usize::from))]
     steps: usize,
     /// How many times the sequential plan runs (one after another).
     #[arg(long, default_value_t = 3)]
@@ -79,7 +79,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     takeovers: usize,
     /// Sequential steps in each run of the batch.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..), usize::from))]
     batch_steps: usize,
     /// Tokio worker threads of each production-shape service. Default: the machine's cores
     /// shared among the five services (at least one each), as CPU limits would share a node
@@ -409,18 +409,37 @@ async fn measure(
         one_run(ep, tenant, &chain(5)).await.context("warm-up run")?;
     }
 
-    // A run's fixed cost: one-step runs, one after another.
-    let mut fixed = hist();
-    for _ in 0..args.fixed_runs {
-        fixed.record(one_run(ep, tenant, &chain(1)).await?.as_micros() as u64)?;
+    // A run's fixed cost: one-step runs, one after another. A workload asked to run no
+    // times is left out (no figure from nothing).
+    if args.fixed_runs > 0 {
+        let mut fixed = hist();
+        for _ in 0..args.fixed_runs {
+            fixed.record(one_run(ep, tenant, &chain(1)).await?.as_micros() as u64)?;
+        }
+        println!(
+            "{shape:<5} one-step run (submit -> completed, {} runs): p50 {}  p99 {}",
+            args.fixed_runs,
+            ms(fixed.value_at_quantile(0.5)),
+            ms(fixed.value_at_quantile(0.99))
+        );
     }
-    println!(
-        "{shape:<5} one-step run (submit -> completed, {} runs): p50 {}  p99 {}",
-        args.fixed_runs,
-        ms(fixed.value_at_quantile(0.5)),
-        ms(fixed.value_at_quantile(0.99))
-    );
+    if args.sequential_runs > 0 {
+        chain_workload(shape, ep, tenant, args, counters).await?;
+    }
+    if args.batch_runs > 0 {
+        batch_workload(shape, ep, tenant, args, counters).await?;
+    }
+    Ok(())
+}
 
+/// The sequential chain, then the same chain followed, step by step.
+async fn chain_workload(
+    shape: &str,
+    ep: &Endpoints,
+    tenant: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> anyhow::Result<()> {
     let plan = chain(args.steps);
     let mut per_step = hist();
     let before = counters.snapshot().await;
@@ -444,7 +463,17 @@ async fn measure(
         record_steps(&mut steps, followed_run(ep, tenant, &plan).await?)?;
     }
     println!("{shape:<5}   {}", followed_steps(&steps, args.sequential_runs));
+    Ok(())
+}
 
+/// The concurrent batch, then the same batch with every run followed.
+async fn batch_workload(
+    shape: &str,
+    ep: &Endpoints,
+    tenant: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> anyhow::Result<()> {
     let plan = chain(args.batch_steps);
     let before = counters.snapshot().await;
     let started = Instant::now();
