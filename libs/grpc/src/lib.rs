@@ -5,6 +5,7 @@
 pub mod auth;
 pub mod catalog;
 pub mod eager;
+pub mod guard;
 pub mod inproc;
 pub mod keyfile;
 pub mod launch;

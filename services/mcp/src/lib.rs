@@ -19,10 +19,10 @@
 //!   which are untrusted hints used only as defaults (see [`tools`]).
 //!
 //! Tool names, schemas and results are mapped in [`tools`], connections in [`upstream`], the
-//! verification in [`guard`] and the outcome store in [`outcomes`].
+//! verification in [`warden_grpc::guard`] (shared with the demo tool host) and the outcome
+//! store in [`outcomes`].
 
 pub mod config;
-pub mod guard;
 pub mod outcomes;
 pub mod tools;
 pub mod upstream;
@@ -40,9 +40,9 @@ use warden_proto::v1 as pb;
 use warden_proto::v1::tool_host_server::{ToolHost, ToolHostServer};
 
 use crate::config::McpConfig;
-use crate::guard::Guard;
 use crate::outcomes::{InFlight, OutcomeStore, Recorded, StoreError};
 use crate::upstream::Upstream;
+use warden_grpc::guard::Guard;
 
 pub const SERVICES: &[&str] = &["warden.v1.ToolHost"];
 
@@ -250,7 +250,7 @@ impl ToolHost for McpHost {
             .map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
         let digest = args_digest(&args);
         // Nothing about the call is acted on before both proofs are checked.
-        let claims = self.inner.guard.verify(&r, &digest).await?;
+        let claims = self.inner.guard.verify(&r, &digest, None).await?;
         // Decided for the tool as this host lists it now (class, version, schemas).
         // A tool the server does not list now has no declaration to check the call against: it
         // is refused rather than passed on unchecked (the policy may have decided under a class

@@ -27,14 +27,11 @@ use serde_json::Value;
 use tonic::service::{Routes, RoutesBuilder};
 use tonic::{Request, Response, Status};
 use warden_config::ToolsConfig;
-use warden_core::ack::{AckedCall, check_signed_ack};
-use warden_core::auth::{self, CallIdentity};
 use warden_core::canonical::args_digest;
 use warden_core::ids::{check_id, check_step_id};
-use warden_grpc::{invalid_field, keyfile, now_ms};
+use warden_grpc::guard::Guard;
+use warden_grpc::{invalid_field, now_ms};
 use warden_proto::v1 as pb;
-use warden_proto::v1::ledger_client::LedgerClient;
-use warden_proto::v1::policy_client::PolicyClient;
 use warden_proto::v1::tool_host_server::{ToolHost, ToolHostServer};
 
 use crate::tools::{Recorded, StateError, Tool};
@@ -117,14 +114,9 @@ fn state_unavailable(e: StateError, what: &str) -> Status {
 #[derive(Clone)]
 pub struct ToolHostService {
     state: Arc<tools::ToolState>,
-    keys: warden_grpc::keyfile::KeyRing,
-    policy: PolicyClient<warden_grpc::auth::Ch>,
-    /// The ledger's keys: they verify the acknowledgement that a call's request is recorded.
-    ledger_keys: warden_grpc::keyfile::KeyRing,
-    ledger: LedgerClient<warden_grpc::auth::Ch>,
+    /// Checks each call's authorization and acknowledgement (`warden_grpc::guard`).
+    guard: Guard,
     in_flight: Arc<InFlight>,
-    /// Checks the signatures of concurrent calls together (see `warden_grpc::verify`).
-    verifier: Arc<warden_grpc::verify::Verifier>,
     /// What `ListTools` declares (timeouts and output schemas as configured).
     specs: Arc<Vec<pb::ToolSpec>>,
     /// Each declared tool's declaration digest and effect class (see `auth::check_declaration`).
@@ -147,12 +139,8 @@ impl ToolHostService {
             specs: Arc::new(specs),
             declared: Arc::new(declared),
             state: Arc::new(tools::ToolState::new(&config.outbox_path, &config.state_file())?),
-            keys: Default::default(),
-            policy: PolicyClient::new(warden_grpc::channel(&config.policy_endpoint)?),
-            ledger_keys: Default::default(),
-            ledger: LedgerClient::new(warden_grpc::channel(&config.ledger_endpoint)?),
+            guard: Guard::new(&config.policy_endpoint, &config.ledger_endpoint)?,
             in_flight: Default::default(),
-            verifier: Default::default(),
         })
     }
 
@@ -187,89 +175,21 @@ impl ToolHostService {
 
     /// Fetches the policy's verification keys (on start).
     pub async fn refresh_keys(&self) -> Result<(), Status> {
-        self.keys.install(keyfile::policy_keys(&self.policy).await?);
-        Ok(())
+        self.guard.refresh_policy_keys().await
     }
 
     /// Fetches the ledger's keys (on start).
     pub async fn refresh_ledger_keys(&self) -> Result<(), Status> {
-        self.ledger_keys.install(keyfile::ledger_keys(&self.ledger).await?);
-        Ok(())
+        self.guard.refresh_ledger_keys().await
     }
 
     /// Both proofs every call needs before anything happens: policy allowed exactly this call
-    /// (the authorization), and the ledger durably recorded its request citing that allow
-    /// (the acknowledgement) — so no effect happens outside the record.
-    ///
-    /// Their two signatures are checked together, and with those of other calls arriving
-    /// meanwhile (see `warden_grpc::verify`); what is refused, and in what order, is as if each
-    /// were checked alone (`auth::verify`, then `ack::verify_ack`).
+    /// (the authorization), decided for the tool as this host declares it now (class,
+    /// version, schemas), and the ledger durably recorded its request citing that allow (the
+    /// acknowledgement) — so no effect happens outside the record. See `warden_grpc::guard`.
     async fn verify(&self, r: &pb::InvokeRequest, args_sha256: &str) -> Result<(), Status> {
-        let signed = warden_grpc::convert::claims_from_wire(r.authorization.as_ref());
-        if !signed.key_id.is_empty() {
-            // Possibly a rotated key: ask the policy (once for every call meeting it together).
-            // Failure leaves the key unknown.
-            let _ = self.keys.learn(&signed.key_id, || keyfile::policy_keys(&self.policy)).await;
-        }
-        let call = CallIdentity {
-            tenant: &r.tenant,
-            run_id: &r.run_id,
-            step_id: &r.step_id,
-            attempt: r.attempt,
-            tool: &r.tool,
-            args_sha256,
-            idempotency_key: &r.idempotency_key,
-        };
-        let refused = |e: auth::AuthError, what: &str| {
-            tracing::warn!(run_id = %r.run_id, step_id = %r.step_id, tool = %r.tool, error = %e, "refused unauthorized call");
-            Status::permission_denied(format!("refused: {what}{e}"))
-        };
-        let not_acked = "no ledger acknowledgement that the request is recorded: ";
-        // Expiry is judged when the call arrived, not after its turn in the batch.
-        let now = now_ms();
-        let authorization = auth::signature_of(&signed, |id| self.keys.get(id)).map_err(|e| refused(e, ""))?;
-        let ack = warden_grpc::convert::claims_from_wire(r.request_ack.as_ref());
-        // The acknowledgement's signature goes with the authorization's when its key is known
-        // already; a key to learn is learnt only for a call whose authorization holds.
-        let known = ack.key_id.is_empty() || self.ledger_keys.get(&ack.key_id).is_some();
-        let mut items = vec![authorization];
-        // What became of the acknowledgement's signature: None when its key is still to learn.
-        let ack_signature =
-            known.then(|| auth::signature_of(&ack, |id| self.ledger_keys.get(id)).map(|s| items.push(s)));
-        let answers = self.verifier.verify(items).await;
-        if answers.first() != Some(&true) {
-            return Err(refused(auth::AuthError::BadSignature, ""));
-        }
-        let claims = auth::check_signed(&signed, &call, now).map_err(|e| refused(e, ""))?;
-        // Decided for the tool as this host declares it now (class, version, schemas).
-        if let Some((digest, effect)) = self.declared.get(&r.tool) {
-            auth::check_declaration(&claims, digest, effect)
-                .map_err(|e| refused(e, "decided for another declaration of the tool: "))?;
-        }
-        let acked = AckedCall {
-            tenant: &r.tenant,
-            run_id: &r.run_id,
-            step_id: &r.step_id,
-            attempt: r.attempt,
-            decision_id: &claims.decision_id,
-            idempotency_key: &r.idempotency_key,
-        };
-        match ack_signature {
-            Some(Err(e)) => return Err(refused(e, not_acked)),
-            Some(Ok(_)) if answers.get(1) != Some(&true) => {
-                return Err(refused(auth::AuthError::BadSignature, not_acked));
-            }
-            Some(Ok(_)) => {}
-            None => {
-                let _ = self.ledger_keys.learn(&ack.key_id, || keyfile::ledger_keys(&self.ledger)).await;
-                let s = auth::signature_of(&ack, |id| self.ledger_keys.get(id)).map_err(|e| refused(e, not_acked))?;
-                if self.verifier.verify(vec![s]).await.first() != Some(&true) {
-                    return Err(refused(auth::AuthError::BadSignature, not_acked));
-                }
-            }
-        }
-        check_signed_ack(&ack, &acked).map_err(|e| refused(e, not_acked))?;
-        Ok(())
+        let declared = self.declared.get(&r.tool).map(|(digest, effect)| (digest.as_str(), *effect));
+        self.guard.verify(r, args_sha256, declared).await.map(|_| ())
     }
 
     /// Runs `call` unless its key already has an outcome, and records the outcome before
@@ -422,9 +342,9 @@ mod tests {
         };
         let service = ToolHostService::new(&config).expect("service");
         let vk = policy_key().verifying_key();
-        service.keys.install([(key_id(&vk), vk.as_bytes().to_vec())]);
+        service.guard.policy_keys.install([(key_id(&vk), vk.as_bytes().to_vec())]);
         let lk = ledger_key().verifying_key();
-        service.ledger_keys.install([(key_id(&lk), lk.as_bytes().to_vec())]);
+        service.guard.ledger_keys.install([(key_id(&lk), lk.as_bytes().to_vec())]);
         service
     }
 
