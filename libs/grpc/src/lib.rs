@@ -203,6 +203,7 @@ pub async fn serve_with_inproc(
     let server = || {
         Server::builder()
             .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
             // Outermost, so the span and the RED metrics cover everything a request meets,
             // authentication refusals included; the caller's trace context becomes its parent.
             .layer(warden_telemetry::grpc::ServerLayer)
@@ -311,6 +312,17 @@ fn network(endpoint: &str) -> Result<Endpoint, Status> {
 /// waiting. It also lets a peer leave that much unread on one connection, twice the largest
 /// message.
 pub const CONNECTION_WINDOW: u32 = 16 << 20;
+
+/// The most calls one connection may have open at once on a Warden server; a peer's further
+/// calls wait in its HTTP/2 client until one ends (HTTP/2's `SETTINGS_MAX_CONCURRENT_STREAMS`).
+///
+/// Without it (tonic's default) one connection could open streams without end, each holding a
+/// decoded request and a handler, which is memory a caller decides. The bound is far above what
+/// the mesh's own connections carry: an executor driving thousands of runs has a call per run
+/// open to each peer, and a client's `WaitRun`s are one per run, held while the run goes; 4,000
+/// runs at once on one channel were measured (BENCHMARKS.md, 2026-11-29 "later"). hyper's own
+/// default, 200, would make such a client's submissions wait behind its waits.
+pub const MAX_CONCURRENT_STREAMS: u32 = 16_384;
 
 /// `INVALID_ARGUMENT` with a field violation: the client learns which field and why.
 pub fn invalid_field(field: impl Into<String>, description: impl Into<String>) -> Status {
@@ -641,6 +653,29 @@ mod tests {
 
     /// grpcurl, grpcui, Postman and evans ask `grpc.reflection.v1alpha`; newer clients ask v1.
     /// Both answer with the same services and descriptors.
+    /// A server tells every connection how many calls it may have open at once.
+    #[tokio::test]
+    async fn a_server_bounds_the_calls_open_on_one_connection() {
+        let listener = super::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(super::serve(listener, Routes::default(), &[], async {
+            let _ = stopped.await;
+        }));
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (client, mut connection) = h2::client::handshake(tcp).await.expect("HTTP/2 handshake");
+        // The server's SETTINGS arrive once the connection is driven.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        while connection.max_concurrent_send_streams() == usize::MAX && tokio::time::Instant::now() < deadline {
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(20), &mut connection).await;
+        }
+        assert_eq!(connection.max_concurrent_send_streams(), super::MAX_CONCURRENT_STREAMS as usize);
+        // A server stops once its connections have closed.
+        drop((client, connection));
+        let _ = stop.send(());
+        server.await.expect("join").expect("served");
+    }
+
     #[tokio::test]
     async fn reflection_answers_v1_and_v1alpha_clients_alike() {
         let listener = super::bind("127.0.0.1:0").await.expect("bind");
