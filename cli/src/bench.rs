@@ -397,6 +397,17 @@ impl Counters {
     }
 }
 
+/// What every workload is measured on: the shape's name, its endpoints, the tenant, the
+/// bench's arguments and the CPU and statement counters.
+#[derive(Clone, Copy)]
+struct Workload<'a> {
+    shape: &'a str,
+    ep: &'a Endpoints,
+    tenant: &'a str,
+    args: &'a BenchArgs,
+    counters: &'a Counters,
+}
+
 async fn measure(
     shape: &str,
     ep: &Endpoints,
@@ -423,23 +434,19 @@ async fn measure(
             ms(fixed.value_at_quantile(0.99))
         );
     }
+    let on = Workload { shape, ep, tenant, args, counters };
     if args.sequential_runs > 0 {
-        chain_workload(shape, ep, tenant, args, counters).await?;
+        chain_workload(on).await?;
     }
     if args.batch_runs > 0 {
-        batch_workload(shape, ep, tenant, args, counters).await?;
+        batch_workload(on).await?;
     }
     Ok(())
 }
 
 /// The sequential chain, then the same chain followed, step by step.
-async fn chain_workload(
-    shape: &str,
-    ep: &Endpoints,
-    tenant: &str,
-    args: &BenchArgs,
-    counters: &Counters,
-) -> anyhow::Result<()> {
+async fn chain_workload(on: Workload<'_>) -> anyhow::Result<()> {
+    let Workload { shape, ep, tenant, args, counters } = on;
     let plan = chain(args.steps);
     let mut per_step = hist();
     let before = counters.snapshot().await;
@@ -467,13 +474,8 @@ async fn chain_workload(
 }
 
 /// The concurrent batch, then the same batch with every run followed.
-async fn batch_workload(
-    shape: &str,
-    ep: &Endpoints,
-    tenant: &str,
-    args: &BenchArgs,
-    counters: &Counters,
-) -> anyhow::Result<()> {
+async fn batch_workload(on: Workload<'_>) -> anyhow::Result<()> {
+    let Workload { shape, ep, tenant, args, counters } = on;
     let plan = chain(args.batch_steps);
     let before = counters.snapshot().await;
     let started = Instant::now();

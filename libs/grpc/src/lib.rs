@@ -651,8 +651,6 @@ mod tests {
         }
     }
 
-    /// grpcurl, grpcui, Postman and evans ask `grpc.reflection.v1alpha`; newer clients ask v1.
-    /// Both answer with the same services and descriptors.
     /// A server tells every connection how many calls it may have open at once.
     #[tokio::test]
     async fn a_server_bounds_the_calls_open_on_one_connection() {
@@ -676,6 +674,8 @@ mod tests {
         server.await.expect("join").expect("served");
     }
 
+    /// grpcurl, grpcui, Postman and evans ask `grpc.reflection.v1alpha`; newer clients ask v1.
+    /// Both answer with the same services and descriptors.
     #[tokio::test]
     async fn reflection_answers_v1_and_v1alpha_clients_alike() {
         let listener = super::bind("127.0.0.1:0").await.expect("bind");

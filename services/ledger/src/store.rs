@@ -369,9 +369,11 @@ impl LedgerStore {
     /// event's batch was being written is taken when it was signed for this tenant and this
     /// exact event (run, seq and hash).
     pub fn acknowledge(&self, tenant: &str, event: &ChainedEvent) -> warden_core::auth::SignedClaims {
-        let key = (event.body.run_id.clone(), event.body.seq);
-        // Taken out whether or not it matches: one that does not is of no use to anyone.
-        let ahead = self.presigned.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+        let ahead = {
+            let mut kept = self.presigned.lock().unwrap_or_else(|p| p.into_inner());
+            // Taken out whether or not it matches: one that does not is of no use to anyone.
+            if kept.is_empty() { None } else { kept.remove(&(event.body.run_id.clone(), event.body.seq)) }
+        };
         match ahead {
             Some(p) if p.tenant == tenant && p.hash == event.hash => p.ack,
             _ => self.sign_ack(tenant, event),
@@ -781,6 +783,7 @@ impl LedgerStore {
         // The requests' acknowledgements are signed while the statement is in flight (the
         // database works on another core meanwhile), and kept only once it committed.
         let presign = async {
+            // Polled again only after the write's first poll has sent the statement.
             tokio::task::yield_now().await;
             self.presign(decided)
         };
