@@ -102,22 +102,24 @@ pub struct Link(Way);
 
 #[derive(Clone)]
 enum Way {
-    Network(Channel),
+    /// Over the network, the unary calls on one stream when there is a multiplexer (see
+    /// [`crate::mux`]).
+    Network(Channel, Option<crate::mux::Client>),
     /// An endpoint this process registered: its routes while it serves them, the network
     /// otherwise.
-    Local {
-        endpoint: std::sync::Arc<str>,
-        state: watch::Receiver<State>,
-        network: Channel,
-    },
+    Local { endpoint: std::sync::Arc<str>, state: watch::Receiver<State>, network: Channel },
 }
 
 impl Link {
-    /// In memory if this process has registered `endpoint`, over `network` otherwise.
-    pub(crate) fn to(endpoint: &str, network: Channel) -> Link {
+    /// In memory if this process has registered `endpoint`, over `network` otherwise, its
+    /// unary calls on one stream if `multiplex`.
+    pub(crate) fn to(endpoint: &str, network: Channel, multiplex: bool) -> Link {
         Link(match lookup(endpoint) {
             Some(state) => Way::Local { endpoint: endpoint.into(), state, network },
-            None => Way::Network(network),
+            None => {
+                let mux = multiplex.then(|| crate::mux::Client::new(network.clone()));
+                Way::Network(network, mux)
+            }
         })
     }
 }
@@ -125,7 +127,7 @@ impl Link {
 /// Always over the network.
 impl From<Channel> for Link {
     fn from(network: Channel) -> Link {
-        Link(Way::Network(network))
+        Link(Way::Network(network, None))
     }
 }
 
@@ -136,7 +138,11 @@ impl tower::Service<http::Request<Body>> for Link {
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         match &mut self.0 {
-            Way::Network(channel) => channel.poll_ready(cx).map_err(Into::into),
+            Way::Network(channel, None) => channel.poll_ready(cx).map_err(Into::into),
+            // Each call readies its own clone of the channel when it goes on a stream of its
+            // own (a slot of the channel's buffer reserved here would wait for a call that
+            // might go on the shared stream instead).
+            Way::Network(_, Some(_)) => Poll::Ready(Ok(())),
             // Which way the call goes is known when it is made: a call that ends up on the
             // network readies its own clone of the channel.
             Way::Local { .. } => Poll::Ready(Ok(())),
@@ -145,10 +151,11 @@ impl tower::Service<http::Request<Body>> for Link {
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         match &mut self.0 {
-            Way::Network(channel) => {
+            Way::Network(channel, None) => {
                 let call = channel.call(request);
                 Box::pin(async move { call.await.map_err(Into::into) })
             }
+            Way::Network(_, Some(mux)) => mux.call(request),
             Way::Local { endpoint, state, network } => {
                 if matches!(*state.borrow(), State::Gone)
                     && let Some(again) = lookup(endpoint)
@@ -190,7 +197,7 @@ impl tower::Service<http::Request<Body>> for Link {
 /// `CANCELLED "Timeout expired"`, tonic's answer), and a handler that panics answered with
 /// `CANCELLED` (a remote handler's task ends, its stream is reset) instead of unwinding into
 /// the caller's task.
-async fn call_local(routes: Local, mut request: http::Request<Body>) -> http::Response<Body> {
+pub(crate) async fn call_local(routes: Local, mut request: http::Request<Body>) -> http::Response<Body> {
     use futures::FutureExt as _;
     *request.extensions_mut() = http::Extensions::new();
     let deadline = request.headers().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
@@ -214,7 +221,7 @@ async fn call_local(routes: Local, mut request: http::Request<Body>) -> http::Re
 
 /// A `grpc-timeout` header's duration, read as tonic's server reads it (at most 8 digits, as
 /// `u64` parses them, and a unit); `None` for anything else, which a remote server ignores too.
-fn grpc_timeout(value: &str) -> Option<Duration> {
+pub(crate) fn grpc_timeout(value: &str) -> Option<Duration> {
     if value.is_empty() {
         return None;
     }
@@ -365,7 +372,7 @@ pub(crate) mod tests {
             })
             .await
         });
-        let link = super::Link::to(&endpoint, crate::network(&endpoint).expect("endpoint").connect_lazy());
+        let link = super::Link::to(&endpoint, crate::network(&endpoint).expect("endpoint").connect_lazy(), true);
         let call = |method: &str, timeout: Option<&str>| {
             let mut request = http::Request::builder().uri(format!("/warden.test.Trouble/{method}"));
             if let Some(t) = timeout {

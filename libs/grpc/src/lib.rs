@@ -9,6 +9,7 @@ pub mod guard;
 pub mod inproc;
 pub mod keyfile;
 pub mod launch;
+pub mod mux;
 pub mod tool_schema;
 pub mod verify;
 
@@ -200,6 +201,14 @@ pub async fn serve_with_inproc(
     };
     let routes =
         routes.add_service(health).add_service(reflection().build_v1()?).add_service(reflection().build_v1alpha()?);
+    // One stop for both servers.
+    let (stop, stopping) = tokio::sync::watch::channel(());
+    // The routes behind the server's layers: what in-memory and multiplexed calls reach.
+    let local = {
+        use tower::Layer as _;
+        inproc::Local::new(warden_telemetry::grpc::ServerLayer.layer(routes.clone()))
+    };
+    let routes = routes.add_service(mux::Server::new(local.clone(), stopping.clone()));
     let server = || {
         Server::builder()
             .initial_connection_window_size(CONNECTION_WINDOW)
@@ -209,8 +218,6 @@ pub async fn serve_with_inproc(
             .layer(warden_telemetry::grpc::ServerLayer)
             .add_routes(routes.clone())
     };
-    // One stop for both servers.
-    let (stop, stopping) = tokio::sync::watch::channel(());
     let stopped = |mut stopping: tokio::sync::watch::Receiver<()>| async move {
         let _ = stopping.changed().await;
     };
@@ -236,8 +243,7 @@ pub async fn serve_with_inproc(
     // This process's own clients call the routes, behind the same layer, in memory until the
     // stop (the registration, dropped then, sends later calls to the network).
     if let Some(registration) = &inproc {
-        use tower::Layer as _;
-        registration.serve(inproc::Local::new(warden_telemetry::grpc::ServerLayer.layer(routes.clone())));
+        registration.serve(local);
     }
     let local = async {
         if let Some(registration) = inproc {
@@ -287,7 +293,7 @@ pub fn network_channel(endpoint: &str) -> Result<auth::Ch, Status> {
 }
 
 fn raw_channel(endpoint: &str) -> Result<inproc::Link, Status> {
-    Ok(inproc::Link::to(endpoint, network(endpoint)?.connect_lazy()))
+    Ok(inproc::Link::to(endpoint, network(endpoint)?.connect_lazy(), mux::enabled()))
 }
 
 fn network(endpoint: &str) -> Result<Endpoint, Status> {

@@ -1,0 +1,1039 @@
+//! The mesh's unary calls carried on one long-lived stream per connection.
+//!
+//! A unary gRPC call over HTTP/2 opens a stream of its own: the request leaves as HEADERS and
+//! then DATA, and the answer comes back as HEADERS with DATA and then the trailers alone — four
+//! writes, up to four wake-ups and two HPACK encodings and decodings per call, most of it
+//! inside hyper's HTTP/2 code (measured with `strace` and `perf` on a chain of steps; see
+//! docs/write-path.md). A step makes three such calls (`Authorize`, `AppendEvents`, `Invoke`).
+//!
+//! Here a client that calls a Warden server over the network opens one bidirectional stream,
+//! `/warden.v1.Mux/Calls`, and sends each unary call on it as one message ([`Call`]: an id,
+//! the method's path, the request's headers and its gRPC-framed body); the server answers each
+//! with one message ([`Answer`]: the response's headers, body and trailers). A call is then one
+//! DATA frame each way on a stream that is already open.
+//!
+//! Nothing about a call changes but its carriage:
+//! - **Authority.** Each call carries its own headers (`authorization`, `grpc-timeout`, trace
+//!   context) and is handed to the same routes, behind the same server layers (telemetry,
+//!   authentication, decoding limits and checks), as a call on a stream of its own (the
+//!   dispatch is [`crate::inproc`]'s, which serves a process's own clients in memory). The
+//!   stream itself grants nothing: opening it needs no token, as a connection needs none.
+//! - **Deadlines and cancellation.** The server keeps a call's `grpc-timeout`, and so does the
+//!   client (tonic's channel does both for a unary call). A caller that drops its call sends a
+//!   cancel, and the server drops the handler, as an HTTP/2 reset does.
+//! - **Bounds.** A server runs at most [`MAX_IN_FLIGHT`] calls of one stream at once and reads
+//!   no further message until one ends (HTTP/2 flow control then holds the client back), as a
+//!   connection holds at most [`crate::MAX_CONCURRENT_STREAMS`] streams. A message is at most
+//!   [`MAX_MUX_MESSAGE`]; a request body over [`MAX_INLINE_BODY`] goes on a stream of its own,
+//!   and an answer's body is bounded as a client bounds a message it decodes.
+//! - **Only unary methods** (from the descriptors of `warden.v1` and `grpc.health.v1`) are
+//!   carried; a server answers any other path `UNIMPLEMENTED`, since it collects each answer
+//!   whole before sending it.
+//! - **Failures.** While the stream opens, after it ends, and against a server that does not
+//!   serve it (`UNIMPLEMENTED`, asked again after [`REFUSED_RETRY`]), calls go on streams of
+//!   their own. Calls under way when the stream breaks fail `UNAVAILABLE` with the transport's
+//!   error as their source ([`crate::broke_off`] is true), as on a broken connection. A server
+//!   that stops sends a go-away; its client sends no more calls on that stream and ends it, the
+//!   server answers everything it read and then ends it too, so a stop loses no call (a client
+//!   that keeps sending past [`STOP_GRACE`] is cut off, its unread calls fail as above).
+//!
+//! A client turns it off with `WARDEN_MULTIPLEX=off` (every call then has a stream of its own);
+//! servers always offer it. A process's calls to itself go in memory ([`crate::inproc`]), and a
+//! client that must see what a remote client sees (`crate::network_channel`) never uses it.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use http_body::Frame;
+use http_body_util::BodyExt as _;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::{AbortHandle, JoinSet};
+use tonic::body::Body;
+use tonic::codegen::Bytes;
+use tonic::transport::Channel;
+use tonic::{Status, Streaming};
+use tower::ServiceExt as _;
+
+use crate::inproc::{Local, call_local};
+
+/// The path of the stream.
+pub const PATH: &str = "/warden.v1.Mux/Calls";
+
+/// The most calls of one stream a server runs at once: a connection's bound on streams.
+pub const MAX_IN_FLIGHT: usize = crate::MAX_CONCURRENT_STREAMS as usize;
+
+/// The largest request body sent on the stream; a larger one goes on a stream of its own, so a
+/// large request does not hold the small ones behind it in the stream's flow-control window.
+pub const MAX_INLINE_BODY: usize = 256 << 10;
+
+/// The largest answer body carried: a gRPC frame of the largest message a Warden client
+/// decodes ([`crate::MAX_MESSAGE_BYTES`]). A larger answer is refused `RESOURCE_EXHAUSTED`, as
+/// the client's decoder would refuse it.
+pub const MAX_ANSWER_BODY: usize = crate::MAX_MESSAGE_BYTES + 5;
+
+/// Room for a message's headers and trailers.
+const MAX_HEADER_BYTES: usize = 64 << 10;
+
+/// The largest message either way.
+pub const MAX_MUX_MESSAGE: usize = MAX_ANSWER_BODY + 2 * MAX_HEADER_BYTES + 1024;
+
+/// How long a stopping server keeps reading calls after its go-away.
+pub const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// How long a client whose server does not serve the stream waits before asking again.
+pub const REFUSED_RETRY: Duration = Duration::from_secs(60);
+
+/// How long a client waits before opening a stream again after one failed or broke.
+const BROKEN_RETRY: Duration = Duration::from_millis(500);
+
+/// One unary call, or the cancellation of one.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Call {
+    /// Unique among the stream's calls under way.
+    #[prost(uint64, tag = "1")]
+    pub id: u64,
+    /// The method, e.g. `/warden.v1.Ledger/AppendEvents`.
+    #[prost(string, tag = "2")]
+    pub path: String,
+    #[prost(message, repeated, tag = "3")]
+    pub headers: Vec<Header>,
+    /// The gRPC-framed request message.
+    #[prost(bytes = "bytes", tag = "4")]
+    pub body: Bytes,
+    /// Drop the call `id` (its caller gave up); no answer follows.
+    #[prost(bool, tag = "5")]
+    pub cancel: bool,
+}
+
+/// The answer to one call, or the server's go-away.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Answer {
+    #[prost(uint64, tag = "1")]
+    pub id: u64,
+    /// The HTTP status (200 for every gRPC answer).
+    #[prost(uint32, tag = "2")]
+    pub status: u32,
+    #[prost(message, repeated, tag = "3")]
+    pub headers: Vec<Header>,
+    /// The gRPC-framed answer message, empty for an answer that is only a status.
+    #[prost(bytes = "bytes", tag = "4")]
+    pub body: Bytes,
+    #[prost(message, repeated, tag = "5")]
+    pub trailers: Vec<Header>,
+    /// The server is stopping: send no more calls on this stream, and end it.
+    #[prost(bool, tag = "6")]
+    pub goaway: bool,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Header {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(bytes = "bytes", tag = "2")]
+    pub value: Bytes,
+}
+
+/// The paths of the unary methods of `warden.v1` and `grpc.health.v1`: the calls carried.
+pub fn unary_methods() -> &'static HashSet<String> {
+    static UNARY: OnceLock<HashSet<String>> = OnceLock::new();
+    UNARY.get_or_init(|| {
+        let mut paths = HashSet::new();
+        for encoded in [warden_proto::FILE_DESCRIPTOR_SET, tonic_health::pb::FILE_DESCRIPTOR_SET] {
+            // Both are compiled in; a set that did not decode would carry nothing.
+            let Ok(set) = <prost_types::FileDescriptorSet as prost::Message>::decode(encoded) else { continue };
+            for file in &set.file {
+                for service in &file.service {
+                    for method in &service.method {
+                        if !method.client_streaming() && !method.server_streaming() {
+                            paths.insert(format!("/{}.{}/{}", file.package(), service.name(), method.name()));
+                        }
+                    }
+                }
+            }
+        }
+        paths
+    })
+}
+
+fn to_headers(map: &http::HeaderMap) -> Vec<Header> {
+    map.iter()
+        .map(|(name, value)| Header {
+            name: name.as_str().to_string(),
+            value: Bytes::copy_from_slice(value.as_bytes()),
+        })
+        .collect()
+}
+
+/// The headers of a message; `None` if one is not a valid header.
+fn from_headers(headers: Vec<Header>) -> Option<http::HeaderMap> {
+    let mut map = http::HeaderMap::with_capacity(headers.len());
+    for h in headers {
+        let name = http::HeaderName::from_bytes(h.name.as_bytes()).ok()?;
+        let value = http::HeaderValue::from_maybe_shared(h.value).ok()?;
+        map.append(name, value);
+    }
+    Some(map)
+}
+
+fn headers_size(headers: &[Header]) -> usize {
+    headers.iter().map(|h| h.name.len() + h.value.len()).sum()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server side.
+
+/// The stream's route: calls handed to `local` (a server's routes behind its layers).
+#[derive(Clone)]
+pub(crate) struct Server {
+    local: Local,
+    stopping: watch::Receiver<()>,
+    max_in_flight: usize,
+    unary: &'static HashSet<String>,
+}
+
+impl tonic::server::NamedService for Server {
+    const NAME: &'static str = "warden.v1.Mux";
+}
+
+impl Server {
+    /// Serves calls to `local` until `stopping` changes (or its sender is dropped).
+    pub(crate) fn new(local: Local, stopping: watch::Receiver<()>) -> Server {
+        Server { local, stopping, max_in_flight: MAX_IN_FLIGHT, unary: unary_methods() }
+    }
+
+    #[cfg(test)]
+    fn with_max_in_flight(mut self, max: usize) -> Server {
+        self.max_in_flight = max;
+        self
+    }
+
+    fn serve(&self, calls: Streaming<Call>) -> tokio_stream::wrappers::ReceiverStream<Result<Answer, Status>> {
+        // Each call under way sends one answer; the loop sends the answers it makes itself and
+        // the go-away, waiting for room when the client does not read.
+        let (answers, out) = mpsc::channel(self.max_in_flight + 2);
+        tokio::spawn(drive(self.clone(), calls, answers));
+        tokio_stream::wrappers::ReceiverStream::new(out)
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl tower::Service<http::Request<Body>> for Server {
+    type Response = http::Response<Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let server = self.clone();
+        Box::pin(async move {
+            if request.uri().path() != PATH {
+                return Ok(Status::unimplemented(format!("no method '{}'", request.uri().path())).into_http());
+            }
+            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<Answer, Call>::default())
+                .max_decoding_message_size(MAX_MUX_MESSAGE)
+                .max_encoding_message_size(MAX_MUX_MESSAGE);
+            let open = tower::service_fn(move |calls: tonic::Request<Streaming<Call>>| {
+                let answers = server.serve(calls.into_inner());
+                async move { Ok::<_, Status>(tonic::Response::new(answers)) }
+            });
+            Ok(grpc.streaming(open, request).await)
+        })
+    }
+}
+
+/// Reads a stream's calls and runs each in a task of its own until the client ends the stream
+/// (then answers everything under way and ends it too), the stream breaks (then drops every
+/// call under way, as a reset connection does), or the server stops (go-away, then as the
+/// first once the client ends or [`STOP_GRACE`] has passed).
+async fn drive(server: Server, mut calls: Streaming<Call>, answers: mpsc::Sender<Result<Answer, Status>>) {
+    let mut running: JoinSet<u64> = JoinSet::new();
+    let mut handles: HashMap<u64, AbortHandle> = HashMap::new();
+    let mut stopping = server.stopping.clone();
+    let mut grace: Option<Pin<Box<tokio::time::Sleep>>> = None;
+    loop {
+        tokio::select! {
+            biased;
+            Some(done) = running.join_next(), if !running.is_empty() => {
+                // A cancelled call's handle went when it was cancelled.
+                if let Ok(id) = done {
+                    handles.remove(&id);
+                }
+            }
+            _ = stopping.changed(), if grace.is_none() => {
+                let goaway = Answer { goaway: true, ..Default::default() };
+                if answers.send(Ok(goaway)).await.is_err() {
+                    return;
+                }
+                grace = Some(Box::pin(tokio::time::sleep(STOP_GRACE)));
+            }
+            () = async { grace.as_mut().expect("guarded").await }, if grace.is_some() => break,
+            read = calls.message(), if running.len() < server.max_in_flight => match read {
+                Ok(Some(call)) if call.cancel => {
+                    if let Some(handle) = handles.remove(&call.id) {
+                        handle.abort();
+                    }
+                }
+                Ok(Some(call)) => {
+                    if handles.contains_key(&call.id) {
+                        // The client's defect; its answers could no longer be told apart.
+                        tracing::warn!(id = call.id, "a multiplexed stream reused the id of a call under way; ending it");
+                        return;
+                    }
+                    let id = call.id;
+                    match request_of(call, server.unary) {
+                        Ok(request) => {
+                            let (local, answers) = (server.local.clone(), answers.clone());
+                            let handle = running.spawn(async move {
+                                let answer = answer_of(id, call_local(local, request).await).await;
+                                let _ = answers.send(Ok(answer)).await;
+                                id
+                            });
+                            handles.insert(id, handle);
+                        }
+                        Err(status) => {
+                            if answers.send(Ok(answer_of(id, status.into_http()).await)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => return,
+            },
+        }
+    }
+    while running.join_next().await.is_some() {}
+}
+
+/// The HTTP request a call makes, as a client's own stream would have carried it.
+fn request_of(call: Call, unary: &HashSet<String>) -> Result<http::Request<Body>, Status> {
+    if !unary.contains(&call.path) {
+        return Err(Status::unimplemented(format!("'{}' is not a unary Warden method", call.path)));
+    }
+    let headers = from_headers(call.headers).ok_or_else(|| Status::invalid_argument("a call's header is not valid"))?;
+    let mut request = http::Request::new(Body::new(http_body_util::Full::new(call.body)));
+    *request.method_mut() = http::Method::POST;
+    *request.version_mut() = http::Version::HTTP_2;
+    *request.uri_mut() = call.path.parse().map_err(|_| Status::invalid_argument("a call's path is not valid"))?;
+    *request.headers_mut() = headers;
+    Ok(request)
+}
+
+/// The answer a response makes: its headers, its whole body (up to [`MAX_ANSWER_BODY`]) and
+/// its trailers.
+async fn answer_of(id: u64, response: http::Response<Body>) -> Answer {
+    let (parts, body) = response.into_parts();
+    let mut answer = Answer {
+        id,
+        status: u32::from(parts.status.as_u16()),
+        headers: to_headers(&parts.headers),
+        ..Default::default()
+    };
+    let mut data = Vec::new();
+    let mut body = std::pin::pin!(http_body_util::Limited::new(body, MAX_ANSWER_BODY));
+    let failed = loop {
+        match body.frame().await {
+            None => break None,
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(chunk) => data.extend_from_slice(&chunk),
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        answer.trailers = to_headers(&trailers);
+                    }
+                }
+            },
+            Some(Err(e)) => {
+                break Some(match e.downcast::<Status>() {
+                    Ok(status) => *status,
+                    Err(e) if e.is::<http_body_util::LengthLimitError>() => Status::resource_exhausted(format!(
+                        "the answer is larger than the {MAX_ANSWER_BODY} bytes a multiplexed call carries"
+                    )),
+                    Err(e) => Status::internal(format!("the answer's body failed: {e}")),
+                });
+            }
+        }
+    };
+    if let Some(status) = failed {
+        // As HTTP/2 would carry it: what was sent, then the error's status in the trailers.
+        let mut trailers = http::HeaderMap::new();
+        let _ = status.add_header(&mut trailers);
+        answer.trailers = to_headers(&trailers);
+    }
+    if headers_size(&answer.headers) + headers_size(&answer.trailers) > 2 * MAX_HEADER_BYTES {
+        return Answer { id, ..answer_status(Status::internal("the answer's headers are too large to carry")) };
+    }
+    answer.body = Bytes::from(data);
+    answer
+}
+
+/// A trailers-only answer of `status`.
+fn answer_status(status: Status) -> Answer {
+    let response = status.into_http::<Body>();
+    Answer { status: 200, headers: to_headers(response.headers()), ..Default::default() }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The client side.
+
+/// Whether this process's clients carry their calls on one stream (`WARDEN_MULTIPLEX`).
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("WARDEN_MULTIPLEX").unwrap_or_default().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false" | "no"
+        )
+    })
+}
+
+/// A channel's stream, shared by its clones.
+#[derive(Clone)]
+pub(crate) struct Client {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    channel: Channel,
+    state: Mutex<State>,
+    unary: &'static HashSet<String>,
+}
+
+enum State {
+    /// No stream; open one at the next call made after the instant.
+    Idle(Instant),
+    Opening,
+    Open(Arc<Live>),
+}
+
+/// One open stream.
+struct Live {
+    /// `None` once the stream is closing: no call may be sent on it.
+    calls: Mutex<Option<mpsc::UnboundedSender<Call>>>,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<Result<Answer, Status>>>>,
+    next: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every holder leaves the maps and the state whole between statements.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Client {
+    pub(crate) fn new(channel: Channel) -> Client {
+        Client {
+            shared: Arc::new(Shared {
+                channel,
+                state: Mutex::new(State::Idle(Instant::now())),
+                unary: unary_methods(),
+            }),
+        }
+    }
+
+    /// Makes `request`: on the stream when it is open and the call is one it carries, on a
+    /// stream of its own otherwise.
+    pub(crate) fn call(
+        &self,
+        request: http::Request<Body>,
+    ) -> BoxFuture<Result<http::Response<Body>, tonic::codegen::StdError>> {
+        let live = if self.shared.unary.contains(request.uri().path()) { self.live() } else { None };
+        let channel = self.shared.channel.clone();
+        match live {
+            Some(live) => Box::pin(carry(live, channel, request)),
+            None => Box::pin(async move { channel.oneshot(request).await.map_err(Into::into) }),
+        }
+    }
+
+    /// The open stream; if there is none, opens one (in the background) when it is time to.
+    fn live(&self) -> Option<Arc<Live>> {
+        let mut state = lock(&self.shared.state);
+        match &*state {
+            State::Open(live) => return Some(live.clone()),
+            State::Opening => return None,
+            State::Idle(after) if Instant::now() < *after => return None,
+            State::Idle(_) => {}
+        }
+        *state = State::Opening;
+        drop(state);
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let (next, retry) = match open(&shared).await {
+                Ok(live) => (State::Open(live), None),
+                Err(status) => {
+                    let wait = if status.code() == tonic::Code::Unimplemented { REFUSED_RETRY } else { BROKEN_RETRY };
+                    (State::Idle(Instant::now() + wait), Some(status))
+                }
+            };
+            if let Some(status) = retry {
+                tracing::debug!(%status, "no multiplexed stream; calls go on streams of their own");
+            }
+            *lock(&shared.state) = next;
+        });
+        None
+    }
+}
+
+/// Opens a stream and starts reading its answers.
+async fn open(shared: &Arc<Shared>) -> Result<Arc<Live>, Status> {
+    let (calls, outgoing) = mpsc::unbounded_channel();
+    let mut grpc = tonic::client::Grpc::new(shared.channel.clone())
+        .max_decoding_message_size(MAX_MUX_MESSAGE)
+        .max_encoding_message_size(MAX_MUX_MESSAGE);
+    grpc.ready().await.map_err(|e| Status::from_error(e.into()))?;
+    let outgoing = tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing);
+    let answers = grpc
+        .streaming(
+            tonic::Request::new(outgoing),
+            http::uri::PathAndQuery::from_static(PATH),
+            tonic_prost::ProstCodec::<Call, Answer>::default(),
+        )
+        .await?
+        .into_inner();
+    let live = Arc::new(Live { calls: Mutex::new(Some(calls)), waiting: Mutex::default(), next: AtomicU64::new(1) });
+    tokio::spawn(read(shared.clone(), live.clone(), answers));
+    Ok(live)
+}
+
+/// Hands each answer to its caller until the stream ends; then fails the calls still waiting
+/// and lets the next call open a stream again.
+async fn read(shared: Arc<Shared>, live: Arc<Live>, mut answers: Streaming<Answer>) {
+    let ended = loop {
+        match answers.message().await {
+            Ok(Some(answer)) if answer.goaway => {
+                // No more calls on this stream: it ends once the server has answered them.
+                lock(&live.calls).take();
+                forget(&shared, &live, Instant::now());
+            }
+            Ok(Some(answer)) => {
+                if let Some(caller) = lock(&live.waiting).remove(&answer.id) {
+                    let _ = caller.send(Ok(answer));
+                }
+            }
+            Ok(None) => break Status::unavailable("the server ended the stream of calls"),
+            Err(status) => break status,
+        }
+    };
+    lock(&live.calls).take();
+    forget(&shared, &live, Instant::now() + BROKEN_RETRY);
+    let waiting = std::mem::take(&mut *lock(&live.waiting));
+    if !waiting.is_empty() {
+        tracing::debug!(calls = waiting.len(), status = %ended, "a stream of calls ended under calls");
+    }
+    for (_, caller) in waiting {
+        let _ = caller.send(Err(broken(&ended)));
+    }
+}
+
+/// Makes the state idle if `live` is still the open stream.
+fn forget(shared: &Shared, live: &Arc<Live>, after: Instant) {
+    let mut state = lock(&shared.state);
+    if matches!(&*state, State::Open(open) if Arc::ptr_eq(open, live)) {
+        *state = State::Idle(after);
+    }
+}
+
+/// The status of a call the stream broke under: the client's transport failed, the callee did
+/// not answer (see [`crate::broke_off`]).
+fn broken(ended: &Status) -> Status {
+    let mut status = Status::unavailable(format!("the stream of calls broke under the call: {}", ended.message()));
+    status
+        .set_source(Arc::new(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, ended.message().to_string())));
+    status
+}
+
+/// Sends the call of `request` on `live` and waits for its answer; on a stream of its own when
+/// its body is too large for the stream or the stream is closing.
+async fn carry(
+    live: Arc<Live>,
+    channel: Channel,
+    request: http::Request<Body>,
+) -> Result<http::Response<Body>, tonic::codegen::StdError> {
+    let (parts, body) = request.into_parts();
+    let body = body.collect().await?.to_bytes();
+    let deadline =
+        parts.headers.get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(crate::inproc::grpc_timeout);
+    let alone = |parts, body| async move {
+        let request = http::Request::from_parts(parts, Body::new(http_body_util::Full::new(body)));
+        channel.oneshot(request).await.map_err(Into::into)
+    };
+    if body.len() > MAX_INLINE_BODY {
+        return alone(parts, body).await;
+    }
+    let id = live.next.fetch_add(1, Ordering::Relaxed);
+    let (answered, answer) = oneshot::channel();
+    lock(&live.waiting).insert(id, answered);
+    let call = Call {
+        id,
+        path: parts.uri.path().to_string(),
+        headers: to_headers(&parts.headers),
+        body: body.clone(),
+        cancel: false,
+    };
+    let sent = lock(&live.calls).as_ref().is_some_and(|calls| calls.send(call).is_ok());
+    if !sent {
+        lock(&live.waiting).remove(&id);
+        return alone(parts, body).await;
+    }
+    let mut pending = Pending { live: &live, id: Some(id) };
+    let answer = match deadline {
+        Some(deadline) => match tokio::time::timeout(deadline, answer).await {
+            Ok(answer) => answer,
+            // As tonic's channel answers a call past its deadline (the cancel follows on drop).
+            Err(_) => return Err(Box::new(tonic::TimeoutExpired(()))),
+        },
+        None => answer.await,
+    };
+    pending.id = None;
+    match answer {
+        Ok(Ok(answer)) => Ok(response_of(answer)),
+        Ok(Err(status)) => Err(Box::new(status)),
+        // The reader dropped the call without an answer: only as the stream ends.
+        Err(_) => Err(Box::new(broken(&Status::unavailable("the stream of calls ended")))),
+    }
+}
+
+/// A call sent and not yet answered: dropping it cancels the call on the server.
+struct Pending<'a> {
+    live: &'a Live,
+    id: Option<u64>,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id
+            && lock(&self.live.waiting).remove(&id).is_some()
+            && let Some(calls) = lock(&self.live.calls).as_ref()
+        {
+            let _ = calls.send(Call { id, cancel: true, ..Default::default() });
+        }
+    }
+}
+
+/// The response an answer makes, as its own stream would have brought it.
+fn response_of(answer: Answer) -> http::Response<Body> {
+    let status = u16::try_from(answer.status).ok().and_then(|s| http::StatusCode::from_u16(s).ok());
+    let headers = from_headers(answer.headers);
+    let trailers = from_headers(answer.trailers);
+    let (Some(status), Some(headers), Some(trailers)) = (status, headers, trailers) else {
+        return Status::internal("the server's answer is not a valid response").into_http();
+    };
+    let body = Answered {
+        data: (!answer.body.is_empty()).then_some(answer.body),
+        trailers: (!trailers.is_empty()).then_some(trailers),
+    };
+    let mut response = http::Response::new(Body::new(body));
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response
+}
+
+/// An answer's body: its data, then its trailers.
+struct Answered {
+    data: Option<Bytes>,
+    trailers: Option<http::HeaderMap>,
+}
+
+impl http_body::Body for Answered {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if let Some(data) = self.data.take() {
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
+        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none() && self.trailers.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.data.as_ref().map_or(0, |d| d.len() as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use tonic::service::Routes;
+    use tonic::{Code, Status};
+
+    use super::{Answer, Call, Header};
+
+    /// A unary service at `warden.v1.Ledger`'s paths whose request and answer are a
+    /// [`Header`]: `echo` answers whether the call came on the shared stream (`carried`: no
+    /// connection of its own) or alone; `refuse` answers a field violation; `panic` panics;
+    /// `hold` waits for a permit of `gate`.
+    #[derive(Clone)]
+    struct Probe {
+        gate: Arc<tokio::sync::Semaphore>,
+        running: Arc<AtomicUsize>,
+        most: Arc<AtomicUsize>,
+        ended: Arc<AtomicUsize>,
+    }
+
+    impl Default for Probe {
+        fn default() -> Probe {
+            Probe {
+                gate: Arc::new(tokio::sync::Semaphore::new(0)),
+                running: Arc::default(),
+                most: Arc::default(),
+                ended: Arc::default(),
+            }
+        }
+    }
+
+    impl tonic::server::NamedService for Probe {
+        const NAME: &'static str = "warden.v1.Ledger";
+    }
+
+    /// A held call under way.
+    struct Running(Probe);
+
+    impl Running {
+        fn new(probe: &Probe) -> Running {
+            let now = probe.running.fetch_add(1, Ordering::SeqCst) + 1;
+            probe.most.fetch_max(now, Ordering::SeqCst);
+            Running(probe.clone())
+        }
+    }
+
+    impl Drop for Running {
+        fn drop(&mut self) {
+            self.0.running.fetch_sub(1, Ordering::SeqCst);
+            self.0.ended.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    impl tower::Service<http::Request<tonic::body::Body>> for Probe {
+        type Response = http::Response<tonic::body::Body>;
+        type Error = std::convert::Infallible;
+        type Future = super::BoxFuture<Result<Self::Response, Self::Error>>;
+
+        fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+            let carried = request.extensions().get::<tonic::transport::server::TcpConnectInfo>().is_none();
+            let probe = self.clone();
+            Box::pin(async move {
+                let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<Header, Header>::default());
+                let answer = tower::service_fn(move |asked: tonic::Request<Header>| {
+                    let probe = probe.clone();
+                    async move {
+                        let asked = asked.into_inner();
+                        match asked.name.as_str() {
+                            "refuse" => Err(crate::invalid_field("value", "refused by the probe")),
+                            "panic" => panic!("the probe's defect"),
+                            "hold" => {
+                                let _running = Running::new(&probe);
+                                probe.gate.acquire().await.expect("gate").forget();
+                                Ok(tonic::Response::new(asked))
+                            }
+                            _ => {
+                                let name = if carried { "carried" } else { "alone" }.to_string();
+                                Ok(tonic::Response::new(Header { name, value: asked.value }))
+                            }
+                        }
+                    }
+                });
+                Ok(grpc.unary(answer, request).await)
+            })
+        }
+    }
+
+    /// A server of `routes` (and, if `mux`, the shared stream running at most `max` calls at
+    /// once) on a port of its own; its endpoint, its stop, and its task.
+    async fn serve(
+        routes: Routes,
+        mux: Option<usize>,
+    ) -> (String, tokio::sync::watch::Sender<()>, tokio::task::JoinHandle<Result<(), tonic::transport::Error>>) {
+        use tower::Layer as _;
+        let listener = crate::bind("127.0.0.1:0").await.expect("bind");
+        let endpoint = crate::endpoint_of(listener.local_addr().expect("addr"));
+        let (stop, stopping) = tokio::sync::watch::channel(());
+        let routes = match mux {
+            Some(max) => {
+                let local = crate::inproc::Local::new(warden_telemetry::grpc::ServerLayer.layer(routes.clone()));
+                routes.add_service(super::Server::new(local, stopping.clone()).with_max_in_flight(max))
+            }
+            None => routes,
+        };
+        let mut stopped = stopping.clone();
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let server = tokio::spawn(tonic::transport::Server::builder().add_routes(routes).serve_with_incoming_shutdown(
+            incoming,
+            async move {
+                let _ = stopped.changed().await;
+            },
+        ));
+        (endpoint, stop, server)
+    }
+
+    async fn ask(channel: crate::auth::Ch, name: &str, timeout: Option<Duration>) -> Result<Header, Status> {
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.map_err(Status::from_error)?;
+        let mut request = tonic::Request::new(Header { name: name.into(), value: "payload".into() });
+        if let Some(t) = timeout {
+            request.set_timeout(t);
+        }
+        let path = http::uri::PathAndQuery::from_static("/warden.v1.Ledger/GetRun");
+        Ok(grpc.unary(request, path, tonic_prost::ProstCodec::<Header, Header>::default()).await?.into_inner())
+    }
+
+    /// Asks `echo` until an answer came on the shared stream (the first call opens it); the
+    /// number of calls that went alone before.
+    async fn until_carried(channel: &crate::auth::Ch) -> usize {
+        for alone in 0..200 {
+            let answer = ask(channel.clone(), "echo", None).await.expect("echo");
+            assert_eq!(answer.value, "payload");
+            if answer.name == "carried" {
+                return alone;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no call went on the shared stream");
+    }
+
+    /// Waits (a bounded while) until `f` holds.
+    async fn eventually(what: &str, f: impl Fn() -> bool) {
+        for _ in 0..500 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("never: {what}");
+    }
+
+    #[test]
+    fn only_unary_methods_are_carried() {
+        let unary = super::unary_methods();
+        for path in [
+            "/warden.v1.Ledger/AppendEvents",
+            "/warden.v1.Policy/Authorize",
+            "/warden.v1.ToolHost/Invoke",
+            "/warden.v1.Runs/WaitRun",
+            "/grpc.health.v1.Health/Check",
+        ] {
+            assert!(unary.contains(path), "{path}");
+        }
+        for path in ["/warden.v1.Ledger/StreamEvents", "/grpc.health.v1.Health/Watch", super::PATH] {
+            assert!(!unary.contains(path), "{path}");
+        }
+    }
+
+    /// Calls go alone until the stream is open, then on it, answered as alone: messages,
+    /// statuses and their details alike.
+    #[tokio::test]
+    async fn unary_calls_go_on_one_stream_and_are_answered_as_on_streams_of_their_own() {
+        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(super::MAX_IN_FLIGHT)).await;
+        let channel = crate::channel(&endpoint).expect("channel");
+        let first = ask(channel.clone(), "echo", None).await.expect("echo");
+        assert_eq!(first.name, "alone", "the first call opens the stream and goes alone");
+        until_carried(&channel).await;
+        let concurrent = futures::future::join_all((0..50).map(|_| ask(channel.clone(), "echo", None))).await;
+        assert!(concurrent.iter().all(|a| a.as_ref().is_ok_and(|a| a.name == "carried")), "{concurrent:?}");
+        let refused = ask(channel.clone(), "refuse", None).await.expect_err("refused");
+        assert_eq!(refused.code(), Code::InvalidArgument);
+        assert_eq!(crate::field_violations(&refused), vec![("value".to_string(), "refused by the probe".to_string())]);
+        assert!(!crate::broke_off(&refused), "the callee's own answer");
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// A server without the stream (an older one) answers every call alone.
+    #[tokio::test]
+    async fn a_server_without_the_stream_is_called_alone() {
+        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), None).await;
+        let channel = crate::channel(&endpoint).expect("channel");
+        for _ in 0..20 {
+            assert_eq!(ask(channel.clone(), "echo", None).await.expect("echo").name, "alone");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// A carried call past its deadline is answered as one alone (`CANCELLED`), and its handler
+    /// is dropped; so is the handler of a call whose caller gave up; a handler's panic is
+    /// answered `CANCELLED` and the stream goes on.
+    #[tokio::test]
+    async fn deadlines_cancellations_and_panics_end_the_handler_as_alone() {
+        let probe = Probe::default();
+        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(super::MAX_IN_FLIGHT)).await;
+        let channel = crate::channel(&endpoint).expect("channel");
+        until_carried(&channel).await;
+
+        let overdue = ask(channel.clone(), "hold", Some(Duration::from_millis(50))).await.expect_err("overdue");
+        assert_eq!(overdue.code(), Code::Cancelled, "{overdue:?}");
+        eventually("the overdue handler is dropped", || probe.ended.load(Ordering::SeqCst) == 1).await;
+
+        let abandoned = tokio::spawn(ask(channel.clone(), "hold", None));
+        eventually("the held call runs", || probe.running.load(Ordering::SeqCst) == 1).await;
+        abandoned.abort();
+        eventually("the abandoned handler is dropped", || probe.ended.load(Ordering::SeqCst) == 2).await;
+
+        let panicked = ask(channel.clone(), "panic", None).await.expect_err("panicked");
+        assert_eq!(panicked.code(), Code::Cancelled, "{panicked:?}");
+        assert_eq!(ask(channel.clone(), "echo", None).await.expect("echo").name, "carried");
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// A server runs at most its bound of a stream's calls at once; the rest wait and are
+    /// answered in turn.
+    #[tokio::test]
+    async fn a_stream_runs_at_most_its_bound_of_calls_at_once() {
+        let probe = Probe::default();
+        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(2)).await;
+        let channel = crate::channel(&endpoint).expect("channel");
+        until_carried(&channel).await;
+        let held: Vec<_> = (0..6).map(|_| tokio::spawn(ask(channel.clone(), "hold", None))).collect();
+        eventually("two calls run", || probe.running.load(Ordering::SeqCst) == 2).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(probe.most.load(Ordering::SeqCst), 2, "no more than the bound at once");
+        probe.gate.add_permits(6);
+        for call in held {
+            assert_eq!(call.await.expect("task").expect("answered").name, "hold");
+        }
+        assert_eq!(probe.most.load(Ordering::SeqCst), 2);
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// Each carried call is authenticated on its own, as alone: no token, refused; the mesh's
+    /// token, answered.
+    #[tokio::test]
+    async fn each_carried_call_is_authenticated_on_its_own() {
+        let tokens = crate::auth::Tokens::new(&[("mesh-token".to_string(), "*".to_string())].into());
+        let routes = Routes::new(tonic::service::interceptor::InterceptedService::new(Probe::default(), tokens));
+        let (endpoint, stop, server) = serve(routes, Some(super::MAX_IN_FLIGHT)).await;
+        let trusted = crate::channel_with_token(&endpoint, "mesh-token").expect("channel");
+        until_carried(&trusted).await;
+        let stranger = crate::channel_with_token(&endpoint, "not-a-token").expect("channel");
+        // Its own stream opens too (it needs no token); each call on it is refused.
+        for _ in 0..50 {
+            let refused = ask(stranger.clone(), "echo", None).await.expect_err("refused");
+            assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// A stopping server answers the calls it has read, tells its client to go away and ends
+    /// the stream once the client has ended its side: the stop completes, no call is lost.
+    #[tokio::test]
+    async fn a_stop_answers_every_call_read_and_ends_the_stream() {
+        let probe = Probe::default();
+        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(super::MAX_IN_FLIGHT)).await;
+        let channel = crate::channel(&endpoint).expect("channel");
+        until_carried(&channel).await;
+        let held = tokio::spawn(ask(channel.clone(), "hold", None));
+        eventually("the held call runs", || probe.running.load(Ordering::SeqCst) == 1).await;
+        let _ = stop.send(());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        probe.gate.add_permits(1);
+        assert_eq!(held.await.expect("task").expect("answered across the stop").name, "hold");
+        tokio::time::timeout(Duration::from_secs(30), server)
+            .await
+            .expect("the stop completes with the stream open")
+            .expect("task")
+            .expect("served");
+    }
+
+    /// A call under way when the connection breaks fails as a broken call ([`crate::broke_off`]),
+    /// not as the callee's answer.
+    #[tokio::test]
+    async fn a_call_under_a_broken_stream_broke_off() {
+        let probe = Probe::default();
+        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(super::MAX_IN_FLIGHT)).await;
+        // The client reaches the server through a relay whose connections go with it.
+        let relay_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let relayed = crate::endpoint_of(relay_listener.local_addr().expect("addr"));
+        let target = endpoint.trim_start_matches("http://").to_string();
+        let relay = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            loop {
+                let (mut inbound, _) = relay_listener.accept().await.expect("accept");
+                let target = target.clone();
+                connections.spawn(async move {
+                    let mut outbound = tokio::net::TcpStream::connect(target).await.expect("connect");
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                });
+            }
+        });
+        let channel = crate::channel(&relayed).expect("channel");
+        until_carried(&channel).await;
+        let held = tokio::spawn(ask(channel.clone(), "hold", None));
+        eventually("the held call runs", || probe.running.load(Ordering::SeqCst) == 1).await;
+        relay.abort();
+        let broken = held.await.expect("task").expect_err("the connection went");
+        assert_eq!(broken.code(), Code::Unavailable, "{broken:?}");
+        assert!(crate::broke_off(&broken), "{broken:?}");
+        eventually("the server drops the handler", || probe.ended.load(Ordering::SeqCst) == 1).await;
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// What the stream does not carry is refused call by call: a method that is not unary, a
+    /// header that is not one. A reused id ends the stream.
+    #[tokio::test]
+    async fn a_stream_refuses_what_it_does_not_carry() {
+        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(super::MAX_IN_FLIGHT)).await;
+        let network = crate::network(&endpoint).expect("endpoint").connect_lazy();
+        let mut grpc = tonic::client::Grpc::new(network);
+        grpc.ready().await.expect("ready");
+        let (calls, outgoing) = tokio::sync::mpsc::unbounded_channel::<Call>();
+        let mut answers = grpc
+            .streaming(
+                tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing)),
+                http::uri::PathAndQuery::from_static(super::PATH),
+                tonic_prost::ProstCodec::<Call, Answer>::default(),
+            )
+            .await
+            .expect("open")
+            .into_inner();
+        let status_of = |a: &Answer| {
+            let headers = super::from_headers(a.headers.clone()).expect("headers");
+            Status::from_header_map(&headers).expect("a status")
+        };
+        calls.send(Call { id: 1, path: "/warden.v1.Ledger/StreamEvents".into(), ..Default::default() }).expect("send");
+        let answer = answers.message().await.expect("read").expect("an answer");
+        assert_eq!((answer.id, status_of(&answer).code()), (1, Code::Unimplemented));
+        let bad = Header { name: "bad name".into(), value: "x".into() };
+        calls
+            .send(Call { id: 2, path: "/warden.v1.Ledger/GetRun".into(), headers: vec![bad], ..Default::default() })
+            .expect("send");
+        let answer = answers.message().await.expect("read").expect("an answer");
+        assert_eq!((answer.id, status_of(&answer).code()), (2, Code::InvalidArgument));
+        let hold = Header { name: "hold".into(), value: Default::default() };
+        let body = {
+            let message = prost::Message::encode_to_vec(&hold);
+            let mut framed = vec![0u8];
+            framed.extend_from_slice(&u32::try_from(message.len()).expect("small").to_be_bytes());
+            framed.extend_from_slice(&message);
+            framed
+        };
+        let held = Call { id: 3, path: "/warden.v1.Ledger/GetRun".into(), body: body.into(), ..Default::default() };
+        calls.send(held.clone()).expect("send");
+        calls.send(held).expect("send");
+        assert!(answers.message().await.ok().flatten().is_none(), "a reused id ends the stream");
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+}
