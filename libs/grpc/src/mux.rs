@@ -44,8 +44,8 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -76,20 +76,32 @@ pub const MAX_INLINE_BODY: usize = 256 << 10;
 /// the client's decoder would refuse it.
 pub const MAX_ANSWER_BODY: usize = crate::MAX_MESSAGE_BYTES + 5;
 
-/// Room for a message's headers and trailers.
+/// Room for a message's headers and trailers, together.
 const MAX_HEADER_BYTES: usize = 64 << 10;
 
-/// The largest message either way.
-pub const MAX_MUX_MESSAGE: usize = MAX_ANSWER_BODY + 2 * MAX_HEADER_BYTES + 1024;
+/// The most headers and trailers, together, of a message.
+pub const MAX_HEADERS: usize = 256;
 
-/// How long a stopping server keeps reading calls after its go-away.
-pub const STOP_GRACE: Duration = Duration::from_secs(2);
+/// The largest answer.
+pub const MAX_MUX_MESSAGE: usize = MAX_ANSWER_BODY + MAX_HEADER_BYTES + 1024;
+
+/// The largest call (a server decodes no larger).
+pub const MAX_CALL_MESSAGE: usize = MAX_INLINE_BODY + MAX_HEADER_BYTES + 1024;
+
+/// How long a stopping server goes on with a stream after its go-away: it reads calls and
+/// cancels, and answers, until the client has ended its side and every call is answered or
+/// this has passed; then the calls still under way are dropped.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
 
 /// How long a client whose server does not serve the stream waits before asking again.
 pub const REFUSED_RETRY: Duration = Duration::from_secs(60);
 
 /// How long a client waits before opening a stream again after one failed or broke.
 const BROKEN_RETRY: Duration = Duration::from_millis(500);
+
+/// How long a client waits for a stream to open before it gives up on it (and asks again
+/// after [`BROKEN_RETRY`]); its calls go alone meanwhile.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One unary call, or the cancellation of one.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -169,8 +181,12 @@ fn to_headers(map: &http::HeaderMap) -> Vec<Header> {
         .collect()
 }
 
-/// The headers of a message; `None` if one is not a valid header.
+/// The headers of a message; `None` if one is not a valid header or there are more than
+/// [`MAX_HEADERS`].
 fn from_headers(headers: Vec<Header>) -> Option<http::HeaderMap> {
+    if headers.len() > MAX_HEADERS {
+        return None;
+    }
     let mut map = http::HeaderMap::with_capacity(headers.len());
     for h in headers {
         let name = http::HeaderName::from_bytes(h.name.as_bytes()).ok()?;
@@ -187,13 +203,25 @@ fn headers_size(headers: &[Header]) -> usize {
 // ---------------------------------------------------------------------------------------------
 // The server side.
 
+/// The response header in which a server tells its client how many of the stream's calls it
+/// runs at once: the client sends no more than that on the stream (the rest go alone).
+pub const IN_FLIGHT_HEADER: &str = "warden-mux-in-flight";
+
+/// The most streams of calls one server serves at once. Each may run [`MAX_IN_FLIGHT`] calls:
+/// a peer that opened more could hold more handlers than this many connections can. The mesh
+/// opens one per channel; a client refused (`RESOURCE_EXHAUSTED`) calls alone.
+pub const MAX_STREAMS: usize = 1024;
+
 /// The stream's route: calls handed to `local` (a server's routes behind its layers).
 #[derive(Clone)]
 pub(crate) struct Server {
     local: Local,
     stopping: watch::Receiver<()>,
     max_in_flight: usize,
+    grace: Duration,
     unary: &'static HashSet<String>,
+    /// A permit per stream served.
+    streams: Arc<tokio::sync::Semaphore>,
 }
 
 impl tonic::server::NamedService for Server {
@@ -203,20 +231,33 @@ impl tonic::server::NamedService for Server {
 impl Server {
     /// Serves calls to `local` until `stopping` changes (or its sender is dropped).
     pub(crate) fn new(local: Local, stopping: watch::Receiver<()>) -> Server {
-        Server { local, stopping, max_in_flight: MAX_IN_FLIGHT, unary: unary_methods() }
+        Server {
+            local,
+            stopping,
+            max_in_flight: MAX_IN_FLIGHT,
+            grace: STOP_GRACE,
+            unary: unary_methods(),
+            streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
+        }
     }
 
     #[cfg(test)]
-    fn with_max_in_flight(mut self, max: usize) -> Server {
-        self.max_in_flight = max;
+    fn with_limits(mut self, max_in_flight: usize, grace: Duration) -> Server {
+        self.max_in_flight = max_in_flight;
+        self.grace = grace;
         self
     }
 
-    fn serve(&self, calls: Streaming<Call>) -> tokio_stream::wrappers::ReceiverStream<Result<Answer, Status>> {
-        // Each call under way sends one answer; the loop sends the answers it makes itself and
-        // the go-away, waiting for room when the client does not read.
-        let (answers, out) = mpsc::channel(self.max_in_flight + 2);
-        tokio::spawn(drive(self.clone(), calls, answers));
+    fn serve(
+        &self,
+        calls: Streaming<Call>,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> tokio_stream::wrappers::ReceiverStream<Result<Answer, Status>> {
+        // Every answer comes from a task of the stream's, at most twice the bound of them, and
+        // the go-away is sent only if there is room: the channel's room is what a client that
+        // does not read can make the server hold.
+        let (answers, out) = mpsc::channel(2 * self.max_in_flight + 1);
+        tokio::spawn(drive(self.clone(), calls, answers, permit));
         tokio_stream::wrappers::ReceiverStream::new(out)
     }
 }
@@ -238,45 +279,68 @@ impl tower::Service<http::Request<Body>> for Server {
             if request.uri().path() != PATH {
                 return Ok(Status::unimplemented(format!("no method '{}'", request.uri().path())).into_http());
             }
+            let Ok(permit) = server.streams.clone().try_acquire_owned() else {
+                return Ok(Status::resource_exhausted("too many streams of calls are open; call alone").into_http());
+            };
             let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<Answer, Call>::default())
-                .max_decoding_message_size(MAX_MUX_MESSAGE)
+                .max_decoding_message_size(MAX_CALL_MESSAGE)
                 .max_encoding_message_size(MAX_MUX_MESSAGE);
+            let bound = tonic::metadata::MetadataValue::from(server.max_in_flight as u64);
+            let mut permit = Some(permit);
             let open = tower::service_fn(move |calls: tonic::Request<Streaming<Call>>| {
-                let answers = server.serve(calls.into_inner());
-                async move { Ok::<_, Status>(tonic::Response::new(answers)) }
+                let opened = permit.take().map(|permit| {
+                    let mut response = tonic::Response::new(server.serve(calls.into_inner(), permit));
+                    response.metadata_mut().insert(IN_FLIGHT_HEADER, bound.clone());
+                    response
+                });
+                // tonic calls it once per request.
+                async move { opened.ok_or_else(|| Status::internal("the stream was opened twice")) }
             });
             Ok(grpc.streaming(open, request).await)
         })
     }
 }
 
-/// Reads a stream's calls and runs each in a task of its own until the client ends the stream
-/// (then answers everything under way and ends it too), the stream breaks (then drops every
-/// call under way, as a reset connection does), or the server stops (go-away, then as the
-/// first once the client ends or [`STOP_GRACE`] has passed).
-async fn drive(server: Server, mut calls: Streaming<Call>, answers: mpsc::Sender<Result<Answer, Status>>) {
+/// Reads a stream's calls and runs each in a task of its own, at most the bound of them at
+/// once (the rest wait in their tasks, their deadlines running, up to the bound again; past
+/// that the server reads no further). Cancels are read as they come and drop their call.
+///
+/// It ends when the client ends its side (after answering every call read, unless the client
+/// went away), when the stream breaks (dropping every call under way, as a reset connection
+/// does), or, once the server stops (go-away), when the client has ended its side and every
+/// call is answered or the grace has passed (then the calls still under way are dropped and
+/// the stream ends; their callers see a broken call).
+async fn drive(
+    server: Server,
+    mut calls: Streaming<Call>,
+    answers: mpsc::Sender<Result<Answer, Status>>,
+    _stream: tokio::sync::OwnedSemaphorePermit,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(server.max_in_flight));
     let mut running: JoinSet<u64> = JoinSet::new();
     let mut handles: HashMap<u64, AbortHandle> = HashMap::new();
     let mut stopping = server.stopping.clone();
-    let mut grace: Option<Pin<Box<tokio::time::Sleep>>> = None;
+    let mut cutoff: Option<Pin<Box<tokio::time::Sleep>>> = None;
+    let mut reading = true;
     loop {
+        if !reading && running.is_empty() {
+            return;
+        }
         tokio::select! {
             biased;
+            () = answers.closed() => return,
+            () = async { cutoff.as_mut().expect("guarded").await }, if cutoff.is_some() => return,
             Some(done) = running.join_next(), if !running.is_empty() => {
                 // A cancelled call's handle went when it was cancelled.
                 if let Ok(id) = done {
                     handles.remove(&id);
                 }
             }
-            _ = stopping.changed(), if grace.is_none() => {
-                let goaway = Answer { goaway: true, ..Default::default() };
-                if answers.send(Ok(goaway)).await.is_err() {
-                    return;
-                }
-                grace = Some(Box::pin(tokio::time::sleep(STOP_GRACE)));
+            _ = stopping.changed(), if cutoff.is_none() => {
+                let _ = answers.try_send(Ok(Answer { goaway: true, ..Default::default() }));
+                cutoff = Some(Box::pin(tokio::time::sleep(server.grace)));
             }
-            () = async { grace.as_mut().expect("guarded").await }, if grace.is_some() => break,
-            read = calls.message(), if running.len() < server.max_in_flight => match read {
+            read = calls.message(), if reading && running.len() < 2 * server.max_in_flight => match read {
                 Ok(Some(call)) if call.cancel => {
                     if let Some(handle) = handles.remove(&call.id) {
                         handle.abort();
@@ -285,33 +349,54 @@ async fn drive(server: Server, mut calls: Streaming<Call>, answers: mpsc::Sender
                 Ok(Some(call)) => {
                     if handles.contains_key(&call.id) {
                         // The client's defect; its answers could no longer be told apart.
-                        tracing::warn!(id = call.id, "a multiplexed stream reused the id of a call under way; ending it");
+                        tracing::warn!(id = call.id, "a stream of calls reused the id of a call under way; ending it");
                         return;
                     }
                     let id = call.id;
-                    match request_of(call, server.unary) {
-                        Ok(request) => {
-                            let (local, answers) = (server.local.clone(), answers.clone());
-                            let handle = running.spawn(async move {
-                                let answer = answer_of(id, call_local(local, request).await).await;
-                                let _ = answers.send(Ok(answer)).await;
-                                id
-                            });
-                            handles.insert(id, handle);
-                        }
-                        Err(status) => {
-                            if answers.send(Ok(answer_of(id, status.into_http()).await)).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
+                    let request = request_of(call, server.unary);
+                    let (local, answers, slots) = (server.local.clone(), answers.clone(), slots.clone());
+                    let handle = running.spawn(async move {
+                        let answer = match request {
+                            Ok(request) => run(id, local, request, slots).await,
+                            Err(status) => answer_status(id, status),
+                        };
+                        let _ = answers.send(Ok(answer)).await;
+                        id
+                    });
+                    handles.insert(id, handle);
                 }
-                Ok(None) => break,
+                Ok(None) => reading = false,
                 Err(_) => return,
             },
         }
     }
-    while running.join_next().await.is_some() {}
+}
+
+/// Runs a call once a slot is free, within its deadline counted from when it was read: the
+/// answer its routes give, `CANCELLED "Timeout expired"` past the deadline (as tonic's server
+/// answers), `CANCELLED` if anything under it panics.
+async fn run(id: u64, local: Local, request: http::Request<Body>, slots: Arc<tokio::sync::Semaphore>) -> Answer {
+    use futures::FutureExt as _;
+    let deadline =
+        request.headers().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(crate::inproc::grpc_timeout);
+    let answered = async move {
+        let Ok(_slot) = slots.acquire_owned().await else {
+            return answer_status(id, Status::unavailable("the stream of calls is closing"));
+        };
+        answer_of(id, call_local(local, request).await).await
+    };
+    let answered = std::panic::AssertUnwindSafe(answered).catch_unwind();
+    let answered = match deadline {
+        Some(deadline) => match tokio::time::timeout(deadline, answered).await {
+            Ok(answered) => answered,
+            Err(_) => return answer_status(id, Status::cancelled("Timeout expired")),
+        },
+        None => answered.await,
+    };
+    answered.unwrap_or_else(|_| {
+        tracing::error!("a handler panicked under a call of a stream of calls");
+        answer_status(id, Status::cancelled("the handler stopped"))
+    })
 }
 
 /// The HTTP request a call makes, as a client's own stream would have carried it.
@@ -319,7 +404,9 @@ fn request_of(call: Call, unary: &HashSet<String>) -> Result<http::Request<Body>
     if !unary.contains(&call.path) {
         return Err(Status::unimplemented(format!("'{}' is not a unary Warden method", call.path)));
     }
-    let headers = from_headers(call.headers).ok_or_else(|| Status::invalid_argument("a call's header is not valid"))?;
+    let headers = from_headers(call.headers).ok_or_else(|| {
+        Status::invalid_argument(format!("a call's headers are not valid headers (at most {MAX_HEADERS})"))
+    })?;
     let mut request = http::Request::new(Body::new(http_body_util::Full::new(call.body)));
     *request.method_mut() = http::Method::POST;
     *request.version_mut() = http::Version::HTTP_2;
@@ -355,7 +442,7 @@ async fn answer_of(id: u64, response: http::Response<Body>) -> Answer {
                 break Some(match e.downcast::<Status>() {
                     Ok(status) => *status,
                     Err(e) if e.is::<http_body_util::LengthLimitError>() => Status::resource_exhausted(format!(
-                        "the answer is larger than the {MAX_ANSWER_BODY} bytes a multiplexed call carries"
+                        "the answer is larger than the {MAX_ANSWER_BODY} bytes a stream of calls carries"
                     )),
                     Err(e) => Status::internal(format!("the answer's body failed: {e}")),
                 });
@@ -368,17 +455,19 @@ async fn answer_of(id: u64, response: http::Response<Body>) -> Answer {
         let _ = status.add_header(&mut trailers);
         answer.trailers = to_headers(&trailers);
     }
-    if headers_size(&answer.headers) + headers_size(&answer.trailers) > 2 * MAX_HEADER_BYTES {
-        return Answer { id, ..answer_status(Status::internal("the answer's headers are too large to carry")) };
+    let (headers, trailers) = (&answer.headers, &answer.trailers);
+    if headers.len() + trailers.len() > MAX_HEADERS || headers_size(headers) + headers_size(trailers) > MAX_HEADER_BYTES
+    {
+        return answer_status(id, Status::internal("the answer's headers are too large to carry"));
     }
     answer.body = Bytes::from(data);
     answer
 }
 
 /// A trailers-only answer of `status`.
-fn answer_status(status: Status) -> Answer {
+fn answer_status(id: u64, status: Status) -> Answer {
     let response = status.into_http::<Body>();
-    Answer { status: 200, headers: to_headers(response.headers()), ..Default::default() }
+    Answer { id, status: 200, headers: to_headers(response.headers()), ..Default::default() }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -416,10 +505,23 @@ enum State {
 
 /// One open stream.
 struct Live {
-    /// `None` once the stream is closing: no call may be sent on it.
+    /// `None` once the stream is ending: nothing more is sent on it.
     calls: Mutex<Option<mpsc::UnboundedSender<Call>>>,
     waiting: Mutex<HashMap<u64, oneshot::Sender<Result<Answer, Status>>>>,
     next: AtomicU64,
+    /// A permit per call sent and neither answered nor cancelled: the server's bound.
+    slots: Arc<tokio::sync::Semaphore>,
+    /// The server said go away: no new call is sent; the stream ends once none is waiting.
+    closing: AtomicBool,
+}
+
+impl Live {
+    /// Ends the stream (the server then ends it too) if it is closing and no call waits.
+    fn end_if_idle(&self) {
+        if self.closing.load(Ordering::SeqCst) && lock(&self.waiting).is_empty() {
+            lock(&self.calls).take();
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -465,17 +567,20 @@ impl Client {
         drop(state);
         let shared = self.shared.clone();
         tokio::spawn(async move {
-            let (next, retry) = match open(&shared).await {
-                Ok(live) => (State::Open(live), None),
+            let opened = tokio::time::timeout(OPEN_TIMEOUT, open(&shared))
+                .await
+                .unwrap_or_else(|_| Err(Status::deadline_exceeded("the stream of calls did not open in time")));
+            let mut state = lock(&shared.state);
+            *state = match opened {
+                // Unless it ended already (its reader found the state `Opening` and left it).
+                Ok(live) if lock(&live.calls).is_some() => State::Open(live),
+                Ok(_) => State::Idle(Instant::now() + BROKEN_RETRY),
                 Err(status) => {
-                    let wait = if status.code() == tonic::Code::Unimplemented { REFUSED_RETRY } else { BROKEN_RETRY };
-                    (State::Idle(Instant::now() + wait), Some(status))
+                    tracing::debug!(%status, "no stream of calls; calls go alone");
+                    let refused = matches!(status.code(), tonic::Code::Unimplemented | tonic::Code::ResourceExhausted);
+                    State::Idle(Instant::now() + if refused { REFUSED_RETRY } else { BROKEN_RETRY })
                 }
             };
-            if let Some(status) = retry {
-                tracing::debug!(%status, "no multiplexed stream; calls go on streams of their own");
-            }
-            *lock(&shared.state) = next;
         });
         None
     }
@@ -486,7 +591,7 @@ async fn open(shared: &Arc<Shared>) -> Result<Arc<Live>, Status> {
     let (calls, outgoing) = mpsc::unbounded_channel();
     let mut grpc = tonic::client::Grpc::new(shared.channel.clone())
         .max_decoding_message_size(MAX_MUX_MESSAGE)
-        .max_encoding_message_size(MAX_MUX_MESSAGE);
+        .max_encoding_message_size(MAX_CALL_MESSAGE);
     grpc.ready().await.map_err(|e| Status::from_error(e.into()))?;
     let outgoing = tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing);
     let answers = grpc
@@ -495,34 +600,58 @@ async fn open(shared: &Arc<Shared>) -> Result<Arc<Live>, Status> {
             http::uri::PathAndQuery::from_static(PATH),
             tonic_prost::ProstCodec::<Call, Answer>::default(),
         )
-        .await?
-        .into_inner();
-    let live = Arc::new(Live { calls: Mutex::new(Some(calls)), waiting: Mutex::default(), next: AtomicU64::new(1) });
-    tokio::spawn(read(shared.clone(), live.clone(), answers));
+        .await?;
+    let bound = answers
+        .metadata()
+        .get(IN_FLIGHT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| (1..=tokio::sync::Semaphore::MAX_PERMITS).contains(n))
+        .ok_or_else(|| Status::internal("the server did not say how many calls it runs at once"))?;
+    let live = Arc::new(Live {
+        calls: Mutex::new(Some(calls)),
+        waiting: Mutex::default(),
+        next: AtomicU64::new(1),
+        slots: Arc::new(tokio::sync::Semaphore::new(bound)),
+        closing: AtomicBool::new(false),
+    });
+    tokio::spawn(read(Arc::downgrade(shared), Arc::downgrade(&live), answers.into_inner()));
     Ok(live)
 }
 
 /// Hands each answer to its caller until the stream ends; then fails the calls still waiting
-/// and lets the next call open a stream again.
-async fn read(shared: Arc<Shared>, live: Arc<Live>, mut answers: Streaming<Answer>) {
+/// and lets the next call open a stream again. It holds the channel and the stream's state
+/// only weakly: once every clone of the channel and every call under way are gone, so is the
+/// stream's sender, the stream ends, and so does this task.
+async fn read(shared: Weak<Shared>, live: Weak<Live>, mut answers: Streaming<Answer>) {
     let ended = loop {
         match answers.message().await {
             Ok(Some(answer)) if answer.goaway => {
-                // No more calls on this stream: it ends once the server has answered them.
-                lock(&live.calls).take();
+                if let Some(live) = live.upgrade() {
+                    live.closing.store(true, Ordering::SeqCst);
+                    live.end_if_idle();
+                }
                 forget(&shared, &live, Instant::now());
             }
             Ok(Some(answer)) => {
-                if let Some(caller) = lock(&live.waiting).remove(&answer.id) {
-                    let _ = caller.send(Ok(answer));
+                if let Some(live) = live.upgrade() {
+                    let caller = lock(&live.waiting).remove(&answer.id);
+                    if let Some(caller) = caller {
+                        let _ = caller.send(Ok(answer));
+                    }
+                    live.end_if_idle();
                 }
             }
             Ok(None) => break Status::unavailable("the server ended the stream of calls"),
             Err(status) => break status,
         }
     };
-    lock(&live.calls).take();
+    if let Some(live) = live.upgrade() {
+        // First, so that an opener that has not yet installed it sees it ended.
+        lock(&live.calls).take();
+    }
     forget(&shared, &live, Instant::now() + BROKEN_RETRY);
+    let Some(live) = live.upgrade() else { return };
     let waiting = std::mem::take(&mut *lock(&live.waiting));
     if !waiting.is_empty() {
         tracing::debug!(calls = waiting.len(), status = %ended, "a stream of calls ended under calls");
@@ -533,9 +662,10 @@ async fn read(shared: Arc<Shared>, live: Arc<Live>, mut answers: Streaming<Answe
 }
 
 /// Makes the state idle if `live` is still the open stream.
-fn forget(shared: &Shared, live: &Arc<Live>, after: Instant) {
+fn forget(shared: &Weak<Shared>, live: &Weak<Live>, after: Instant) {
+    let Some(shared) = shared.upgrade() else { return };
     let mut state = lock(&shared.state);
-    if matches!(&*state, State::Open(open) if Arc::ptr_eq(open, live)) {
+    if matches!(&*state, State::Open(open) if std::ptr::eq(Arc::as_ptr(open), live.as_ptr())) {
         *state = State::Idle(after);
     }
 }
@@ -549,8 +679,9 @@ fn broken(ended: &Status) -> Status {
     status
 }
 
-/// Sends the call of `request` on `live` and waits for its answer; on a stream of its own when
-/// its body is too large for the stream or the stream is closing.
+/// Sends the call of `request` on `live` and waits for its answer; alone when its body is too
+/// large for the stream, the server runs as many of the stream's calls as it will, or the
+/// stream is ending.
 async fn carry(
     live: Arc<Live>,
     channel: Channel,
@@ -558,15 +689,16 @@ async fn carry(
 ) -> Result<http::Response<Body>, tonic::codegen::StdError> {
     let (parts, body) = request.into_parts();
     let body = body.collect().await?.to_bytes();
-    let deadline =
-        parts.headers.get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(crate::inproc::grpc_timeout);
     let alone = |parts, body| async move {
         let request = http::Request::from_parts(parts, Body::new(http_body_util::Full::new(body)));
         channel.oneshot(request).await.map_err(Into::into)
     };
-    if body.len() > MAX_INLINE_BODY {
+    let slot = live.slots.clone().try_acquire_owned();
+    let (Ok(slot), false) = (slot, body.len() > MAX_INLINE_BODY || live.closing.load(Ordering::SeqCst)) else {
         return alone(parts, body).await;
-    }
+    };
+    let deadline =
+        parts.headers.get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(crate::inproc::grpc_timeout);
     let id = live.next.fetch_add(1, Ordering::Relaxed);
     let (answered, answer) = oneshot::channel();
     lock(&live.waiting).insert(id, answered);
@@ -580,9 +712,10 @@ async fn carry(
     let sent = lock(&live.calls).as_ref().is_some_and(|calls| calls.send(call).is_ok());
     if !sent {
         lock(&live.waiting).remove(&id);
+        drop(slot);
         return alone(parts, body).await;
     }
-    let mut pending = Pending { live: &live, id: Some(id) };
+    let mut pending = Pending { live: &live, id: Some(id), _slot: slot };
     let answer = match deadline {
         Some(deadline) => match tokio::time::timeout(deadline, answer).await {
             Ok(answer) => answer,
@@ -600,19 +733,23 @@ async fn carry(
     }
 }
 
-/// A call sent and not yet answered: dropping it cancels the call on the server.
+/// A call sent and not yet answered: dropping it cancels the call on the server. Its slot is
+/// freed with it: the server reads the cancel before any call sent after it.
 struct Pending<'a> {
     live: &'a Live,
     id: Option<u64>,
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
         if let Some(id) = self.id
             && lock(&self.live.waiting).remove(&id).is_some()
-            && let Some(calls) = lock(&self.live.calls).as_ref()
         {
-            let _ = calls.send(Call { id, cancel: true, ..Default::default() });
+            if let Some(calls) = lock(&self.live.calls).as_ref() {
+                let _ = calls.send(Call { id, cancel: true, ..Default::default() });
+            }
+            self.live.end_if_idle();
         }
     }
 }
@@ -741,7 +878,8 @@ mod tests {
                             "hold" => {
                                 let _running = Running::new(&probe);
                                 probe.gate.acquire().await.expect("gate").forget();
-                                Ok(tonic::Response::new(asked))
+                                let name = if carried { "held carried" } else { "held alone" }.to_string();
+                                Ok(tonic::Response::new(Header { name, value: asked.value }))
                             }
                             _ => {
                                 let name = if carried { "carried" } else { "alone" }.to_string();
@@ -755,21 +893,31 @@ mod tests {
         }
     }
 
-    /// A server of `routes` (and, if `mux`, the shared stream running at most `max` calls at
-    /// once) on a port of its own; its endpoint, its stop, and its task.
-    async fn serve(
+    type Served = tokio::task::JoinHandle<Result<(), tonic::transport::Error>>;
+
+    /// A server of `routes` (and, if `mux`, the shared stream running at most that many calls
+    /// at once) on a port of its own; its endpoint, its stop, and its task.
+    async fn serve(routes: Routes, mux: Option<usize>) -> (String, tokio::sync::watch::Sender<()>, Served) {
+        let (endpoint, stop, server, _) = serve_counted(routes, mux, super::STOP_GRACE).await;
+        (endpoint, stop, server)
+    }
+
+    /// [`serve`] with a stop's grace of `grace`, and the server's permits of streams (those
+    /// not available are streams served).
+    async fn serve_counted(
         routes: Routes,
         mux: Option<usize>,
-    ) -> (String, tokio::sync::watch::Sender<()>, tokio::task::JoinHandle<Result<(), tonic::transport::Error>>) {
+        grace: Duration,
+    ) -> (String, tokio::sync::watch::Sender<()>, Served, Arc<tokio::sync::Semaphore>) {
         use tower::Layer as _;
         let listener = crate::bind("127.0.0.1:0").await.expect("bind");
         let endpoint = crate::endpoint_of(listener.local_addr().expect("addr"));
         let (stop, stopping) = tokio::sync::watch::channel(());
+        let local = crate::inproc::Local::new(warden_telemetry::grpc::ServerLayer.layer(routes.clone()));
+        let mux_server = super::Server::new(local, stopping.clone()).with_limits(mux.unwrap_or(1), grace);
+        let streams = mux_server.streams.clone();
         let routes = match mux {
-            Some(max) => {
-                let local = crate::inproc::Local::new(warden_telemetry::grpc::ServerLayer.layer(routes.clone()));
-                routes.add_service(super::Server::new(local, stopping.clone()).with_max_in_flight(max))
-            }
+            Some(_) => routes.add_service(mux_server),
             None => routes,
         };
         let mut stopped = stopping.clone();
@@ -780,13 +928,22 @@ mod tests {
                 let _ = stopped.changed().await;
             },
         ));
-        (endpoint, stop, server)
+        (endpoint, stop, server, streams)
     }
 
     async fn ask(channel: crate::auth::Ch, name: &str, timeout: Option<Duration>) -> Result<Header, Status> {
+        ask_with(channel, name, "payload".to_string(), timeout).await
+    }
+
+    async fn ask_with(
+        channel: crate::auth::Ch,
+        name: &str,
+        value: String,
+        timeout: Option<Duration>,
+    ) -> Result<Header, Status> {
         let mut grpc = tonic::client::Grpc::new(channel);
         grpc.ready().await.map_err(Status::from_error)?;
-        let mut request = tonic::Request::new(Header { name: name.into(), value: "payload".into() });
+        let mut request = tonic::Request::new(Header { name: name.into(), value: value.into() });
         if let Some(t) = timeout {
             request.set_timeout(t);
         }
@@ -840,17 +997,38 @@ mod tests {
     /// statuses and their details alike.
     #[tokio::test]
     async fn unary_calls_go_on_one_stream_and_are_answered_as_on_streams_of_their_own() {
-        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(super::MAX_IN_FLIGHT)).await;
+        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(64)).await;
         let channel = crate::channel(&endpoint).expect("channel");
         let first = ask(channel.clone(), "echo", None).await.expect("echo");
         assert_eq!(first.name, "alone", "the first call opens the stream and goes alone");
         until_carried(&channel).await;
-        let concurrent = futures::future::join_all((0..50).map(|_| ask(channel.clone(), "echo", None))).await;
-        assert!(concurrent.iter().all(|a| a.as_ref().is_ok_and(|a| a.name == "carried")), "{concurrent:?}");
+        let concurrent =
+            futures::future::join_all((0..50).map(|i| ask_with(channel.clone(), "echo", format!("call {i}"), None)))
+                .await;
+        for (i, answer) in concurrent.into_iter().enumerate() {
+            let answer = answer.expect("echo");
+            assert_eq!((answer.name.as_str(), answer.value), ("carried", format!("call {i}").into_bytes().into()));
+        }
         let refused = ask(channel.clone(), "refuse", None).await.expect_err("refused");
         assert_eq!(refused.code(), Code::InvalidArgument);
         assert_eq!(crate::field_violations(&refused), vec![("value".to_string(), "refused by the probe".to_string())]);
         assert!(!crate::broke_off(&refused), "the callee's own answer");
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// A channel's stream lasts as long as the channel: once every clone of it is gone, the
+    /// stream ends and the server serves it no more.
+    #[tokio::test]
+    async fn a_stream_ends_with_its_channel() {
+        let (endpoint, stop, server, streams) =
+            serve_counted(Routes::new(Probe::default()), Some(4), super::STOP_GRACE).await;
+        let open = move || super::MAX_STREAMS - streams.available_permits();
+        let channel = crate::channel(&endpoint).expect("channel");
+        until_carried(&channel).await;
+        assert_eq!(open(), 1, "one stream served");
+        drop(channel);
+        eventually("the stream ends", || open() == 0).await;
         let _ = stop.send(());
         server.await.expect("task").expect("served");
     }
@@ -874,7 +1052,7 @@ mod tests {
     #[tokio::test]
     async fn deadlines_cancellations_and_panics_end_the_handler_as_alone() {
         let probe = Probe::default();
-        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(super::MAX_IN_FLIGHT)).await;
+        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(64)).await;
         let channel = crate::channel(&endpoint).expect("channel");
         until_carried(&channel).await;
 
@@ -894,23 +1072,33 @@ mod tests {
         server.await.expect("task").expect("served");
     }
 
-    /// A server runs at most its bound of a stream's calls at once; the rest wait and are
-    /// answered in turn.
+    /// A client sends no more calls on the stream than the server runs at once (it said how
+    /// many when the stream opened); the rest go alone. A cancelled call frees its slot.
     #[tokio::test]
-    async fn a_stream_runs_at_most_its_bound_of_calls_at_once() {
+    async fn a_stream_carries_at_most_its_bound_and_a_cancel_frees_a_slot() {
         let probe = Probe::default();
         let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(2)).await;
         let channel = crate::channel(&endpoint).expect("channel");
         until_carried(&channel).await;
-        let held: Vec<_> = (0..6).map(|_| tokio::spawn(ask(channel.clone(), "hold", None))).collect();
+        let carried: Vec<_> = (0..2).map(|_| tokio::spawn(ask(channel.clone(), "hold", None))).collect();
         eventually("two calls run", || probe.running.load(Ordering::SeqCst) == 2).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(probe.most.load(Ordering::SeqCst), 2, "no more than the bound at once");
-        probe.gate.add_permits(6);
-        for call in held {
-            assert_eq!(call.await.expect("task").expect("answered").name, "hold");
+        let third = tokio::spawn(ask(channel.clone(), "hold", None));
+        eventually("the third runs too", || probe.running.load(Ordering::SeqCst) == 3).await;
+        assert_eq!(ask(channel.clone(), "echo", None).await.expect("echo").name, "alone", "the stream is full");
+        carried[0].abort();
+        eventually("the cancelled handler is dropped", || probe.ended.load(Ordering::SeqCst) == 1).await;
+        for _ in 0..100 {
+            // The slot is freed once the cancelled caller's task has ended.
+            if ask(channel.clone(), "echo", None).await.expect("echo").name == "carried" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert_eq!(probe.most.load(Ordering::SeqCst), 2);
+        assert_eq!(ask(channel.clone(), "echo", None).await.expect("echo").name, "carried");
+        probe.gate.add_permits(2);
+        let [_, second] = <[_; 2]>::try_from(carried).map_err(|_| "two").expect("two");
+        assert_eq!(second.await.expect("task").expect("answered").name, "held carried");
+        assert_eq!(third.await.expect("task").expect("answered").name, "held alone");
         let _ = stop.send(());
         server.await.expect("task").expect("served");
     }
@@ -921,16 +1109,19 @@ mod tests {
     async fn each_carried_call_is_authenticated_on_its_own() {
         let tokens = crate::auth::Tokens::new(&[("mesh-token".to_string(), "*".to_string())].into());
         let routes = Routes::new(tonic::service::interceptor::InterceptedService::new(Probe::default(), tokens));
-        let (endpoint, stop, server) = serve(routes, Some(super::MAX_IN_FLIGHT)).await;
+        let (endpoint, stop, server, streams) = serve_counted(routes, Some(8), super::STOP_GRACE).await;
+        let open = move || super::MAX_STREAMS - streams.available_permits();
         let trusted = crate::channel_with_token(&endpoint, "mesh-token").expect("channel");
         until_carried(&trusted).await;
+        assert_eq!(open(), 1);
         let stranger = crate::channel_with_token(&endpoint, "not-a-token").expect("channel");
-        // Its own stream opens too (it needs no token); each call on it is refused.
+        // Its own stream opens too (it needs no token); each call, on it or alone, is refused.
         for _ in 0..50 {
             let refused = ask(stranger.clone(), "echo", None).await.expect_err("refused");
             assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        assert_eq!(open(), 2, "the stranger's calls went on a stream of its own");
         let _ = stop.send(());
         server.await.expect("task").expect("served");
     }
@@ -940,7 +1131,9 @@ mod tests {
     #[tokio::test]
     async fn a_stop_answers_every_call_read_and_ends_the_stream() {
         let probe = Probe::default();
-        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(super::MAX_IN_FLIGHT)).await;
+        // A grace longer than the test's patience: the stream must end because the client ended it.
+        let (endpoint, stop, server, _) =
+            serve_counted(Routes::new(probe.clone()), Some(8), Duration::from_secs(3600)).await;
         let channel = crate::channel(&endpoint).expect("channel");
         until_carried(&channel).await;
         let held = tokio::spawn(ask(channel.clone(), "hold", None));
@@ -948,7 +1141,7 @@ mod tests {
         let _ = stop.send(());
         tokio::time::sleep(Duration::from_millis(50)).await;
         probe.gate.add_permits(1);
-        assert_eq!(held.await.expect("task").expect("answered across the stop").name, "hold");
+        assert_eq!(held.await.expect("task").expect("answered across the stop").name, "held carried");
         tokio::time::timeout(Duration::from_secs(30), server)
             .await
             .expect("the stop completes with the stream open")
@@ -961,7 +1154,7 @@ mod tests {
     #[tokio::test]
     async fn a_call_under_a_broken_stream_broke_off() {
         let probe = Probe::default();
-        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(super::MAX_IN_FLIGHT)).await;
+        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(64)).await;
         // The client reaches the server through a relay whose connections go with it.
         let relay_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let relayed = crate::endpoint_of(relay_listener.local_addr().expect("addr"));
@@ -994,7 +1187,7 @@ mod tests {
     /// header that is not one. A reused id ends the stream.
     #[tokio::test]
     async fn a_stream_refuses_what_it_does_not_carry() {
-        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(super::MAX_IN_FLIGHT)).await;
+        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(64)).await;
         let network = crate::network(&endpoint).expect("endpoint").connect_lazy();
         let mut grpc = tonic::client::Grpc::new(network);
         grpc.ready().await.expect("ready");
@@ -1021,6 +1214,12 @@ mod tests {
             .expect("send");
         let answer = answers.message().await.expect("read").expect("an answer");
         assert_eq!((answer.id, status_of(&answer).code()), (2, Code::InvalidArgument));
+        let many = (0..300).map(|i| Header { name: format!("x-{i}"), value: Default::default() }).collect();
+        calls
+            .send(Call { id: 3, path: "/warden.v1.Ledger/GetRun".into(), headers: many, ..Default::default() })
+            .expect("send");
+        let answer = answers.message().await.expect("read").expect("an answer");
+        assert_eq!((answer.id, status_of(&answer).code()), (3, Code::InvalidArgument));
         let hold = Header { name: "hold".into(), value: Default::default() };
         let body = {
             let message = prost::Message::encode_to_vec(&hold);
@@ -1029,7 +1228,23 @@ mod tests {
             framed.extend_from_slice(&message);
             framed
         };
-        let held = Call { id: 3, path: "/warden.v1.Ledger/GetRun".into(), body: body.into(), ..Default::default() };
+        // The server keeps a call's deadline itself.
+        let overdue = Header { name: "grpc-timeout".into(), value: "30m".into() };
+        let path = "/warden.v1.Ledger/GetRun".to_string();
+        calls
+            .send(Call {
+                id: 4,
+                path: path.clone(),
+                headers: vec![overdue],
+                body: body.clone().into(),
+                ..Default::default()
+            })
+            .expect("send");
+        let answer = answers.message().await.expect("read").expect("an answer");
+        assert_eq!((answer.id, status_of(&answer).code()), (4, Code::Cancelled));
+        assert_eq!(status_of(&answer).message(), "Timeout expired");
+        let held = Call { id: 5, path, body: body.into(), ..Default::default() };
+
         calls.send(held.clone()).expect("send");
         calls.send(held).expect("send");
         assert!(answers.message().await.ok().flatten().is_none(), "a reused id ends the stream");
