@@ -21,11 +21,15 @@
 //! - **Deadlines and cancellation.** The server keeps a call's `grpc-timeout`, and so does the
 //!   client (tonic's channel does both for a unary call). A caller that drops its call sends a
 //!   cancel, and the server drops the handler, as an HTTP/2 reset does.
-//! - **Bounds.** A server runs at most [`MAX_IN_FLIGHT`] calls of one stream at once and reads
-//!   no further message until one ends (HTTP/2 flow control then holds the client back), as a
-//!   connection holds at most [`crate::MAX_CONCURRENT_STREAMS`] streams. A message is at most
-//!   [`MAX_MUX_MESSAGE`]; a request body over [`MAX_INLINE_BODY`] goes on a stream of its own,
-//!   and an answer's body is bounded as a client bounds a message it decodes.
+//! - **Bounds.** A server runs at most [`MAX_IN_FLIGHT`] calls of one stream at once, as a
+//!   connection holds at most [`crate::MAX_CONCURRENT_STREAMS`] streams, and says so when the
+//!   stream opens; the client sends no more than that on it (the rest go alone). The server
+//!   reads on past the bound (calls wait in their tasks, within their deadlines; cancels are
+//!   read as they come) up to twice it, then reads no further. A server serves at most
+//!   [`MAX_STREAMS`] streams, [`MAX_STREAMS_PER_CONNECTION`] of one connection. A request body
+//!   over [`MAX_INLINE_BODY`] goes on a stream of its own, as does a call with more than
+//!   [`MAX_HEADERS`] headers; an answer's body is bounded as a client bounds a message it
+//!   decodes.
 //! - **Only unary methods** (from the descriptors of `warden.v1` and `grpc.health.v1`) are
 //!   carried; a server answers any other path `UNIMPLEMENTED`, since it collects each answer
 //!   whole before sending it.
@@ -33,9 +37,11 @@
 //!   serve it (`UNIMPLEMENTED`, asked again after [`REFUSED_RETRY`]), calls go on streams of
 //!   their own. Calls under way when the stream breaks fail `UNAVAILABLE` with the transport's
 //!   error as their source ([`crate::broke_off`] is true), as on a broken connection. A server
-//!   that stops sends a go-away; its client sends no more calls on that stream and ends it, the
-//!   server answers everything it read and then ends it too, so a stop loses no call (a client
-//!   that keeps sending past [`STOP_GRACE`] is cut off, its unread calls fail as above).
+//!   that stops sends a go-away; its client sends no more calls on that stream and ends its
+//!   side once every call on it is answered; the server answers everything it read and then
+//!   ends the stream too, so a stop loses no call. Past [`STOP_GRACE`] it reads no more (a
+//!   client that kept sending has its unread calls fail as above) and lets the calls under way
+//!   finish, unless the client does not read their answers.
 //!
 //! A client turns it off with `WARDEN_MULTIPLEX=off` (every call then has a stream of its own);
 //! servers always offer it. A process's calls to itself go in memory ([`crate::inproc`]), and a
@@ -43,6 +49,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -212,6 +219,11 @@ pub const IN_FLIGHT_HEADER: &str = "warden-mux-in-flight";
 /// opens one per channel; a client refused (`RESOURCE_EXHAUSTED`) calls alone.
 pub const MAX_STREAMS: usize = 1024;
 
+/// The most streams of calls one TCP connection may have served at once (a channel opens one;
+/// one more may open while an ending one drains), so a connection holds at most a few times
+/// the handlers HTTP/2 lets it hold, and cannot take every stream of the server.
+pub const MAX_STREAMS_PER_CONNECTION: usize = 2;
+
 /// The stream's route: calls handed to `local` (a server's routes behind its layers).
 #[derive(Clone)]
 pub(crate) struct Server {
@@ -222,6 +234,46 @@ pub(crate) struct Server {
     unary: &'static HashSet<String>,
     /// A permit per stream served.
     streams: Arc<tokio::sync::Semaphore>,
+    /// Streams served per TCP connection (local and remote address).
+    per_connection: Arc<Mutex<HashMap<(SocketAddr, SocketAddr), usize>>>,
+}
+
+/// A stream counted against its connection's [`MAX_STREAMS_PER_CONNECTION`] while it lasts.
+struct Counted {
+    per_connection: Arc<Mutex<HashMap<(SocketAddr, SocketAddr), usize>>>,
+    connection: Option<(SocketAddr, SocketAddr)>,
+}
+
+impl Counted {
+    /// Counts a stream of `connection` (a Unix socket's have none), if it has room.
+    fn count(
+        per_connection: &Arc<Mutex<HashMap<(SocketAddr, SocketAddr), usize>>>,
+        connection: Option<(SocketAddr, SocketAddr)>,
+    ) -> Option<Counted> {
+        if let Some(key) = connection {
+            let mut counts = lock(per_connection);
+            let count = counts.entry(key).or_default();
+            if *count >= MAX_STREAMS_PER_CONNECTION {
+                return None;
+            }
+            *count += 1;
+        }
+        Some(Counted { per_connection: per_connection.clone(), connection })
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if let Some(key) = self.connection {
+            let mut counts = lock(&self.per_connection);
+            if let Some(count) = counts.get_mut(&key) {
+                *count -= 1;
+                if *count == 0 {
+                    counts.remove(&key);
+                }
+            }
+        }
+    }
 }
 
 impl tonic::server::NamedService for Server {
@@ -238,6 +290,7 @@ impl Server {
             grace: STOP_GRACE,
             unary: unary_methods(),
             streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
+            per_connection: Arc::default(),
         }
     }
 
@@ -251,7 +304,7 @@ impl Server {
     fn serve(
         &self,
         calls: Streaming<Call>,
-        permit: tokio::sync::OwnedSemaphorePermit,
+        permit: (tokio::sync::OwnedSemaphorePermit, Counted),
     ) -> tokio_stream::wrappers::ReceiverStream<Result<Answer, Status>> {
         // Every answer comes from a task of the stream's, at most twice the bound of them, and
         // the go-away is sent only if there is room: the channel's room is what a client that
@@ -279,9 +332,16 @@ impl tower::Service<http::Request<Body>> for Server {
             if request.uri().path() != PATH {
                 return Ok(Status::unimplemented(format!("no method '{}'", request.uri().path())).into_http());
             }
-            let Ok(permit) = server.streams.clone().try_acquire_owned() else {
+            let connection = request
+                .extensions()
+                .get::<tonic::transport::server::TcpConnectInfo>()
+                .and_then(|c| Some((c.local_addr()?, c.remote_addr()?)));
+            let (Ok(permit), Some(counted)) =
+                (server.streams.clone().try_acquire_owned(), Counted::count(&server.per_connection, connection))
+            else {
                 return Ok(Status::resource_exhausted("too many streams of calls are open; call alone").into_http());
             };
+            let permit = (permit, counted);
             let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<Answer, Call>::default())
                 .max_decoding_message_size(MAX_CALL_MESSAGE)
                 .max_encoding_message_size(MAX_MUX_MESSAGE);
@@ -314,12 +374,14 @@ async fn drive(
     server: Server,
     mut calls: Streaming<Call>,
     answers: mpsc::Sender<Result<Answer, Status>>,
-    _stream: tokio::sync::OwnedSemaphorePermit,
+    _stream: (tokio::sync::OwnedSemaphorePermit, Counted),
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(server.max_in_flight));
     let mut running: JoinSet<u64> = JoinSet::new();
     let mut handles: HashMap<u64, AbortHandle> = HashMap::new();
     let mut stopping = server.stopping.clone();
+    // Room for the go-away, whatever the answers waiting to be sent.
+    let Ok(mut goaway) = answers.clone().reserve_owned().await.map(Some) else { return };
     let mut cutoff: Option<Pin<Box<tokio::time::Sleep>>> = None;
     let mut reading = true;
     loop {
@@ -329,7 +391,16 @@ async fn drive(
         tokio::select! {
             biased;
             () = answers.closed() => return,
-            () = async { cutoff.as_mut().expect("guarded").await }, if cutoff.is_some() => return,
+            () = async { cutoff.as_mut().expect("guarded").await }, if cutoff.is_some() => {
+                // Past the grace: no more calls are read; those under way finish (as HTTP/2's
+                // graceful stop lets a stream finish), unless the client does not read their
+                // answers, which would hold the stop for good.
+                reading = false;
+                if answers.capacity() == 0 {
+                    return;
+                }
+                cutoff = Some(Box::pin(tokio::time::sleep(server.grace)));
+            }
             Some(done) = running.join_next(), if !running.is_empty() => {
                 // A cancelled call's handle went when it was cancelled.
                 if let Ok(id) = done {
@@ -337,7 +408,9 @@ async fn drive(
                 }
             }
             _ = stopping.changed(), if cutoff.is_none() => {
-                let _ = answers.try_send(Ok(Answer { goaway: true, ..Default::default() }));
+                if let Some(goaway) = goaway.take() {
+                    goaway.send(Ok(Answer { goaway: true, ..Default::default() }));
+                }
                 cutoff = Some(Box::pin(tokio::time::sleep(server.grace)));
             }
             read = calls.message(), if reading && running.len() < 2 * server.max_in_flight => match read {
@@ -461,6 +534,9 @@ async fn answer_of(id: u64, response: http::Response<Body>) -> Answer {
         return answer_status(id, Status::internal("the answer's headers are too large to carry"));
     }
     answer.body = Bytes::from(data);
+    if prost::Message::encoded_len(&answer) > MAX_MUX_MESSAGE {
+        return answer_status(id, Status::resource_exhausted("the answer is too large to carry"));
+    }
     answer
 }
 
@@ -518,8 +594,12 @@ struct Live {
 impl Live {
     /// Ends the stream (the server then ends it too) if it is closing and no call waits.
     fn end_if_idle(&self) {
-        if self.closing.load(Ordering::SeqCst) && lock(&self.waiting).is_empty() {
-            lock(&self.calls).take();
+        if self.closing.load(Ordering::SeqCst) {
+            // `calls` before `waiting`, as everywhere both are held.
+            let mut calls = lock(&self.calls);
+            if lock(&self.waiting).is_empty() {
+                calls.take();
+            }
         }
     }
 }
@@ -631,7 +711,7 @@ async fn read(shared: Weak<Shared>, live: Weak<Live>, mut answers: Streaming<Ans
                     live.closing.store(true, Ordering::SeqCst);
                     live.end_if_idle();
                 }
-                forget(&shared, &live, Instant::now());
+                forget(&shared, &live, Instant::now() + BROKEN_RETRY);
             }
             Ok(Some(answer)) => {
                 if let Some(live) = live.upgrade() {
@@ -695,6 +775,7 @@ async fn carry(
     };
     let slot = live.slots.clone().try_acquire_owned();
     let (Ok(slot), false) = (slot, body.len() > MAX_INLINE_BODY || live.closing.load(Ordering::SeqCst)) else {
+        drop(live);
         return alone(parts, body).await;
     };
     let deadline =
@@ -709,10 +790,12 @@ async fn carry(
         body: body.clone(),
         cancel: false,
     };
-    let sent = lock(&live.calls).as_ref().is_some_and(|calls| calls.send(call).is_ok());
+    // One the server would refuse to decode would end the stream under every call on it.
+    let fits = call.headers.len() <= MAX_HEADERS && prost::Message::encoded_len(&call) <= MAX_CALL_MESSAGE;
+    let sent = fits && lock(&live.calls).as_ref().is_some_and(|calls| calls.send(call).is_ok());
     if !sent {
         lock(&live.waiting).remove(&id);
-        drop(slot);
+        drop((slot, live));
         return alone(parts, body).await;
     }
     let mut pending = Pending { live: &live, id: Some(id), _slot: slot };
@@ -743,13 +826,18 @@ struct Pending<'a> {
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
-        if let Some(id) = self.id
-            && lock(&self.live.waiting).remove(&id).is_some()
-        {
-            if let Some(calls) = lock(&self.live.calls).as_ref() {
+        if let Some(id) = self.id {
+            // Under `calls`, so the stream cannot end between the call leaving `waiting` and
+            // its cancel being sent.
+            let calls = lock(&self.live.calls);
+            let waited = lock(&self.live.waiting).remove(&id).is_some();
+            if waited && let Some(calls) = calls.as_ref() {
                 let _ = calls.send(Call { id, cancel: true, ..Default::default() });
             }
-            self.live.end_if_idle();
+            drop(calls);
+            if waited {
+                self.live.end_if_idle();
+            }
         }
     }
 }
@@ -948,7 +1036,9 @@ mod tests {
             request.set_timeout(t);
         }
         let path = http::uri::PathAndQuery::from_static("/warden.v1.Ledger/GetRun");
-        Ok(grpc.unary(request, path, tonic_prost::ProstCodec::<Header, Header>::default()).await?.into_inner())
+        let call = grpc.unary(request, path, tonic_prost::ProstCodec::<Header, Header>::default());
+        // A call that hangs fails the test instead of holding it.
+        Ok(tokio::time::timeout(Duration::from_secs(60), call).await.expect("the call ends")?.into_inner())
     }
 
     /// Asks `echo` until an answer came on the shared stream (the first call opens it); the
@@ -1183,8 +1273,58 @@ mod tests {
         server.await.expect("task").expect("served");
     }
 
+    /// One connection has at most its bound of streams served at once (`RESOURCE_EXHAUSTED`
+    /// past it), so it cannot multiply the handlers it holds; a stream that ends frees its place.
+    #[tokio::test]
+    async fn a_connection_opens_at_most_its_bound_of_streams() {
+        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(64)).await;
+        let network = crate::network(&endpoint).expect("endpoint").connect_lazy();
+        let mut opened = Vec::new();
+        for _ in 0..super::MAX_STREAMS_PER_CONNECTION + 1 {
+            let mut grpc = tonic::client::Grpc::new(network.clone());
+            grpc.ready().await.expect("ready");
+            let (calls, outgoing) = tokio::sync::mpsc::unbounded_channel::<Call>();
+            let answer = grpc
+                .streaming(
+                    tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing)),
+                    http::uri::PathAndQuery::from_static(super::PATH),
+                    tonic_prost::ProstCodec::<Call, Answer>::default(),
+                )
+                .await;
+            opened.push((calls, answer));
+        }
+        let refused = opened.pop().expect("the last").1.expect_err("one too many on the connection");
+        assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+        assert!(opened.iter().all(|(_, a)| a.is_ok()));
+        // Once one ends, another may open.
+        drop(opened.pop());
+        let mut reopened = None;
+        for _ in 0..100 {
+            let mut grpc = tonic::client::Grpc::new(network.clone());
+            grpc.ready().await.expect("ready");
+            let (calls, outgoing) = tokio::sync::mpsc::unbounded_channel::<Call>();
+            let answer = grpc
+                .streaming(
+                    tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing)),
+                    http::uri::PathAndQuery::from_static(super::PATH),
+                    tonic_prost::ProstCodec::<Call, Answer>::default(),
+                )
+                .await;
+            if answer.is_ok() {
+                reopened = Some((calls, answer));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(reopened.is_some(), "a stream opens once another has ended");
+        drop((opened, reopened));
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
     /// What the stream does not carry is refused call by call: a method that is not unary, a
-    /// header that is not one. A reused id ends the stream.
+    /// header that is not one, too many headers. The server keeps a call's deadline. A reused
+    /// id ends the stream.
     #[tokio::test]
     async fn a_stream_refuses_what_it_does_not_carry() {
         let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(64)).await;
