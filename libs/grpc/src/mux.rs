@@ -953,6 +953,10 @@ mod tests {
 
         fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
             let carried = request.extensions().get::<tonic::transport::server::TcpConnectInfo>().is_none();
+            if request.uri().path().ends_with("/VerifyRun") {
+                // An answer whose body panics as it is read.
+                return Box::pin(async { Ok(http::Response::new(tonic::body::Body::new(PanickingBody))) });
+            }
             let probe = self.clone();
             Box::pin(async move {
                 let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<Header, Header>::default());
@@ -978,6 +982,21 @@ mod tests {
                 });
                 Ok(grpc.unary(answer, request).await)
             })
+        }
+    }
+
+    /// A body that panics when polled.
+    struct PanickingBody;
+
+    impl http_body::Body for PanickingBody {
+        type Data = tonic::codegen::Bytes;
+        type Error = Status;
+
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Status>>> {
+            panic!("the body's defect")
         }
     }
 
@@ -1157,6 +1176,17 @@ mod tests {
 
         let panicked = ask(channel.clone(), "panic", None).await.expect_err("panicked");
         assert_eq!(panicked.code(), Code::Cancelled, "{panicked:?}");
+        // A panic while the answer's body is read, past the handler, is answered the same way.
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        grpc.ready().await.expect("ready");
+        let path = http::uri::PathAndQuery::from_static("/warden.v1.Ledger/VerifyRun");
+        let asked = tonic::Request::new(Header::default());
+        let call = grpc.unary(asked, path, tonic_prost::ProstCodec::<Header, Header>::default());
+        let body_panicked = tokio::time::timeout(Duration::from_secs(60), call)
+            .await
+            .expect("answered")
+            .expect_err("the body panicked");
+        assert_eq!(body_panicked.code(), Code::Cancelled, "{body_panicked:?}");
         assert_eq!(ask(channel.clone(), "echo", None).await.expect("echo").name, "carried");
         let _ = stop.send(());
         server.await.expect("task").expect("served");
