@@ -567,10 +567,16 @@ async fn start_prod(args: &BenchArgs, workers: usize, env: Vec<(String, String)>
 async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
     let workers = workers_per_service(args.workers_per_service);
     println!(
-        "prod  {PROD_SERVICES} services, {workers} Tokio worker thread(s) each, calling each other over {}",
+        "prod  {PROD_SERVICES} services, {workers} Tokio worker thread(s) each, calling each other over {}, {}",
         match args.transport {
             Transport::Tcp => "loopback TCP",
             Transport::Unix => "Unix domain sockets",
+        },
+        // The services inherit the bench's environment, `WARDEN_MULTIPLEX` included.
+        if warden_grpc::mux::enabled() {
+            "unary calls on one stream per connection"
+        } else {
+            "a stream per call (WARDEN_MULTIPLEX=off)"
         }
     );
     let ProdShape { pg, _redis, mesh } = start_prod(args, workers, Vec::new()).await?;
