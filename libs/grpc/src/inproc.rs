@@ -197,19 +197,21 @@ impl tower::Service<http::Request<Body>> for Link {
 /// `CANCELLED "Timeout expired"`, tonic's answer), and a handler that panics answered with
 /// `CANCELLED` (a remote handler's task ends, its stream is reset) instead of unwinding into
 /// the caller's task.
-pub(crate) async fn call_local(routes: Local, mut request: http::Request<Body>) -> http::Response<Body> {
+pub(crate) async fn call_local(routes: Local, request: http::Request<Body>) -> http::Response<Body> {
+    match deadline_of(request.headers()) {
+        Some(deadline) => match tokio::time::timeout(deadline, call_routes(routes, request)).await {
+            Ok(response) => response,
+            Err(_) => Status::cancelled("Timeout expired").into_http(),
+        },
+        None => call_routes(routes, request).await,
+    }
+}
+
+/// [`call_local`] without the deadline, for a caller that keeps it itself.
+pub(crate) async fn call_routes(routes: Local, mut request: http::Request<Body>) -> http::Response<Body> {
     use futures::FutureExt as _;
     *request.extensions_mut() = http::Extensions::new();
-    let deadline = request.headers().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
-    let call = std::panic::AssertUnwindSafe(routes.oneshot(request)).catch_unwind();
-    let answered = match deadline {
-        Some(deadline) => match tokio::time::timeout(deadline, call).await {
-            Ok(answered) => answered,
-            Err(_) => return Status::cancelled("Timeout expired").into_http(),
-        },
-        None => call.await,
-    };
-    match answered {
+    match std::panic::AssertUnwindSafe(routes.oneshot(request)).catch_unwind().await {
         Ok(Ok(response)) => response,
         Ok(Err(never)) => match never {},
         Err(_) => {
@@ -219,9 +221,14 @@ pub(crate) async fn call_local(routes: Local, mut request: http::Request<Body>) 
     }
 }
 
+/// The deadline a request's `grpc-timeout` header sets, if it sets one (see [`grpc_timeout`]).
+pub(crate) fn deadline_of(headers: &http::HeaderMap) -> Option<Duration> {
+    headers.get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout)
+}
+
 /// A `grpc-timeout` header's duration, read as tonic's server reads it (at most 8 digits, as
 /// `u64` parses them, and a unit); `None` for anything else, which a remote server ignores too.
-pub(crate) fn grpc_timeout(value: &str) -> Option<Duration> {
+fn grpc_timeout(value: &str) -> Option<Duration> {
     if value.is_empty() {
         return None;
     }

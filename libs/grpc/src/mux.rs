@@ -66,7 +66,7 @@ use tonic::transport::Channel;
 use tonic::{Status, Streaming};
 use tower::ServiceExt as _;
 
-use crate::inproc::{Local, call_local};
+use crate::inproc::{Local, call_routes, deadline_of};
 
 /// The path of the stream.
 pub const PATH: &str = "/warden.v1.Mux/Calls";
@@ -450,13 +450,14 @@ async fn drive(
 /// answers), `CANCELLED` if anything under it panics.
 async fn run(id: u64, local: Local, request: http::Request<Body>, slots: Arc<tokio::sync::Semaphore>) -> Answer {
     use futures::FutureExt as _;
-    let deadline =
-        request.headers().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(crate::inproc::grpc_timeout);
+    let deadline = deadline_of(request.headers());
     let answered = async move {
         let Ok(_slot) = slots.acquire_owned().await else {
             return answer_status(id, Status::unavailable("the stream of calls is closing"));
         };
-        answer_of(id, call_local(local, request).await).await
+        // The deadline is kept here, over the wait for a slot too: the routes need no timer of
+        // their own.
+        answer_of(id, call_routes(local, request).await).await
     };
     let answered = std::panic::AssertUnwindSafe(answered).catch_unwind();
     let answered = match deadline {
@@ -498,42 +499,33 @@ async fn answer_of(id: u64, response: http::Response<Body>) -> Answer {
         headers: to_headers(&parts.headers),
         ..Default::default()
     };
-    let mut data = Vec::new();
-    let mut body = std::pin::pin!(http_body_util::Limited::new(body, MAX_ANSWER_BODY));
-    let failed = loop {
-        match body.frame().await {
-            None => break None,
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(chunk) => data.extend_from_slice(&chunk),
-                Err(frame) => {
-                    if let Ok(trailers) = frame.into_trailers() {
-                        answer.trailers = to_headers(&trailers);
-                    }
-                }
-            },
-            Some(Err(e)) => {
-                break Some(match e.downcast::<Status>() {
-                    Ok(status) => *status,
-                    Err(e) if e.is::<http_body_util::LengthLimitError>() => Status::resource_exhausted(format!(
-                        "the answer is larger than the {MAX_ANSWER_BODY} bytes a stream of calls carries"
-                    )),
-                    Err(e) => Status::internal(format!("the answer's body failed: {e}")),
-                });
+    match http_body_util::Limited::new(body, MAX_ANSWER_BODY).collect().await {
+        Ok(collected) => {
+            if let Some(trailers) = collected.trailers() {
+                answer.trailers = to_headers(trailers);
             }
+            // A unary answer is one frame: taken as it is, not copied.
+            answer.body = collected.to_bytes();
         }
-    };
-    if let Some(status) = failed {
-        // As HTTP/2 would carry it: what was sent, then the error's status in the trailers.
-        let mut trailers = http::HeaderMap::new();
-        let _ = status.add_header(&mut trailers);
-        answer.trailers = to_headers(&trailers);
+        Err(e) => {
+            let status = match e.downcast::<Status>() {
+                Ok(status) => *status,
+                Err(e) if e.is::<http_body_util::LengthLimitError>() => Status::resource_exhausted(format!(
+                    "the answer is larger than the {MAX_ANSWER_BODY} bytes a stream of calls carries"
+                )),
+                Err(e) => Status::internal(format!("the answer's body failed: {e}")),
+            };
+            // The headers sent, then the error's status in the trailers.
+            let mut trailers = http::HeaderMap::new();
+            let _ = status.add_header(&mut trailers);
+            answer.trailers = to_headers(&trailers);
+        }
     }
     let (headers, trailers) = (&answer.headers, &answer.trailers);
     if headers.len() + trailers.len() > MAX_HEADERS || headers_size(headers) + headers_size(trailers) > MAX_HEADER_BYTES
     {
         return answer_status(id, Status::internal("the answer's headers are too large to carry"));
     }
-    answer.body = Bytes::from(data);
     if prost::Message::encoded_len(&answer) > MAX_MUX_MESSAGE {
         return answer_status(id, Status::resource_exhausted("the answer is too large to carry"));
     }
@@ -778,8 +770,7 @@ async fn carry(
         drop(live);
         return alone(parts, body).await;
     };
-    let deadline =
-        parts.headers.get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(crate::inproc::grpc_timeout);
+    let deadline = deadline_of(&parts.headers);
     let id = live.next.fetch_add(1, Ordering::Relaxed);
     let (answered, answer) = oneshot::channel();
     lock(&live.waiting).insert(id, answered);
@@ -1303,6 +1294,25 @@ mod tests {
         server.await.expect("task").expect("served");
     }
 
+    /// A stream of calls opened by hand on `network`: its sender of calls, and its answers or
+    /// the server's refusal.
+    async fn open_raw(
+        network: tonic::transport::Channel,
+    ) -> (tokio::sync::mpsc::UnboundedSender<Call>, Result<tonic::Streaming<Answer>, Status>) {
+        let mut grpc = tonic::client::Grpc::new(network);
+        grpc.ready().await.expect("ready");
+        let (calls, outgoing) = tokio::sync::mpsc::unbounded_channel::<Call>();
+        let answers = grpc
+            .streaming(
+                tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing)),
+                http::uri::PathAndQuery::from_static(super::PATH),
+                tonic_prost::ProstCodec::<Call, Answer>::default(),
+            )
+            .await
+            .map(tonic::Response::into_inner);
+        (calls, answers)
+    }
+
     /// One connection has at most its bound of streams served at once (`RESOURCE_EXHAUSTED`
     /// past it), so it cannot multiply the handlers it holds; a stream that ends frees its place.
     #[tokio::test]
@@ -1311,16 +1321,7 @@ mod tests {
         let network = crate::network(&endpoint).expect("endpoint").connect_lazy();
         let mut opened = Vec::new();
         for _ in 0..super::MAX_STREAMS_PER_CONNECTION + 1 {
-            let mut grpc = tonic::client::Grpc::new(network.clone());
-            grpc.ready().await.expect("ready");
-            let (calls, outgoing) = tokio::sync::mpsc::unbounded_channel::<Call>();
-            let answer = grpc
-                .streaming(
-                    tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing)),
-                    http::uri::PathAndQuery::from_static(super::PATH),
-                    tonic_prost::ProstCodec::<Call, Answer>::default(),
-                )
-                .await;
+            let (calls, answer) = open_raw(network.clone()).await;
             opened.push((calls, answer));
         }
         let refused = opened.pop().expect("the last").1.expect_err("one too many on the connection");
@@ -1330,16 +1331,7 @@ mod tests {
         drop(opened.pop());
         let mut reopened = None;
         for _ in 0..100 {
-            let mut grpc = tonic::client::Grpc::new(network.clone());
-            grpc.ready().await.expect("ready");
-            let (calls, outgoing) = tokio::sync::mpsc::unbounded_channel::<Call>();
-            let answer = grpc
-                .streaming(
-                    tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing)),
-                    http::uri::PathAndQuery::from_static(super::PATH),
-                    tonic_prost::ProstCodec::<Call, Answer>::default(),
-                )
-                .await;
+            let (calls, answer) = open_raw(network.clone()).await;
             if answer.is_ok() {
                 reopened = Some((calls, answer));
                 break;
@@ -1359,18 +1351,8 @@ mod tests {
     async fn a_stream_refuses_what_it_does_not_carry() {
         let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(64)).await;
         let network = crate::network(&endpoint).expect("endpoint").connect_lazy();
-        let mut grpc = tonic::client::Grpc::new(network);
-        grpc.ready().await.expect("ready");
-        let (calls, outgoing) = tokio::sync::mpsc::unbounded_channel::<Call>();
-        let mut answers = grpc
-            .streaming(
-                tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing)),
-                http::uri::PathAndQuery::from_static(super::PATH),
-                tonic_prost::ProstCodec::<Call, Answer>::default(),
-            )
-            .await
-            .expect("open")
-            .into_inner();
+        let (calls, answers) = open_raw(network).await;
+        let mut answers = answers.expect("open");
         let status_of = |a: &Answer| {
             let headers = super::from_headers(a.headers.clone()).expect("headers");
             Status::from_header_map(&headers).expect("a status")
