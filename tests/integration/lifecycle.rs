@@ -593,3 +593,81 @@ async fn outputs_over_the_inline_limit_are_stored_by_reference_on_sqlite() {
 async fn outputs_over_the_inline_limit_are_stored_by_reference_on_postgres() {
     large_outputs(Backend::Postgres).await;
 }
+
+/// `WaitRun` answers a run driven on the replica it asks from what the run's driver recorded
+/// (no read of the log back), and that answer is `GetRun`'s, read from the ledger: for a run
+/// that completes (with an output whose keys and numbers the ledger canonicalizes), one that
+/// fails, one denied by policy. A run another writer appended to meanwhile (a cancellation)
+/// is answered from the ledger's log. Counted by `warden_wait_answers_total`.
+async fn wait_answers(backend: Backend) {
+    let mut opts = MeshOptions::default();
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(backend, opts).await;
+    let answers = |scrape: &prometheus_parse::Scrape, source: &str| {
+        crate::observability::value(scrape, "warden_wait_answers_total", &[("source", source)])
+    };
+    let before = crate::observability::scrape(&mesh.executors[0].metrics_url).await;
+    // Each run's first step outlasts the time its WaitRun takes to arrive.
+    let nap = || -> (&str, &str, serde_json::Value, &[&str]) { ("nap", "sleep", json!({"ms": 2000}), &[]) };
+    let plans = [
+        plan(&[nap(), ("out", "echo", json!({"z": 1.5, "a": {"y": [1, 2.0e0], "b": "x"}, "n": 10}), &["nap"])]),
+        plan(&[nap(), ("no", "fail", json!({"message": "not today"}), &["nap"])]),
+        plan(&[nap(), ("off", "flaky", json!({"succeed_on_attempt": 1}), &["nap"])]),
+    ];
+    let mut ids = Vec::new();
+    for p in &plans {
+        ids.push(submit(&mesh, "acme", p).await);
+    }
+    let cancelled = submit(&mesh, "acme", &plan(&[nap(), ("after", "echo", json!({}), &["nap"])])).await;
+    let wait = |id: &str| {
+        let req = pb::WaitRunRequest { tenant: "acme".into(), run_id: id.into(), timeout_ms: 120_000 };
+        let mut runs = mesh.runs();
+        async move { runs.wait_run(req).await.expect("wait").into_inner() }
+    };
+    let waits: Vec<_> = ids.iter().chain([&cancelled]).map(|id| tokio::spawn(wait(id))).collect();
+    let cancel = pb::CancelRunRequest { tenant: "acme".into(), run_id: cancelled.clone(), reason: "stop".into() };
+    mesh.runs().cancel_run(cancel).await.expect("cancel");
+    let mut waited = Vec::new();
+    for w in waits {
+        waited.push(w.await.expect("waiter"));
+    }
+    let statuses: Vec<pb::RunStatus> = waited.iter().map(pb::Run::status).collect();
+    use pb::RunStatus as S;
+    assert_eq!(statuses, [S::Completed, S::Failed, S::Failed, S::Cancelled], "{}", mesh.logs());
+    let after = crate::observability::scrape(&mesh.executors[0].metrics_url).await;
+    assert_eq!(answers(&after, "driver") - answers(&before, "driver"), 3.0, "{}", mesh.logs());
+    assert_eq!(answers(&after, "ledger") - answers(&before, "ledger"), 1.0);
+
+    for (id, from_wait) in ids.iter().chain([&cancelled]).zip(waited) {
+        let get = pb::GetRunRequest { tenant: "acme".into(), run_id: id.clone() };
+        let read = mesh.runs().get_run(get).await.expect("get").into_inner();
+        // The policy may record a decision late (never anything that changes the answer but
+        // the log's length); the answer is the run as of its end.
+        assert!(read.last_seq >= from_wait.last_seq);
+        let as_of_end = if read.last_seq == from_wait.last_seq {
+            read
+        } else {
+            pb::Run { last_seq: from_wait.last_seq, updated_at_ms: from_wait.updated_at_ms, ..read }
+        };
+        assert_eq!(from_wait, as_of_end);
+    }
+    let out = &waited_output(&mesh, &ids[0]).await;
+    assert_eq!(out, &json!({"a": {"b": "x", "y": [1, 2]}, "n": 10, "z": 1.5}).to_string());
+}
+
+/// The output of a run's `out` step, as `GetRun` answers it.
+async fn waited_output(mesh: &Mesh, id: &str) -> String {
+    let get = pb::GetRunRequest { tenant: "acme".into(), run_id: id.into() };
+    let run = mesh.runs().get_run(get).await.expect("get").into_inner();
+    run.steps.into_iter().find(|s| s.id == "out").expect("out").output_json
+}
+
+#[tokio::test]
+async fn wait_run_answers_from_the_driver_what_get_run_reads_from_the_log_on_sqlite() {
+    wait_answers(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn wait_run_answers_from_the_driver_what_get_run_reads_from_the_log_on_postgres() {
+    wait_answers(Backend::Postgres).await;
+}

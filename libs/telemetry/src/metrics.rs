@@ -36,6 +36,7 @@ pub const OUTPUTS_SANITIZED: &str = "warden_outputs_sanitized_total";
 pub const LEDGER_RUNS_CREATED: &str = "warden_ledger_runs_created_total";
 pub const LEDGER_RUNS_READ: &str = "warden_ledger_runs_read_total";
 pub const LEDGER_SUBMISSIONS_REFUSED: &str = "warden_ledger_submissions_refused_total";
+pub const WAIT_ANSWERS: &str = "warden_wait_answers_total";
 
 /// Every metric with its help text: described at install, listed in the README.
 pub const ALL: &[(&str, &str)] = &[
@@ -66,6 +67,10 @@ pub const ALL: &[(&str, &str)] = &[
     (
         LEDGER_RUNS_CREATED,
         "runs created by the ledger, by first_step: recorded (its decision and request in the same commit), refused, none",
+    ),
+    (
+        WAIT_ANSWERS,
+        "WaitRun answers, by source: driver (what the run's driver here recorded, without a read) or ledger (the run's log read back)",
     ),
     (
         LEDGER_RUNS_READ,
@@ -168,6 +173,11 @@ pub fn run_submitted() {
 /// A run reached `status` (a terminal status, `blocked` or `requires_reconciliation`).
 pub fn run_reached(status: &'static str) {
     metrics::counter!(RUNS, "status" => status).increment(1);
+}
+
+/// A `WaitRun` answered; `source` is `driver` or `ledger`.
+pub fn wait_answered(source: &'static str) {
+    metrics::counter!(WAIT_ANSWERS, "source" => source).increment(1);
 }
 
 pub fn step_settled(outcome: &'static str) {

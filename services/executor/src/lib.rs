@@ -55,8 +55,8 @@ pub(crate) struct Inner {
     /// Cancel and pause tokens of the runs this replica holds the lease of.
     pub signals: Mutex<HashMap<String, RunTokens>>,
     /// Woken when this replica stops driving a run (it ended, blocked, or was handed off):
-    /// `WaitRun` for a run driven here needs no ledger follower.
-    pub stopped_driving: Mutex<HashMap<String, Arc<tokio::sync::Notify>>>,
+    /// `WaitRun` for a run driven here needs no ledger follower. Held by those waiting only.
+    pub stopped_driving: Mutex<HashMap<String, Arc<Stopped>>>,
     /// Fires when this replica shuts down: its drivers start nothing new, let the steps in
     /// flight settle, record what waits, and release their leases for another replica.
     pub handoff: CancellationToken,
@@ -65,6 +65,15 @@ pub(crate) struct Inner {
     pub tool_schemas: warden_grpc::tool_schema::ToolSchemas,
     /// The configured output rules every output is vetted against.
     pub output_rules: output::OutputRules,
+}
+
+/// What `WaitRun` waits on for a run driven here.
+#[derive(Default)]
+pub(crate) struct Stopped {
+    pub notify: tokio::sync::Notify,
+    /// How the run stood when its driver stopped, when the driver knew its whole log (see
+    /// `driver::known`): `GetRun`'s answer, without reading the log back.
+    pub answer: std::sync::OnceLock<warden_proto::v1::Run>,
 }
 
 /// What a run's driver is told from outside it: fired once, for the drive they belong to.
@@ -195,7 +204,7 @@ impl Executor {
     }
 
     /// What wakes when this replica stops driving `run_id`.
-    pub(crate) fn stopped_driving(&self, run_id: &str) -> Arc<tokio::sync::Notify> {
+    pub(crate) fn stopped_driving(&self, run_id: &str) -> Arc<Stopped> {
         let mut m = self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner());
         m.entry(run_id.to_string()).or_default().clone()
     }
@@ -208,10 +217,22 @@ impl Executor {
         }
     }
 
+    /// Whether anyone waits for this replica to stop driving `run_id`.
+    pub(crate) fn waited_for(&self, run_id: &str) -> bool {
+        self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner()).contains_key(run_id)
+    }
+
+    /// How `run_id` stands as its driver leaves it, for those waiting (see [`Stopped`]).
+    pub(crate) fn left(&self, run_id: &str, answer: warden_proto::v1::Run) {
+        if let Some(s) = self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner()).get(run_id) {
+            let _ = s.answer.set(answer);
+        }
+    }
+
     fn done_driving(&self, run_id: &str) {
         self.inner.driving.lock().unwrap_or_else(|p| p.into_inner()).remove(run_id);
         if let Some(n) = self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner()).remove(run_id) {
-            n.notify_waiters();
+            n.notify.notify_waiters();
         }
     }
 

@@ -38,6 +38,47 @@ fn step_status(s: StepStatus) -> pb::StepStatus {
     }
 }
 
+/// What `GetRun` answers from a run's ledger row.
+pub(crate) struct Head {
+    pub status: i32,
+    pub reason: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub last_seq: u64,
+}
+
+/// `GetRun`'s answer: the run's row (`head`) and its log folded up to `head.last_seq`.
+pub(crate) fn run_answer(run_id: String, tenant: String, head: Head, view: warden_core::run::RunView) -> pb::Run {
+    let waiting_for = view.waiting_for();
+    let steps = view
+        .steps
+        .iter()
+        .map(|s| pb::StepState {
+            id: s.id.clone(),
+            tool: s.tool.clone(),
+            status: step_status(s.status) as i32,
+            output_json: s.output.as_ref().map(|o| o.to_string()).unwrap_or_default(),
+            error: s.error.clone().unwrap_or_default(),
+            attempts: s.attempts,
+            output_sha256: s.output_ref.as_ref().map(|(sha, _)| sha.clone()).unwrap_or_default(),
+            output_bytes: s.output_ref.as_ref().map(|(_, n)| *n).unwrap_or_default(),
+        })
+        .collect();
+    pb::Run {
+        run_id,
+        tenant,
+        status: head.status,
+        reason: head.reason,
+        steps,
+        direct_response: view.plan.and_then(|p| p.direct_response).unwrap_or_default(),
+        created_at_ms: head.created_at_ms,
+        updated_at_ms: head.updated_at_ms,
+        last_seq: head.last_seq,
+        waiting_for,
+        agent: view.agent,
+    }
+}
+
 /// Most capability handles one submission may carry.
 const MAX_CAPABILITY_HANDLES: usize = 16;
 
@@ -108,6 +149,11 @@ fn first_appended(c: &pb::CreateRunResponse, n: usize) -> Result<Vec<pb::AppendE
 
 /// The ledger's acknowledgement of the run's plan with the plan it vouches for, when the plan
 /// is sent with the run's first Authorize (`plan_json`; see `driver::PlanAck`).
+/// When the ledger recorded a run it created.
+fn created_at(c: &pb::CreateRunResponse) -> i64 {
+    c.run.as_ref().map_or(0, |r| r.created_at_ms)
+}
+
 fn plan_ack(c: &pb::CreateRunResponse, plan_json: Option<std::sync::Arc<str>>) -> Option<crate::driver::PlanAck> {
     Some(crate::driver::PlanAck { ack: c.run_ack.clone()?, plan_json: plan_json? })
 }
@@ -321,7 +367,7 @@ impl Runs for RunsService {
                     };
                     let ours = created.as_ref().is_ok_and(|c| created_as(c.get_ref(), &mine));
                     match created.as_ref().map(tonic::Response::get_ref) {
-                        Ok(c) if ours => gate.created(plan_ack(c, plan_json)),
+                        Ok(c) if ours => gate.created(plan_ack(c, plan_json), created_at(c)),
                         // Failed, or another submission's run: the driver stops and gives the
                         // lease back.
                         _ => gate.abandoned(),
@@ -374,7 +420,7 @@ impl Runs for RunsService {
         match fresh {
             Some(lease) => {
                 let view = view(&lease, &run.tenant, run.cancel_policy);
-                let how = crate::driver::Submitted::Created(plan_ack(&created, sent_plan));
+                let how = crate::driver::Submitted::Created(plan_ack(&created, sent_plan), run.created_at_ms);
                 self.ex.dispatch_submitted(run.tenant.clone(), lease, view, how);
             }
             // Driven since before its creation.
@@ -418,7 +464,7 @@ impl Runs for RunsService {
         };
         loop {
             let stopped = self.ex.drives(&r.run_id).then(|| self.ex.stopped_driving(&r.run_id));
-            let woken = stopped.as_ref().map(|n| Box::pin(n.notified()));
+            let woken = stopped.as_ref().map(|n| Box::pin(n.notify.notified()));
             let mut woken = woken.map(|mut w| {
                 w.as_mut().enable();
                 w
@@ -437,15 +483,22 @@ impl Runs for RunsService {
                 }
                 tokio::select! {
                     _ = woken => {
-                        // The driver stopped: most often the run settled, so the answer itself
-                        // is read (one read fewer than looking first); a run handed off or
-                        // still going is waited for again.
+                        // The driver stopped: most often the run settled. A driver that knew
+                        // the run's whole log left the answer (no read); otherwise the answer
+                        // itself is read (one read fewer than looking first). A run handed off
+                        // or still going is waited for again.
+                        let left = stopped.as_ref().and_then(|s| s.answer.get());
+                        if let Some(run) = left.filter(|run| run.tenant == r.tenant && settled(run.status())) {
+                            warden_telemetry::metrics::wait_answered("driver");
+                            return Ok(Response::new(run.clone()));
+                        }
                         let run = self.get_run(Request::new(pb::GetRunRequest {
                             tenant: r.tenant.clone(),
                             run_id: r.run_id.clone(),
                         }))
                         .await?;
                         if settled(run.get_ref().status()) {
+                            warden_telemetry::metrics::wait_answered("ledger");
                             return Ok(run);
                         }
                         continue;
@@ -483,7 +536,9 @@ impl Runs for RunsService {
             }
             break;
         }
-        self.get_run(Request::new(pb::GetRunRequest { tenant: r.tenant, run_id: r.run_id })).await
+        let run = self.get_run(Request::new(pb::GetRunRequest { tenant: r.tenant, run_id: r.run_id })).await?;
+        warden_telemetry::metrics::wait_answered("ledger");
+        Ok(run)
     }
 
     async fn get_run(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::Run>, Status> {
@@ -492,34 +547,14 @@ impl Runs for RunsService {
         id_field("tenant", &r.tenant)?;
         id_field("run_id", &r.run_id)?;
         let (run, view) = load_run(&self.ex, &r.tenant, &r.run_id).await?;
-        let waiting_for = view.waiting_for();
-        let steps = view
-            .steps
-            .iter()
-            .map(|s| pb::StepState {
-                id: s.id.clone(),
-                tool: s.tool.clone(),
-                status: step_status(s.status) as i32,
-                output_json: s.output.as_ref().map(|o| o.to_string()).unwrap_or_default(),
-                error: s.error.clone().unwrap_or_default(),
-                attempts: s.attempts,
-                output_sha256: s.output_ref.as_ref().map(|(sha, _)| sha.clone()).unwrap_or_default(),
-                output_bytes: s.output_ref.as_ref().map(|(_, n)| *n).unwrap_or_default(),
-            })
-            .collect();
-        Ok(Response::new(pb::Run {
-            run_id: run.run_id,
-            tenant: run.tenant,
+        let head = Head {
             status: run.status,
             reason: run.reason,
-            steps,
-            direct_response: view.plan.and_then(|p| p.direct_response).unwrap_or_default(),
             created_at_ms: run.created_at_ms,
             updated_at_ms: run.updated_at_ms,
             last_seq: run.last_seq,
-            waiting_for,
-            agent: view.agent,
-        }))
+        };
+        Ok(Response::new(run_answer(run.run_id, run.tenant, head, view)))
     }
 
     async fn list_runs(&self, req: Request<pb::ListRunsRequest>) -> Result<Response<pb::ListRunsResponse>, Status> {

@@ -32,8 +32,9 @@ pub struct FirstStep {
 #[derive(Clone)]
 enum State {
     Pending,
-    /// Recorded; with the ledger's acknowledgement of the plan when it gave one.
-    Created(Option<PlanAck>),
+    /// Recorded (at the ledger's time, in ms); with the ledger's acknowledgement of the plan
+    /// when it gave one.
+    Created(Option<PlanAck>, i64),
     /// Not this run: the creation failed or answered another run.
     Abandoned,
 }
@@ -51,8 +52,8 @@ impl CreationGate {
         tokio::time::timeout(within, offered).await.ok()?.ok()
     }
 
-    pub fn created(self, ack: Option<PlanAck>) {
-        self.0.send_replace(State::Created(ack));
+    pub fn created(self, ack: Option<PlanAck>, created_at_ms: i64) {
+        self.0.send_replace(State::Created(ack, created_at_ms));
     }
 
     pub fn abandoned(self) {
@@ -82,7 +83,8 @@ pub fn gate(plan_json: Arc<str>) -> (CreationGate, Creation) {
 
 /// How the creation went, once it is known.
 pub enum Created {
-    Yes(Option<PlanAck>),
+    /// With the plan's acknowledgement, if any, and when the ledger recorded the run.
+    Yes(Option<PlanAck>, i64),
     No,
 }
 
@@ -116,7 +118,7 @@ impl Creation {
         let mut state = self.state.clone();
         let settled = state.wait_for(|s| !matches!(s, State::Pending)).await.map(|s| s.clone());
         match settled {
-            Ok(State::Created(ack)) => Created::Yes(ack),
+            Ok(State::Created(ack, at)) => Created::Yes(ack, at),
             // Abandoned, or the gate dropped unanswered.
             _ => Created::No,
         }
@@ -133,9 +135,9 @@ mod tests {
         let (plan, digest) = a.pending_plan().expect("pending");
         assert_eq!(&*plan, "{\"steps\":[]}");
         assert_eq!(&*digest, warden_core::canonical::sha256_hex(b"{\"steps\":[]}"));
-        gate_a.created(None);
+        gate_a.created(None, 7);
         assert!(a.pending_plan().is_none());
-        assert!(matches!(a.wait().await, Created::Yes(None)));
+        assert!(matches!(a.wait().await, Created::Yes(None, 7)));
 
         let (gate_b, b) = gate(Arc::from("{}"));
         gate_b.abandoned();
@@ -169,11 +171,11 @@ mod tests {
         let (mut gate_b, b) = gate(Arc::from("{}"));
         let waiting = tokio::spawn({
             let b = b.clone();
-            async move { matches!(b.wait().await, Created::Yes(None)) }
+            async move { matches!(b.wait().await, Created::Yes(None, 7)) }
         });
         // Not the timeout: the declined offer ends the wait.
         assert!(gate_b.first_step(Duration::from_secs(3600)).await.is_none());
-        gate_b.created(None);
+        gate_b.created(None, 7);
         assert!(waiting.await.expect("joined"));
         assert_eq!(b.offer(events(3)).expect_err("declined").len(), 3);
 

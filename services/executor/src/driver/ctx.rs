@@ -77,6 +77,8 @@ pub(super) struct RunCtx {
     /// created: the recorded plan (canonical JSON) and its digest, by step id. Asked again
     /// with them, the call is decided under the same id, and its request is the one recorded.
     pub(super) decided_early: std::sync::Arc<DecidedEarly>,
+    /// What this driver knows of the run's log, for `WaitRun`'s answer (see `known`).
+    pub(super) known: std::sync::Arc<std::sync::Mutex<super::known::Known>>,
 }
 
 /// By step id: a plan as recorded (canonical JSON) and its digest (see `RunCtx::decided_early`).
@@ -134,7 +136,8 @@ impl RunCtx {
     pub(super) async fn created(&self) -> Result<(), DriveError> {
         let Some(creation) = &self.creation else { return Ok(()) };
         match creation.wait().await {
-            super::creation::Created::Yes(ack) => {
+            super::creation::Created::Yes(ack, created_at_ms) => {
+                self.known().created_at(created_at_ms);
                 // Taken once: the step that sends it clears it when the policy has the plan.
                 if let Some(ack) = ack
                     && !self.ack_adopted.swap(true, std::sync::atomic::Ordering::Relaxed)
@@ -176,12 +179,14 @@ impl RunCtx {
                     Ok(Ok(mut appended)) => {
                         // Recorded: what waited no longer does (the first `n`: steps may have
                         // deferred more meanwhile).
-                        {
+                        let mut sent: Vec<pb::EventInput> = {
                             let mut waiting = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
                             let taken = n.min(waiting.len());
-                            waiting.drain(..taken);
-                        }
+                            waiting.drain(..taken).collect()
+                        };
+                        sent.extend(events);
                         self.created().await?;
+                        self.known().appended(&sent, &appended);
                         return Ok(appended.split_off(n.min(appended.len())));
                     }
                     Ok(Err(s)) => {
@@ -308,7 +313,11 @@ impl RunCtx {
         let mut backoff = Duration::from_millis(20);
         loop {
             match self.ex.inner.ledger.clone().append_events(req.clone()).await {
-                Ok(r) => return Ok(r.into_inner().appended),
+                Ok(r) => {
+                    let appended = r.into_inner().appended;
+                    self.known().appended(&req.events, &appended);
+                    return Ok(appended);
+                }
                 Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),
                 Err(s) if retryable(&s) && started.elapsed() < grace && !self.lost.is_cancelled() => {
                     tracing::debug!(run_id = %self.run_id, error = %s, "ledger append retried");
@@ -416,6 +425,10 @@ impl RunCtx {
         // more meanwhile).
         self.deferred.lock().unwrap_or_else(|p| p.into_inner()).drain(..n);
         Ok(())
+    }
+
+    pub(super) fn known(&self) -> std::sync::MutexGuard<'_, super::known::Known> {
+        self.known.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn step_key(&self, step_id: &str, attempt: u32, what: &str) -> String {
