@@ -595,10 +595,12 @@ async fn outputs_over_the_inline_limit_are_stored_by_reference_on_postgres() {
 }
 
 /// `WaitRun` answers a run driven on the replica it asks from what the run's driver recorded
-/// (no read of the log back), and that answer is `GetRun`'s, read from the ledger: for a run
-/// that completes (with an output whose keys and numbers the ledger canonicalizes), one that
-/// fails, one denied by policy. A run another writer appended to meanwhile (a cancellation)
-/// is answered from the ledger's log. Counted by `warden_wait_answers_total`.
+/// (no read of the log back), and that answer is `GetRun`'s, read from the ledger, as of the
+/// run's end: for a run that completes (with a nested output), one that fails, one denied by
+/// policy. A run another writer appended to meanwhile (a cancellation) is answered from the
+/// ledger's log. Counted by `warden_wait_answers_total`. (A run whose driver lost track — a
+/// decision the policy recorded before the executor's copy arrived, on a loaded machine — is
+/// answered from the log: so the count asks for at least one answer from a driver, not three.)
 async fn wait_answers(backend: Backend) {
     let mut opts = MeshOptions::default();
     opts.tenants[0].1.push("sleep".into());
@@ -635,20 +637,28 @@ async fn wait_answers(backend: Backend) {
     use pb::RunStatus as S;
     assert_eq!(statuses, [S::Completed, S::Failed, S::Failed, S::Cancelled], "{}", mesh.logs());
     let after = crate::observability::scrape(&mesh.executors[0].metrics_url).await;
-    assert_eq!(answers(&after, "driver") - answers(&before, "driver"), 3.0, "{}", mesh.logs());
-    assert_eq!(answers(&after, "ledger") - answers(&before, "ledger"), 1.0);
+    let from_driver = answers(&after, "driver") - answers(&before, "driver");
+    let from_ledger = answers(&after, "ledger") - answers(&before, "ledger");
+    assert!(from_driver >= 1.0 && from_ledger >= 1.0, "driver {from_driver}, ledger {from_ledger}\n{}", mesh.logs());
+    assert_eq!(from_driver + from_ledger, 4.0);
 
     for (id, from_wait) in ids.iter().chain([&cancelled]).zip(waited) {
         let get = pb::GetRunRequest { tenant: "acme".into(), run_id: id.clone() };
         let read = mesh.runs().get_run(get).await.expect("get").into_inner();
         // The policy may record a decision late (never anything that changes the answer but
         // the log's length); the answer is the run as of its end.
-        assert!(read.last_seq >= from_wait.last_seq);
-        let as_of_end = if read.last_seq == from_wait.last_seq {
-            read
-        } else {
-            pb::Run { last_seq: from_wait.last_seq, updated_at_ms: from_wait.updated_at_ms, ..read }
-        };
+        // Only a late decision record or a summary can follow a run's end; the answer's
+        // `last_seq` and `updated_at_ms` are its last event's.
+        let log = events(&mut mesh.ledger(), "acme", id).await;
+        let end = log.iter().find(|e| e.seq == from_wait.last_seq).expect("the answer's last event");
+        assert_eq!(end.timestamp_ms, from_wait.updated_at_ms);
+        assert!(
+            log.iter()
+                .filter(|e| e.seq > end.seq)
+                .all(|e| warden_core::events::AFTER_END.contains(&e.event_type.as_str()))
+        );
+        assert_eq!(read.last_seq, log.last().expect("events").seq);
+        let as_of_end = pb::Run { last_seq: from_wait.last_seq, updated_at_ms: from_wait.updated_at_ms, ..read };
         assert_eq!(from_wait, as_of_end);
     }
     let out = &waited_output(&mesh, &ids[0]).await;

@@ -209,10 +209,18 @@ impl Executor {
         m.entry(run_id.to_string()).or_default().clone()
     }
 
-    /// Drops the waker of a run no longer driven here when nobody else holds it.
-    pub(crate) fn forget_stopped_driving(&self, run_id: &str) {
+    /// Whether `stopped` is what wakes when this replica stops driving `run_id` now: not
+    /// when that drive stopped meanwhile (and perhaps another started).
+    pub(crate) fn waits_on(&self, run_id: &str, stopped: &Arc<Stopped>) -> bool {
+        let m = self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(run_id).is_some_and(|n| Arc::ptr_eq(n, stopped))
+    }
+
+    /// Drops `stopped`, the waker of a run no longer driven here, when nobody else holds it.
+    pub(crate) fn forget_stopped_driving(&self, run_id: &str, stopped: &Arc<Stopped>) {
         let mut m = self.inner.stopped_driving.lock().unwrap_or_else(|p| p.into_inner());
-        if m.get(run_id).is_some_and(|n| Arc::strong_count(n) <= 2) && !self.drives(run_id) {
+        let ours = m.get(run_id).is_some_and(|n| Arc::ptr_eq(n, stopped) && Arc::strong_count(n) <= 2);
+        if ours && !self.drives(run_id) {
             m.remove(run_id);
         }
     }

@@ -469,9 +469,12 @@ impl Runs for RunsService {
                 w.as_mut().enable();
                 w
             });
-            if woken.is_some() && !self.ex.drives(&r.run_id) {
-                // Stopped between the two looks: forget the waker (unless someone else waits).
-                self.ex.forget_stopped_driving(&r.run_id);
+            if let Some(ours) = &stopped
+                && !(self.ex.drives(&r.run_id) && self.ex.waits_on(&r.run_id, ours))
+            {
+                // Stopped between the two looks (and perhaps driven again since, under a waker
+                // this one is not): forget the waker (unless someone else waits) and look.
+                self.ex.forget_stopped_driving(&r.run_id, ours);
                 woken = None;
             }
             if let Some(woken) = woken {

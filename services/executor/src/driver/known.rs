@@ -14,6 +14,7 @@
 //! key order and number spelling are the ones `GetRun` answers with.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::Value;
 use warden_core::run::RunView;
@@ -23,6 +24,20 @@ use warden_proto::v1 as pb;
 pub const MAX_EVENTS: usize = 4096;
 /// Most payload bytes a driver keeps for its answer; a larger run is read back.
 pub const MAX_BYTES: usize = 8 << 20;
+/// Most payload bytes all of a process's drivers keep together; past it, the runs that would
+/// keep more are read back.
+pub const MAX_PROCESS_BYTES: usize = 64 << 20;
+
+/// Payload bytes kept by every driver of the process.
+static KEPT: AtomicUsize = AtomicUsize::new(0);
+
+/// Takes `n` bytes of the process's budget, if there are that many left.
+fn charge(n: usize) -> bool {
+    KEPT.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |kept| {
+        kept.checked_add(n).filter(|&k| k <= MAX_PROCESS_BYTES)
+    })
+    .is_ok()
+}
 
 /// One event this driver appended, not folded yet.
 struct Appended {
@@ -46,7 +61,7 @@ enum State {
     Unstarted,
     Tracking {
         /// Folds the log exactly up to `view.last_seq`.
-        view: RunView,
+        view: Box<RunView>,
         after: BTreeMap<u64, Appended>,
         bytes: usize,
     },
@@ -67,7 +82,7 @@ impl Known {
     /// Starts from `view`, which folds the run's log exactly up to `view.last_seq`.
     pub fn start(&mut self, view: &RunView) {
         if matches!(self.state, State::Unstarted) {
-            self.state = State::Tracking { view: view.clone(), after: BTreeMap::new(), bytes: 0 };
+            self.state = State::Tracking { view: Box::new(view.clone()), after: BTreeMap::new(), bytes: 0 };
         }
     }
 
@@ -77,14 +92,14 @@ impl Known {
 
     /// Notes the ledger's answers to an append of `sent` (one answer per event, in order).
     pub fn appended(&mut self, sent: &[pb::EventInput], answers: &[pb::AppendEventResponse]) {
-        let State::Tracking { view, after, bytes } = &mut self.state else { return };
         if sent.len() != answers.len() {
-            self.state = State::Lost;
+            self.lose();
             return;
         }
         for (input, answer) in sent.iter().zip(answers) {
+            let State::Tracking { view, after, bytes } = &mut self.state else { return };
             let Some(event) = &answer.event else {
-                self.state = State::Lost;
+                self.lose();
                 return;
             };
             if event.seq <= view.last_seq || after.contains_key(&event.seq) {
@@ -93,14 +108,15 @@ impl Known {
             }
             if answer.deduplicated {
                 // Recorded first by someone else (its payload is not the one sent).
-                self.state = State::Lost;
+                self.lose();
                 return;
             }
-            *bytes += input.payload_json.len();
-            if after.len() >= MAX_EVENTS || *bytes > MAX_BYTES {
-                self.state = State::Lost;
+            let n = input.payload_json.len();
+            if after.len() >= MAX_EVENTS || *bytes + n > MAX_BYTES || !charge(n) {
+                self.lose();
                 return;
             }
+            *bytes += n;
             after.insert(
                 event.seq,
                 Appended {
@@ -116,9 +132,10 @@ impl Known {
     /// The run as of the last event this driver appended, if its log is known without a gap
     /// up to there.
     pub fn finish(&mut self) -> Option<Final> {
-        let State::Tracking { mut view, after, .. } = std::mem::replace(&mut self.state, State::Lost) else {
+        let State::Tracking { mut view, after, bytes } = std::mem::replace(&mut self.state, State::Lost) else {
             return None;
         };
+        KEPT.fetch_sub(bytes, Ordering::Relaxed);
         let created_at_ms = self.created_at_ms?;
         let mut updated_at_ms = None;
         for (seq, e) in after {
@@ -130,7 +147,22 @@ impl Known {
             updated_at_ms = Some(e.timestamp_ms);
         }
         let last_seq = view.last_seq;
-        Some(Final { view, last_seq, created_at_ms, updated_at_ms: updated_at_ms? })
+        Some(Final { view: *view, last_seq, created_at_ms, updated_at_ms: updated_at_ms? })
+    }
+}
+
+impl Known {
+    /// Gives up on answering: what was kept is let go.
+    fn lose(&mut self) {
+        if let State::Tracking { bytes, .. } = std::mem::replace(&mut self.state, State::Lost) {
+            KEPT.fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Known {
+    fn drop(&mut self) {
+        self.lose();
     }
 }
 
@@ -248,6 +280,12 @@ mod tests {
         known.created_at(1);
         known.appended(&[input(events::RUN_COMPLETED, "", json!({}))], &[answer(3, false)]);
         assert!(known.finish().is_none());
+    }
+
+    #[test]
+    fn the_process_budget_is_never_overdrawn() {
+        assert!(!charge(MAX_PROCESS_BYTES + 1));
+        assert!(charge(0));
     }
 
     #[test]

@@ -99,7 +99,7 @@ pub async fn drive(ex: &Executor, run_id: &str) -> Result<(), DriveError> {
         return Ok(()); // another replica drives it
     };
     warden_telemetry::metrics::lease_acquired(run.max_epoch > 0);
-    with_lease(ex, &run.tenant, lease, Err(run.created_at_ms)).await
+    with_lease(ex, &run.tenant, lease, None).await
 }
 
 /// Drives a run this replica just submitted: it took the lease before the run was created
@@ -113,7 +113,7 @@ pub async fn drive_submitted(
     view: RunView,
     how: Submitted,
 ) -> Result<(), DriveError> {
-    with_lease(ex, tenant, lease, Ok((view, how))).await
+    with_lease(ex, tenant, lease, Some((view, how))).await
 }
 
 /// How a run this replica submitted stands when its driver starts.
@@ -125,13 +125,13 @@ pub enum Submitted {
     Creating(Creation),
 }
 
-/// Drives a run under `lease`: from `view` when the run was submitted here, otherwise (`Err`,
-/// with the run's creation time) from its log.
+/// Drives a run under `lease`: from `view` when the run was submitted here, otherwise from
+/// its log.
 async fn with_lease(
     ex: &Executor,
     tenant: &str,
     lease: RunLease,
-    view: Result<(RunView, Submitted), i64>,
+    view: Option<(RunView, Submitted)>,
 ) -> Result<(), DriveError> {
     let run_id = lease.run_id.clone();
     let run_id = run_id.as_str();
@@ -156,7 +156,7 @@ async fn with_lease(
         frame: Default::default(),
         plan_ack: Default::default(),
         creation: match &view {
-            Ok((_, Submitted::Creating(c))) => Some(c.clone()),
+            Some((_, Submitted::Creating(c))) => Some(c.clone()),
             _ => None,
         },
         ack_adopted: Default::default(),
@@ -164,17 +164,18 @@ async fn with_lease(
         known: Default::default(),
     };
     let mut result = match view {
-        Ok((view, how)) => {
+        Some((view, how)) => {
             if let Submitted::Created(plan_ack, created_at_ms) = how {
                 *ctx.plan_ack.lock().unwrap_or_else(|p| p.into_inner()) = plan_ack;
                 ctx.known().created_at(created_at_ms);
             }
+            // The run's first two events as the ledger folds them: what `WaitRun` answers
+            // from starts here. (A run taken over is not kept so: its view holds every output
+            // so far, a second copy of which is not worth a read saved.)
+            ctx.known().start(&view);
             drive_view(&ctx, view).await
         }
-        Err(created_at_ms) => {
-            ctx.known().created_at(created_at_ms);
-            drive_leased(&ctx).await
-        }
+        None => drive_leased(&ctx).await,
     };
     if let Err(DriveError::Ledger(s)) = &result
         && matches!(
@@ -189,17 +190,19 @@ async fn with_lease(
         result = finish(&ctx, events::RUN_FAILED, json!({"reason": reason})).await;
     }
     renewal.abort();
-    // Whoever waits for the run hears how it stands from what this driver knows, when that
-    // is the whole log up to its last event (no read of the log back).
-    if result.is_ok() && ex.waited_for(run_id) {
-        let known = ctx.known().finish();
-        if let Some(last) = known {
-            ex.left(run_id, known::answer(run_id, tenant, last));
-        }
-    }
     ex.forget_run_tokens(run_id);
     if let Err(e) = ex.inner.leases.release(&lease).await {
         tracing::warn!(run_id, error = %e, "lease release failed; it will expire");
+    }
+    // Whoever waits for the run hears how it stands from what this driver knows, when that
+    // is the whole log up to its last event (no read of the log back). Looked at last, so a
+    // waiter that came while the lease was given back hears it too.
+    let mut known = std::mem::take(&mut *ctx.known());
+    if result.is_ok()
+        && ex.waited_for(run_id)
+        && let Some(last) = known.finish()
+    {
+        ex.left(run_id, known::answer(run_id, tenant, last));
     }
     result
 }
@@ -301,8 +304,6 @@ fn decided_early(view: &RunView, recorded: &[pb::Event]) -> ctx::DecidedEarly {
 
 /// Drives a run from its folded state: settles unknown outcomes, then schedules the DAG.
 async fn drive_view(ctx: &RunCtx, mut view: RunView) -> Result<(), DriveError> {
-    // The view folds the log exactly (read, or as the run's first events fold).
-    ctx.known().start(&view);
     if !matches!(view.status, RunStatus::Pending | RunStatus::Active) {
         return Ok(());
     }
