@@ -147,13 +147,13 @@ fn first_appended(c: &pb::CreateRunResponse, n: usize) -> Result<Vec<pb::AppendE
     }
 }
 
-/// The ledger's acknowledgement of the run's plan with the plan it vouches for, when the plan
-/// is sent with the run's first Authorize (`plan_json`; see `driver::PlanAck`).
 /// When the ledger recorded a run it created.
 fn created_at(c: &pb::CreateRunResponse) -> i64 {
     c.run.as_ref().map_or(0, |r| r.created_at_ms)
 }
 
+/// The ledger's acknowledgement of the run's plan with the plan it vouches for, when the plan
+/// is sent with the run's first Authorize (`plan_json`; see `driver::PlanAck`).
 fn plan_ack(c: &pb::CreateRunResponse, plan_json: Option<std::sync::Arc<str>>) -> Option<crate::driver::PlanAck> {
     Some(crate::driver::PlanAck { ack: c.run_ack.clone()?, plan_json: plan_json? })
 }
