@@ -186,7 +186,7 @@ impl RunCtx {
                         };
                         sent.extend(events);
                         self.created().await?;
-                        self.known().appended(&sent, &appended);
+                        self.known().appended(sent, &appended);
                         return Ok(appended.split_off(n.min(appended.len())));
                     }
                     Ok(Err(s)) => {
@@ -315,7 +315,7 @@ impl RunCtx {
             match self.ex.inner.ledger.clone().append_events(req.clone()).await {
                 Ok(r) => {
                     let appended = r.into_inner().appended;
-                    self.known().appended(&req.events, &appended);
+                    self.known().appended(req.events, &appended);
                     return Ok(appended);
                 }
                 Err(s) if warden_grpc::is_fenced(&s) => return Err(DriveError::Fenced),

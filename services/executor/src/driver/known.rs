@@ -1,9 +1,9 @@
 //! What a driver knows of its run's log, so `WaitRun` can be answered from it without reading
 //! the log back (docs/write-path.md, "`WaitRun` answered by the driver").
 //!
-//! A driver starts from a view that folds its run's log exactly up to some seq: the log it
-//! read (a takeover), or the first events it recorded itself (a run submitted here). From then
-//! on it keeps every event it appended, by the seq the ledger gave it. When it stops, its run
+//! The driver of a run submitted here starts from a view that folds the run's log exactly up
+//! to its second event (the first two, as the ledger records them). From then on it keeps
+//! every event it appended, by the seq the ledger gave it. (A run taken over is not kept so.) When it stops, its run
 //! is known exactly if those seqs follow the view's without a gap: then no other writer
 //! (a cancel, an approval, an operator, a second driver) appended anything in between, and
 //! folding them gives what folding the ledger's log up to the last of them gives. Anything
@@ -90,13 +90,14 @@ impl Known {
         self.created_at_ms = Some(ms);
     }
 
-    /// Notes the ledger's answers to an append of `sent` (one answer per event, in order).
-    pub fn appended(&mut self, sent: &[pb::EventInput], answers: &[pb::AppendEventResponse]) {
+    /// Notes the ledger's answers to an append of `sent` (one answer per event, in order),
+    /// keeping what it needs of the events sent (they were the request's: nothing is copied).
+    pub fn appended(&mut self, sent: Vec<pb::EventInput>, answers: &[pb::AppendEventResponse]) {
         if sent.len() != answers.len() {
             self.lose();
             return;
         }
-        for (input, answer) in sent.iter().zip(answers) {
+        for (input, answer) in sent.into_iter().zip(answers) {
             let State::Tracking { view, after, bytes } = &mut self.state else { return };
             let Some(event) = &answer.event else {
                 self.lose();
@@ -120,9 +121,9 @@ impl Known {
             after.insert(
                 event.seq,
                 Appended {
-                    event_type: input.event_type.clone(),
-                    step_id: input.step_id.clone(),
-                    payload_json: input.payload_json.clone(),
+                    event_type: input.event_type,
+                    step_id: input.step_id,
+                    payload_json: input.payload_json,
                     timestamp_ms: event.timestamp_ms,
                 },
             );
@@ -235,11 +236,11 @@ mod tests {
     fn a_gapless_log_folds_as_the_ledger_returns_it() {
         let mut known = started();
         let sent = completed_step();
-        known.appended(&sent, &[answer(3, false), answer(4, false)]);
+        known.appended(sent, &[answer(3, false), answer(4, false)]);
         let done = vec![input(events::RUN_COMPLETED, "", json!({}))];
-        known.appended(&done, &[answer(5, false)]);
+        known.appended(done.clone(), &[answer(5, false)]);
         // A repeat of an event kept changes nothing.
-        known.appended(&done, &[answer(5, true)]);
+        known.appended(done, &[answer(5, true)]);
         let last = known.finish().expect("known");
         assert_eq!((last.last_seq, last.created_at_ms, last.updated_at_ms), (5, 999, 1005));
         assert_eq!(last.view.status, events::RunStatus::Completed);
@@ -251,9 +252,9 @@ mod tests {
     fn answers_out_of_order_still_fold_in_seq_order() {
         let mut known = started();
         let sent = completed_step();
-        known.appended(&sent[1..], &[answer(4, false)]);
-        known.appended(&sent[..1], &[answer(3, false)]);
-        known.appended(&[input(events::RUN_COMPLETED, "", json!({}))], &[answer(5, false)]);
+        known.appended(sent[1..].to_vec(), &[answer(4, false)]);
+        known.appended(sent[..1].to_vec(), &[answer(3, false)]);
+        known.appended(vec![input(events::RUN_COMPLETED, "", json!({}))], &[answer(5, false)]);
         assert_eq!(known.finish().expect("known").view.steps[0].status, warden_core::run::StepStatus::Completed);
     }
 
@@ -261,24 +262,24 @@ mod tests {
     fn another_writers_event_or_a_foreign_repeat_makes_the_run_unknown() {
         // A gap: seq 4 was someone else's.
         let mut known = started();
-        known.appended(&completed_step()[..1], &[answer(3, false)]);
-        known.appended(&[input(events::RUN_COMPLETED, "", json!({}))], &[answer(5, false)]);
+        known.appended(completed_step()[..1].to_vec(), &[answer(3, false)]);
+        known.appended(vec![input(events::RUN_COMPLETED, "", json!({}))], &[answer(5, false)]);
         assert!(known.finish().is_none());
 
         // Answered with an event someone else recorded first.
         let mut known = started();
-        known.appended(&completed_step()[..1], &[answer(3, true)]);
+        known.appended(completed_step()[..1].to_vec(), &[answer(3, true)]);
         assert!(known.finish().is_none());
 
         // Nothing appended, no creation time, never started: nothing to answer from.
         assert!(started().finish().is_none());
         let mut known = started();
         known.created_at_ms = None;
-        known.appended(&[input(events::RUN_COMPLETED, "", json!({}))], &[answer(3, false)]);
+        known.appended(vec![input(events::RUN_COMPLETED, "", json!({}))], &[answer(3, false)]);
         assert!(known.finish().is_none());
         let mut known = Known::default();
         known.created_at(1);
-        known.appended(&[input(events::RUN_COMPLETED, "", json!({}))], &[answer(3, false)]);
+        known.appended(vec![input(events::RUN_COMPLETED, "", json!({}))], &[answer(3, false)]);
         assert!(known.finish().is_none());
     }
 
@@ -292,8 +293,8 @@ mod tests {
     fn a_run_too_large_to_keep_is_not_known() {
         let mut known = started();
         let big = "x".repeat(MAX_BYTES);
-        known.appended(&[input(events::RUN_WAITING, "a", json!({"on": big}))], &[answer(3, false)]);
-        known.appended(&[input(events::RUN_COMPLETED, "", json!({}))], &[answer(4, false)]);
+        known.appended(vec![input(events::RUN_WAITING, "a", json!({"on": big}))], &[answer(3, false)]);
+        known.appended(vec![input(events::RUN_COMPLETED, "", json!({}))], &[answer(4, false)]);
         assert!(known.finish().is_none());
     }
 }
