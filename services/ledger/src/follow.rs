@@ -43,7 +43,7 @@ impl Followers {
 
     /// Publishes what one group appended (events of one run, in order) if anyone follows the
     /// run; repeats of earlier events were published when they were first committed.
-    pub fn publish(&self, appended: &[(ChainedEvent, bool)]) {
+    pub fn publish(&self, appended: &[(Arc<ChainedEvent>, bool)]) {
         let mut fresh = appended.iter().filter(|(_, repeat)| !repeat).map(|(e, _)| e).peekable();
         let Some(first) = fresh.peek() else { return };
         let Some(feed) = self.lock().get(&first.body.run_id).cloned() else { return };
@@ -51,7 +51,7 @@ impl Followers {
             if feed.receiver_count() == 0 {
                 return;
             }
-            let _ = feed.send(Arc::new(e.clone()));
+            let _ = feed.send(Arc::clone(e));
         }
     }
 }
@@ -61,7 +61,7 @@ mod tests {
     use super::*;
     use warden_core::chain::{EventBody, GENESIS_HASH, link};
 
-    fn event(seq: u64) -> ChainedEvent {
+    fn event(seq: u64) -> Arc<ChainedEvent> {
         let body = EventBody {
             run_id: "r".into(),
             seq,
@@ -72,7 +72,7 @@ mod tests {
             idempotency_key: format!("k{seq}"),
             timestamp_ms: 0,
         };
-        link(body, GENESIS_HASH)
+        Arc::new(link(body, GENESIS_HASH))
     }
 
     #[test]

@@ -15,7 +15,10 @@ use crate::store::{LedgerStore, OwnedEvent};
 
 /// The answer for a group: every event of it appended (or found already appended), or the
 /// refusal that kept the whole group out.
-pub type GroupResult = Result<Vec<(ChainedEvent, bool)>, LedgerError>;
+///
+/// Events are shared (`Arc`): the run's state in memory, the batch's rows, the answers, the
+/// runs' followers and the recent decisions hold the same event, not a copy each.
+pub type GroupResult = Result<Vec<(Arc<ChainedEvent>, bool)>, LedgerError>;
 
 type Reply = oneshot::Sender<GroupResult>;
 
@@ -81,7 +84,7 @@ impl GroupCommit {
         GroupCommit { lanes }
     }
 
-    pub async fn append(&self, event: OwnedEvent) -> Result<(ChainedEvent, bool), LedgerError> {
+    pub async fn append(&self, event: OwnedEvent) -> Result<(Arc<ChainedEvent>, bool), LedgerError> {
         let mut appended = self.append_group(vec![event]).await?;
         appended.pop().ok_or_else(|| LedgerError::Internal("the writer answered no event".into()))
     }

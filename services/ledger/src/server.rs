@@ -49,14 +49,14 @@ const RECENT_DECISIONS: usize = 65_536;
 /// answer the database would give for an identical retry — saves a transaction per step.
 #[derive(Default)]
 struct RecentDecisions {
-    by_key: HashMap<(String, String), (String, ChainedEvent)>,
+    by_key: HashMap<(String, String), (String, Arc<ChainedEvent>)>,
     order: std::collections::VecDeque<(String, String)>,
 }
 
 impl RecentDecisions {
-    fn remember(&mut self, tenant: &str, e: &ChainedEvent) {
+    fn remember(&mut self, tenant: &str, e: &Arc<ChainedEvent>) {
         let key = (e.body.run_id.clone(), e.body.idempotency_key.clone());
-        if self.by_key.insert(key.clone(), (tenant.to_string(), e.clone())).is_none() {
+        if self.by_key.insert(key.clone(), (tenant.to_string(), Arc::clone(e))).is_none() {
             self.order.push_back(key);
         }
         while self.order.len() > RECENT_DECISIONS {
@@ -67,7 +67,7 @@ impl RecentDecisions {
     }
 
     /// The recorded event when `new` repeats it exactly (same tenant, type, step, content).
-    fn repeat(&self, tenant: &str, r: &pb::AppendEventRequest, payload: &Value) -> Option<ChainedEvent> {
+    fn repeat(&self, tenant: &str, r: &pb::AppendEventRequest, payload: &Value) -> Option<Arc<ChainedEvent>> {
         let (t, e) = self.by_key.get(&(r.run_id.clone(), r.idempotency_key.clone()))?;
         let same = t == tenant
             && e.body.event_type == r.event_type
@@ -75,7 +75,7 @@ impl RecentDecisions {
             // Equal values are the same content (a value written otherwise — `1.0` for `1` —
             // is not taken for a repeat here and goes the database's way).
             && e.body.payload == *payload;
-        same.then(|| e.clone())
+        same.then(|| Arc::clone(e))
     }
 }
 
@@ -262,7 +262,7 @@ impl LedgerService {
         self
     }
 
-    fn remember_decisions<'a>(&self, tenant: &str, appended: impl IntoIterator<Item = &'a ChainedEvent>) {
+    fn remember_decisions<'a>(&self, tenant: &str, appended: impl IntoIterator<Item = &'a Arc<ChainedEvent>>) {
         let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
         for e in appended.into_iter().filter(|e| e.body.event_type == events::POLICY_DECISION) {
             recent.remember(tenant, e);
@@ -595,7 +595,7 @@ impl LedgerService {
         event_type: &str,
         payload: Value,
         step_id: &str,
-    ) -> Result<(ChainedEvent, bool), LedgerError> {
+    ) -> Result<(Arc<ChainedEvent>, bool), LedgerError> {
         // Epochs are stored as BIGINT: one above i64::MAX would wrap negative and leave the
         // run undrivable for good.
         if i64::try_from(epoch).is_err() {

@@ -147,7 +147,7 @@ pub struct CreatedRun {
     pub deduplicated: bool,
     /// The first events as recorded with the run (none for a deduplicated run), or why they
     /// were refused: the run is then created without them.
-    pub first: Result<Vec<ChainedEvent>, LedgerError>,
+    pub first: Result<Vec<std::sync::Arc<ChainedEvent>>, LedgerError>,
 }
 
 /// One event to append.
@@ -745,7 +745,7 @@ impl LedgerStore {
                 derived_runs.push(run);
                 match self.append_in(&mut tx, groups[i][0].borrowed()).await {
                     Err(e) if !e.is_refusal() => return Err(e),
-                    r => results.push(r.map(|a| vec![a])),
+                    r => results.push(r.map(|(e, repeat)| vec![(Arc::new(e), repeat)])),
                 }
                 i += 1;
                 continue;

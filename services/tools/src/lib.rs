@@ -199,10 +199,16 @@ impl ToolHostService {
         let ticket = self.in_flight.ticket((r.tenant.clone(), r.idempotency_key.clone()));
         let _turn = ticket.turn().await;
         // A call that held the turn before this one has recorded its outcome by now (or, in
-        // doubt, left its started mark).
-        let recorded = self.state.outcome(&r.tenant, &r.idempotency_key).await;
-        if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
-            return call.replay(first);
+        // doubt, left its started mark). A pure tool (`Tool::pure`) is not looked up first:
+        // run again, it acts on nothing and gives the outcome it gave before, and recording
+        // keeps the first outcome, which the repeat is then answered with (`replayed`) as if
+        // it had been read — so a repeat is answered as before, and a first call, nearly
+        // every call, reads the state file once less.
+        if !call.tool.pure() {
+            let recorded = self.state.outcome(&r.tenant, &r.idempotency_key).await;
+            if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
+                return call.replay(first);
+            }
         }
         // A tool that is not idempotent is marked started before it acts. A mark without an
         // outcome is a call that may have acted (this host stopped mid-call, or could not
@@ -715,6 +721,22 @@ mod tests {
         assert!(matches!(&failed.outcome, Some(pb::invoke_response::Outcome::Error(e)) if e.message == "no"));
         assert!(again.replayed);
         assert_eq!(again.outcome, failed.outcome);
+    }
+
+    /// A pure tool is not looked up before it runs; its repeat is still answered with the
+    /// outcome recorded first, marked replayed, after a restart of the host too.
+    #[tokio::test]
+    async fn a_pure_tools_repeat_is_answered_with_its_first_outcome() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert!(tools::Tool::Echo.pure() && !tools::Tool::KvGet.pure() && !tools::Tool::EmailSend.pure());
+        let first = invoke(&host(dir.path()), call("acme", "k1", "echo", json!({"n": 1}))).await;
+        assert!(!first.replayed);
+        for host in [host(dir.path()), host(dir.path())] {
+            let again = invoke(&host, call("acme", "k1", "echo", json!({"n": 1}))).await;
+            assert!(again.replayed, "{again:?}");
+            assert_eq!(again.outcome, first.outcome);
+        }
+        assert_eq!(output(&first), json!({"n": 1}));
     }
 
     #[test]

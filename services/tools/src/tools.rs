@@ -501,6 +501,18 @@ impl Tool {
         }
     }
 
+    /// Whether the tool answers at once as a function of its arguments and attempt alone,
+    /// with no effect and nothing read: run again for a repeated key, it gives the outcome it
+    /// gave the first time. Such a call needs no look at the recorded outcomes before it
+    /// runs (see `ToolHostService::run_once`).
+    pub fn pure(self) -> bool {
+        match self {
+            Tool::Echo | Tool::Upper | Tool::Fail | Tool::Flaky => true,
+            // `kv.get` reads state that may have changed; `sleep` takes time.
+            Tool::KvPut | Tool::KvGet | Tool::EmailSend | Tool::Sleep => false,
+        }
+    }
+
     pub async fn run(self, state: &ToolState, args: &Value, ctx: &CallContext<'_>) -> Result<Value, pb::ToolError> {
         match self {
             Tool::Echo => Ok(args.clone()),

@@ -6,6 +6,7 @@
 //! statement on PostgreSQL when every run was in memory, a few in one transaction otherwise.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use sqlx::{Any, Row, Transaction};
 use warden_core::chain::{ChainedEvent, EventBody, link};
@@ -152,7 +153,10 @@ fn bind_receipt<'q>(q: Query<'q>, r: &'q Receipt) -> Query<'q> {
         .bind(&r.hash)
 }
 
-pub async fn insert_events(tx: &mut Tx<'_>, events: &[ChainedEvent]) -> Result<(), sqlx::Error> {
+pub async fn insert_events<E: std::borrow::Borrow<ChainedEvent>>(
+    tx: &mut Tx<'_>,
+    events: &[E],
+) -> Result<(), sqlx::Error> {
     for chunk in events.chunks(ROWS) {
         let sql = insert_events_sql(chunk.len(), 0);
         bind_events(sqlx::query(&sql), chunk).execute(&mut **tx).await?;
@@ -172,9 +176,9 @@ fn insert_events_with(marks: &str) -> String {
 }
 
 /// `q` with each event's ten values bound, in order.
-pub fn bind_events<'q>(mut q: Query<'q>, events: &'q [ChainedEvent]) -> Query<'q> {
+pub fn bind_events<'q, E: std::borrow::Borrow<ChainedEvent>>(mut q: Query<'q>, events: &'q [E]) -> Query<'q> {
     for e in events {
-        q = bind_event(q, e);
+        q = bind_event(q, e.borrow());
     }
     q
 }
@@ -427,7 +431,7 @@ async fn payload_sizes(tx: &mut Tx<'_>, run_ids: &[String]) -> Result<HashMap<St
 pub struct Decided {
     /// The answer for each group, in order.
     pub results: Vec<GroupResult>,
-    pub events: Vec<ChainedEvent>,
+    pub events: Vec<Arc<ChainedEvent>>,
     pub receipts: Vec<Receipt>,
     /// The batch's runs as they stand once it is written.
     pub states: HashMap<String, RunState>,
@@ -455,9 +459,9 @@ pub fn decide_groups<G: AsRef<[OwnedEvent]>>(mut states: HashMap<String, RunStat
                         if let Some(r) = &receipt {
                             st.receipts.insert(r.receipt_id.clone());
                         }
-                        st.remember(event.clone());
+                        st.remember(Arc::clone(&event));
                     }
-                    added.push((event.clone(), receipt));
+                    added.push((Arc::clone(&event), receipt));
                     appended.push((event, false));
                 }
                 Err(err) => {
@@ -755,7 +759,7 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
             }
         })
         .collect();
-    let events: Vec<EventRow<'_>> = d.events.iter().map(EventRow::of).collect();
+    let events: Vec<EventRow<'_>> = d.events.iter().map(|e| EventRow::of(e)).collect();
     let receipts: Vec<ReceiptRow<'_>> = d.receipts.iter().map(ReceiptRow::of).collect();
     let q = sqlx::query(ONE_STATEMENT)
         .bind(rows_json(&heads)?)
@@ -879,18 +883,21 @@ impl<'a> ReceiptRow<'a> {
 
 /// One event against its run's state: the existing event of its key (a retry), or the new
 /// event chained onto the run's head (advanced), with the capability of the allow it cites.
-fn decide(states: &mut HashMap<String, RunState>, e: &OwnedEvent) -> Result<(ChainedEvent, bool, String), LedgerError> {
+fn decide(
+    states: &mut HashMap<String, RunState>,
+    e: &OwnedEvent,
+) -> Result<(Arc<ChainedEvent>, bool, String), LedgerError> {
     let new = e.borrowed();
     let st = states.get_mut(&e.run_id).ok_or_else(|| LedgerError::NotFound(format!("run '{}'", e.run_id)))?;
     checks::check_tenant(&st.head, &new)?;
     if let Some(existing) = st.events.get(&e.idempotency_key) {
         checks::check_duplicate(existing, &new)?;
         checks::check_stale_repeat(&st.head, &new)?;
-        return Ok((existing.clone(), true, String::new()));
+        return Ok((Arc::clone(existing), true, String::new()));
     }
     checks::check_writable(&st.head, &new)?;
     let capability_id = match checks::cited_decision_key(&new)? {
-        Some(k) => checks::check_allow(st.events.get(&k), &new)?,
+        Some(k) => checks::check_allow(st.events.get(&k).map(|e| &**e), &new)?,
         None => String::new(),
     };
     if let Some(id) = receipt_id(&e.run_id, &e.event_type, &e.step_id, &e.payload)
@@ -901,7 +908,7 @@ fn decide(states: &mut HashMap<String, RunState>, e: &OwnedEvent) -> Result<(Cha
             e.step_id
         )));
     }
-    let event = link(
+    let event = Arc::new(link(
         EventBody {
             run_id: e.run_id.clone(),
             seq: st.head.last_seq + 1,
@@ -913,7 +920,7 @@ fn decide(states: &mut HashMap<String, RunState>, e: &OwnedEvent) -> Result<(Cha
             timestamp_ms: e.now_ms,
         },
         &st.head.head_hash,
-    );
+    ));
     st.head.advance(&event);
     Ok((event, false, capability_id))
 }

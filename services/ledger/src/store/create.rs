@@ -34,7 +34,7 @@ pub struct PreparedRun {
     /// The run as memory holds it once written.
     state: hot::RunState,
     /// The first step's events as they will be recorded, or why they were refused.
-    first: Result<Vec<ChainedEvent>, LedgerError>,
+    first: Result<Vec<std::sync::Arc<ChainedEvent>>, LedgerError>,
     /// A child frame: the root run id it counts against (if it names one) and that root's
     /// limit. A frame is written on its own, in a transaction with its count.
     frame: Option<(Option<String>, u64)>,
@@ -127,7 +127,7 @@ impl LedgerStore {
             first = match (decided.results.pop(), decided.states.remove(&run_id)) {
                 (Some(Ok(_)), Some(decided_state)) => {
                     state = decided_state;
-                    chain.extend(decided.events.iter().cloned());
+                    chain.extend(decided.events.iter().map(|e| ChainedEvent::clone(e)));
                     Ok(decided.events)
                 }
                 (Some(Err(e)), _) => Err(e),

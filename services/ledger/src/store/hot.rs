@@ -15,7 +15,7 @@
 //! [`MAX_RUNS`] runs or [`MAX_BYTES`] in all the least recently used are evicted.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 use warden_core::chain::ChainedEvent;
@@ -37,7 +37,7 @@ pub struct RunState {
     pub stored_seq: u64,
     /// Events by idempotency key: every event of the run when `whole`, otherwise only those
     /// an append looked up.
-    pub events: HashMap<String, ChainedEvent>,
+    pub events: HashMap<String, Arc<ChainedEvent>>,
     /// Receipt ids taken: all of the run's when `whole`, otherwise those looked up.
     pub receipts: HashSet<String>,
     pub whole: bool,
@@ -50,7 +50,8 @@ impl RunState {
         RunState { stored_seq: head.last_seq, head, events: HashMap::new(), receipts: HashSet::new(), whole, bytes: 0 }
     }
 
-    pub fn remember(&mut self, event: ChainedEvent) {
+    pub fn remember(&mut self, event: impl Into<Arc<ChainedEvent>>) {
+        let event = event.into();
         self.bytes += size_of_event(&event);
         self.events.insert(event.body.idempotency_key.clone(), event);
     }
