@@ -241,11 +241,19 @@ impl ToolHostService {
         let ours = Recorded { tool: r.tool.clone(), args_sha256: call.args_sha256.clone(), outcome };
         // Unrecorded, the outcome would not be replayed: the caller must treat it as unknown
         // (UNAVAILABLE is what the executor reads so) rather than rely on it.
-        let (first, is_ours) = self
-            .state
-            .record_outcome(&r.tenant, &r.idempotency_key, &ours, now_ms())
-            .await
-            .map_err(|e| state_unavailable(e, "the call ran but its outcome could not be recorded"))?;
+        let recorded = self.state.record_outcome(&r.tenant, &r.idempotency_key, &ours, now_ms()).await;
+        let (first, is_ours) = match recorded {
+            Ok(answer) => answer,
+            // A pure tool's repeat was not looked up before it ran. If its outcome cannot be
+            // recorded (another writer holds the state file past the busy timeout, the disk
+            // is full), the outcome recorded first, if there is one, still answers it, as the
+            // look-up would have.
+            Err(e) if call.tool.pure() => match self.state.outcome(&r.tenant, &r.idempotency_key).await {
+                Ok(Some(first)) => return call.replay(first),
+                _ => return Err(state_unavailable(e, "the call ran but its outcome could not be recorded")),
+            },
+            Err(e) => return Err(state_unavailable(e, "the call ran but its outcome could not be recorded")),
+        };
         if !is_ours {
             return call.replay(first);
         }
@@ -737,6 +745,19 @@ mod tests {
             assert_eq!(again.outcome, first.outcome);
         }
         assert_eq!(output(&first), json!({"n": 1}));
+        // Another writer holds the state file: the repeat cannot record, and is answered with
+        // the outcome read, as a look-up first would have answered it.
+        let other = rusqlite::Connection::open(dir.path().join("tools.db")).expect("open");
+        other.execute_batch("BEGIN IMMEDIATE; INSERT INTO kv VALUES ('t', 'other', '1');").expect("hold");
+        let again = invoke(&host(dir.path()), call("acme", "k1", "echo", json!({"n": 1}))).await;
+        assert!(again.replayed, "{again:?}");
+        assert_eq!(again.outcome, first.outcome);
+        let e = host(dir.path()).invoke(Request::new(call("acme", "k2", "echo", json!({"n": 2})))).await;
+        assert_eq!(
+            e.expect_err("unrecorded").code(),
+            tonic::Code::Unavailable,
+            "a first call is not answered unrecorded"
+        );
     }
 
     #[test]
