@@ -7,9 +7,8 @@
 
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::time::Duration;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
 use serde_json::Value;
@@ -147,7 +146,7 @@ pub struct CreatedRun {
     pub deduplicated: bool,
     /// The first events as recorded with the run (none for a deduplicated run), or why they
     /// were refused: the run is then created without them.
-    pub first: Result<Vec<std::sync::Arc<ChainedEvent>>, LedgerError>,
+    pub first: Result<Vec<Arc<ChainedEvent>>, LedgerError>,
 }
 
 /// One event to append.

@@ -244,15 +244,18 @@ impl ToolHostService {
         let recorded = self.state.record_outcome(&r.tenant, &r.idempotency_key, &ours, now_ms()).await;
         let (first, is_ours) = match recorded {
             Ok(answer) => answer,
-            // A pure tool's repeat was not looked up before it ran. If its outcome cannot be
-            // recorded (another writer holds the state file past the busy timeout, the disk
-            // is full), the outcome recorded first, if there is one, still answers it, as the
-            // look-up would have.
-            Err(e) if call.tool.pure() => match self.state.outcome(&r.tenant, &r.idempotency_key).await {
-                Ok(Some(first)) => return call.replay(first),
-                _ => return Err(state_unavailable(e, "the call ran but its outcome could not be recorded")),
-            },
-            Err(e) => return Err(state_unavailable(e, "the call ran but its outcome could not be recorded")),
+            Err(e) => {
+                // A pure tool's repeat was not looked up before it ran. If its outcome cannot
+                // be recorded (another writer holds the state file past the busy timeout, the
+                // disk is full), the outcome recorded first, if there is one, still answers
+                // it, as the look-up would have.
+                if call.tool.pure()
+                    && let Ok(Some(first)) = self.state.outcome(&r.tenant, &r.idempotency_key).await
+                {
+                    return call.replay(first);
+                }
+                return Err(state_unavailable(e, "the call ran but its outcome could not be recorded"));
+            }
         };
         if !is_ours {
             return call.replay(first);

@@ -6,6 +6,7 @@
 //! which ones go together.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use sqlx::Row as _;
 
@@ -30,11 +31,11 @@ pub struct PreparedRun {
     run: RunRow,
     submit_key: Option<String>,
     /// `run_submitted`, `run_started` when the run was submitted leased, and its first step.
-    chain: Vec<ChainedEvent>,
+    chain: Vec<Arc<ChainedEvent>>,
     /// The run as memory holds it once written.
     state: hot::RunState,
     /// The first step's events as they will be recorded, or why they were refused.
-    first: Result<Vec<std::sync::Arc<ChainedEvent>>, LedgerError>,
+    first: Result<Vec<Arc<ChainedEvent>>, LedgerError>,
     /// A child frame: the root run id it counts against (if it names one) and that root's
     /// limit. A frame is written on its own, in a transaction with its count.
     frame: Option<(Option<String>, u64)>,
@@ -81,7 +82,7 @@ impl LedgerStore {
             },
             GENESIS_HASH,
         );
-        let mut chain = vec![submitted];
+        let mut chain = vec![Arc::new(submitted)];
         if let Some((executor, epoch)) = new.started_by {
             let started = link(
                 EventBody {
@@ -96,7 +97,7 @@ impl LedgerStore {
                 },
                 &chain[0].hash,
             );
-            chain.push(started);
+            chain.push(Arc::new(started));
         }
         let status = if chain.len() == 2 { RunStatus::Active } else { RunStatus::Pending };
         let head = &chain[chain.len() - 1];
@@ -114,7 +115,7 @@ impl LedgerStore {
             true,
         );
         for e in &chain {
-            state.remember(e.clone());
+            state.remember(Arc::clone(e));
         }
         // The first step's events, decided in memory against the run as it will be recorded
         // (as an append to it would be), then written with it: one commit for both.
@@ -127,7 +128,7 @@ impl LedgerStore {
             first = match (decided.results.pop(), decided.states.remove(&run_id)) {
                 (Some(Ok(_)), Some(decided_state)) => {
                     state = decided_state;
-                    chain.extend(decided.events.iter().map(|e| ChainedEvent::clone(e)));
+                    chain.extend(decided.events.iter().cloned());
                     Ok(decided.events)
                 }
                 (Some(Err(e)), _) => Err(e),
@@ -321,7 +322,7 @@ impl LedgerStore {
             q = bind_run(q, p);
         }
         q.execute(&mut *tx).await?;
-        let chain: Vec<ChainedEvent> = runs.iter().flat_map(|p| p.chain.iter().cloned()).collect();
+        let chain: Vec<&ChainedEvent> = runs.iter().flat_map(|p| p.chain.iter().map(|e| &**e)).collect();
         batch::insert_events(&mut tx, &chain).await?;
         tx.commit().await
     }
