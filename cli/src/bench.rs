@@ -573,10 +573,11 @@ async fn prod_shape(args: &BenchArgs) -> anyhow::Result<()> {
             Transport::Unix => "Unix domain sockets",
         },
         // The services inherit the bench's environment, `WARDEN_MULTIPLEX` included.
-        if warden_grpc::mux::enabled() {
-            "unary calls on one stream per connection"
-        } else {
-            "a stream per call (WARDEN_MULTIPLEX=off)"
+        match (warden_grpc::mux::carrier(), args.transport) {
+            (Some(warden_grpc::mux::Carrier::Frames), Transport::Tcp) =>
+                "unary calls in frames on a connection of their own",
+            (Some(_), _) => "unary calls on one HTTP/2 stream per connection",
+            (None, _) => "a stream per call (WARDEN_MULTIPLEX=off)",
         }
     );
     let ProdShape { pg, _redis, mesh } = start_prod(args, workers, Vec::new()).await?;

@@ -112,12 +112,12 @@ enum Way {
 
 impl Link {
     /// In memory if this process has registered `endpoint`, over `network` otherwise, its
-    /// unary calls on one stream if `multiplex`.
-    pub(crate) fn to(endpoint: &str, network: Channel, multiplex: bool) -> Link {
+    /// unary calls on one stream or connection if there is a `carrier`.
+    pub(crate) fn to(endpoint: &str, network: Channel, carrier: Option<crate::mux::Carrier>) -> Link {
         Link(match lookup(endpoint) {
             Some(state) => Way::Local { endpoint: endpoint.into(), state, network },
             None => {
-                let mux = multiplex.then(|| crate::mux::Client::new(network.clone()));
+                let mux = carrier.map(|carrier| crate::mux::Client::new(network.clone(), endpoint, carrier));
                 Way::Network(network, mux)
             }
         })
@@ -379,7 +379,11 @@ pub(crate) mod tests {
             })
             .await
         });
-        let link = super::Link::to(&endpoint, crate::network(&endpoint).expect("endpoint").connect_lazy(), true);
+        let link = super::Link::to(
+            &endpoint,
+            crate::network(&endpoint).expect("endpoint").connect_lazy(),
+            Some(crate::mux::Carrier::Stream),
+        );
         let call = |method: &str, timeout: Option<&str>| {
             let mut request = http::Request::builder().uri(format!("/warden.test.Trouble/{method}"));
             if let Some(t) = timeout {

@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use tokio::net::{TcpListener, UnixListener};
 use tonic::service::Routes;
-use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Endpoint, Server};
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
@@ -208,7 +207,9 @@ pub async fn serve_with_inproc(
         use tower::Layer as _;
         inproc::Local::new(warden_telemetry::grpc::ServerLayer.layer(routes.clone()))
     };
-    let routes = routes.add_service(mux::Server::new(local.clone(), stopping.clone()));
+    // The stream of calls, on an HTTP/2 stream and on connections of frames alike.
+    let calls = mux::Server::new(local.clone(), stopping.clone());
+    let routes = routes.add_service(calls.clone());
     let server = || {
         Server::builder()
             .initial_connection_window_size(CONNECTION_WINDOW)
@@ -236,10 +237,15 @@ pub async fn serve_with_inproc(
         }
         Ok(socket)
     };
-    // Agents' steps are latency-bound request/response calls: no Nagle delay (set on the
-    // incoming stream, which owns the accepted sockets).
-    let incoming = TcpIncoming::from(tcp).with_nodelay(Some(true));
-    let network = server().serve_with_incoming_shutdown(incoming, stopped(stopping.clone()));
+    // Connections of frames are served as streams of calls; the rest are HTTP/2's (both with
+    // no Nagle delay: agents' steps are latency-bound request/response calls).
+    let (incoming, frames_drained) = mux::frames::sort(tcp, calls, stopping.clone());
+    let network = async {
+        let served = server().serve_with_incoming_shutdown(incoming, stopped(stopping.clone())).await;
+        // A stop waits for the connections of frames as it waits for HTTP/2's.
+        frames_drained.await;
+        served
+    };
     // This process's own clients call the routes, behind the same layer, in memory until the
     // stop (the registration, dropped then, sends later calls to the network).
     if let Some(registration) = &inproc {
@@ -293,7 +299,7 @@ pub fn network_channel(endpoint: &str) -> Result<auth::Ch, Status> {
 }
 
 fn raw_channel(endpoint: &str) -> Result<inproc::Link, Status> {
-    Ok(inproc::Link::to(endpoint, network(endpoint)?.connect_lazy(), mux::enabled()))
+    Ok(inproc::Link::to(endpoint, network(endpoint)?.connect_lazy(), mux::carrier()))
 }
 
 fn network(endpoint: &str) -> Result<Endpoint, Status> {

@@ -68,6 +68,8 @@ use tower::ServiceExt as _;
 
 use crate::inproc::{Local, call_routes, deadline_of};
 
+pub(crate) mod frames;
+
 /// The path of the stream.
 pub const PATH: &str = "/warden.v1.Mux/Calls";
 
@@ -127,6 +129,11 @@ pub struct Call {
     /// Drop the call `id` (its caller gave up); no answer follows.
     #[prost(bool, tag = "5")]
     pub cancel: bool,
+    /// On a connection of frames ([`frames`]): the client sends no more calls (an HTTP/2
+    /// stream ends its side with END_STREAM instead). A connection that closes without it was
+    /// lost, and its calls are dropped.
+    #[prost(bool, tag = "6")]
+    pub end: bool,
 }
 
 /// The answer to one call, or the server's go-away.
@@ -372,10 +379,11 @@ impl tower::Service<http::Request<Body>> for Server {
 /// the stream ends; their callers see a broken call).
 async fn drive(
     server: Server,
-    mut calls: Streaming<Call>,
+    mut calls: impl futures::Stream<Item = Result<Call, Status>> + Unpin,
     answers: mpsc::Sender<Result<Answer, Status>>,
     _stream: (tokio::sync::OwnedSemaphorePermit, Counted),
 ) {
+    use futures::StreamExt as _;
     let slots = Arc::new(tokio::sync::Semaphore::new(server.max_in_flight));
     let mut running: JoinSet<u64> = JoinSet::new();
     let mut handles: HashMap<u64, AbortHandle> = HashMap::new();
@@ -413,7 +421,7 @@ async fn drive(
                 }
                 cutoff = Some(Box::pin(tokio::time::sleep(server.grace)));
             }
-            read = calls.message(), if reading && running.len() < 2 * server.max_in_flight => match read {
+            read = calls.next(), if reading && running.len() < 2 * server.max_in_flight => match read.transpose() {
                 Ok(Some(call)) if call.cancel => {
                     if let Some(handle) = handles.remove(&call.id) {
                         handle.abort();
@@ -541,15 +549,31 @@ fn answer_status(id: u64, status: Status) -> Answer {
 // ---------------------------------------------------------------------------------------------
 // The client side.
 
-/// Whether this process's clients carry their calls on one stream (`WARDEN_MULTIPLEX`).
-pub fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("WARDEN_MULTIPLEX").unwrap_or_default().to_ascii_lowercase().as_str(),
-            "0" | "off" | "false" | "no"
-        )
+/// What a client carries its unary calls on when it does not make each a stream of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Carrier {
+    /// One long-lived HTTP/2 stream of the channel's connection (`/warden.v1.Mux/Calls`).
+    Stream,
+    /// A TCP connection of its own in plain frames ([`frames`]); a Unix socket's endpoint is
+    /// reached on an HTTP/2 stream instead.
+    Frames,
+}
+
+/// How this process's clients carry their calls (`WARDEN_MULTIPLEX`): `off` (a stream per
+/// call; also `0`, `false`, `no`), `stream` (one HTTP/2 stream per connection), anything else
+/// or unset: frames.
+pub fn carrier() -> Option<Carrier> {
+    static CARRIER: OnceLock<Option<Carrier>> = OnceLock::new();
+    *CARRIER.get_or_init(|| match std::env::var("WARDEN_MULTIPLEX").unwrap_or_default().to_ascii_lowercase().as_str() {
+        "0" | "off" | "false" | "no" => None,
+        "stream" | "h2" | "http2" => Some(Carrier::Stream),
+        _ => Some(Carrier::Frames),
     })
+}
+
+/// Whether this process's clients carry their calls on one stream or connection at all.
+pub fn enabled() -> bool {
+    carrier().is_some()
 }
 
 /// A channel's stream, shared by its clones.
@@ -562,6 +586,8 @@ struct Shared {
     channel: Channel,
     state: Mutex<State>,
     unary: &'static HashSet<String>,
+    /// The `host:port` to open a connection of frames to; an HTTP/2 stream if `None`.
+    frames: Option<String>,
 }
 
 enum State {
@@ -584,6 +610,17 @@ struct Live {
 }
 
 impl Live {
+    /// A stream open with `calls` to send on, the server running at most `bound` of them.
+    fn new(calls: mpsc::UnboundedSender<Call>, bound: usize) -> Live {
+        Live {
+            calls: Mutex::new(Some(calls)),
+            waiting: Mutex::default(),
+            next: AtomicU64::new(1),
+            slots: Arc::new(tokio::sync::Semaphore::new(bound)),
+            closing: AtomicBool::new(false),
+        }
+    }
+
     /// Ends the stream (the server then ends it too) if it is closing and no call waits.
     fn end_if_idle(&self) {
         if self.closing.load(Ordering::SeqCst) {
@@ -602,12 +639,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Client {
-    pub(crate) fn new(channel: Channel) -> Client {
+    /// Carries the calls of `channel`, a channel to `endpoint`, on `carrier`.
+    pub(crate) fn new(channel: Channel, endpoint: &str, carrier: Carrier) -> Client {
+        let frames = match carrier {
+            Carrier::Frames => frames::target_of(endpoint),
+            Carrier::Stream => None,
+        };
         Client {
             shared: Arc::new(Shared {
                 channel,
                 state: Mutex::new(State::Idle(Instant::now())),
                 unary: unary_methods(),
+                frames,
             }),
         }
     }
@@ -639,7 +682,13 @@ impl Client {
         drop(state);
         let shared = self.shared.clone();
         tokio::spawn(async move {
-            let opened = tokio::time::timeout(OPEN_TIMEOUT, open(&shared))
+            let opening = async {
+                match &shared.frames {
+                    Some(target) => frames::open(&shared, target).await,
+                    None => open(&shared).await,
+                }
+            };
+            let opened = tokio::time::timeout(OPEN_TIMEOUT, opening)
                 .await
                 .unwrap_or_else(|_| Err(Status::deadline_exceeded("the stream of calls did not open in time")));
             let mut state = lock(&shared.state);
@@ -680,13 +729,7 @@ async fn open(shared: &Arc<Shared>) -> Result<Arc<Live>, Status> {
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|n| (1..=tokio::sync::Semaphore::MAX_PERMITS).contains(n))
         .ok_or_else(|| Status::internal("the server did not say how many calls it runs at once"))?;
-    let live = Arc::new(Live {
-        calls: Mutex::new(Some(calls)),
-        waiting: Mutex::default(),
-        next: AtomicU64::new(1),
-        slots: Arc::new(tokio::sync::Semaphore::new(bound)),
-        closing: AtomicBool::new(false),
-    });
+    let live = Arc::new(Live::new(calls, bound));
     tokio::spawn(read(Arc::downgrade(shared), Arc::downgrade(&live), answers.into_inner()));
     Ok(live)
 }
@@ -695,9 +738,14 @@ async fn open(shared: &Arc<Shared>) -> Result<Arc<Live>, Status> {
 /// and lets the next call open a stream again. It holds the channel and the stream's state
 /// only weakly: once every clone of the channel and every call under way are gone, so is the
 /// stream's sender, the stream ends, and so does this task.
-async fn read(shared: Weak<Shared>, live: Weak<Live>, mut answers: Streaming<Answer>) {
+async fn read(
+    shared: Weak<Shared>,
+    live: Weak<Live>,
+    mut answers: impl futures::Stream<Item = Result<Answer, Status>> + Unpin,
+) {
+    use futures::StreamExt as _;
     let ended = loop {
-        match answers.message().await {
+        match answers.next().await.transpose() {
             Ok(Some(answer)) if answer.goaway => {
                 if let Some(live) = live.upgrade() {
                     live.closing.store(true, Ordering::SeqCst);
@@ -780,6 +828,7 @@ async fn carry(
         headers: to_headers(&parts.headers),
         body: body.clone(),
         cancel: false,
+        end: false,
     };
     // One the server would refuse to decode would end the stream under every call on it.
     let fits = call.headers.len() <= MAX_HEADERS && prost::Message::encoded_len(&call) <= MAX_CALL_MESSAGE;
@@ -886,7 +935,51 @@ mod tests {
     use tonic::service::Routes;
     use tonic::{Code, Status};
 
-    use super::{Answer, Call, Header};
+    use super::{Answer, Call, Carrier, Header};
+
+    /// Each of these runs twice: its calls carried on an HTTP/2 stream, and in frames.
+    macro_rules! on_both_carriers {
+        ($($name:ident),* $(,)?) => {
+            $(
+                mod $name {
+                    #[tokio::test]
+                    async fn on_a_stream() {
+                        super::$name(super::Carrier::Stream).await
+                    }
+                    #[tokio::test]
+                    async fn in_frames() {
+                        super::$name(super::Carrier::Frames).await
+                    }
+                }
+            )*
+        };
+    }
+
+    on_both_carriers!(
+        unary_calls_go_on_one_stream_and_are_answered_as_on_streams_of_their_own,
+        a_stream_ends_with_its_channel,
+        a_server_without_the_stream_is_called_alone,
+        deadlines_cancellations_and_panics_end_the_handler_as_alone,
+        a_stream_carries_at_most_its_bound_and_a_cancel_frees_a_slot,
+        each_carried_call_is_authenticated_on_its_own,
+        a_stop_answers_every_call_read_and_ends_the_stream,
+        a_call_under_a_broken_stream_broke_off,
+    );
+
+    /// A channel to `endpoint` whose calls are carried on `carrier`, with the process's token.
+    fn channel(endpoint: &str, carrier: Carrier) -> crate::auth::Ch {
+        channel_with(endpoint, crate::auth::Bearer::process(), carrier)
+    }
+
+    fn channel_with_token(endpoint: &str, token: &str, carrier: Carrier) -> crate::auth::Ch {
+        channel_with(endpoint, crate::auth::Bearer::new(Some(token)).expect("token"), carrier)
+    }
+
+    fn channel_with(endpoint: &str, bearer: crate::auth::Bearer, carrier: Carrier) -> crate::auth::Ch {
+        let network = crate::network(endpoint).expect("endpoint").connect_lazy();
+        let link = crate::inproc::Link::to(endpoint, network, Some(carrier));
+        tonic::service::interceptor::InterceptedService::new(crate::eager::Eager::new(link), bearer)
+    }
 
     /// A unary service at `warden.v1.Ledger`'s paths whose request and answer are a
     /// [`Header`]: `echo` answers whether the call came on the shared stream (`carried`: no
@@ -1014,18 +1107,38 @@ mod tests {
         let local = crate::inproc::Local::new(warden_telemetry::grpc::ServerLayer.layer(routes.clone()));
         let mux_server = super::Server::new(local, stopping.clone()).with_limits(mux.unwrap_or(1), grace);
         let streams = mux_server.streams.clone();
+        let frames_server = mux_server.clone();
         let routes = match mux {
             Some(_) => routes.add_service(mux_server),
             None => routes,
         };
         let mut stopped = stopping.clone();
-        let incoming = tonic::transport::server::TcpIncoming::from(listener);
-        let server = tokio::spawn(tonic::transport::Server::builder().add_routes(routes).serve_with_incoming_shutdown(
-            incoming,
-            async move {
-                let _ = stopped.changed().await;
-            },
-        ));
+        let stop_served = async move {
+            let _ = stopped.changed().await;
+        };
+        let server = match mux {
+            // The server of every Warden service: HTTP/2 and connections of frames on one port.
+            Some(_) => {
+                let (incoming, drained) = super::frames::sort(listener, frames_server, stopping.clone());
+                tokio::spawn(async move {
+                    let served = tonic::transport::Server::builder()
+                        .add_routes(routes)
+                        .serve_with_incoming_shutdown(incoming, stop_served)
+                        .await;
+                    drained.await;
+                    served
+                })
+            }
+            // An older server: HTTP/2 alone.
+            None => {
+                let incoming = tonic::transport::server::TcpIncoming::from(listener);
+                tokio::spawn(
+                    tonic::transport::Server::builder()
+                        .add_routes(routes)
+                        .serve_with_incoming_shutdown(incoming, stop_served),
+                )
+            }
+        };
         (endpoint, stop, server, streams)
     }
 
@@ -1095,10 +1208,9 @@ mod tests {
 
     /// Calls go alone until the stream is open, then on it, answered as alone: messages,
     /// statuses and their details alike.
-    #[tokio::test]
-    async fn unary_calls_go_on_one_stream_and_are_answered_as_on_streams_of_their_own() {
+    async fn unary_calls_go_on_one_stream_and_are_answered_as_on_streams_of_their_own(carrier: Carrier) {
         let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(64)).await;
-        let channel = crate::channel(&endpoint).expect("channel");
+        let channel = channel(&endpoint, carrier);
         let first = ask(channel.clone(), "echo", None).await.expect("echo");
         assert_eq!(first.name, "alone", "the first call opens the stream and goes alone");
         until_carried(&channel).await;
@@ -1119,12 +1231,11 @@ mod tests {
 
     /// A channel's stream lasts as long as the channel: once every clone of it is gone, the
     /// stream ends and the server serves it no more.
-    #[tokio::test]
-    async fn a_stream_ends_with_its_channel() {
+    async fn a_stream_ends_with_its_channel(carrier: Carrier) {
         let (endpoint, stop, server, streams) =
             serve_counted(Routes::new(Probe::default()), Some(4), super::STOP_GRACE).await;
         let open = move || super::MAX_STREAMS - streams.available_permits();
-        let channel = crate::channel(&endpoint).expect("channel");
+        let channel = channel(&endpoint, carrier);
         until_carried(&channel).await;
         assert_eq!(open(), 1, "one stream served");
         drop(channel);
@@ -1134,10 +1245,9 @@ mod tests {
     }
 
     /// A server without the stream (an older one) answers every call alone.
-    #[tokio::test]
-    async fn a_server_without_the_stream_is_called_alone() {
+    async fn a_server_without_the_stream_is_called_alone(carrier: Carrier) {
         let (endpoint, stop, server) = serve(Routes::new(Probe::default()), None).await;
-        let channel = crate::channel(&endpoint).expect("channel");
+        let channel = channel(&endpoint, carrier);
         for _ in 0..20 {
             assert_eq!(ask(channel.clone(), "echo", None).await.expect("echo").name, "alone");
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1149,11 +1259,10 @@ mod tests {
     /// A carried call past its deadline is answered as one alone (`CANCELLED`), and its handler
     /// is dropped; so is the handler of a call whose caller gave up; a handler's panic is
     /// answered `CANCELLED` and the stream goes on.
-    #[tokio::test]
-    async fn deadlines_cancellations_and_panics_end_the_handler_as_alone() {
+    async fn deadlines_cancellations_and_panics_end_the_handler_as_alone(carrier: Carrier) {
         let probe = Probe::default();
         let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(64)).await;
-        let channel = crate::channel(&endpoint).expect("channel");
+        let channel = channel(&endpoint, carrier);
         until_carried(&channel).await;
 
         let overdue = ask(channel.clone(), "hold", Some(Duration::from_millis(50))).await.expect_err("overdue");
@@ -1185,11 +1294,10 @@ mod tests {
 
     /// A client sends no more calls on the stream than the server runs at once (it said how
     /// many when the stream opened); the rest go alone. A cancelled call frees its slot.
-    #[tokio::test]
-    async fn a_stream_carries_at_most_its_bound_and_a_cancel_frees_a_slot() {
+    async fn a_stream_carries_at_most_its_bound_and_a_cancel_frees_a_slot(carrier: Carrier) {
         let probe = Probe::default();
         let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(2)).await;
-        let channel = crate::channel(&endpoint).expect("channel");
+        let channel = channel(&endpoint, carrier);
         until_carried(&channel).await;
         let carried: Vec<_> = (0..2).map(|_| tokio::spawn(ask(channel.clone(), "hold", None))).collect();
         eventually("two calls run", || probe.running.load(Ordering::SeqCst) == 2).await;
@@ -1216,16 +1324,15 @@ mod tests {
 
     /// Each carried call is authenticated on its own, as alone: no token, refused; the mesh's
     /// token, answered.
-    #[tokio::test]
-    async fn each_carried_call_is_authenticated_on_its_own() {
+    async fn each_carried_call_is_authenticated_on_its_own(carrier: Carrier) {
         let tokens = crate::auth::Tokens::new(&[("mesh-token".to_string(), "*".to_string())].into());
         let routes = Routes::new(tonic::service::interceptor::InterceptedService::new(Probe::default(), tokens));
         let (endpoint, stop, server, streams) = serve_counted(routes, Some(8), super::STOP_GRACE).await;
         let open = move || super::MAX_STREAMS - streams.available_permits();
-        let trusted = crate::channel_with_token(&endpoint, "mesh-token").expect("channel");
+        let trusted = channel_with_token(&endpoint, "mesh-token", carrier);
         until_carried(&trusted).await;
         assert_eq!(open(), 1);
-        let stranger = crate::channel_with_token(&endpoint, "not-a-token").expect("channel");
+        let stranger = channel_with_token(&endpoint, "not-a-token", carrier);
         // Its own stream opens too (it needs no token); each call, on it or alone, is refused.
         for _ in 0..50 {
             let refused = ask(stranger.clone(), "echo", None).await.expect_err("refused");
@@ -1239,13 +1346,12 @@ mod tests {
 
     /// A stopping server answers the calls it has read, tells its client to go away and ends
     /// the stream once the client has ended its side: the stop completes, no call is lost.
-    #[tokio::test]
-    async fn a_stop_answers_every_call_read_and_ends_the_stream() {
+    async fn a_stop_answers_every_call_read_and_ends_the_stream(carrier: Carrier) {
         let probe = Probe::default();
         // A grace longer than the test's patience: the stream must end because the client ended it.
         let (endpoint, stop, server, _) =
             serve_counted(Routes::new(probe.clone()), Some(8), Duration::from_secs(3600)).await;
-        let channel = crate::channel(&endpoint).expect("channel");
+        let channel = channel(&endpoint, carrier);
         until_carried(&channel).await;
         let held = tokio::spawn(ask(channel.clone(), "hold", None));
         eventually("the held call runs", || probe.running.load(Ordering::SeqCst) == 1).await;
@@ -1262,8 +1368,7 @@ mod tests {
 
     /// A call under way when the connection breaks fails as a broken call ([`crate::broke_off`]),
     /// not as the callee's answer.
-    #[tokio::test]
-    async fn a_call_under_a_broken_stream_broke_off() {
+    async fn a_call_under_a_broken_stream_broke_off(carrier: Carrier) {
         let probe = Probe::default();
         let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(64)).await;
         // The client reaches the server through a relay whose connections go with it.
@@ -1281,7 +1386,7 @@ mod tests {
                 });
             }
         });
-        let channel = crate::channel(&relayed).expect("channel");
+        let channel = channel(&relayed, carrier);
         until_carried(&channel).await;
         let held = tokio::spawn(ask(channel.clone(), "hold", None));
         eventually("the held call runs", || probe.running.load(Ordering::SeqCst) == 1).await;
@@ -1373,13 +1478,7 @@ mod tests {
         let answer = answers.message().await.expect("read").expect("an answer");
         assert_eq!((answer.id, status_of(&answer).code()), (3, Code::InvalidArgument));
         let hold = Header { name: "hold".into(), value: Default::default() };
-        let body = {
-            let message = prost::Message::encode_to_vec(&hold);
-            let mut framed = vec![0u8];
-            framed.extend_from_slice(&u32::try_from(message.len()).expect("small").to_be_bytes());
-            framed.extend_from_slice(&message);
-            framed
-        };
+        let body = grpc_framed(&hold);
         // The server keeps a call's deadline itself.
         let overdue = Header { name: "grpc-timeout".into(), value: "30m".into() };
         let path = "/warden.v1.Ledger/GetRun".to_string();
@@ -1400,6 +1499,126 @@ mod tests {
         calls.send(held.clone()).expect("send");
         calls.send(held).expect("send");
         assert!(answers.message().await.ok().flatten().is_none(), "a reused id ends the stream");
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// `message` as a gRPC request body: uncompressed, its length, then its bytes.
+    fn grpc_framed(message: &Header) -> Vec<u8> {
+        let message = prost::Message::encode_to_vec(message);
+        let mut framed = vec![0u8];
+        framed.extend_from_slice(&u32::try_from(message.len()).expect("small").to_be_bytes());
+        framed.extend_from_slice(&message);
+        framed
+    }
+
+    /// A connection of frames opened by hand to `endpoint`: its writer, and its frames read.
+    async fn open_frames(
+        endpoint: &str,
+    ) -> (
+        tokio::net::tcp::OwnedWriteHalf,
+        tokio_util::codec::FramedRead<tokio::net::tcp::OwnedReadHalf, tokio_util::codec::LengthDelimitedCodec>,
+    ) {
+        use tokio::io::AsyncWriteExt as _;
+        let target = super::frames::target_of(endpoint).expect("a TCP endpoint");
+        let (read, mut write) = tokio::net::TcpStream::connect(target).await.expect("connect").into_split();
+        write.write_all(super::frames::MAGIC).await.expect("magic");
+        let frames = tokio_util::codec::FramedRead::new(read, tokio_util::codec::LengthDelimitedCodec::new());
+        (write, frames)
+    }
+
+    async fn send_frame(write: &mut tokio::net::tcp::OwnedWriteHalf, call: &Call) {
+        use tokio::io::AsyncWriteExt as _;
+        let mut frame = prost::bytes::BytesMut::new();
+        super::frames::put_frame(&mut frame, call);
+        write.write_all(&frame).await.expect("send");
+    }
+
+    /// The next answer read, `None` once the server ended the connection.
+    async fn next_answer(
+        frames: &mut tokio_util::codec::FramedRead<
+            tokio::net::tcp::OwnedReadHalf,
+            tokio_util::codec::LengthDelimitedCodec,
+        >,
+    ) -> Option<Answer> {
+        use futures::StreamExt as _;
+        let frame = tokio::time::timeout(Duration::from_secs(60), frames.next()).await.expect("the server answers");
+        frame.and_then(Result::ok).map(|f| <Answer as prost::Message>::decode(f.freeze()).expect("an answer"))
+    }
+
+    fn status_of(answer: &Answer) -> Status {
+        let headers = super::from_headers(answer.headers.clone()).expect("headers");
+        let trailers = super::from_headers(answer.trailers.clone()).expect("trailers");
+        Status::from_header_map(&headers).or_else(|| Status::from_header_map(&trailers)).expect("a status")
+    }
+
+    /// A connection of frames is told the server's bound first; then what it does not carry is
+    /// refused call by call, as on an HTTP/2 stream; a reused id ends the connection, and so
+    /// does a frame longer than a call may be.
+    #[tokio::test]
+    async fn a_connection_of_frames_refuses_what_it_does_not_carry() {
+        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), Some(64)).await;
+        let (mut write, mut frames) = open_frames(&endpoint).await;
+        let hello = next_answer(&mut frames).await.expect("the hello");
+        assert_eq!(hello.id, 0);
+        let bound = hello.headers.iter().find(|h| h.name == super::IN_FLIGHT_HEADER).expect("the bound");
+        assert_eq!(&bound.value[..], b"64");
+
+        send_frame(&mut write, &Call { id: 1, path: "/warden.v1.Ledger/StreamEvents".into(), ..Default::default() })
+            .await;
+        let answer = next_answer(&mut frames).await.expect("an answer");
+        assert_eq!((answer.id, status_of(&answer).code()), (1, Code::Unimplemented));
+        let bad = Header { name: "bad name".into(), value: "x".into() };
+        let call = Call { id: 2, path: "/warden.v1.Ledger/GetRun".into(), headers: vec![bad], ..Default::default() };
+        send_frame(&mut write, &call).await;
+        let answer = next_answer(&mut frames).await.expect("an answer");
+        assert_eq!((answer.id, status_of(&answer).code()), (2, Code::InvalidArgument));
+        // An answer is the routes' own: a call without a token reaches the probe, which has
+        // no authentication, and is answered.
+        let body = grpc_framed(&Header { name: "echo".into(), value: "x".into() });
+        let echo =
+            Call { id: 3, path: "/warden.v1.Ledger/GetRun".into(), body: body.clone().into(), ..Default::default() };
+        send_frame(&mut write, &echo).await;
+        let answer = next_answer(&mut frames).await.expect("an answer");
+        assert_eq!((answer.id, answer.status), (3, 200));
+        let message: Header = prost::Message::decode(&answer.body[5..]).expect("the echo");
+        assert_eq!(message.name, "carried");
+
+        let hold = grpc_framed(&Header { name: "hold".into(), value: Default::default() });
+        let held = Call { id: 4, path: "/warden.v1.Ledger/GetRun".into(), body: hold.into(), ..Default::default() };
+        send_frame(&mut write, &held).await;
+        send_frame(&mut write, &held).await;
+        assert!(next_answer(&mut frames).await.is_none(), "a reused id ends the connection");
+
+        let (mut write, mut frames) = open_frames(&endpoint).await;
+        next_answer(&mut frames).await.expect("the hello");
+        {
+            use tokio::io::AsyncWriteExt as _;
+            let too_long = u32::try_from(super::MAX_CALL_MESSAGE + 1).expect("small");
+            write.write_all(&too_long.to_be_bytes()).await.expect("send");
+        }
+        assert!(next_answer(&mut frames).await.is_none(), "a frame too long ends the connection");
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// A server serving as many streams of calls as it may refuses a connection of frames in
+    /// its hello; that client's calls go alone, answered.
+    #[tokio::test]
+    async fn a_full_server_refuses_a_connection_of_frames_and_its_calls_go_alone() {
+        let (endpoint, stop, server, streams) =
+            serve_counted(Routes::new(Probe::default()), Some(8), super::STOP_GRACE).await;
+        let taken = streams.clone().acquire_many_owned(super::MAX_STREAMS as u32).await.expect("every permit");
+        let (_write, mut frames) = open_frames(&endpoint).await;
+        let refusal = next_answer(&mut frames).await.expect("the hello");
+        assert_eq!(status_of(&refusal).code(), Code::ResourceExhausted);
+        assert!(next_answer(&mut frames).await.is_none(), "the connection ends");
+        let channel = channel(&endpoint, Carrier::Frames);
+        for _ in 0..20 {
+            assert_eq!(ask(channel.clone(), "echo", None).await.expect("echo").name, "alone");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(taken);
         let _ = stop.send(());
         server.await.expect("task").expect("served");
     }
