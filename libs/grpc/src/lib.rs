@@ -210,6 +210,8 @@ pub async fn serve_with_inproc(
     // The stream of calls, on an HTTP/2 stream and on connections of frames alike.
     let calls = mux::Server::new(local.clone(), stopping.clone());
     let routes = routes.add_service(calls.clone());
+    // No TLS here: connections of frames are sorted out before any acceptor would see them
+    // (`mux::frames::sort`), so a server that adds one must put the sorting behind it too.
     let server = || {
         Server::builder()
             .initial_connection_window_size(CONNECTION_WINDOW)

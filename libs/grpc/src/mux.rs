@@ -134,6 +134,10 @@ pub struct Call {
     /// lost, and its calls are dropped.
     #[prost(bool, tag = "6")]
     pub end: bool,
+    /// On a connection of frames: the client is there and asks whether the server is; the
+    /// server answers at once with an [`Answer`] of id 0 (no call has it).
+    #[prost(bool, tag = "7")]
+    pub ping: bool,
 }
 
 /// The answer to one call, or the server's go-away.
@@ -422,6 +426,10 @@ async fn drive(
                 cutoff = Some(Box::pin(tokio::time::sleep(server.grace)));
             }
             read = calls.next(), if reading && running.len() < 2 * server.max_in_flight => match read.transpose() {
+                Ok(Some(call)) if call.ping => {
+                    // No room means the client is not reading its answers: it hears nothing.
+                    let _ = answers.try_send(Ok(Answer { id: 0, status: 200, ..Default::default() }));
+                }
                 Ok(Some(call)) if call.cancel => {
                     if let Some(handle) = handles.remove(&call.id) {
                         handle.abort();
@@ -829,6 +837,7 @@ async fn carry(
         body: body.clone(),
         cancel: false,
         end: false,
+        ping: false,
     };
     // One the server would refuse to decode would end the stream under every call on it.
     let fits = call.headers.len() <= MAX_HEADERS && prost::Message::encoded_len(&call) <= MAX_CALL_MESSAGE;
@@ -1619,6 +1628,73 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         drop(taken);
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// A client of a server that does not take frames (one that speaks only HTTP/2, as an
+    /// older Warden server) takes it as a refusal and asks again only after
+    /// [`super::REFUSED_RETRY`], not after every broken stream's short wait.
+    #[tokio::test]
+    async fn a_server_that_does_not_take_frames_is_asked_again_only_much_later() {
+        let (endpoint, stop, server) = serve(Routes::new(Probe::default()), None).await;
+        let network = crate::network(&endpoint).expect("endpoint").connect_lazy();
+        let client = super::Client::new(network, &endpoint, Carrier::Frames);
+        assert!(client.live().is_none(), "it opens in the background");
+        let later = std::time::Instant::now() + super::REFUSED_RETRY - Duration::from_secs(5);
+        eventually(
+            "the refusal is taken",
+            || matches!(&*super::lock(&client.shared.state), super::State::Idle(after) if *after > later),
+        )
+        .await;
+        let _ = stop.send(());
+        server.await.expect("task").expect("served");
+    }
+
+    /// A server that goes silent with its connection open (a hung process, or the packets of a
+    /// partition going nowhere) is noticed by the client's pings: the call under way fails as
+    /// broken off, the next calls go on another connection; and the server, hearing nothing,
+    /// drops the handler of the lost connection's call.
+    #[tokio::test]
+    async fn a_silent_server_is_noticed_by_the_pings_and_a_silent_client_by_the_server() {
+        let probe = Probe::default();
+        let (endpoint, stop, server) = serve(Routes::new(probe.clone()), Some(64)).await;
+        let relay_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let relayed = crate::endpoint_of(relay_listener.local_addr().expect("addr"));
+        let target = endpoint.trim_start_matches("http://").to_string();
+        let (silence, silent) = tokio::sync::watch::channel(false);
+        let relay = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            loop {
+                let (inbound, _) = relay_listener.accept().await.expect("accept");
+                let (target, mut silent) = (target.clone(), silent.clone());
+                connections.spawn(async move {
+                    let outbound = tokio::net::TcpStream::connect(target).await.expect("connect");
+                    let (mut a, mut b) = (inbound, outbound);
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut a, &mut b) => {}
+                        _ = async { let _ = silent.wait_for(|s| *s).await.map(|_| ()); } => {
+                            // Both connections stay open, and nothing more crosses.
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                });
+            }
+        });
+        let channel = channel(&relayed, Carrier::Frames);
+        until_carried(&channel).await;
+        // Idle for longer than a server keeps a silent client: the pings keep it.
+        tokio::time::sleep(super::frames::CLIENT_SILENCE + Duration::from_secs(1)).await;
+        assert_eq!(ask(channel.clone(), "echo", None).await.expect("echo").name, "carried");
+        let held = tokio::spawn(ask(channel.clone(), "hold", None));
+        eventually("the held call runs", || probe.running.load(Ordering::SeqCst) == 1).await;
+        silence.send(true).expect("silence");
+        let broken = held.await.expect("task").expect_err("the server went silent");
+        assert_eq!(broken.code(), Code::Unavailable, "{broken:?}");
+        assert!(crate::broke_off(&broken), "{broken:?}");
+        // The server hears nothing more on that connection and drops its call.
+        eventually("the server drops the handler", || probe.ended.load(Ordering::SeqCst) == 1).await;
+        relay.abort();
         let _ = stop.send(());
         server.await.expect("task").expect("served");
     }

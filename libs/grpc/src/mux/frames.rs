@@ -14,9 +14,17 @@
 //!   HTTP/2 client's preface starts `PRI`; see [`sort`]), so one listener serves both. The
 //!   server's first frame is its hello: an [`Answer`] of id 0 whose headers hold
 //!   [`IN_FLIGHT_HEADER`], or whose trailers hold the status of a refusal (too many streams of
-//!   calls). A server that does not take frames (an older one) closes the connection, which the
-//!   client takes as a refusal: its calls then go alone, as they do against a server without
-//!   the stream.
+//!   calls). Anything else once the connection is made (a server that does not take frames, an
+//!   older one, closes it or answers in HTTP/2; a proxy may answer anything) is taken as a
+//!   refusal: the client's calls go alone, as against a server without the stream, and it
+//!   asks again after [`super::REFUSED_RETRY`].
+//! - **Liveness.** An HTTP/2 connection's pings tell a client its server is gone (a crashed
+//!   host, a partition, a hung process) within [`KEEPALIVE_INTERVAL`] and
+//!   [`KEEPALIVE_TIMEOUT`]; here the client pings ([`Call::ping`]) every
+//!   [`KEEPALIVE_INTERVAL`], and if no frame at all arrives within [`KEEPALIVE_TIMEOUT`] of a
+//!   ping, the connection is broken: its calls fail as broken off and the next call opens
+//!   another. A server drops a connection that has sent nothing for [`CLIENT_SILENCE`], with
+//!   its calls and its place among the streams of calls.
 //! - **Everything else is the stream's**: the same calls handed to the same routes behind the
 //!   same layers (authentication per call), the same bounds, deadlines, cancels, go-away and
 //!   stop ([`super::drive`] on the server, [`super::read`] and [`super::carry`] on the client).
@@ -32,22 +40,43 @@
 //! Only TCP endpoints (`http://host:port`) are reached this way; a Unix socket's endpoint is
 //! reached on an HTTP/2 stream.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use futures::{FutureExt as _, Stream, StreamExt as _};
 use prost::bytes::{BufMut as _, BytesMut};
 use tokio::io::{AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
 use tonic::Status;
 
-use super::{Answer, Call, Counted, Header, IN_FLIGHT_HEADER, Live, MAX_CALL_MESSAGE, MAX_MUX_MESSAGE, Server, Shared};
+use super::{
+    Answer, Call, Counted, Header, IN_FLIGHT_HEADER, Live, MAX_CALL_MESSAGE, MAX_MUX_MESSAGE, Server, Shared, lock,
+};
 
 /// What a client sends first on a connection of frames. Its first byte is not an HTTP/2
 /// preface's (`P`).
 pub const MAGIC: &[u8; 16] = b"WARDEN-CALLS/1\r\n";
+const _: () = assert!(MAGIC[0] != b'P');
+
+/// How often a client pings its server: the HTTP/2 channels' keep-alive interval. (Shorter in
+/// this crate's tests, which wait for a silent server to be noticed.)
+pub const KEEPALIVE_INTERVAL: Duration = if cfg!(test) { Duration::from_millis(300) } else { Duration::from_secs(20) };
+
+/// How long after a ping a client waits for any frame before it takes the connection as
+/// lost: the HTTP/2 channels' keep-alive timeout.
+pub const KEEPALIVE_TIMEOUT: Duration = if cfg!(test) { Duration::from_secs(3) } else { Duration::from_secs(20) };
+
+/// How long a server keeps a connection that sends nothing, not even the pings a live client
+/// sends every [`KEEPALIVE_INTERVAL`].
+pub const CLIENT_SILENCE: Duration = KEEPALIVE_INTERVAL.saturating_mul(2).saturating_add(KEEPALIVE_TIMEOUT);
+
+/// The largest hello a client reads: a few headers, or a refusal's status.
+const MAX_HELLO: usize = 64 << 10;
 
 /// How long a server waits for a new connection's first byte before handing it to HTTP/2
 /// (which then waits as it waits for any client), and then for the rest of [`MAGIC`].
@@ -76,28 +105,50 @@ fn codec(max: usize) -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(max).new_codec()
 }
 
+type Frames = FramedRead<tokio::net::tcp::OwnedReadHalf, LengthDelimitedCodec>;
+
 /// The messages of a connection's read side.
-fn messages<M: prost::Message + Default>(
-    read: tokio::net::tcp::OwnedReadHalf,
-    max: usize,
-) -> impl Stream<Item = Result<M, Status>> + Unpin + Send {
-    FramedRead::new(read, codec(max)).map(|frame| {
+fn messages<M: prost::Message + Default>(frames: Frames) -> impl Stream<Item = Result<M, Status>> + Unpin + Send {
+    frames.map(|frame| {
         let frame = frame.map_err(|e| Status::unavailable(format!("the connection of calls failed: {e}")))?;
         M::decode(frame.freeze()).map_err(|e| Status::internal(format!("a frame did not decode: {e}")))
     })
 }
 
 /// A connection's calls as [`super::drive`] reads a stream's: they end at the client's end;
-/// the connection closing before it is an error (the connection was lost).
+/// the connection closing before it, or sending nothing for [`CLIENT_SILENCE`], is an error
+/// (the connection was lost).
 fn calls_of(read: tokio::net::tcp::OwnedReadHalf) -> impl Stream<Item = Result<Call, Status>> + Unpin + Send {
-    let frames = messages::<Call>(read, MAX_CALL_MESSAGE);
-    Box::pin(futures::stream::unfold(Some(frames), |frames| async move {
-        let mut frames = frames?;
-        match frames.next().await {
-            Some(Ok(call)) if call.end => None,
-            Some(Ok(call)) => Some((Ok(call), Some(frames))),
-            Some(Err(status)) => Some((Err(status), None)),
-            None => Some((Err(Status::unavailable("the connection of calls closed before its end")), None)),
+    struct Reading<S> {
+        calls: S,
+        last: Instant,
+        check: Pin<Box<tokio::time::Sleep>>,
+    }
+    let calls = messages::<Call>(FramedRead::new(read, codec(MAX_CALL_MESSAGE)));
+    let check = Box::pin(tokio::time::sleep(CLIENT_SILENCE));
+    let reading = Reading { calls, last: Instant::now(), check };
+    Box::pin(futures::stream::unfold(Some(reading), |reading| async move {
+        let mut r = reading?;
+        loop {
+            tokio::select! {
+                biased;
+                read = r.calls.next() => {
+                    r.last = Instant::now();
+                    return match read {
+                        Some(Ok(call)) if call.end => None,
+                        Some(Ok(call)) => Some((Ok(call), Some(r))),
+                        Some(Err(status)) => Some((Err(status), None)),
+                        None => Some((Err(Status::unavailable("the connection of calls closed before its end")), None)),
+                    };
+                }
+                () = &mut r.check => {
+                    if r.last.elapsed() >= CLIENT_SILENCE {
+                        return Some((Err(Status::unavailable("the client of a connection of calls went silent")), None));
+                    }
+                    let next = r.last + CLIENT_SILENCE;
+                    r.check.as_mut().reset(next.into());
+                }
+            }
         }
     }))
 }
@@ -216,9 +267,12 @@ async fn accept(
 /// Serves one connection of frames as a stream of calls.
 async fn serve(server: Server, mut stream: TcpStream) {
     let mut magic = [0u8; MAGIC.len()];
-    if !matches!(tokio::time::timeout(FIRST_BYTES_WAIT, stream.read_exact(&mut magic)).await, Ok(Ok(_)))
-        || &magic != MAGIC
-    {
+    let mut stopped = server.stopping.clone();
+    let read = tokio::select! {
+        read = tokio::time::timeout(FIRST_BYTES_WAIT, stream.read_exact(&mut magic)) => read,
+        _ = stopped.changed() => return,
+    };
+    if !matches!(read, Ok(Ok(_))) || &magic != MAGIC {
         return;
     }
     let (read, write) = stream.into_split();
@@ -239,34 +293,42 @@ async fn serve(server: Server, mut stream: TcpStream) {
     }
     // `drive` sends only answers; an error would have no call to go to.
     let out = tokio_stream::wrappers::ReceiverStream::new(out).filter_map(|a| std::future::ready(a.ok()));
-    let writer = tokio::spawn(async move {
+    let mut writer = tokio::spawn(async move {
         if let Err(e) = write_frames(write, out).await {
             tracing::debug!(error = %e, "a connection of calls could not be written; ending it");
         }
     });
+    let grace = server.grace;
     super::drive(server, calls_of(read), answers, permit).await;
     // Once `drive` and its calls are done, every sender is gone: the writer sends what is
-    // left and ends the connection.
-    let _ = writer.await;
+    // left and ends the connection, within the grace (a client that does not read its last
+    // answers would hold the connection, and a stop, for good).
+    if tokio::time::timeout(grace, &mut writer).await.is_err() {
+        writer.abort();
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The client side.
 
-/// Opens a connection of frames to `target` and starts reading its answers.
+/// Opens a connection of frames to `target` and starts reading its answers. A server that
+/// cannot be reached is `UNAVAILABLE`; one reached that answers anything but a hello
+/// (nothing, HTTP/2, a frame too long) is `UNIMPLEMENTED`: it does not take frames.
 pub(super) async fn open(shared: &Arc<Shared>, target: &str) -> Result<Arc<Live>, Status> {
     let stream = TcpStream::connect(target)
         .await
         .map_err(|e| Status::unavailable(format!("cannot connect to {target} for calls in frames: {e}")))?;
     let _ = stream.set_nodelay(true);
     let (read, mut write) = stream.into_split();
-    write.write_all(MAGIC).await.map_err(|e| Status::unavailable(format!("the connection of calls failed: {e}")))?;
-    let mut answers = messages::<Answer>(read, MAX_MUX_MESSAGE);
-    let hello = match tokio::time::timeout(HELLO_WAIT, answers.next()).await {
-        Ok(Some(Ok(hello))) => hello,
-        Ok(Some(Err(status))) => return Err(status),
-        // An older server reads no frames: it closes the connection (or never answers).
-        Ok(None) | Err(_) => return Err(Status::unimplemented("the server does not take calls in frames")),
+    let refused =
+        |why: &dyn std::fmt::Display| Status::unimplemented(format!("{target} does not take calls in frames: {why}"));
+    write.write_all(MAGIC).await.map_err(|e| refused(&e))?;
+    let mut frames = FramedRead::new(read, codec(MAX_HELLO));
+    let hello = match tokio::time::timeout(HELLO_WAIT, frames.next()).await {
+        Ok(Some(Ok(hello))) => Answer::decode(hello.freeze()).map_err(|e| refused(&e))?,
+        Ok(Some(Err(e))) => return Err(refused(&e)),
+        Ok(None) => return Err(refused(&"it closed the connection")),
+        Err(_) => return Err(refused(&"no hello in time")),
     };
     let bound = hello
         .headers
@@ -276,22 +338,93 @@ pub(super) async fn open(shared: &Arc<Shared>, target: &str) -> Result<Arc<Live>
         .filter(|n| (1..=tokio::sync::Semaphore::MAX_PERMITS).contains(n));
     let Some(bound) = bound else {
         let refusal = super::from_headers(hello.trailers).and_then(|t| Status::from_header_map(&t));
-        return Err(
-            refusal.unwrap_or_else(|| Status::internal("the server did not say how many calls it runs at once"))
-        );
+        return Err(refusal.unwrap_or_else(|| refused(&"its hello did not say how many calls it runs at once")));
     };
+    frames.decoder_mut().set_max_frame_length(MAX_MUX_MESSAGE);
     let (calls, outgoing) = mpsc::unbounded_channel::<Call>();
     let live = Arc::new(Live::new(calls, bound));
-    tokio::spawn(async move {
-        // A failed write breaks the connection; the reader sees it and fails the calls waiting.
+    let writer = tokio::spawn(async move {
         // Once the stream's sender is gone, the client's side ends: the server answers what it
-        // read and then ends the connection.
+        // read and then ends the connection. A failed write breaks the connection; the reader
+        // sees it and fails the calls waiting.
         let end = Call { end: true, ..Default::default() };
         let calls = tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing).chain(futures::stream::iter([end]));
         let _ = write_frames(write, calls).await;
     });
+    let heard = Arc::new(AtomicBool::new(true));
+    let (lost, noticed) = oneshot::channel();
+    let answers = Watched { answers: messages::<Answer>(frames), heard: heard.clone(), lost: Some(noticed) };
+    tokio::spawn(keepalive(Arc::downgrade(&live), heard, lost, writer.abort_handle()));
     tokio::spawn(super::read(Arc::downgrade(shared), Arc::downgrade(&live), answers));
     Ok(live)
+}
+
+use prost::Message as _;
+
+/// Pings the server of `live` every [`KEEPALIVE_INTERVAL`] while the stream is open; when no
+/// frame was heard within [`KEEPALIVE_TIMEOUT`] of a ping, stops the writer and tells the
+/// reader the connection is lost. Ends with the stream (or once its reader has).
+async fn keepalive(
+    live: Weak<Live>,
+    heard: Arc<AtomicBool>,
+    mut lost: oneshot::Sender<()>,
+    writer: tokio::task::AbortHandle,
+) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(KEEPALIVE_INTERVAL) => {}
+            () = lost.closed() => return,
+        }
+        let Some(open) = live.upgrade() else { return };
+        heard.store(false, Ordering::Relaxed);
+        let pinged = lock(&open.calls)
+            .as_ref()
+            .is_some_and(|calls| calls.send(Call { ping: true, ..Default::default() }).is_ok());
+        drop(open);
+        if !pinged {
+            // The stream is ending: its reader fails what still waits if the server goes.
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(KEEPALIVE_TIMEOUT) => {}
+            () = lost.closed() => return,
+        }
+        if !heard.load(Ordering::Relaxed) {
+            tracing::debug!("a server of calls in frames answered no ping in time; the connection is taken as lost");
+            writer.abort();
+            let _ = lost.send(());
+            return;
+        }
+    }
+}
+
+/// A connection's answers, noting each frame heard, and failing once the keep-alive says the
+/// connection is lost.
+struct Watched<S> {
+    answers: S,
+    heard: Arc<AtomicBool>,
+    lost: Option<oneshot::Receiver<()>>,
+}
+
+impl<S: Stream<Item = Result<Answer, Status>> + Unpin> Stream for Watched<S> {
+    type Item = Result<Answer, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(lost) = self.lost.as_mut()
+            && let Poll::Ready(said) = Pin::new(lost).poll(cx)
+        {
+            self.lost = None;
+            if said.is_ok() {
+                let why = format!("the server answered no ping within {} s", KEEPALIVE_TIMEOUT.as_secs_f64());
+                return Poll::Ready(Some(Err(Status::unavailable(why))));
+            }
+        }
+        let next = Pin::new(&mut self.answers).poll_next(cx);
+        if let Poll::Ready(Some(_)) = &next {
+            self.heard.store(true, Ordering::Relaxed);
+        }
+        next
+    }
 }
 
 #[cfg(test)]
@@ -304,10 +437,5 @@ mod tests {
         for other in ["https://127.0.0.1:4100", "unix:/run/warden/ledger.sock", "http://127.0.0.1", "nonsense"] {
             assert_eq!(super::target_of(other), None, "{other}");
         }
-    }
-
-    #[test]
-    fn the_magic_is_not_an_http2_preface() {
-        assert_ne!(super::MAGIC[0], b'P');
     }
 }
