@@ -43,8 +43,11 @@
 //!   client that kept sending has its unread calls fail as above) and lets the calls under way
 //!   finish, unless the client does not read their answers.
 //!
-//! A client turns it off with `WARDEN_MULTIPLEX=off` (every call then has a stream of its own);
-//! servers always offer it. A process's calls to itself go in memory ([`crate::inproc`]), and a
+//! The same messages go just as well on a TCP connection of their own, in plain frames, without
+//! HTTP/2 at all ([`frames`]): that is what a client uses for a TCP endpoint unless told
+//! otherwise ([`carrier`]); the HTTP/2 stream serves Unix socket endpoints and
+//! `WARDEN_MULTIPLEX=stream`. A client turns both off with `WARDEN_MULTIPLEX=off` (every call
+//! then has a stream of its own); servers always offer both. A process's calls to itself go in memory ([`crate::inproc`]), and a
 //! client that must see what a remote client sees (`crate::network_channel`) never uses it.
 
 use std::collections::{HashMap, HashSet};
