@@ -71,7 +71,7 @@ use tower::ServiceExt as _;
 
 use crate::inproc::{Local, call_routes, deadline_of};
 
-pub(crate) mod frames;
+pub mod frames;
 
 /// The path of the stream.
 pub const PATH: &str = "/warden.v1.Mux/Calls";

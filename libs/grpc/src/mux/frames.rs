@@ -11,7 +11,7 @@
 //!
 //! - **Opening.** The client connects to the server's own address and port and sends
 //!   [`MAGIC`]. A Warden server tells such a connection from an HTTP/2 one by its first byte (an
-//!   HTTP/2 client's preface starts `PRI`; see [`sort`]), so one listener serves both. The
+//!   HTTP/2 client's preface starts `PRI`; see `sort`), so one listener serves both. The
 //!   server's first frame is its hello: an [`Answer`] of id 0 whose headers hold
 //!   [`IN_FLIGHT_HEADER`], or whose trailers hold the status of a refusal (too many streams of
 //!   calls). Anything else once the connection is made (a server that does not take frames, an
@@ -27,7 +27,7 @@
 //!   its calls and its place among the streams of calls.
 //! - **Everything else is the stream's**: the same calls handed to the same routes behind the
 //!   same layers (authentication per call), the same bounds, deadlines, cancels, go-away and
-//!   stop ([`super::drive`] on the server, [`super::read`] and [`super::carry`] on the client).
+//!   stop (`drive` on the server, `read` and `carry` on the client, in the parent module).
 //!   The client ends its side with a call marked [`Call::end`], as an HTTP/2 stream's side
 //!   ends with END_STREAM; a connection that closes before it was lost, and the server drops
 //!   its calls, as on a reset connection. A frame longer than a side decodes, or one that does
