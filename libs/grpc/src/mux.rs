@@ -238,6 +238,15 @@ pub const MAX_STREAMS: usize = 1024;
 /// the handlers HTTP/2 lets it hold, and cannot take every stream of the server.
 pub const MAX_STREAMS_PER_CONNECTION: usize = 2;
 
+/// The in-flight bound an [`IN_FLIGHT_HEADER`] value says, if it is one a client can keep.
+fn bound_of(value: &[u8]) -> Option<usize> {
+    std::str::from_utf8(value)
+        .ok()?
+        .parse::<usize>()
+        .ok()
+        .filter(|n| (1..=tokio::sync::Semaphore::MAX_PERMITS).contains(n))
+}
+
 /// The stream's route: calls handed to `local` (a server's routes behind its layers).
 #[derive(Clone)]
 pub(crate) struct Server {
@@ -582,11 +591,6 @@ pub fn carrier() -> Option<Carrier> {
     })
 }
 
-/// Whether this process's clients carry their calls on one stream or connection at all.
-pub fn enabled() -> bool {
-    carrier().is_some()
-}
-
 /// A channel's stream, shared by its clones.
 #[derive(Clone)]
 pub(crate) struct Client {
@@ -736,9 +740,7 @@ async fn open(shared: &Arc<Shared>) -> Result<Arc<Live>, Status> {
     let bound = answers
         .metadata()
         .get(IN_FLIGHT_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|n| (1..=tokio::sync::Semaphore::MAX_PERMITS).contains(n))
+        .and_then(|v| bound_of(v.as_bytes()))
         .ok_or_else(|| Status::internal("the server did not say how many calls it runs at once"))?;
     let live = Arc::new(Live::new(calls, bound));
     tokio::spawn(read(Arc::downgrade(shared), Arc::downgrade(&live), answers.into_inner()));

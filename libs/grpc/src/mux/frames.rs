@@ -47,6 +47,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt as _, Stream, StreamExt as _};
+use prost::Message as _;
 use prost::bytes::{BufMut as _, BytesMut};
 use tokio::io::{AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -55,7 +56,8 @@ use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
 use tonic::Status;
 
 use super::{
-    Answer, Call, Counted, Header, IN_FLIGHT_HEADER, Live, MAX_CALL_MESSAGE, MAX_MUX_MESSAGE, Server, Shared, lock,
+    Answer, Call, Counted, Header, IN_FLIGHT_HEADER, Live, MAX_CALL_MESSAGE, MAX_MUX_MESSAGE, Server, Shared, bound_of,
+    lock,
 };
 
 /// What a client sends first on a connection of frames. Its first byte is not an HTTP/2
@@ -171,7 +173,6 @@ async fn write_frames<M: prost::Message>(
     let mut buf = BytesMut::with_capacity(8 << 10);
     while let Some(first) = messages.next().await {
         put_frame(&mut buf, &first);
-        drop(first);
         while buf.len() < WRITE_BATCH {
             match messages.next().now_or_never() {
                 Some(Some(next)) => put_frame(&mut buf, &next),
@@ -248,11 +249,15 @@ async fn accept(
         };
         // Agents' steps are latency-bound request/response calls: no Nagle delay.
         let _ = stream.set_nodelay(true);
-        let (server, http2, alive) = (server.clone(), http2.clone(), alive.clone());
+        let (server, http2, alive, mut stopped) = (server.clone(), http2.clone(), alive.clone(), stopping.clone());
         tokio::spawn(async move {
             let mut first = [0u8; 1];
-            let frames = matches!(tokio::time::timeout(FIRST_BYTES_WAIT, stream.peek(&mut first)).await, Ok(Ok(1)))
-                && first[0] == MAGIC[0];
+            let peeked = tokio::select! {
+                peeked = tokio::time::timeout(FIRST_BYTES_WAIT, stream.peek(&mut first)) => peeked,
+                // A connection that has said nothing by the stop is dropped, not waited for.
+                _ = stopped.changed() => return,
+            };
+            let frames = matches!(peeked, Ok(Ok(1))) && first[0] == MAGIC[0];
             if frames {
                 serve(server, stream).await;
             } else {
@@ -330,12 +335,7 @@ pub(super) async fn open(shared: &Arc<Shared>, target: &str) -> Result<Arc<Live>
         Ok(None) => return Err(refused(&"it closed the connection")),
         Err(_) => return Err(refused(&"no hello in time")),
     };
-    let bound = hello
-        .headers
-        .iter()
-        .find(|h| h.name == IN_FLIGHT_HEADER)
-        .and_then(|h| std::str::from_utf8(&h.value).ok()?.parse::<usize>().ok())
-        .filter(|n| (1..=tokio::sync::Semaphore::MAX_PERMITS).contains(n));
+    let bound = hello.headers.iter().find(|h| h.name == IN_FLIGHT_HEADER).and_then(|h| bound_of(&h.value));
     let Some(bound) = bound else {
         let refusal = super::from_headers(hello.trailers).and_then(|t| Status::from_header_map(&t));
         return Err(refusal.unwrap_or_else(|| refused(&"its hello did not say how many calls it runs at once")));
@@ -358,8 +358,6 @@ pub(super) async fn open(shared: &Arc<Shared>, target: &str) -> Result<Arc<Live>
     tokio::spawn(super::read(Arc::downgrade(shared), Arc::downgrade(&live), answers));
     Ok(live)
 }
-
-use prost::Message as _;
 
 /// Pings the server of `live` every [`KEEPALIVE_INTERVAL`] while the stream is open; when no
 /// frame was heard within [`KEEPALIVE_TIMEOUT`] of a ping, stops the writer and tells the
