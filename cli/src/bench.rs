@@ -819,6 +819,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         if cfg!(debug_assertions) { "debug (use --release for real figures)" } else { "release" },
         if telemetry.exporting() { "on (OTLP export)" } else { "off" },
     );
+    // What a step is made of costs this much here: entries taken on other machines compare
+    // through these units.
+    if matches!(args.suite, Suite::Steps | Suite::FirstCall | Suite::All) {
+        println!("{}", crate::bench_machine::units());
+    }
     if matches!(args.suite, Suite::Steps | Suite::All) {
         if matches!(args.shape, Shape::Dev | Shape::Both) {
             dev_shape(&args).await?;

@@ -8,6 +8,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod approvals;
 mod bench;
 mod bench_ledger;
+mod bench_machine;
 mod bench_planner;
 mod bench_policy;
 mod caps;

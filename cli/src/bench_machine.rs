@@ -1,0 +1,139 @@
+//! The machine's own units, printed before `warden bench`'s step figures: what one Ed25519
+//! signature and verification, one durable 8 kB write and one loopback round trip cost here.
+//!
+//! A production step is made of these (four signatures and three verifications, one commit's
+//! fdatasync, three round trips between services and one to the database), and the machines
+//! the figures are taken on differ by a third and more in them. Printed beside the figures,
+//! they say which entries of BENCHMARKS.md compare. Measured in well under a second, before
+//! anything else runs; the median of each, so one preempted sample does not move it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::{Signer, SigningKey, Verifier};
+
+/// Samples of each figure.
+const SAMPLES: usize = 400;
+/// Durable writes sampled (each is a disk flush).
+const SYNCS: usize = 50;
+
+/// The machine's units as one line, or what could not be measured.
+pub fn units() -> String {
+    let (sign, verify) = ed25519();
+    let sync = match fdatasync() {
+        Ok(d) => format!("{:.3}ms", ms(d)),
+        Err(e) => format!("not measured ({e})"),
+    };
+    let trip = match round_trip() {
+        Ok(d) => format!("{:.3}ms", ms(d)),
+        Err(e) => format!("not measured ({e})"),
+    };
+    format!(
+        "machine  ed25519-dalek sign {:.1}µs, verify {:.1}µs; 8 kB write + fdatasync in the temp dir {sync}; \
+         loopback TCP round trip between two threads {trip} (medians)",
+        us(sign),
+        us(verify)
+    )
+}
+
+fn ed25519() -> (Duration, Duration) {
+    let key = SigningKey::from_bytes(&[42; 32]);
+    let public = key.verifying_key();
+    let message = [7u8; 256];
+    let signature = key.sign(&message);
+    let sign = median((0..SAMPLES).map(|_| {
+        timed(|| {
+            std::hint::black_box(key.sign(&message));
+        })
+    }));
+    let verify = median((0..SAMPLES).map(|_| {
+        timed(|| {
+            let _ = std::hint::black_box(public.verify(&message, &signature));
+        })
+    }));
+    (sign, verify)
+}
+
+/// An 8 kB page written and flushed (`File::sync_data`), as a commit flushes its WAL page.
+fn fdatasync() -> std::io::Result<Duration> {
+    let path = std::env::temp_dir().join(format!("warden-bench-fdatasync-{}", std::process::id()));
+    let measured = (|| {
+        let mut file = std::fs::OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
+        let page = [0u8; 8192];
+        let mut samples = Vec::with_capacity(SYNCS);
+        for _ in 0..SYNCS {
+            let start = Instant::now();
+            file.write_all(&page)?;
+            file.sync_data()?;
+            samples.push(start.elapsed());
+        }
+        Ok(median(samples.into_iter()))
+    })();
+    let _ = std::fs::remove_file(&path);
+    measured
+}
+
+/// One byte there and back over loopback TCP (no Nagle), a thread answering each.
+fn round_trip() -> std::io::Result<Duration> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let address = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut b = [0u8; 1];
+        while s.read(&mut b)? == 1 {
+            s.write_all(&b)?;
+        }
+        Ok(())
+    });
+    let mut s = TcpStream::connect(address)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut b = [0u8; 1];
+    let mut samples = Vec::with_capacity(SAMPLES);
+    for _ in 0..SAMPLES {
+        let start = Instant::now();
+        s.write_all(&b)?;
+        s.read_exact(&mut b)?;
+        samples.push(start.elapsed());
+    }
+    drop(s);
+    let _ = echo.join();
+    Ok(median(samples.into_iter()))
+}
+
+fn timed(f: impl FnOnce()) -> Duration {
+    let start = Instant::now();
+    f();
+    start.elapsed()
+}
+
+fn median(samples: impl Iterator<Item = Duration>) -> Duration {
+    let mut all: Vec<Duration> = samples.collect();
+    all.sort_unstable();
+    all.get(all.len() / 2).copied().unwrap_or_default()
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every unit is measured on an ordinary machine (none is "not measured"), and the
+    /// signature figures are real durations.
+    #[test]
+    fn the_machines_units_are_measured() {
+        let line = units();
+        assert!(!line.contains("not measured"), "{line}");
+        let (sign, verify) = ed25519();
+        assert!(sign > Duration::ZERO && verify > Duration::ZERO, "{sign:?} {verify:?}");
+    }
+}
