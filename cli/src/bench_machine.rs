@@ -1,5 +1,6 @@
 //! The machine's own units, printed before `warden bench`'s step figures: what one Ed25519
-//! signature and verification, one durable 8 kB write and one loopback round trip cost here.
+//! signature and verification, one durable 8 kB write and one loopback round trip — between
+//! two threads on one vCPU, and across two — cost here.
 //!
 //! A production step is made of these (four signatures and three verifications, one commit's
 //! fdatasync, three round trips between services and one to the database), and the machines
@@ -25,13 +26,19 @@ pub fn units() -> String {
         Ok(d) => format!("{:.3}ms", ms(d)),
         Err(e) => format!("not measured ({e})"),
     };
-    let trip = match round_trip() {
+    let trip = |cpus| match round_trip(cpus) {
         Ok(d) => format!("{:.3}ms", ms(d)),
+        Err(e) => format!("not measured ({e})"),
+    };
+    let trips = match allowed_cpus().as_deref() {
+        Ok([one, other, ..]) => format!("on one vCPU {}, across two {}", trip((*one, *one)), trip((*one, *other))),
+        Ok([one]) => format!("on one vCPU {} (only one to run on)", trip((*one, *one))),
+        Ok([]) => "not measured (no CPU to run on)".to_string(),
         Err(e) => format!("not measured ({e})"),
     };
     format!(
         "machine  ed25519-dalek sign {:.1}µs, verify {:.1}µs; 8 kB write + fdatasync in the temp dir {sync}; \
-         loopback TCP round trip between two threads {trip} (medians)",
+         loopback TCP round trip between two threads {trips} (medians)",
         us(sign),
         us(verify)
     )
@@ -74,11 +81,14 @@ fn fdatasync() -> std::io::Result<Duration> {
     measured
 }
 
-/// One byte there and back over loopback TCP (no Nagle), a thread answering each.
-fn round_trip() -> std::io::Result<Duration> {
+/// One byte there and back over loopback TCP (no Nagle) between two threads of their own,
+/// each pinned to `cpus` (the first, the caller; the second, the answerer): on one vCPU, an
+/// answer is a switch on a running core; across two, it wakes the other.
+fn round_trip(cpus: (usize, usize)) -> std::io::Result<Duration> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let address = listener.local_addr()?;
     let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        pin(cpus.1)?;
         let (mut s, _) = listener.accept()?;
         s.set_nodelay(true)?;
         let mut b = [0u8; 1];
@@ -87,20 +97,52 @@ fn round_trip() -> std::io::Result<Duration> {
         }
         Ok(())
     });
-    let mut s = TcpStream::connect(address)?;
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut b = [0u8; 1];
-    let mut samples = Vec::with_capacity(SAMPLES);
-    for _ in 0..SAMPLES {
-        let start = Instant::now();
-        s.write_all(&b)?;
-        s.read_exact(&mut b)?;
-        samples.push(start.elapsed());
+    let caller = std::thread::spawn(move || -> std::io::Result<Duration> {
+        pin(cpus.0)?;
+        let mut s = TcpStream::connect(address)?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut b = [0u8; 1];
+        let mut samples = Vec::with_capacity(SAMPLES);
+        for _ in 0..SAMPLES {
+            let start = Instant::now();
+            s.write_all(&b)?;
+            s.read_exact(&mut b)?;
+            samples.push(start.elapsed());
+        }
+        Ok(median(samples.into_iter()))
+    });
+    let measured = caller.join().map_err(|_| std::io::Error::other("the calling thread panicked"))?;
+    // The answerer ends when the caller's connection closes (or never opened).
+    let answered = echo.join().map_err(|_| std::io::Error::other("the answering thread panicked"))?;
+    let measured = measured?;
+    answered?;
+    Ok(measured)
+}
+
+/// The CPUs this process may run on, in order. `sched_getaffinity` and `sched_setaffinity`
+/// through libc (already a dependency), as the test kit calls `prctl`: two calls do not need a
+/// crate of their own.
+#[allow(unsafe_code)]
+fn allowed_cpus() -> std::io::Result<Vec<usize>> {
+    // SAFETY: `set` is a plain bit set, zeroed, of the size passed; the call only writes it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return Err(std::io::Error::last_os_error());
     }
-    drop(s);
-    let _ = echo.join();
-    Ok(median(samples.into_iter()))
+    Ok((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+}
+
+/// Pins the calling thread to `cpu`.
+#[allow(unsafe_code)]
+fn pin(cpu: usize) -> std::io::Result<()> {
+    // SAFETY: as in `allowed_cpus`; `cpu` is below CPU_SETSIZE (it came from there).
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn timed(f: impl FnOnce()) -> Duration {
