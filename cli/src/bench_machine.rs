@@ -112,9 +112,14 @@ fn round_trip(cpus: (usize, usize)) -> std::io::Result<Duration> {
         }
         Ok(median(samples.into_iter()))
     });
-    let measured = caller.join().map_err(|_| std::io::Error::other("the calling thread panicked"))?;
-    // The answerer ends when the caller's connection closes (or never opened).
-    let answered = echo.join().map_err(|_| std::io::Error::other("the answering thread panicked"))?;
+    let measured = caller.join().unwrap_or_else(|_| Err(std::io::Error::other("the calling thread panicked")));
+    // The answerer ends when the caller's connection closes. A caller that failed before it
+    // connected leaves the answerer in `accept`: this connection, closed at once, releases it
+    // (refused, and of no matter, when the answerer has ended already).
+    if measured.is_err() {
+        let _ = TcpStream::connect(address);
+    }
+    let answered = echo.join().unwrap_or_else(|_| Err(std::io::Error::other("the answering thread panicked")));
     let measured = measured?;
     answered?;
     Ok(measured)
@@ -177,5 +182,14 @@ mod tests {
         assert!(!line.contains("not measured"), "{line}");
         let (sign, verify) = ed25519();
         assert!(sign > Duration::ZERO && verify > Duration::ZERO, "{sign:?} {verify:?}");
+    }
+
+    /// A round trip whose caller cannot be pinned (a CPU this machine does not have) is an
+    /// error, and the answering thread does not wait for it for good.
+    #[test]
+    fn a_caller_that_cannot_start_is_an_error_not_a_hang() {
+        let absent = libc::CPU_SETSIZE as usize - 1;
+        let e = round_trip((absent, allowed_cpus().expect("cpus")[0])).expect_err("no such CPU");
+        assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
     }
 }
