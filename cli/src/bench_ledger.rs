@@ -26,17 +26,21 @@ pub struct LedgerBenchArgs {
     pub verify_events: u64,
 }
 
-fn decision(run_id: &str, i: usize) -> pb::AppendEventRequest {
+/// The `i`th decision of a run, signed with the mesh's policy key: the ledger records a
+/// `policy_decision` only as the policy signed it, for its tenant, run and step.
+fn decision(run_id: &str, i: usize, policy_key: &ed25519_dalek::SigningKey) -> pb::AppendEventRequest {
+    let (decision_id, step_id) = (format!("{run_id}-d{i}"), format!("s{i}"));
+    let payload = json!({"decision_id": decision_id, "tenant": "default", "run_id": run_id, "step_id": step_id,
+                         "attempt": 1, "tool": "echo", "outcome": "allow", "rule_id": "tenant_allowlist",
+                         "reason": "bench", "args_sha256": "00"});
     pb::AppendEventRequest {
         tenant: "default".into(),
         run_id: run_id.into(),
         epoch: 1,
-        idempotency_key: events::decision_key(&format!("d{i}")),
+        idempotency_key: events::decision_key(&decision_id),
         event_type: events::POLICY_DECISION.into(),
-        payload_json: json!({"decision_id": format!("d{i}"), "attempt": 1, "tool": "echo", "outcome": "allow",
-                             "rule_id": "tenant_allowlist", "reason": "bench", "args_sha256": "00"})
-        .to_string(),
-        step_id: format!("s{i}"),
+        payload_json: warden_core::decision::sign_decision(payload, policy_key).to_string(),
+        step_id,
     }
 }
 
@@ -92,6 +96,7 @@ pub async fn run(args: &LedgerBenchArgs) -> anyhow::Result<()> {
     })
     .await?;
     let ledger = warden_proto::v1::ledger_client::LedgerClient::new(mesh.ledger.channel());
+    let policy_key = warden_grpc::keyfile::load_or_create(&mesh.dir.path().join("policy.key"))?;
     let create = |mut l: warden_proto::v1::ledger_client::LedgerClient<warden_grpc::auth::Ch>| async move {
         let r = l
             .create_run(pb::CreateRunRequest {
@@ -112,10 +117,10 @@ pub async fn run(args: &LedgerBenchArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for id in ids {
-        let (mut l, n) = (ledger.clone(), args.appends);
+        let (mut l, n, key) = (ledger.clone(), args.appends, policy_key.clone());
         tasks.push(tokio::spawn(async move {
             for i in 0..n {
-                l.append_event(decision(&id, i)).await?;
+                l.append_event(decision(&id, i, &key)).await?;
             }
             anyhow::Ok(())
         }));
@@ -139,7 +144,7 @@ pub async fn run(args: &LedgerBenchArgs) -> anyhow::Result<()> {
     let mut h = Histogram::<u64>::new(3)?;
     for i in 0..1000 {
         let t = Instant::now();
-        l.append_event(decision(&id, i)).await?;
+        l.append_event(decision(&id, i, &policy_key)).await?;
         h.record(t.elapsed().as_micros() as u64)?;
     }
     println!(

@@ -791,3 +791,47 @@ async fn a_burst_past_the_admission_queue_is_recorded_or_refused_whole_on_sqlite
 async fn a_burst_past_the_admission_queue_is_recorded_or_refused_whole_on_postgres() {
     a_burst_past_the_admission_queue_is_recorded_or_refused_whole(Backend::Postgres).await;
 }
+
+/// Every text column the ledger and the policy service index compares byte by byte on
+/// PostgreSQL (`COLLATE "C"`), whatever the database's own locale: identifiers sorted with
+/// strcoll cost every index insert of a step, and would be ordered otherwise than on SQLite.
+#[tokio::test]
+async fn indexed_identifiers_compare_bytewise_on_postgres() {
+    use sqlx::Connection as _;
+    let options = MeshOptions {
+        database_url: Backend::Postgres.database_url().await,
+        policy_database_url: Backend::Postgres.database_url().await,
+        executors: 0,
+        ..Default::default()
+    };
+    let (ledger_db, policy_db) = (options.database_url.clone(), options.policy_database_url.clone());
+    // Starting the services applies their migrations.
+    let mesh = warden_testkit::Mesh::start(options).await.expect("mesh");
+    let _ = empty_run(&mut mesh.ledger(), "acme").await;
+    const NOT_BYTEWISE: &str = "\
+        SELECT c.relname || '.' || a.attname || ' (' || i.relname || ')'
+        FROM pg_index x
+        JOIN pg_class i ON i.oid = x.indexrelid
+        JOIN pg_class c ON c.oid = x.indrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = ANY (x.indkey)
+        LEFT JOIN pg_collation co ON co.oid = a.attcollation
+        WHERE n.nspname = current_schema() AND c.relname <> '_sqlx_migrations'
+          AND a.atttypid = 'text'::regtype AND coalesce(co.collname, '') <> 'C'
+        ORDER BY 1";
+    for (service, url) in [("ledger", ledger_db), ("policy", policy_db)] {
+        let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+        let indexed: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_index x JOIN pg_class c ON c.oid = x.indrelid
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = current_schema() AND c.relname <> '_sqlx_migrations'",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .expect("count indexes");
+        assert!(indexed >= 5, "the {service}'s tables are there ({indexed} indexes)");
+        let linguistic: Vec<String> = sqlx::query_scalar(NOT_BYTEWISE).fetch_all(&mut conn).await.expect("catalog");
+        assert!(linguistic.is_empty(), "the {service}'s indexed text columns not in \"C\": {linguistic:?}");
+    }
+    drop(mesh);
+}

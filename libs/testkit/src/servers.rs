@@ -262,7 +262,8 @@ pub fn start_private_postgres(fast: bool) -> anyhow::Result<Postgres> {
     initdb
         .arg("-D")
         .arg(base.join("data"))
-        .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8", "--locale=C"])
+        .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
+        .arg(format!("--locale={}", cluster_locale()?))
         .current_dir(&base);
     launch.as_owner(&mut initdb);
     let out = initdb.output().context("running initdb")?;
@@ -284,6 +285,21 @@ pub fn start_private_postgres(fast: bool) -> anyhow::Result<Postgres> {
     }
     let log = std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default();
     anyhow::bail!("postgres did not start:\n{log}")
+}
+
+/// The locale a cluster started here is created with: `C` unless `WARDEN_TEST_PG_LOCALE`
+/// names another (`en_US.UTF-8`, the default of most packaged clusters, to measure what a
+/// linguistic locale costs; the locale must be installed, see `locale -a`).
+fn cluster_locale() -> anyhow::Result<String> {
+    let locale = std::env::var("WARDEN_TEST_PG_LOCALE").unwrap_or_default();
+    if locale.is_empty() {
+        return Ok("C".into());
+    }
+    anyhow::ensure!(
+        locale.len() <= 64 && locale.chars().all(|c| c.is_ascii_alphanumeric() || "._@-".contains(c)),
+        "WARDEN_TEST_PG_LOCALE must be a locale name such as en_US.UTF-8, not {locale:?}"
+    );
+    Ok(locale)
 }
 
 fn wait_for_postgres(url: &str, child: &mut Child) -> anyhow::Result<bool> {
