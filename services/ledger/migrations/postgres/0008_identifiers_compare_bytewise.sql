@@ -3,12 +3,16 @@
 -- sorts; under a linguistic collation (en_US.UTF-8, the default of most packaged and container
 -- PostgreSQL clusters) each comparison in an index goes through strcoll, and an index insert
 -- makes a score of them. Measured on one en_US.UTF-8 cluster: inserting rows into a table keyed
--- like `events` took about 40 % less time with the keys in "C" (BENCHMARKS.md, 2026-12-02).
+-- like `events` took 15-40 % less time with the keys in "C", run to run (BENCHMARKS.md,
+-- 2026-12-02).
 -- It also makes PostgreSQL order these columns as SQLite does (BINARY), so a page boundary or a
 -- lock order is the same on both backends.
 --
--- Changing a text column's collation rewrites no rows; the indexes on it are rebuilt, which on
--- a large ledger takes a while under an exclusive lock: run the upgrade in a quiet window.
+-- Changing a text column's collation rewrites no rows; the indexes on it are rebuilt. The
+-- migration is one transaction, so every table below stays locked (ACCESS EXCLUSIVE: no reads,
+-- no writes, other replicas wait) until the last index is rebuilt; on a large ledger, run the
+-- upgrade in a quiet window. A view of the operator's own on one of these columns makes it
+-- fail (drop it first). The altered columns lose their planner statistics: ANALYZE below.
 ALTER TABLE runs
     ALTER COLUMN run_id TYPE TEXT COLLATE "C",
     ALTER COLUMN tenant TYPE TEXT COLLATE "C",
@@ -41,3 +45,5 @@ ALTER TABLE frame_counts
 ALTER TABLE unbound_decisions
     ALTER COLUMN decision_id TYPE TEXT COLLATE "C",
     ALTER COLUMN tenant TYPE TEXT COLLATE "C";
+ANALYZE runs, events, receipts, summaries, transactions, tx_staged, state, outputs, frame_counts,
+    unbound_decisions;

@@ -2,7 +2,8 @@
 -- locale the database was created with: ids, digests, scopes and state words are never text a
 -- person sorts, and a linguistic collation (en_US.UTF-8, the default of most packaged
 -- clusters) puts strcoll in every index comparison. It also orders them as SQLite does. See
--- the ledger's migration of the same name. Rewrites no rows; rebuilds the indexes.
+-- the ledger's migration of the same name: rewrites no rows, rebuilds the indexes with every
+-- table below locked until the last is done, and analyzes the tables again.
 ALTER TABLE capabilities
     ALTER COLUMN capability_id TYPE TEXT COLLATE "C",
     ALTER COLUMN handle_sha256 TYPE TEXT COLLATE "C",
@@ -22,3 +23,4 @@ ALTER TABLE semantic_keys
 ALTER TABLE run_capabilities
     ALTER COLUMN run_id TYPE TEXT COLLATE "C",
     ALTER COLUMN capability_id TYPE TEXT COLLATE "C";
+ANALYZE capabilities, approvals, budgets, cost_records, semantic_keys, run_capabilities;
