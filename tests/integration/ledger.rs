@@ -795,9 +795,11 @@ async fn a_burst_past_the_admission_queue_is_recorded_or_refused_whole_on_postgr
 /// Every key the ledger and the policy service index by text compares byte by byte on
 /// PostgreSQL (`COLLATE "C"`), whatever the database's own locale: identifiers sorted with
 /// strcoll cost every index insert of a step, and would be ordered otherwise than on SQLite.
-/// Read from each index's own collations, so a column of another string type or an
-/// expression index is caught too; before the migrations that set them, 29 of the ledger's
-/// index keys were in the database's default collation.
+/// Read off every index key: a column's declared collation (of any string type), an
+/// expression's collation. Not the index's own record of a column's collation: PostgreSQL keeps
+/// an index whose order a collation change does not alter (from the default to "C" in a
+/// database of locale `C`, as the harness's) without updating it. Before the migrations that
+/// set them, 29 of the ledger's index keys were in the database's default collation.
 #[tokio::test]
 async fn indexed_identifiers_compare_bytewise_on_postgres() {
     use sqlx::Connection as _;
@@ -818,12 +820,16 @@ async fn indexed_identifiers_compare_bytewise_on_postgres() {
         JOIN pg_namespace n ON n.oid = c.relnamespace";
     const OURS: &str = "n.nspname = current_schema() AND c.relname <> '_sqlx_migrations'";
     let count = format!("SELECT count(*) {INDEXES} WHERE {OURS}");
-    // Each index key's collation (none for a key of a type without one).
+    // Each index key's collation: its column's as declared, or its expression's (0 for a key
+    // of a type without one).
     let not_bytewise = format!(
-        "SELECT c.relname || ' (' || i.relname || ', ' || co.collname || ')' {INDEXES}
-         CROSS JOIN LATERAL unnest(x.indcollation::oid[]) AS k (coll)
-         JOIN pg_collation co ON co.oid = k.coll
-         WHERE {OURS} AND co.collname <> 'C' ORDER BY 1"
+        "SELECT c.relname || ' (' || i.relname || ')' {INDEXES}
+         CROSS JOIN LATERAL unnest(x.indkey::int2[], x.indcollation::oid[]) AS k (attnum, coll)
+         LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
+         WHERE {OURS}
+           AND coalesce(CASE WHEN k.attnum > 0 THEN a.attcollation ELSE k.coll END, 0)
+               NOT IN (0, 'pg_catalog.\"C\"'::regcollation)
+         ORDER BY 1"
     );
     for (service, url) in [("ledger", ledger_db), ("policy", policy_db)] {
         let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
