@@ -795,11 +795,9 @@ async fn a_burst_past_the_admission_queue_is_recorded_or_refused_whole_on_postgr
 /// Every key the ledger and the policy service index by text compares byte by byte on
 /// PostgreSQL (`COLLATE "C"`), whatever the database's own locale: identifiers sorted with
 /// strcoll cost every index insert of a step, and would be ordered otherwise than on SQLite.
-/// Read off every index key: a column's declared collation (of any string type), an
-/// expression's collation. Not the index's own record of a column's collation: PostgreSQL keeps
-/// an index whose order a collation change does not alter (from the default to "C" in a
-/// database of locale `C`, as the harness's) without updating it. Before the migrations that
-/// set them, 29 of the ledger's index keys were in the database's default collation.
+/// Read off every index key: the index's own collation for it, and its column's as declared
+/// (of any string type) or its expression's. Before the migrations that set them, 29 of the
+/// ledger's index keys were in the database's default collation.
 #[tokio::test]
 async fn indexed_identifiers_compare_bytewise_on_postgres() {
     use sqlx::Connection as _;
@@ -810,7 +808,8 @@ async fn indexed_identifiers_compare_bytewise_on_postgres() {
         ..Default::default()
     };
     let (ledger_db, policy_db) = (options.database_url.clone(), options.policy_database_url.clone());
-    // Starting the services applies their migrations.
+    // The services apply their migrations as they start, but may listen before they are
+    // done: the catalog is read once every migration of the service's folder is recorded.
     let mesh = warden_testkit::Mesh::start(options).await.expect("mesh");
     // The indexes of the service's own tables.
     const INDEXES: &str = "\
@@ -827,12 +826,25 @@ async fn indexed_identifiers_compare_bytewise_on_postgres() {
          CROSS JOIN LATERAL unnest(x.indkey::int2[], x.indcollation::oid[]) AS k (attnum, coll)
          LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
          WHERE {OURS}
-           AND coalesce(CASE WHEN k.attnum > 0 THEN a.attcollation ELSE k.coll END, 0)
-               NOT IN (0, 'pg_catalog.\"C\"'::regcollation)
+           AND (coalesce(CASE WHEN k.attnum > 0 THEN a.attcollation ELSE k.coll END, 0)
+                  NOT IN (0, 'pg_catalog.\"C\"'::regcollation)
+                OR coalesce(k.coll, 0) NOT IN (0, 'pg_catalog.\"C\"'::regcollation))
          ORDER BY 1"
     );
     for (service, url) in [("ledger", ledger_db), ("policy", policy_db)] {
+        let folder = format!("{}/../services/{service}/migrations/postgres", env!("CARGO_MANIFEST_DIR"));
+        let migrations = std::fs::read_dir(&folder).expect("migrations").count() as i64;
         let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let applied: Result<i64, _> =
+                sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success").fetch_one(&mut conn).await;
+            if applied.as_ref().is_ok_and(|n| *n == migrations) {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the {service}'s {migrations} migrations: {applied:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let indexes: i64 = sqlx::query_scalar(&count).fetch_one(&mut conn).await.expect("count indexes");
         assert!(indexes >= 10, "the {service}'s tables are there ({indexes} indexes)");
         let linguistic: Vec<String> = sqlx::query_scalar(&not_bytewise).fetch_all(&mut conn).await.expect("catalog");
