@@ -81,11 +81,19 @@ fn synthetic_run(run_id: &str, n: u64) -> Vec<warden_core::chain::ChainedEvent> 
         .collect()
 }
 
+/// Most appends the concurrent test signs ahead (`--runs` x `--appends`).
+const MAX_CONCURRENT_APPENDS: usize = 1_000_000;
+
 fn ms(us: u64) -> String {
     format!("{:.2}ms", us as f64 / 1000.0)
 }
 
 pub async fn run(args: &LedgerBenchArgs) -> anyhow::Result<()> {
+    // The concurrent test's appends are signed ahead and held until sent (about 1 kB each).
+    anyhow::ensure!(
+        args.runs.saturating_mul(args.appends) <= MAX_CONCURRENT_APPENDS,
+        "--runs x --appends is at most {MAX_CONCURRENT_APPENDS}"
+    );
     let pg = tokio::task::spawn_blocking(|| warden_testkit::servers::start_postgres(false)).await??;
     let database_url = pg.create_database().await?;
     let mesh = warden_testkit::Mesh::start(warden_testkit::MeshOptions {

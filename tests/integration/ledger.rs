@@ -808,9 +808,11 @@ async fn indexed_identifiers_compare_bytewise_on_postgres() {
         ..Default::default()
     };
     let (ledger_db, policy_db) = (options.database_url.clone(), options.policy_database_url.clone());
-    // The services apply their migrations as they start, but may listen before they are
-    // done: the catalog is read once every migration of the service's folder is recorded.
     let mesh = warden_testkit::Mesh::start(options).await.expect("mesh");
+    // Each service announces its port before it has opened its store (and migrated), but
+    // answers only once it has: one answer from each, and the catalogs are complete.
+    mesh.ledger().get_ledger_keys(pb::GetLedgerKeysRequest {}).await.expect("ledger keys");
+    mesh.policy().get_verification_keys(pb::GetVerificationKeysRequest {}).await.expect("policy keys");
     // The indexes of the service's own tables.
     const INDEXES: &str = "\
         FROM pg_index x
@@ -819,36 +821,29 @@ async fn indexed_identifiers_compare_bytewise_on_postgres() {
         JOIN pg_namespace n ON n.oid = c.relnamespace";
     const OURS: &str = "n.nspname = current_schema() AND c.relname <> '_sqlx_migrations'";
     let count = format!("SELECT count(*) {INDEXES} WHERE {OURS}");
-    // Each index key's collation: its column's as declared, or its expression's (0 for a key
-    // of a type without one).
+    // Each index key's collation as the index records it, and its column's as declared (an
+    // expression's key has no column: attnum 0); 0 for a type without one.
     let not_bytewise = format!(
         "SELECT c.relname || ' (' || i.relname || ')' {INDEXES}
          CROSS JOIN LATERAL unnest(x.indkey::int2[], x.indcollation::oid[]) AS k (attnum, coll)
          LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
          WHERE {OURS}
-           AND (coalesce(CASE WHEN k.attnum > 0 THEN a.attcollation ELSE k.coll END, 0)
-                  NOT IN (0, 'pg_catalog.\"C\"'::regcollation)
-                OR coalesce(k.coll, 0) NOT IN (0, 'pg_catalog.\"C\"'::regcollation))
+           AND (coalesce(k.coll, 0) NOT IN (0, 'pg_catalog.\"C\"'::regcollation)
+                OR coalesce(a.attcollation, 0) NOT IN (0, 'pg_catalog.\"C\"'::regcollation))
          ORDER BY 1"
     );
     for (service, url) in [("ledger", ledger_db), ("policy", policy_db)] {
         let folder = format!("{}/../services/{service}/migrations/postgres", env!("CARGO_MANIFEST_DIR"));
         let migrations = std::fs::read_dir(&folder).expect("migrations").count() as i64;
         let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let applied: Result<i64, _> =
-                sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success").fetch_one(&mut conn).await;
-            if applied.as_ref().is_ok_and(|n| *n == migrations) {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "the {service}'s {migrations} migrations: {applied:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
+            .fetch_one(&mut conn)
+            .await
+            .expect("migrations");
+        assert_eq!(applied, migrations, "the {service}'s migrations, every one recorded");
         let indexes: i64 = sqlx::query_scalar(&count).fetch_one(&mut conn).await.expect("count indexes");
         assert!(indexes >= 10, "the {service}'s tables are there ({indexes} indexes)");
         let linguistic: Vec<String> = sqlx::query_scalar(&not_bytewise).fetch_all(&mut conn).await.expect("catalog");
         assert!(linguistic.is_empty(), "the {service}'s index keys not in \"C\": {linguistic:?}");
     }
-    drop(mesh);
 }
