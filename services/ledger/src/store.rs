@@ -28,6 +28,7 @@ mod checks;
 mod create;
 pub mod derived;
 mod hot;
+mod inplace;
 mod unbound;
 
 pub use create::PreparedRun;
@@ -183,6 +184,9 @@ pub struct LedgerStore {
     /// Request acknowledgements signed while their batch was being written, for the answer to
     /// take (see [`Self::acknowledge`]).
     presigned: Arc<std::sync::Mutex<HashMap<(String, u64), Presigned>>>,
+    /// SQLite: the connection that commits batches decided from memory in place (see
+    /// [`inplace`]); none on PostgreSQL or for a database only sqlx can open.
+    in_place: Option<Arc<inplace::InPlace>>,
 }
 
 /// An acknowledgement signed ahead, with what it was signed for: the tenant and the event's
@@ -340,6 +344,7 @@ impl LedgerStore {
             runs_read: Default::default(),
             reads: Arc::new(tokio::sync::Semaphore::new((max_connections as usize / 2).max(1))),
             presigned: Default::default(),
+            in_place: if backend == Backend::Sqlite { inplace::InPlace::for_url(&url).map(Arc::new) } else { None },
         })
     }
 
@@ -347,6 +352,12 @@ impl LedgerStore {
     /// whole, or only what a batch needs of a run too large to keep (see `store::hot`).
     pub fn runs_read(&self) -> u64 {
         self.runs_read.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// SQLite: batches committed in place, and batches that found the file's write lock held
+    /// and were written through the pool instead, since start (see [`inplace`]).
+    pub fn in_place_counts(&self) -> (u64, u64) {
+        self.in_place.as_ref().map(|p| p.counts()).unwrap_or_default()
     }
 
     pub(crate) fn count_runs_read(&self, n: usize) {
@@ -796,6 +807,11 @@ impl LedgerStore {
         if self.backend == Backend::Postgres {
             batch::write_one_statement(self, decided).await?;
         } else if !decided.touched.is_empty() {
+            if let Some(in_place) = &self.in_place
+                && let inplace::Written::Done = in_place.write(self, decided)?
+            {
+                return Ok(());
+            }
             // On a kept connection, as the one statement above: SQLite's pool would otherwise
             // ping the connection on its worker thread after every batch.
             let mut conn = self.write_conn().await?;
@@ -1133,6 +1149,63 @@ mod tests {
             .into_iter()
             .map(|r| r.map(|g| g.into_iter().map(|(_, dup)| dup).collect()).map_err(|e| e.to_string()))
             .collect()
+    }
+
+    /// SQLite commits a batch decided from memory in place; a batch that finds another
+    /// writer holding the file's lock writes nothing in place, and is written whole through the
+    /// pool once the lock is free; the next batch is in place again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_batches_commit_in_place_and_wait_behind_another_writer() {
+        let (dir, store) = test_sqlite().await;
+        let plan = json!({ "steps": [] });
+        store.create_run(new_run("a", &plan)).await.expect("created");
+        assert_eq!(repeats(store.append_groups(vec![vec![note("a", "n1")]]).await), [Ok(vec![false])]);
+        let (written, deferred) = store.in_place_counts();
+        assert_eq!((written, deferred), (1, 0), "the append was committed in place");
+
+        // Another process's writer holds SQLite's write lock.
+        let other = rusqlite::Connection::open(dir.path().join("ledger.db")).expect("second connection");
+        other.execute_batch("BEGIN IMMEDIATE").expect("the lock");
+        let appending = {
+            let store = store.clone();
+            tokio::spawn(async move { store.append_groups(vec![vec![note("a", "n2")]]).await })
+        };
+        let waited = std::time::Instant::now();
+        while store.in_place_counts().1 == 0 {
+            assert!(waited.elapsed() < Duration::from_secs(30), "the append never found the lock held");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(!appending.is_finished(), "written while another writer held the lock");
+        other.execute_batch("COMMIT").expect("released");
+        assert_eq!(repeats(appending.await.expect("joined")), [Ok(vec![false])]);
+        assert_eq!(store.in_place_counts(), (1, 1), "written through the pool");
+
+        assert_eq!(repeats(store.append_groups(vec![vec![note("a", "n3")]]).await), [Ok(vec![false])]);
+        assert_eq!(store.in_place_counts(), (2, 1), "in place again");
+        // One chain, each event once, in order, linked.
+        let events = store.events("a", 0, 100).await.expect("events");
+        let keys: Vec<&str> = events.iter().map(|e| e.body.idempotency_key.as_str()).collect();
+        assert_eq!(keys.iter().filter(|k| k.starts_with('n')).copied().collect::<Vec<_>>(), ["n1", "n2", "n3"]);
+        for (i, pair) in events.windows(2).enumerate() {
+            assert_eq!(pair[1].body.seq, pair[0].body.seq + 1, "contiguous at {i}");
+            assert_eq!(pair[1].prev_hash, pair[0].hash, "linked at {i}");
+        }
+        // The stored head is the last event's, signed as the pooled path signs it.
+        let head = store.get_run("a").await.expect("read").expect("the run");
+        assert_eq!(
+            (head.last_seq, head.head_hash.as_str()),
+            (events.last().expect("events").body.seq, events.last().expect("events").hash.as_str())
+        );
+    }
+
+    #[test]
+    fn only_a_file_named_plainly_is_written_in_place() {
+        let dir = std::env::temp_dir();
+        let file = sqlite_url(&format!("sqlite://{}/x.db", dir.display())).expect("url");
+        assert!(inplace::InPlace::for_url(&file).is_some());
+        assert!(inplace::InPlace::for_url(&sqlite_url("sqlite::memory:").expect("url")).is_none());
+        assert!(inplace::InPlace::for_url("sqlite://file%20name.db?mode=rwc").is_none());
+        assert!(inplace::InPlace::for_url("sqlite://x.db?mode=memory").is_none());
     }
 
     #[tokio::test]

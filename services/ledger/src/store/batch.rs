@@ -244,12 +244,12 @@ fn bind_head_columns<'q>(store: &LedgerStore, q: Query<'q>, st: &'q RunState) ->
 
 /// The head write of [`write_one_query`], with anonymous marks: the new head's columns, then
 /// the run id and the stored `last_seq` it is conditional on, in that order.
-const UPDATE_HEAD_ANONYMOUS: &str =
+pub(super) const UPDATE_HEAD_ANONYMOUS: &str =
     "UPDATE runs SET last_seq = ?, head_hash = ?, max_epoch = ?, status = ?, reason = ?,
      updated_at_ms = ?, head_signature = ?, head_key_id = ?
  WHERE run_id = ? AND last_seq = ?";
 
-fn moved(run_id: &str) -> LedgerError {
+pub(super) fn moved(run_id: &str) -> LedgerError {
     LedgerError::Moved(format!("run '{run_id}' moved on under another writer; append again"))
 }
 
