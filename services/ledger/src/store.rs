@@ -334,6 +334,15 @@ impl LedgerStore {
             Backend::Postgres => &POSTGRES_MIGRATIONS,
         };
         migrator.run(&pool).await.map_err(|e| LedgerError::Unavailable(format!("migrations failed: {e}")))?;
+        let in_place = if backend == Backend::Sqlite && inplace::InPlace::eligible(&url) {
+            // The file as SQLite names the pool's database, however the URL spelled it.
+            let file: String = sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
+                .fetch_one(&pool)
+                .await?;
+            inplace::InPlace::at(&file).map(Arc::new)
+        } else {
+            None
+        };
         Ok(LedgerStore {
             pool,
             backend,
@@ -344,7 +353,7 @@ impl LedgerStore {
             runs_read: Default::default(),
             reads: Arc::new(tokio::sync::Semaphore::new((max_connections as usize / 2).max(1))),
             presigned: Default::default(),
-            in_place: if backend == Backend::Sqlite { inplace::InPlace::for_url(&url).map(Arc::new) } else { None },
+            in_place,
         })
     }
 
@@ -807,7 +816,10 @@ impl LedgerStore {
         if self.backend == Backend::Postgres {
             batch::write_one_statement(self, decided).await?;
         } else if !decided.touched.is_empty() {
+            // In place when the batch is one the pooled path would send as one query: the
+            // caller's thread is not held by a batch larger than that.
             if let Some(in_place) = &self.in_place
+                && decided.fits_one_query()
                 && let inplace::Written::Done = in_place.write(self, decided)?
             {
                 return Ok(());
@@ -1198,14 +1210,31 @@ mod tests {
         );
     }
 
-    #[test]
-    fn only_a_file_named_plainly_is_written_in_place() {
-        let dir = std::env::temp_dir();
-        let file = sqlite_url(&format!("sqlite://{}/x.db", dir.display())).expect("url");
-        assert!(inplace::InPlace::for_url(&file).is_some());
-        assert!(inplace::InPlace::for_url(&sqlite_url("sqlite::memory:").expect("url")).is_none());
-        assert!(inplace::InPlace::for_url("sqlite://file%20name.db?mode=rwc").is_none());
-        assert!(inplace::InPlace::for_url("sqlite://x.db?mode=memory").is_none());
+    /// Only a database file opened read-write with no other option is written in place, and
+    /// it is the file the pool has open, named as SQLite names it, whatever the URL's spelling.
+    #[tokio::test]
+    async fn only_a_file_opened_plainly_is_written_in_place() {
+        for url in [
+            "sqlite::memory:",
+            "sqlite://file::memory:?cache=shared",
+            "sqlite://x.db?mode=ro",
+            "sqlite://x.db?mode=rwc&immutable=1",
+            "sqlite://x.db?mode=rwc&vfs=unix-dotfile",
+        ] {
+            assert!(!inplace::InPlace::eligible(&sqlite_url(url).expect("url")), "{url}");
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        for url in [
+            format!("sqlite://{}/a.db", dir.path().display()),
+            format!("sqlite:{}/b.db?mode=rwc", dir.path().display()),
+        ] {
+            assert!(inplace::InPlace::eligible(&sqlite_url(&url).expect("url")), "{url}");
+            let store = LedgerStore::connect(&url, 2, SigningKey::from_bytes(&[7; 32])).await.expect("store");
+            let plan = json!({ "steps": [] });
+            store.create_run(new_run("r", &plan)).await.expect("created");
+            assert_eq!(repeats(store.append_groups(vec![vec![note("r", "n1")]]).await), [Ok(vec![false])]);
+            assert_eq!(store.in_place_counts(), (1, 0), "{url}: in place");
+        }
     }
 
     #[tokio::test]

@@ -28,12 +28,15 @@
 //! (no fsync at commit with `synchronous=NORMAL`), and now and then SQLite's automatic
 //! checkpoint, which copies the WAL into the database file and syncs it — a few
 //! milliseconds every thousand pages (about 250 steps), as any connection that commits does.
-//! An in-memory database (`sqlite::memory:`) is private to the connection that opened it,
-//! and a URL with percent-escapes names a file only sqlx decodes: both keep the pooled path.
+//! Which file: the one the pool has open, as SQLite names it (`pragma_database_list`, an
+//! absolute path), so the two connections cannot differ on how a URL spells it. The pooled
+//! path stays the only one for an in-memory database (private to each connection, or shared
+//! only under its URI name), and for a URL with options beyond `mode=rw`/`rwc` (`mode=ro`,
+//! `immutable`, `vfs`, …), which a plain read-write open would not honour.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, TryLockError};
 
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior, params};
 
@@ -49,6 +52,9 @@ const INSERT_RECEIPT: &str = "INSERT INTO receipts (receipt_id, run_id, step_id,
 pub struct InPlace {
     path: PathBuf,
     conn: Mutex<Option<Connection>>,
+    /// Set when the file could not be opened in place: the pool writes from then on (one
+    /// warning, not one per batch).
+    unopenable: AtomicBool,
     written: AtomicU64,
     deferred: AtomicU64,
 }
@@ -63,24 +69,31 @@ pub enum Written {
 }
 
 impl InPlace {
-    /// For the database of a SQLite URL as [`super::sqlite_url`] spells it, when it is a file
-    /// this process can open by name.
-    pub fn for_url(url: &str) -> Option<InPlace> {
-        let rest = url.strip_prefix("sqlite://")?;
+    /// Whether a SQLite URL, as [`super::sqlite_url`] spells it, may be written in place:
+    /// no options but the read-write mode (see the module's doc).
+    pub fn eligible(url: &str) -> bool {
+        let Some(rest) = url.strip_prefix("sqlite://") else { return false };
         let (file, query) = rest.split_once('?').unwrap_or((rest, ""));
-        if file.is_empty() || file == ":memory:" || file.contains('%') || query.contains("mode=memory") {
-            return None;
-        }
-        Some(InPlace {
+        !file.is_empty()
+            && !file.starts_with("file:")
+            && file != ":memory:"
+            && query.split('&').filter(|o| !o.is_empty()).all(|o| o == "mode=rw" || o == "mode=rwc")
+    }
+
+    /// For the database file SQLite names `file` (the pool's `main` database); none for an
+    /// in-memory or temporary one (an empty name).
+    pub fn at(file: &str) -> Option<InPlace> {
+        (!file.is_empty()).then(|| InPlace {
             path: PathBuf::from(file),
             conn: Mutex::new(None),
+            unopenable: AtomicBool::new(false),
             written: AtomicU64::new(0),
             deferred: AtomicU64::new(0),
         })
     }
 
-    /// Batches committed in place, and batches that found the file's lock held and were
-    /// written the pooled way, since start.
+    /// Batches committed in place, and batches written the pooled way instead (the file's
+    /// lock held, SQLite busy, the connection unavailable), since start.
     pub fn counts(&self) -> (u64, u64) {
         (self.written.load(Ordering::Relaxed), self.deferred.load(Ordering::Relaxed))
     }
@@ -101,20 +114,39 @@ impl InPlace {
     /// Writes what `d` decided in one transaction on this thread, or defers it (see
     /// [`Written`]). Heads are signed here, as the pooled path signs them.
     pub fn write(&self, store: &LedgerStore, d: &Decided) -> Result<Written, LedgerError> {
-        let Ok(mut slot) = self.conn.try_lock() else {
+        if self.unopenable.load(Ordering::Relaxed) {
             return Ok(self.defer());
+        }
+        let mut slot = match self.conn.try_lock() {
+            Ok(slot) => slot,
+            Err(TryLockError::WouldBlock) => return Ok(self.defer()),
+            // A batch panicked holding it: its transaction was rolled back as it unwound, but
+            // the connection is not trusted again.
+            Err(TryLockError::Poisoned(p)) => {
+                let mut slot = p.into_inner();
+                *slot = None;
+                self.conn.clear_poison();
+                slot
+            }
         };
         if slot.is_none() {
             match self.open() {
                 Ok(conn) => *slot = Some(conn),
                 Err(e) => {
+                    self.unopenable.store(true, Ordering::Relaxed);
                     tracing::warn!(error = %e, path = %self.path.display(), "cannot open the ledger's file in place; writing through the pool");
                     return Ok(self.defer());
                 }
             }
         }
         let Some(conn) = slot.as_mut() else { return Ok(self.defer()) };
-        match commit(store, conn, d) {
+        let outcome = commit(store, conn, d);
+        if outcome.is_err() && !conn.is_autocommit() {
+            // Its rollback failed (rusqlite ignores that when a transaction is dropped): the
+            // connection may still hold the file's lock. Closing it lets go of both.
+            *slot = None;
+        }
+        match outcome {
             Ok(()) => {
                 self.written.fetch_add(1, Ordering::Relaxed);
                 Ok(Written::Done)
@@ -122,9 +154,11 @@ impl InPlace {
             Err(Failed::Busy) => Ok(self.defer()),
             Err(Failed::Moved(run_id)) => Err(moved(&run_id)),
             Err(Failed::Db(e)) => {
-                // Whatever state the connection is in, it is not used again.
+                // Whatever state the connection is in, it is not used again. Answered as the
+                // pooled path answers a failure of the file (a full disk, a damaged file, a
+                // constraint the checks in memory should have caught): internal.
                 *slot = None;
-                Err(storage(e))
+                Err(LedgerError::Internal(format!("ledger database: {e}")))
             }
         }
     }
@@ -157,26 +191,20 @@ fn is_busy(e: &rusqlite::Error) -> bool {
     matches!(e.sqlite_error_code(), Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked))
 }
 
-/// A failure of the file itself: the same answers as the pooled path's (a full disk, a
-/// constraint the checks in memory should have caught, a damaged file).
-fn storage(e: rusqlite::Error) -> LedgerError {
-    match e.sqlite_error_code() {
-        Some(ErrorCode::DiskFull | ErrorCode::SystemIoFailure | ErrorCode::CannotOpen | ErrorCode::ReadOnly) => {
-            LedgerError::Unavailable(format!("ledger database: {e}"))
-        }
-        _ => LedgerError::Internal(format!("ledger database: {e}")),
-    }
-}
-
 /// The transaction of [`InPlace::write`]. Dropped unfinished (any `?`), rusqlite rolls it back.
 fn commit(store: &LedgerStore, conn: &mut Connection, d: &Decided) -> Result<(), Failed> {
+    // Heads signed before the file's lock is taken, so that it is held only for the writes.
+    let heads: Vec<_> = d
+        .touched
+        .iter()
+        .filter_map(|run| d.states.get(run))
+        .map(|st| (st, store.sign_head(&st.head.run_id, st.head.last_seq, &st.head.head_hash)))
+        .collect();
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     {
         let mut head = tx.prepare_cached(UPDATE_HEAD_ANONYMOUS)?;
-        for run in &d.touched {
-            let Some(st) = d.states.get(run) else { continue };
+        for (st, (signature, key_id)) in &heads {
             let h = &st.head;
-            let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
             let changed = head.execute(params![
                 h.last_seq as i64,
                 h.head_hash,
