@@ -21,8 +21,9 @@
 //!   SQLite ledger has one write lane, so it is free); a batch that finds it taken goes the
 //!   pooled way.
 //! - **A connection in doubt is dropped.** Any failure other than a moved head or a busy lock
-//!   closes the connection (the next batch opens another); an open transaction never
-//!   survives a batch (rusqlite rolls back one dropped unfinished).
+//!   closes the connection (the next batch opens another), and so does one still inside a
+//!   transaction after either (rusqlite rolls back a transaction dropped unfinished, but does
+//!   not report a rollback that failed): an open transaction never survives a batch.
 //!
 //! What is left on the caller's thread: the statements and SQLite's write of its WAL frames
 //! (no fsync at commit with `synchronous=NORMAL`), and now and then SQLite's automatic
