@@ -169,7 +169,7 @@ pub fn insert_events_sql(rows: usize, from: usize) -> String {
     insert_events_with(&marks(rows, 10, from))
 }
 
-fn insert_events_with(marks: &str) -> String {
+pub(super) fn insert_events_with(marks: &str) -> String {
     format!(
         "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash) VALUES {marks}"
     )
@@ -184,7 +184,7 @@ pub fn bind_events<'q, E: std::borrow::Borrow<ChainedEvent>>(mut q: Query<'q>, e
 }
 
 /// The `INSERT` of receipts whose values `marks` takes (see [`bind_receipt`]).
-fn insert_receipts_with(marks: &str) -> String {
+pub(super) fn insert_receipts_with(marks: &str) -> String {
     format!("INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES {marks}")
 }
 

@@ -37,17 +37,18 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, TryLockError};
+use std::sync::{LazyLock, Mutex, TryLockError};
 
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior, params};
 
 use super::LedgerStore;
-use super::batch::{Decided, UPDATE_HEAD_ANONYMOUS, moved};
+use super::batch::{Decided, UPDATE_HEAD_ANONYMOUS, anonymous_marks, insert_events_with, insert_receipts_with, moved};
 use crate::error::LedgerError;
 
-const INSERT_EVENT: &str = "INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash)
- VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
-const INSERT_RECEIPT: &str = "INSERT INTO receipts (receipt_id, run_id, step_id, attempt, seq, body_json, status, hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?)";
+/// The pooled path's `INSERT`s of one row each, prepared once per connection (the values are
+/// bound in the order of `batch::bind_event` and `batch::bind_receipt`).
+static INSERT_EVENT: LazyLock<String> = LazyLock::new(|| insert_events_with(&anonymous_marks(1, 10)));
+static INSERT_RECEIPT: LazyLock<String> = LazyLock::new(|| insert_receipts_with(&anonymous_marks(1, 8)));
 
 /// The ledger's own connection to its SQLite file, for batches committed in place.
 pub struct InPlace {
@@ -130,17 +131,17 @@ impl InPlace {
                 slot
             }
         };
-        if slot.is_none() {
-            match self.open() {
-                Ok(conn) => *slot = Some(conn),
+        let conn = match &mut *slot {
+            Some(conn) => conn,
+            empty => match self.open() {
+                Ok(conn) => empty.insert(conn),
                 Err(e) => {
                     self.unopenable.store(true, Ordering::Relaxed);
                     tracing::warn!(error = %e, path = %self.path.display(), "cannot open the ledger's file in place; writing through the pool");
                     return Ok(self.defer());
                 }
-            }
-        }
-        let Some(conn) = slot.as_mut() else { return Ok(self.defer()) };
+            },
+        };
         let outcome = commit(store, conn, d);
         if outcome.is_err() && !conn.is_autocommit() {
             // Its rollback failed (rusqlite ignores that when a transaction is dropped): the
@@ -203,6 +204,7 @@ fn commit(store: &LedgerStore, conn: &mut Connection, d: &Decided) -> Result<(),
         .collect();
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     {
+        // In the order of `batch::bind_head_columns`, then the run and its stored seq.
         let mut head = tx.prepare_cached(UPDATE_HEAD_ANONYMOUS)?;
         for (st, (signature, key_id)) in &heads {
             let h = &st.head;
@@ -222,7 +224,7 @@ fn commit(store: &LedgerStore, conn: &mut Connection, d: &Decided) -> Result<(),
                 return Err(Failed::Moved(h.run_id.clone()));
             }
         }
-        let mut event = tx.prepare_cached(INSERT_EVENT)?;
+        let mut event = tx.prepare_cached(&INSERT_EVENT)?;
         for e in &d.events {
             event.execute(params![
                 e.body.run_id,
@@ -237,7 +239,7 @@ fn commit(store: &LedgerStore, conn: &mut Connection, d: &Decided) -> Result<(),
                 e.hash,
             ])?;
         }
-        let mut receipt = tx.prepare_cached(INSERT_RECEIPT)?;
+        let mut receipt = tx.prepare_cached(&INSERT_RECEIPT)?;
         for r in &d.receipts {
             receipt.execute(params![
                 r.receipt_id,
