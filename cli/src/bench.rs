@@ -309,8 +309,13 @@ struct Snapshot {
     cpu: Vec<std::collections::HashMap<u32, u64>>,
     commits: i64,
     statements: i64,
+    /// Bytes of WAL written so far (`pg_current_wal_lsn`, exact at any moment).
+    wal_bytes: i64,
     /// With `WARDEN_BENCH_SQL=1`: the most called statements (calls, text).
     top: Vec<(i64, String)>,
+    /// With `WARDEN_BENCH_SQL=1`: per table, rows inserted, rows updated and updates that were
+    /// HOT (no index touched), read once every backend has sent its statistics.
+    tables: Vec<(String, i64, i64, i64)>,
 }
 
 impl Counters {
@@ -324,9 +329,13 @@ impl Counters {
         groups
     }
 
-    async fn snapshot(&self) -> Snapshot {
-        let cpu = self.groups().iter().map(|(_, pids)| cpu_ticks(pids)).collect();
-        let (mut commits, mut statements, mut top) = (0, 0, Vec::new());
+    /// The counters as a workload starts (`starting`) or once it ended: the processes' CPU is
+    /// read nearest the workload, after the database's counters at its start and before them
+    /// at its end, so that the wait for the database's statistics is not counted.
+    async fn snapshot(&self, starting: bool) -> Snapshot {
+        let cpu_now = || -> Vec<_> { self.groups().iter().map(|(_, pids)| cpu_ticks(pids)).collect() };
+        let mut cpu = if starting { Vec::new() } else { cpu_now() };
+        let (mut commits, mut statements, mut wal_bytes, mut top, mut tables) = (0, 0, 0, Vec::new(), Vec::new());
         if let Some(url) = &self.db
             && let Ok(mut c) = <sqlx::PgConnection as sqlx::Connection>::connect(url).await
         {
@@ -348,7 +357,21 @@ impl Counters {
             .fetch_one(&mut c)
             .await
             .unwrap_or_default();
+            wal_bytes = sqlx::query_scalar::<_, i64>("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+                .fetch_one(&mut c)
+                .await
+                .unwrap_or_default();
             if std::env::var("WARDEN_BENCH_SQL").is_ok() {
+                // A backend sends its table statistics at most once a second, and one gone idle
+                // only 10 s after its last transaction (PostgreSQL 15's PGSTAT_IDLE_INTERVAL).
+                tokio::time::sleep(std::time::Duration::from_secs(11)).await;
+                tables = sqlx::query_as::<_, (String, i64, i64, i64)>(
+                    "SELECT relname::text, n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables
+                     WHERE n_tup_ins + n_tup_upd > 0 ORDER BY relname",
+                )
+                .fetch_all(&mut c)
+                .await
+                .unwrap_or_default();
                 top = sqlx::query_as::<_, (i64, String)>(
                     "SELECT calls, left(regexp_replace(query, '\\s+', ' ', 'g'), 110) FROM pg_stat_statements
                      WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -359,7 +382,10 @@ impl Counters {
                 .unwrap_or_default();
             }
         }
-        Snapshot { cpu, commits, statements, top }
+        if starting {
+            cpu = cpu_now();
+        }
+        Snapshot { cpu, commits, statements, wal_bytes, top, tables }
     }
 
     /// One line per workload: per step, what each process spent and what the database did.
@@ -386,11 +412,23 @@ impl Counters {
             let before = before.top.iter().find(|(_, q)| q == query).map(|(c, _)| *c).unwrap_or(0);
             line.push_str(&format!("\n        {:>6.2}/step  {}", (calls - before) as f64 / steps as f64, query));
         }
+        for (table, ins, upd, hot) in &after.tables {
+            let (b_ins, b_upd, b_hot) =
+                before.tables.iter().find(|(t, ..)| t == table).map(|(_, i, u, h)| (*i, *u, *h)).unwrap_or_default();
+            let per = |n: i64| n as f64 / steps as f64;
+            line.push_str(&format!(
+                "\n        table {table}: inserts/step {:.2}, updates/step {:.2} (HOT {:.2})",
+                per(ins - b_ins),
+                per(upd - b_upd),
+                per(hot - b_hot)
+            ));
+        }
         if self.db.is_some() {
             line.push_str(&format!(
-                "; commits/step {:.2}, SQL statements/step {:.1}",
+                "; commits/step {:.2}, SQL statements/step {:.1}, WAL kB/step {:.1}",
                 (after.commits - before.commits) as f64 / steps as f64,
-                (after.statements - before.statements) as f64 / steps as f64
+                (after.statements - before.statements) as f64 / steps as f64,
+                (after.wal_bytes - before.wal_bytes) as f64 / 1024.0 / steps as f64
             ));
         }
         line
@@ -449,12 +487,12 @@ async fn chain_workload(on: Workload<'_>) -> anyhow::Result<()> {
     let Workload { shape, ep, tenant, args, counters } = on;
     let plan = chain(args.steps);
     let mut per_step = hist();
-    let before = counters.snapshot().await;
+    let before = counters.snapshot(true).await;
     for _ in 0..args.sequential_runs {
         let wall = one_run(ep, tenant, &plan).await?;
         per_step.record((wall.as_micros() as u64 / args.steps as u64).max(1))?;
     }
-    let after = counters.snapshot().await;
+    let after = counters.snapshot(false).await;
     println!(
         "{shape:<5} {}-step chain x{}: {} per step end to end (min {}, max {})",
         args.steps,
@@ -477,7 +515,7 @@ async fn chain_workload(on: Workload<'_>) -> anyhow::Result<()> {
 async fn batch_workload(on: Workload<'_>) -> anyhow::Result<()> {
     let Workload { shape, ep, tenant, args, counters } = on;
     let plan = chain(args.batch_steps);
-    let before = counters.snapshot().await;
+    let before = counters.snapshot(true).await;
     let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..args.batch_runs {
@@ -489,7 +527,7 @@ async fn batch_workload(on: Workload<'_>) -> anyhow::Result<()> {
         runs.record(t.await??.as_micros() as u64)?;
     }
     let wall = started.elapsed();
-    let after = counters.snapshot().await;
+    let after = counters.snapshot(false).await;
     let n = (args.batch_runs * args.batch_steps) as u64;
     println!(
         "{shape:<5} {} runs x {} steps at once: {:.0} steps/s  (run p50 {}, p99 {})",

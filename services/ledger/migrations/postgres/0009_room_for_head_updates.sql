@@ -1,0 +1,14 @@
+-- A run's row is written once and then updated at every batch that moves its head (last_seq,
+-- head_hash, head_signature, status, updated_at_ms). An update that finds room on the row's own
+-- page is HOT: the new version goes beside the old and none of the table's four indexes is
+-- touched. Packed full (the default fillfactor of 100), a page of freshly created runs has no
+-- such room, so many head updates went elsewhere and inserted a new entry into every index of
+-- `runs`: in the production bench's 200 concurrent runs of 10 steps, a quarter to two fifths of
+-- them (BENCHMARKS.md, 2026-12-03). Leaving three tenths of each page free as rows are inserted
+-- keeps the updates of a page's runs on that page; pruning gives the space of superseded
+-- versions back as the page is updated again.
+--
+-- Only pages filled from now on keep the room; a VACUUM FULL or CLUSTER would apply it to older
+-- pages, which the ledger does not need (old runs are not updated). Takes a SHARE UPDATE
+-- EXCLUSIVE lock: reads and writes go on.
+ALTER TABLE runs SET (fillfactor = 70);
