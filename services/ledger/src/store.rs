@@ -693,6 +693,57 @@ impl LedgerStore {
         }
     }
 
+    /// Whether [`Self::append_in_place_now`] can ever commit here (SQLite, written in place).
+    pub fn commits_in_place(&self) -> bool {
+        self.in_place.is_some()
+    }
+
+    /// One group of plain events appended on the calling thread with no await in between, or
+    /// given back unwritten (`Err`) for a write lane to append. The lane's fast path when it is
+    /// idle ([`crate::group::GroupCommit`]): a chain's append is then decided and committed in
+    /// the caller's task instead of being handed to the lane's task and answered back, two
+    /// hand-overs that in `warden dev` each wake the runtime's other worker.
+    ///
+    /// Only what [`Self::try_groups`] would decide wholly from memory and commit in place
+    /// (SQLite) is taken: a run memory holds, nothing repeated, every event accepted, a batch
+    /// the pooled path would send as one query, the file's lock free. Anything else is given
+    /// back, and what memory held of the run is dropped when it was decided on already (a
+    /// refusal, a lock held, any failure), so the lane decides it on the stored head, as
+    /// [`Self::try_groups`] does after a refusal or an error. Since nothing here awaits, a
+    /// caller that goes away cannot leave it half done.
+    pub fn append_in_place_now(&self, events: Vec<OwnedEvent>) -> Result<crate::group::GroupResult, Vec<OwnedEvent>> {
+        let Some(in_place) = &self.in_place else { return Err(events) };
+        let Some(run) = events.first().map(|e| e.run_id.clone()) else { return Err(events) };
+        if events.iter().any(|e| e.run_id != run || derived::has_effects(&e.event_type)) {
+            return Err(events);
+        }
+        let groups = [events];
+        let mut states = self.hot.take_present(&[run.as_str()]);
+        if states.is_empty() {
+            let [events] = groups;
+            return Err(events);
+        }
+        let repeated = batch::take_repeats(&mut states, &groups);
+        if !repeated.is_empty() {
+            // Put back as it was: the lane looks at the repeat with the stored head.
+            self.hot.put(repeated.into_values().chain(states.into_values()));
+            let [events] = groups;
+            return Err(events);
+        }
+        let mut decided = batch::decide_groups(states, &groups);
+        let written = decided.results.iter().all(Result::is_ok)
+            && decided.fits_one_query()
+            && matches!(in_place.write(self, &decided), Ok(inplace::Written::Done));
+        if !written {
+            // Decided on but not written (or refused): memory's state of the run is not the
+            // stored one any more, so the lane reads it.
+            let [events] = groups;
+            return Err(events);
+        }
+        self.hot.put(std::mem::take(&mut decided.states).into_values());
+        Ok(decided.results.pop().unwrap_or_else(|| Err(LedgerError::Internal("the batch answered no group".into()))))
+    }
+
     /// [`Self::try_groups`], again while the answer is that it must be: a batch decided on a
     /// head another writer moved (it wrote nothing; decided again on stored heads), or a
     /// connection the database dropped, e.g. when it restarted (the pool lets each such
@@ -1132,23 +1183,27 @@ pub(crate) async fn test_sqlite() -> (tempfile::TempDir, LedgerStore) {
     (dir, LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[7; 32])).await.expect("store"))
 }
 
+/// A plain event of run `run` (tenant `t`, epoch 1) with idempotency key `key`.
+#[cfg(test)]
+pub(crate) fn test_note(run: &str, key: &str) -> OwnedEvent {
+    OwnedEvent {
+        tenant: "t".into(),
+        run_id: run.into(),
+        epoch: 1,
+        idempotency_key: key.into(),
+        event_type: "run_started".into(),
+        payload: serde_json::json!({ "note": key }),
+        step_id: String::new(),
+        now_ms: 2,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
 
-    fn note(run: &str, key: &str) -> OwnedEvent {
-        OwnedEvent {
-            tenant: "t".into(),
-            run_id: run.into(),
-            epoch: 1,
-            idempotency_key: key.into(),
-            event_type: "run_started".into(),
-            payload: json!({ "note": key }),
-            step_id: String::new(),
-            now_ms: 2,
-        }
-    }
+    use super::test_note as note;
 
     /// A root run of tenant `t`, started by an executor at epoch 1.
     fn new_run<'a>(run_id: &'a str, plan: &'a serde_json::Value) -> NewRun<'a> {
