@@ -126,7 +126,9 @@ impl GroupCommit {
         let started = std::time::Instant::now();
         // An idle lane (nothing queued, its writer not committing) on SQLite: committed here,
         // in this task, when it can be in place; the lane's writer waits for the lock meanwhile.
-        // Nothing queued before this append is passed: the queue was empty.
+        // One run's appends that wait for each other's answers (a driver's) stay in order;
+        // appends made at once are in the order they commit, as in the lane (a job the writer
+        // took but has not yet locked for can be passed).
         let events = match self.idle(lane) {
             Some(_committing) => match self.store.append_in_place_now(events) {
                 Ok(result) => {
@@ -187,7 +189,12 @@ mod tests {
             let writer = writer.clone();
             tokio::spawn(async move { appended(&writer, "n2").await })
         };
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        // Tried in the caller's task first: deferred there (nothing written), then queued.
+        let waited = std::time::Instant::now();
+        while store.in_place_counts().1 == 0 {
+            assert!(waited.elapsed() < std::time::Duration::from_secs(30), "the append never met the lock");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
         assert!(!appending.is_finished(), "written while another writer held the lock");
         other.execute_batch("COMMIT").expect("released");
         assert_eq!(appending.await.expect("joined"), [false]);

@@ -709,8 +709,10 @@ impl LedgerStore {
     /// the pooled path would send as one query, the file's lock free. Anything else is given
     /// back, and what memory held of the run is dropped when it was decided on already (a
     /// refusal, a lock held, any failure), so the lane decides it on the stored head, as
-    /// [`Self::try_groups`] does after a refusal or an error. Since nothing here awaits, a
-    /// caller that goes away cannot leave it half done.
+    /// [`Self::try_groups`] does after a refusal or an error. A lock held by another writer
+    /// costs more here than on the lane's way, which writes the batch it decided through the
+    /// pool and keeps the run in memory: the lane reads the run back. Since nothing here
+    /// awaits, a caller that goes away cannot leave it half done.
     pub fn append_in_place_now(&self, events: Vec<OwnedEvent>) -> Result<crate::group::GroupResult, Vec<OwnedEvent>> {
         let Some(in_place) = &self.in_place else { return Err(events) };
         let Some(run) = events.first().map(|e| e.run_id.clone()) else { return Err(events) };
@@ -731,9 +733,10 @@ impl LedgerStore {
             return Err(events);
         }
         let mut decided = batch::decide_groups(states, &groups);
+        // Nothing to write when no head moves (the answers are memory's), as in `write_decided_now`.
         let written = decided.results.iter().all(Result::is_ok)
-            && decided.fits_one_query()
-            && matches!(in_place.write(self, &decided), Ok(inplace::Written::Done));
+            && (decided.touched.is_empty()
+                || decided.fits_one_query() && matches!(in_place.write(self, &decided), Ok(inplace::Written::Done)));
         if !written {
             // Decided on but not written (or refused): memory's state of the run is not the
             // stored one any more, so the lane reads it.
