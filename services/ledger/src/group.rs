@@ -130,19 +130,24 @@ impl GroupCommit {
         // appends made at once are in the order they commit, as in the lane (a job the writer
         // took but has not yet locked for can be passed).
         let events = match self.idle(lane) {
-            Some(_committing) => match self.store.append_in_place_now(events) {
-                Ok(result) => {
-                    self.in_caller.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let events = result.as_ref().map_or(0, Vec::len);
-                    warden_telemetry::metrics::ledger_batch_committed(events, started.elapsed());
-                    for appended in result.iter() {
-                        self.followers.publish(appended);
+            // Traced as the lane traces a batch: under the request that brought it.
+            Some(_committing) => {
+                match tracing::info_span!("ledger.batch_commit", batch.events = events.len(), batch.groups = 1)
+                    .in_scope(|| self.store.append_in_place_now(events))
+                {
+                    Ok(result) => {
+                        self.in_caller.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let events = result.as_ref().map_or(0, Vec::len);
+                        warden_telemetry::metrics::ledger_batch_committed(events, started.elapsed());
+                        for appended in result.iter() {
+                            self.followers.publish(appended);
+                        }
+                        warden_telemetry::metrics::ledger_appended(started.elapsed());
+                        return result;
                     }
-                    warden_telemetry::metrics::ledger_appended(started.elapsed());
-                    return result;
+                    Err(events) => events,
                 }
-                Err(events) => events,
-            },
+            }
             None => events,
         };
         let (tx, rx) = oneshot::channel();
