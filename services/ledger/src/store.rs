@@ -714,37 +714,47 @@ impl LedgerStore {
     /// pool and keeps the run in memory: the lane reads the run back. Since nothing here
     /// awaits, a caller that goes away cannot leave it half done.
     pub fn append_in_place_now(&self, events: Vec<OwnedEvent>) -> Result<crate::group::GroupResult, Vec<OwnedEvent>> {
-        let Some(in_place) = &self.in_place else { return Err(events) };
-        let Some(run) = events.first().map(|e| e.run_id.clone()) else { return Err(events) };
-        if events.iter().any(|e| e.run_id != run || derived::has_effects(&e.event_type)) {
-            return Err(events);
-        }
         let groups = [events];
-        let mut states = self.hot.take_present(&[run.as_str()]);
-        if states.is_empty() {
+        let committed = 'commit: {
+            let Some(in_place) = &self.in_place else { break 'commit None };
+            let Some(run) = groups[0].first().map(|e| e.run_id.as_str()) else { break 'commit None };
+            if groups[0].iter().any(|e| e.run_id != run || derived::has_effects(&e.event_type)) {
+                break 'commit None;
+            }
+            let mut states = self.hot.take_present(&[run]);
+            if states.is_empty() {
+                break 'commit None;
+            }
+            let repeated = batch::take_repeats(&mut states, &groups);
+            if !repeated.is_empty() {
+                // Put back as it was: the lane looks at the repeat with the stored head.
+                self.hot.put(repeated.into_values().chain(states.into_values()));
+                break 'commit None;
+            }
+            let mut decided = batch::decide_groups(states, &groups);
+            // Nothing to write when no head moves (the answers are memory's), as in
+            // `write_decided_now`.
+            let written = decided.results.iter().all(Result::is_ok)
+                && (decided.touched.is_empty()
+                    || decided.fits_one_query()
+                        && matches!(in_place.write(self, &decided), Ok(inplace::Written::Done)));
+            if !written {
+                // Decided on but not written (or refused): memory's state of the run is not the
+                // stored one any more, so the lane reads it.
+                break 'commit None;
+            }
+            self.hot.put(std::mem::take(&mut decided.states).into_values());
+            Some(
+                decided
+                    .results
+                    .pop()
+                    .unwrap_or_else(|| Err(LedgerError::Internal("the batch answered no group".into()))),
+            )
+        };
+        committed.ok_or_else(|| {
             let [events] = groups;
-            return Err(events);
-        }
-        let repeated = batch::take_repeats(&mut states, &groups);
-        if !repeated.is_empty() {
-            // Put back as it was: the lane looks at the repeat with the stored head.
-            self.hot.put(repeated.into_values().chain(states.into_values()));
-            let [events] = groups;
-            return Err(events);
-        }
-        let mut decided = batch::decide_groups(states, &groups);
-        // Nothing to write when no head moves (the answers are memory's), as in `write_decided_now`.
-        let written = decided.results.iter().all(Result::is_ok)
-            && (decided.touched.is_empty()
-                || decided.fits_one_query() && matches!(in_place.write(self, &decided), Ok(inplace::Written::Done)));
-        if !written {
-            // Decided on but not written (or refused): memory's state of the run is not the
-            // stored one any more, so the lane reads it.
-            let [events] = groups;
-            return Err(events);
-        }
-        self.hot.put(std::mem::take(&mut decided.states).into_values());
-        Ok(decided.results.pop().unwrap_or_else(|| Err(LedgerError::Internal("the batch answered no group".into()))))
+            events
+        })
     }
 
     /// [`Self::try_groups`], again while the answer is that it must be: a batch decided on a
