@@ -6,7 +6,16 @@
 //! them as one batch
 //! (`warden_core::signature::verify_all`), which under load costs about a third of checking
 //! each alone. Nothing waits for company: a batch is whatever was queued when the task ran,
-//! never held back for more, so a lone request costs a hand-over to the task and back.
+//! never held back for more.
+//!
+//! A lone request is checked in place. Handing it to the task and back costs two hand-overs
+//! between tasks (and, with several worker threads, wake-ups of another thread) for a batch
+//! of one, on every call of a chain of calls. So while the last batch found its request
+//! alone and no request is queued, a request checks its own signatures. One request in
+//! [`PROBE_EVERY`] is queued all the same, and those arriving while any is queued are queued
+//! too, so that company, once there is some, is seen: a batch taken while more than one request
+//! waited (in it, or in another task's queue) puts every request back through the tasks,
+//! until a batch finds its request alone again.
 //!
 //! Under attack: a batch that fails is checked again one signature at a time, so a forged
 //! signature queued with honest ones makes its whole batch cost about a third more than
@@ -16,8 +25,8 @@
 //! The answers are `verify_all`'s: [`warden_core::signature::verify`]'s for every signature a
 //! forger or an alteration could produce (see there).
 
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use tokio::sync::{mpsc, oneshot};
 use warden_core::signature::{Signed, verify_all};
@@ -29,6 +38,9 @@ pub const MAX_BATCH: usize = 256;
 /// Requests waiting for a checking task; past this, callers wait for room.
 const QUEUE: usize = 4096;
 
+/// While requests come alone, one in this many is queued anyway, to see whether others join.
+pub const PROBE_EVERY: usize = 8;
+
 type Job = (Vec<Signed>, oneshot::Sender<Vec<bool>>);
 
 /// Checks signatures of concurrent callers together. Its checking tasks, one per worker
@@ -38,6 +50,29 @@ type Job = (Vec<Signed>, oneshot::Sender<Vec<bool>>);
 pub struct Verifier {
     queues: OnceLock<Vec<mpsc::Sender<Job>>>,
     next: AtomicUsize,
+    company: Arc<Company>,
+}
+
+/// What the verifier knows of its callers' company.
+#[derive(Default)]
+struct Company {
+    /// Whether the last batch the tasks checked held more than one request.
+    seen: AtomicBool,
+    /// Requests queued and not answered yet.
+    queued: AtomicUsize,
+    /// Requests so far (which of them probe).
+    calls: AtomicUsize,
+    /// Batches the tasks checked.
+    batches: AtomicUsize,
+}
+
+/// Counts a queued request until it is answered or its caller goes away.
+struct Queued<'a>(&'a AtomicUsize);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Verifier {
@@ -50,10 +85,17 @@ impl Verifier {
             return Vec::new();
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return verify_all(&items) };
-        let queues = self
-            .queues
-            .get_or_init(|| (0..runtime.metrics().num_workers().max(1)).map(|_| start(&runtime)).collect::<Vec<_>>());
+        let company = &self.company;
+        let probe = company.calls.fetch_add(1, Ordering::Relaxed).is_multiple_of(PROBE_EVERY);
+        if !probe && !company.seen.load(Ordering::Relaxed) && company.queued.load(Ordering::Relaxed) == 0 {
+            return verify_all(&items);
+        }
+        let queues = self.queues.get_or_init(|| {
+            (0..runtime.metrics().num_workers().max(1)).map(|_| start(&runtime, company.clone())).collect::<Vec<_>>()
+        });
         let queue = &queues[self.next.fetch_add(1, Ordering::Relaxed) % queues.len()];
+        company.queued.fetch_add(1, Ordering::Relaxed);
+        let _queued = Queued(&company.queued);
         let (tx, rx) = oneshot::channel();
         match queue.send((items, tx)).await {
             Ok(()) => rx.await.unwrap_or_else(|_| vec![false; n]),
@@ -62,7 +104,7 @@ impl Verifier {
     }
 }
 
-fn start(runtime: &tokio::runtime::Handle) -> mpsc::Sender<Job> {
+fn start(runtime: &tokio::runtime::Handle, company: Arc<Company>) -> mpsc::Sender<Job> {
     let (tx, mut rx) = mpsc::channel::<Job>(QUEUE);
     runtime.spawn(async move {
         while let Some(first) = rx.recv().await {
@@ -81,6 +123,11 @@ fn start(runtime: &tokio::runtime::Handle) -> mpsc::Sender<Job> {
                     Err(_) => break,
                 }
             }
+            // Company: more than one request waiting for a check at once, in this batch or in
+            // another task's queue (callers take the tasks in turn).
+            let waiting = company.queued.load(Ordering::Relaxed);
+            company.seen.store(jobs.len() > 1 || waiting > jobs.len(), Ordering::Relaxed);
+            company.batches.fetch_add(1, Ordering::Relaxed);
             let mut all = Vec::with_capacity(count);
             let mut replies = Vec::with_capacity(jobs.len());
             for (items, reply) in jobs {
@@ -124,6 +171,38 @@ mod tests {
             assert_eq!(answers, [true, i % 5 != 0], "caller {i}");
         }
         assert!(verifier.verify(Vec::new()).await.is_empty());
+    }
+
+    /// A caller alone checks its signatures itself, but for one in [`PROBE_EVERY`]; callers
+    /// together are checked as one batch, and after a batch of several the next caller goes
+    /// through the task too, until a batch holds one caller again.
+    #[tokio::test(flavor = "current_thread")]
+    async fn lone_callers_check_in_place_and_callers_together_in_one_batch() {
+        let verifier = Verifier::default();
+        let batches = || verifier.company.batches.load(Ordering::Relaxed);
+        for i in 0..2 * PROBE_EVERY {
+            let mut item = signed(1, &format!("lone{i}"));
+            if i % 3 == 0 {
+                item.message.push(b'!');
+            }
+            assert_eq!(verifier.verify(vec![item]).await, [i % 3 != 0], "lone caller {i}");
+        }
+        assert_eq!(batches(), 2, "only the probes went through the task");
+        // The next caller probes; those queued after it join its batch.
+        let calls = (0..10u8).map(|i| {
+            let verifier = &verifier;
+            async move { verifier.verify(vec![signed(2, &format!("c{i}"))]).await }
+        });
+        for answers in futures::future::join_all(calls).await {
+            assert_eq!(answers, [true]);
+        }
+        assert_eq!(batches(), 3, "ten callers together, one batch");
+        assert_eq!(verifier.verify(vec![signed(3, "after")]).await, [true]);
+        assert_eq!(batches(), 4, "company was seen: through the task");
+        let mut bad = signed(3, "alone again");
+        bad.message.push(b'!');
+        assert_eq!(verifier.verify(vec![signed(3, "alone"), bad]).await, [true, false]);
+        assert_eq!(batches(), 4, "a batch of one was seen: in place");
     }
 
     #[test]

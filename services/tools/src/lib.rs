@@ -286,7 +286,13 @@ impl ToolHost for ToolHostService {
         let call = Call { request: r, tool, args, args_sha256: digest };
         // The recorded outcome, if any, is read once, in turn with other calls of the key.
         // On its own task: a caller that hangs up (a timeout) must not stop the tool between
-        // its effect and the recording of its outcome.
+        // its effect and the recording of its outcome. A pure tool has no effect to be stopped
+        // after: stopped before its outcome is recorded, it runs again on a repeat and gives
+        // the same outcome, so it runs in the caller's task (a hand-over between tasks less,
+        // which in `warden dev` could wake another worker thread).
+        if tool.pure() {
+            return self.run_once(call).await;
+        }
         let service = self.clone();
         tokio::spawn(async move { service.run_once(call).await })
             .await

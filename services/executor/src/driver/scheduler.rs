@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use futures::FutureExt;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tonic::Status;
@@ -16,6 +17,100 @@ use warden_proto::v1 as pb;
 use super::ctx::{RunCtx, event, load_view, policy_name, run_key, traced};
 use super::step::{Resume, StepOutcome, execute_step, within_grace};
 use super::{DriveError, finish, pause, pausing};
+
+/// What a step's task comes to: the step's id and its outcome.
+type Settled = (String, Result<StepOutcome, DriveError>);
+
+/// A launched step, not yet polled.
+type StepTask = std::pin::Pin<Box<dyn std::future::Future<Output = Settled> + Send>>;
+
+/// The steps one pass of the scheduler launched.
+///
+/// A step is spawned on a task of its own so that several run at once. When a pass launches
+/// exactly one and none is running (every step of a chain), it is polled in the driver's task
+/// instead: spawning it, and being woken by its end, were two hand-overs between tasks per
+/// step, and with several Tokio workers each could wake another worker on another core
+/// (`warden dev` runs every service in one process; BENCHMARKS.md, 2026-12-06). A
+/// cancellation or pause that arrives meanwhile spawns it where it stands, so the loop
+/// handles them as it does beside spawned steps; a lost lease drops it, as the `JoinSet`'s
+/// drop aborts spawned ones; a panic fails the drive as a panicked task does.
+#[derive(Default)]
+struct Launched {
+    /// Whether the pass moved any step to running (a sub-goal's frame included).
+    started: bool,
+    tasks: Vec<StepTask>,
+}
+
+impl Launched {
+    fn push(&mut self, task: StepTask) {
+        self.tasks.push(task);
+    }
+
+    fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Hands the launched steps to `running`, or the only one to `inline`.
+    fn start(self, running: &mut JoinSet<Settled>, inline: &mut Option<StepTask>) {
+        let mut tasks = self.tasks;
+        if tasks.len() == 1 && running.is_empty() && inline.is_none() {
+            *inline = tasks.pop();
+            return;
+        }
+        for task in tasks {
+            running.spawn(task);
+        }
+    }
+}
+
+/// What woke the driver while it polled its one step.
+enum Woke {
+    Settled(std::thread::Result<Settled>),
+    Cancel,
+    Pause,
+}
+
+/// The run's state after a step settled: its status, its output, and what stops new steps.
+#[allow(clippy::type_complexity)]
+fn settle(
+    (status, outputs, first_failure, reconcile, blocked): (
+        &mut Statuses,
+        &mut HashMap<String, Value>,
+        &mut Option<String>,
+        &mut Option<(String, String)>,
+        &mut Option<(String, String, String)>,
+    ),
+    step_id: String,
+    outcome: StepOutcome,
+) {
+    warden_telemetry::metrics::step_settled(outcome.label());
+    match outcome {
+        StepOutcome::Completed(out) => {
+            status.set_id(&step_id, StepStatus::Completed);
+            outputs.insert(step_id, out);
+        }
+        StepOutcome::Failed { reason: why, .. } => {
+            first_failure.get_or_insert(format!("step '{step_id}' failed: {why}"));
+            status.set_id(&step_id, StepStatus::Failed);
+        }
+        StepOutcome::Unknown(why) => {
+            status.set_id(&step_id, StepStatus::Running);
+            reconcile.get_or_insert((step_id, why));
+        }
+        StepOutcome::Blocked { decision_id, reason } => {
+            status.set_id(&step_id, StepStatus::Pending);
+            blocked.get_or_insert((step_id, decision_id, reason));
+        }
+        StepOutcome::Cancelled => {
+            status.set_id(&step_id, StepStatus::Cancelled);
+        }
+        // `execute_step` runs a step's retries itself.
+        StepOutcome::Retry { .. } => {
+            first_failure.get_or_insert(format!("step '{step_id}' stopped between attempts"));
+            status.set_id(&step_id, StepStatus::Failed);
+        }
+    }
+}
 
 /// How a plan ended, when the run did not end with it: its steps failed, and nothing about
 /// the run's end is recorded yet (the driver replans, or records the failure).
@@ -100,7 +195,10 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
     let mut blocked: Option<(String, String, String)> = None;
     let mut cancel_seen = false;
     let mut pause_seen = false;
-    let mut running: JoinSet<(String, Result<StepOutcome, DriveError>)> = JoinSet::new();
+    let mut running: JoinSet<Settled> = JoinSet::new();
+    // The one step a pass launched while no other was running (every step of a chain) is
+    // polled here, in the driver's own task, rather than spawned: see [`Launched`].
+    let mut inline: Option<StepTask> = None;
     loop {
         if ctx.lost.is_cancelled() {
             return Err(DriveError::LeaseLost);
@@ -129,7 +227,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                 }
             }
         }
-        let mut launched = false;
+        let mut launched = Launched::default();
         // Dependents of a failed, denied or cancelled step are cancelled (in dependency order,
         // so the cancellation cascades in one pass).
         for &i in &order {
@@ -159,7 +257,12 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         for &i in &order {
             // After an unknown outcome nothing new starts: an operator decides first. Nor while
             // this replica hands its runs off.
-            if running.len() >= limit || reconcile.is_some() || blocked.is_some() || handing_off || pausing(ctx) {
+            if running.len() + launched.len() >= limit
+                || reconcile.is_some()
+                || blocked.is_some()
+                || handing_off
+                || pausing(ctx)
+            {
                 break;
             }
             let step = &plan.steps[i];
@@ -169,7 +272,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                 continue;
             }
             status.set(i, StepStatus::Running);
-            launched = true;
+            launched.started = true;
             if let Some(goal) = &step.subgoal {
                 let goal = match template::resolve(&Value::String(goal.clone()), &outputs) {
                     Ok(Value::String(g)) => Ok(g),
@@ -178,13 +281,13 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                 };
                 let (c, s) = (ctx.clone(), step.clone());
                 let span = tracing::info_span!("frame", step_id = %s.id);
-                running.spawn(
+                launched.push(Box::pin(
                     async move {
                         let id = s.id.clone();
                         (id, super::frame::open_frame(&c, &s, goal).await)
                     }
                     .instrument(span),
-                );
+                ));
                 continue;
             }
             let from = resume.get(&step.id).cloned().unwrap_or_default();
@@ -214,29 +317,31 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                     let span = tracing::info_span!("step", step_id = %s.id, tool = %tool);
                     let args = resolved.map_err(|e| e.to_string());
                     let outputs = later.then(|| std::sync::Arc::new(outputs.clone()));
-                    running.spawn(
+                    launched.push(Box::pin(
                         async move {
                             let id = s.id.clone();
                             (id, execute_step(&c, &s, args, from, outputs).await)
                         }
                         .instrument(span),
-                    );
+                    ));
                 }
             }
         }
+        let started = launched.started;
+        launched.start(&mut running, &mut inline);
         // Outcomes wait for the next append of the run: a step launched now carries them;
         // if none was, append them before waiting on the steps still running.
-        if !launched && !running.is_empty() {
+        if !started && !running.is_empty() {
             ctx.flush().await?;
         }
-        if running.is_empty() && handing_off {
+        if running.is_empty() && inline.is_none() && handing_off {
             // What settled is recorded; the rest is the next holder's (the lease is released
             // on the way out, so it is taken over at once).
             ctx.flush().await?;
             tracing::info!(run_id = %ctx.run_id, "run handed off");
             return Ok(None);
         }
-        if running.is_empty() {
+        if running.is_empty() && inline.is_none() {
             let settled = status.values().all(|s| s != StepStatus::Pending && s != StepStatus::Running);
             if settled || reconcile.is_some() || blocked.is_some() {
                 break;
@@ -250,8 +355,47 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             }
             // Every pending step is either ready or cancelled by the passes above, so an idle
             // loop here would be a scheduler bug: stop rather than spin.
-            if !launched {
+            if !started {
                 return Err(DriveError::Ledger(Status::internal("scheduler found no runnable step")));
+            }
+            continue;
+        }
+        if let Some(step) = inline.as_mut() {
+            let woke = tokio::select! {
+                settled = std::panic::AssertUnwindSafe(step).catch_unwind() => Woke::Settled(settled),
+                _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+                _ = ctx.cancel.cancelled(), if !cancel_seen => Woke::Cancel,
+                _ = ctx.pause.cancelled(), if !pause_seen => Woke::Pause,
+            };
+            // A cancellation or a pause is handled while the step goes on, as for a spawned
+            // step: it is spawned now, where it stands, and the loop goes round.
+            match woke {
+                Woke::Settled(Err(panic)) => {
+                    let why = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    return Err(DriveError::Ledger(Status::internal(format!("step task failed: it panicked: {why}"))));
+                }
+                Woke::Settled(Ok((step_id, outcome))) => {
+                    inline = None;
+                    settle(
+                        (&mut status, &mut outputs, &mut first_failure, &mut reconcile, &mut blocked),
+                        step_id,
+                        outcome?,
+                    );
+                }
+                Woke::Cancel | Woke::Pause => {
+                    if matches!(woke, Woke::Cancel) {
+                        cancel_seen = true;
+                    } else {
+                        pause_seen = true;
+                    }
+                    if let Some(step) = inline.take() {
+                        running.spawn(step);
+                    }
+                }
             }
             continue;
         }
@@ -272,34 +416,7 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
         let Some(joined) = joined else { continue };
         let (step_id, outcome) =
             joined.map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
-        let outcome = outcome?;
-        warden_telemetry::metrics::step_settled(outcome.label());
-        match outcome {
-            StepOutcome::Completed(out) => {
-                status.set_id(&step_id, StepStatus::Completed);
-                outputs.insert(step_id, out);
-            }
-            StepOutcome::Failed { reason: why, .. } => {
-                first_failure.get_or_insert(format!("step '{step_id}' failed: {why}"));
-                status.set_id(&step_id, StepStatus::Failed);
-            }
-            StepOutcome::Unknown(why) => {
-                status.set_id(&step_id, StepStatus::Running);
-                reconcile.get_or_insert((step_id, why));
-            }
-            StepOutcome::Blocked { decision_id, reason } => {
-                status.set_id(&step_id, StepStatus::Pending);
-                blocked.get_or_insert((step_id, decision_id, reason));
-            }
-            StepOutcome::Cancelled => {
-                status.set_id(&step_id, StepStatus::Cancelled);
-            }
-            // `execute_step` runs a step's retries itself.
-            StepOutcome::Retry { .. } => {
-                first_failure.get_or_insert(format!("step '{step_id}' stopped between attempts"));
-                status.set_id(&step_id, StepStatus::Failed);
-            }
-        }
+        settle((&mut status, &mut outputs, &mut first_failure, &mut reconcile, &mut blocked), step_id, outcome?);
     }
     let count = |st: StepStatus| status.values().filter(|s| *s == st).count();
     let summary = json!({
