@@ -10,12 +10,13 @@
 //!
 //! A lone request is checked in place. Handing it to the task and back costs two hand-overs
 //! between tasks (and, with several worker threads, wake-ups of another thread) for a batch
-//! of one, on every call of a chain of calls. So while the last batch found its request
-//! alone and no request is queued, a request checks its own signatures. One request in
+//! of one, on every call of a chain of calls. So once [`LONE_BATCHES`] batches in a row found
+//! their request alone, and while no request is queued, a request checks its own signatures.
+//! One request in
 //! [`PROBE_EVERY`] is queued all the same, and those arriving while any is queued are queued
 //! too, so that company, once there is some, is seen: a batch taken while more than one request
 //! waited (in it, or in another task's queue) puts every request back through the tasks,
-//! until a batch finds its request alone again.
+//! until batches find their requests alone again.
 //!
 //! Under attack: a batch that fails is checked again one signature at a time, so a forged
 //! signature queued with honest ones makes its whole batch cost about a third more than
@@ -25,7 +26,7 @@
 //! The answers are `verify_all`'s: [`warden_core::signature::verify`]'s for every signature a
 //! forger or an alteration could produce (see there).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use tokio::sync::{mpsc, oneshot};
@@ -40,6 +41,11 @@ const QUEUE: usize = 4096;
 
 /// While requests come alone, one in this many is queued anyway, to see whether others join.
 pub const PROBE_EVERY: usize = 8;
+
+/// Requests are checked in place only after this many batches in a row found theirs alone:
+/// under load, where most batches have company, a lone batch now and then does not take the
+/// requests after it out of their batches.
+pub const LONE_BATCHES: usize = 4;
 
 type Job = (Vec<Signed>, oneshot::Sender<Vec<bool>>);
 
@@ -56,8 +62,8 @@ pub struct Verifier {
 /// What the verifier knows of its callers' company.
 #[derive(Default)]
 struct Company {
-    /// Whether the last batch the tasks checked held more than one request.
-    seen: AtomicBool,
+    /// Batches in a row that found their request alone.
+    alone: AtomicUsize,
     /// Requests queued and not answered yet.
     queued: AtomicUsize,
     /// Requests so far (which of them probe).
@@ -87,7 +93,10 @@ impl Verifier {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return verify_all(&items) };
         let company = &self.company;
         let probe = company.calls.fetch_add(1, Ordering::Relaxed).is_multiple_of(PROBE_EVERY);
-        if !probe && !company.seen.load(Ordering::Relaxed) && company.queued.load(Ordering::Relaxed) == 0 {
+        if !probe
+            && company.alone.load(Ordering::Relaxed) >= LONE_BATCHES
+            && company.queued.load(Ordering::Relaxed) == 0
+        {
             return verify_all(&items);
         }
         let queues = self.queues.get_or_init(|| {
@@ -126,7 +135,11 @@ fn start(runtime: &tokio::runtime::Handle, company: Arc<Company>) -> mpsc::Sende
             // Company: more than one request waiting for a check at once, in this batch or in
             // another task's queue (callers take the tasks in turn).
             let waiting = company.queued.load(Ordering::Relaxed);
-            company.seen.store(jobs.len() > 1 || waiting > jobs.len(), Ordering::Relaxed);
+            if jobs.len() > 1 || waiting > jobs.len() {
+                company.alone.store(0, Ordering::Relaxed);
+            } else {
+                company.alone.fetch_add(1, Ordering::Relaxed);
+            }
             company.batches.fetch_add(1, Ordering::Relaxed);
             let mut all = Vec::with_capacity(count);
             let mut replies = Vec::with_capacity(jobs.len());
@@ -173,9 +186,9 @@ mod tests {
         assert!(verifier.verify(Vec::new()).await.is_empty());
     }
 
-    /// A caller alone checks its signatures itself, but for one in [`PROBE_EVERY`]; callers
-    /// together are checked as one batch, and after a batch of several the next caller goes
-    /// through the task too, until a batch holds one caller again.
+    /// Callers alone check their signatures themselves once a few batches in a row found
+    /// them alone, but for one in [`PROBE_EVERY`]; callers together are checked as one batch,
+    /// and after it callers go through the task again until batches find them alone again.
     #[tokio::test(flavor = "current_thread")]
     async fn lone_callers_check_in_place_and_callers_together_in_one_batch() {
         let verifier = Verifier::default();
@@ -187,7 +200,7 @@ mod tests {
             }
             assert_eq!(verifier.verify(vec![item]).await, [i % 3 != 0], "lone caller {i}");
         }
-        assert_eq!(batches(), 2, "only the probes went through the task");
+        assert_eq!(batches(), LONE_BATCHES + 1, "the first callers and a probe went through the task");
         // The next caller probes; those queued after it join its batch.
         let calls = (0..10u8).map(|i| {
             let verifier = &verifier;
@@ -196,13 +209,16 @@ mod tests {
         for answers in futures::future::join_all(calls).await {
             assert_eq!(answers, [true]);
         }
-        assert_eq!(batches(), 3, "ten callers together, one batch");
-        assert_eq!(verifier.verify(vec![signed(3, "after")]).await, [true]);
-        assert_eq!(batches(), 4, "company was seen: through the task");
+        let together = batches();
+        assert_eq!(together, LONE_BATCHES + 2, "ten callers together, one batch");
+        for i in 0..LONE_BATCHES {
+            assert_eq!(verifier.verify(vec![signed(3, &format!("after{i}"))]).await, [true]);
+        }
+        assert_eq!(batches(), together + LONE_BATCHES, "company was seen: through the task");
         let mut bad = signed(3, "alone again");
         bad.message.push(b'!');
         assert_eq!(verifier.verify(vec![signed(3, "alone"), bad]).await, [true, false]);
-        assert_eq!(batches(), 4, "a batch of one was seen: in place");
+        assert_eq!(batches(), together + LONE_BATCHES, "batches found their callers alone: in place");
     }
 
     #[test]
