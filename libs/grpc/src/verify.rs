@@ -12,11 +12,10 @@
 //! between tasks (and, with several worker threads, wake-ups of another thread) for a batch
 //! of one, on every call of a chain of calls. So once [`LONE_BATCHES`] batches in a row found
 //! their request alone, and while no request is queued, a request checks its own signatures.
-//! One request in
-//! [`PROBE_EVERY`] is queued all the same, and those arriving while any is queued are queued
-//! too, so that company, once there is some, is seen: a batch taken while more than one request
-//! waited (in it, or in another task's queue) puts every request back through the tasks,
-//! until batches find their requests alone again.
+//! One request in [`PROBE_EVERY`] is queued all the same, and those arriving while any is
+//! queued are queued too, so that company, once there is some, is seen: a batch taken while
+//! more than one request waited (in it, or in another task's queue) puts every request back
+//! through the tasks, until batches find their requests alone again.
 //!
 //! Under attack: a batch that fails is checked again one signature at a time, so a forged
 //! signature queued with honest ones makes its whole batch cost about a third more than
