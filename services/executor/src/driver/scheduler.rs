@@ -70,48 +70,6 @@ enum Woke {
     Pause,
 }
 
-/// The run's state after a step settled: its status, its output, and what stops new steps.
-#[allow(clippy::type_complexity)]
-fn settle(
-    (status, outputs, first_failure, reconcile, blocked): (
-        &mut Statuses,
-        &mut HashMap<String, Value>,
-        &mut Option<String>,
-        &mut Option<(String, String)>,
-        &mut Option<(String, String, String)>,
-    ),
-    step_id: String,
-    outcome: StepOutcome,
-) {
-    warden_telemetry::metrics::step_settled(outcome.label());
-    match outcome {
-        StepOutcome::Completed(out) => {
-            status.set_id(&step_id, StepStatus::Completed);
-            outputs.insert(step_id, out);
-        }
-        StepOutcome::Failed { reason: why, .. } => {
-            first_failure.get_or_insert(format!("step '{step_id}' failed: {why}"));
-            status.set_id(&step_id, StepStatus::Failed);
-        }
-        StepOutcome::Unknown(why) => {
-            status.set_id(&step_id, StepStatus::Running);
-            reconcile.get_or_insert((step_id, why));
-        }
-        StepOutcome::Blocked { decision_id, reason } => {
-            status.set_id(&step_id, StepStatus::Pending);
-            blocked.get_or_insert((step_id, decision_id, reason));
-        }
-        StepOutcome::Cancelled => {
-            status.set_id(&step_id, StepStatus::Cancelled);
-        }
-        // `execute_step` runs a step's retries itself.
-        StepOutcome::Retry { .. } => {
-            first_failure.get_or_insert(format!("step '{step_id}' stopped between attempts"));
-            status.set_id(&step_id, StepStatus::Failed);
-        }
-    }
-}
-
 /// How a plan ended, when the run did not end with it: its steps failed, and nothing about
 /// the run's end is recorded yet (the driver replans, or records the failure).
 pub(super) struct PlanFailed {
@@ -360,16 +318,19 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
             }
             continue;
         }
-        if let Some(step) = inline.as_mut() {
+        // The step polled here, or whichever spawned step settles first.
+        let (step_id, outcome) = if let Some(step) = inline.as_mut() {
             let woke = tokio::select! {
                 settled = std::panic::AssertUnwindSafe(step).catch_unwind() => Woke::Settled(settled),
                 _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
                 _ = ctx.cancel.cancelled(), if !cancel_seen => Woke::Cancel,
                 _ = ctx.pause.cancelled(), if !pause_seen => Woke::Pause,
             };
-            // A cancellation or a pause is handled while the step goes on, as for a spawned
-            // step: it is spawned now, where it stands, and the loop goes round.
             match woke {
+                Woke::Settled(Ok(settled)) => {
+                    inline = None;
+                    settled
+                }
                 Woke::Settled(Err(panic)) => {
                     let why = panic
                         .downcast_ref::<&str>()
@@ -378,14 +339,8 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                         .unwrap_or_default();
                     return Err(DriveError::Ledger(Status::internal(format!("step task failed: it panicked: {why}"))));
                 }
-                Woke::Settled(Ok((step_id, outcome))) => {
-                    inline = None;
-                    settle(
-                        (&mut status, &mut outputs, &mut first_failure, &mut reconcile, &mut blocked),
-                        step_id,
-                        outcome?,
-                    );
-                }
+                // Handled while the step goes on, as beside a spawned step: it is spawned now,
+                // where it stands, and the loop goes round.
                 Woke::Cancel | Woke::Pause => {
                     if matches!(woke, Woke::Cancel) {
                         cancel_seen = true;
@@ -395,28 +350,55 @@ pub(super) async fn run_dag(ctx: &RunCtx, plan: &Plan, view: RunView) -> Result<
                     if let Some(step) = inline.take() {
                         running.spawn(step);
                     }
+                    continue;
                 }
             }
-            continue;
-        }
-        let joined = tokio::select! {
-            j = running.join_next() => j,
-            _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
-            // Wake up to cancel the steps that have not started (once).
-            _ = ctx.cancel.cancelled(), if !cancel_seen => {
-                cancel_seen = true;
-                continue;
-            }
-            // A pause starts nothing new; the loop waits for the running steps to settle.
-            _ = ctx.pause.cancelled(), if !pause_seen => {
-                pause_seen = true;
-                continue;
-            }
+        } else {
+            let joined = tokio::select! {
+                j = running.join_next() => j,
+                _ = ctx.lost.cancelled() => return Err(DriveError::LeaseLost),
+                // Wake up to cancel the steps that have not started (once).
+                _ = ctx.cancel.cancelled(), if !cancel_seen => {
+                    cancel_seen = true;
+                    continue;
+                }
+                // A pause starts nothing new; the loop waits for the running steps to settle.
+                _ = ctx.pause.cancelled(), if !pause_seen => {
+                    pause_seen = true;
+                    continue;
+                }
+            };
+            let Some(joined) = joined else { continue };
+            joined.map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?
         };
-        let Some(joined) = joined else { continue };
-        let (step_id, outcome) =
-            joined.map_err(|e| DriveError::Ledger(Status::internal(format!("step task failed: {e}"))))?;
-        settle((&mut status, &mut outputs, &mut first_failure, &mut reconcile, &mut blocked), step_id, outcome?);
+        let outcome = outcome?;
+        warden_telemetry::metrics::step_settled(outcome.label());
+        match outcome {
+            StepOutcome::Completed(out) => {
+                status.set_id(&step_id, StepStatus::Completed);
+                outputs.insert(step_id, out);
+            }
+            StepOutcome::Failed { reason: why, .. } => {
+                first_failure.get_or_insert(format!("step '{step_id}' failed: {why}"));
+                status.set_id(&step_id, StepStatus::Failed);
+            }
+            StepOutcome::Unknown(why) => {
+                status.set_id(&step_id, StepStatus::Running);
+                reconcile.get_or_insert((step_id, why));
+            }
+            StepOutcome::Blocked { decision_id, reason } => {
+                status.set_id(&step_id, StepStatus::Pending);
+                blocked.get_or_insert((step_id, decision_id, reason));
+            }
+            StepOutcome::Cancelled => {
+                status.set_id(&step_id, StepStatus::Cancelled);
+            }
+            // `execute_step` runs a step's retries itself.
+            StepOutcome::Retry { .. } => {
+                first_failure.get_or_insert(format!("step '{step_id}' stopped between attempts"));
+                status.set_id(&step_id, StepStatus::Failed);
+            }
+        }
     }
     let count = |st: StepStatus| status.values().filter(|s| *s == st).count();
     let summary = json!({
