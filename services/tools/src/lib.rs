@@ -11,6 +11,9 @@
 //! outcome back with `replayed = true`. Concurrent calls with one key are serialized by an
 //! in-memory in-flight guard that exists only while a call with the key is running, so memory
 //! stays bounded by the calls in progress; the durable table answers everything else.
+//! Pure tools (`echo`, `text.upper`, `fail`, `flaky`: no effect, nothing read, the answer a
+//! function of the arguments and attempt) are the exception: a repeat is run again, which
+//! answers it as a replay would, so their outcomes are not stored (`replayed` stays false).
 //!
 //! What no host can promise: a call in flight when the host dies has acted (or not) but has
 //! no recorded outcome. The caller sees a broken call — an unknown outcome — and a call with
@@ -103,6 +106,26 @@ impl Call {
             )));
         }
         Ok(Response::new(pb::InvokeResponse { outcome: Some(first.outcome), replayed: true }))
+    }
+}
+
+/// Runs `tool` for the call `r`; a tool's error is an outcome like its output.
+async fn run_tool(
+    state: &tools::ToolState,
+    tool: tools::Tool,
+    args: &Value,
+    r: &pb::InvokeRequest,
+) -> pb::invoke_response::Outcome {
+    let ctx = tools::CallContext {
+        tenant: &r.tenant,
+        run_id: &r.run_id,
+        step_id: &r.step_id,
+        attempt: r.attempt,
+        idempotency_key: &r.idempotency_key,
+    };
+    match tool.run(state, args, &ctx).await {
+        Ok(out) => pb::invoke_response::Outcome::OutputJson(out.to_string()),
+        Err(e) => pb::invoke_response::Outcome::Error(e),
     }
 }
 
@@ -199,16 +222,10 @@ impl ToolHostService {
         let ticket = self.in_flight.ticket((r.tenant.clone(), r.idempotency_key.clone()));
         let _turn = ticket.turn().await;
         // A call that held the turn before this one has recorded its outcome by now (or, in
-        // doubt, left its started mark). A pure tool (`Tool::pure`) is not looked up first:
-        // run again, it acts on nothing and gives the outcome it gave before, and recording
-        // keeps the first outcome, which the repeat is then answered with (`replayed`) as if
-        // it had been read — so a repeat is answered as before, and a first call, nearly
-        // every call, reads the state file once less.
-        if !call.tool.pure() {
-            let recorded = self.state.outcome(&r.tenant, &r.idempotency_key).await;
-            if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
-                return call.replay(first);
-            }
+        // doubt, left its started mark).
+        let recorded = self.state.outcome(&r.tenant, &r.idempotency_key).await;
+        if let Some(first) = recorded.map_err(|e| state_unavailable(e, "outcomes unreadable; nothing was done"))? {
+            return call.replay(first);
         }
         // A tool that is not idempotent is marked started before it acts. A mark without an
         // outcome is a call that may have acted (this host stopped mid-call, or could not
@@ -227,36 +244,13 @@ impl ToolHostService {
                 ));
             }
         }
-        let ctx = tools::CallContext {
-            tenant: &r.tenant,
-            run_id: &r.run_id,
-            step_id: &r.step_id,
-            attempt: r.attempt,
-            idempotency_key: &r.idempotency_key,
-        };
-        let outcome = match call.tool.run(&self.state, &call.args, &ctx).await {
-            Ok(out) => pb::invoke_response::Outcome::OutputJson(out.to_string()),
-            Err(e) => pb::invoke_response::Outcome::Error(e),
-        };
+        let outcome = run_tool(&self.state, call.tool, &call.args, r).await;
         let ours = Recorded { tool: r.tool.clone(), args_sha256: call.args_sha256.clone(), outcome };
         // Unrecorded, the outcome would not be replayed: the caller must treat it as unknown
         // (UNAVAILABLE is what the executor reads so) rather than rely on it.
         let recorded = self.state.record_outcome(&r.tenant, &r.idempotency_key, &ours, now_ms()).await;
-        let (first, is_ours) = match recorded {
-            Ok(answer) => answer,
-            Err(e) => {
-                // A pure tool's repeat was not looked up before it ran. If its outcome cannot
-                // be recorded (another writer holds the state file past the busy timeout, the
-                // disk is full), the outcome recorded first, if there is one, still answers
-                // it, as the look-up would have.
-                if call.tool.pure()
-                    && let Ok(Some(first)) = self.state.outcome(&r.tenant, &r.idempotency_key).await
-                {
-                    return call.replay(first);
-                }
-                return Err(state_unavailable(e, "the call ran but its outcome could not be recorded"));
-            }
-        };
+        let (first, is_ours) =
+            recorded.map_err(|e| state_unavailable(e, "the call ran but its outcome could not be recorded"))?;
         if !is_ours {
             return call.replay(first);
         }
@@ -283,16 +277,19 @@ impl ToolHost for ToolHostService {
             .map_err(|e| invalid_field("args_json", format!("not valid JSON: {e}")))?;
         let digest = args_digest(&args);
         self.verify(&r, &digest).await?;
+        // A pure tool (`Tool::pure`) is simply run, in the caller's task: it acts on nothing
+        // and answers as a function of its arguments and attempt, so a repeat run again is
+        // answered as a replay of a recorded outcome would be, and nothing about it is worth
+        // a write to the state file (nor a turn among calls of its key). A key met again with
+        // other arguments is then run for those, and answered truthfully for them.
+        if tool.pure() {
+            let outcome = run_tool(&self.state, tool, &args, &r).await;
+            return Ok(Response::new(pb::InvokeResponse { outcome: Some(outcome), replayed: false }));
+        }
         let call = Call { request: r, tool, args, args_sha256: digest };
         // The recorded outcome, if any, is read once, in turn with other calls of the key.
         // On its own task: a caller that hangs up (a timeout) must not stop the tool between
-        // its effect and the recording of its outcome. A pure tool has no effect to be stopped
-        // after: stopped before its outcome is recorded, it runs again on a repeat and gives
-        // the same outcome, so it runs in the caller's task (a hand-over between tasks less,
-        // which in `warden dev` could wake another worker thread).
-        if tool.pure() {
-            return self.run_once(call).await;
-        }
+        // its effect and the recording of its outcome.
         let service = self.clone();
         tokio::spawn(async move { service.run_once(call).await })
             .await
@@ -723,45 +720,54 @@ mod tests {
     async fn a_key_reused_for_another_call_is_refused_not_answered_with_the_first_outcome() {
         let dir = tempfile::tempdir().expect("tempdir");
         let host = host(dir.path());
-        invoke(&host, call("acme", "k1", "echo", json!({"n": 1}))).await;
-        let e = host.invoke(Request::new(call("acme", "k1", "echo", json!({"n": 2})))).await.expect_err("refused");
+        invoke(&host, call("acme", "k1", "kv.get", json!({"key": "a"}))).await;
+        let e =
+            host.invoke(Request::new(call("acme", "k1", "kv.get", json!({"key": "b"})))).await.expect_err("refused");
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
-        let e = host.invoke(Request::new(call("acme", "k1", "text.upper", json!({"text": "x"})))).await;
+        let e = host.invoke(Request::new(call("acme", "k1", "sleep", json!({"ms": 0})))).await;
         assert_eq!(e.expect_err("refused").code(), tonic::Code::FailedPrecondition);
     }
 
     #[tokio::test]
     async fn a_tool_error_is_an_outcome_replayed_like_any_other() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let failed = invoke(&host(dir.path()), call("acme", "k1", "fail", json!({"message": "no"}))).await;
-        let again = invoke(&host(dir.path()), call("acme", "k1", "fail", json!({"message": "no"}))).await;
-        assert!(matches!(&failed.outcome, Some(pb::invoke_response::Outcome::Error(e)) if e.message == "no"));
+        let bad = json!({"ms": 60_001});
+        let failed = invoke(&host(dir.path()), call("acme", "k1", "sleep", bad.clone())).await;
+        let again = invoke(&host(dir.path()), call("acme", "k1", "sleep", bad)).await;
+        assert!(
+            matches!(&failed.outcome, Some(pb::invoke_response::Outcome::Error(e)) if e.code == "invalid_arguments")
+        );
         assert!(again.replayed);
         assert_eq!(again.outcome, failed.outcome);
     }
 
-    /// A pure tool is not looked up before it runs; its repeat is still answered with the
-    /// outcome recorded first, marked replayed, after a restart of the host too.
+    /// A pure tool is run again for a repeat, which answers it as a replay would; nothing of
+    /// it is stored, so a state file another writer holds does not stop it.
     #[tokio::test]
-    async fn a_pure_tools_repeat_is_answered_with_its_first_outcome() {
+    async fn a_pure_tool_is_run_again_for_a_repeat_and_nothing_of_it_is_stored() {
         let dir = tempfile::tempdir().expect("tempdir");
         assert!(tools::Tool::Echo.pure() && !tools::Tool::KvGet.pure() && !tools::Tool::EmailSend.pure());
+        host(dir.path()).ready().await.expect("the state file's tables");
         let first = invoke(&host(dir.path()), call("acme", "k1", "echo", json!({"n": 1}))).await;
-        assert!(!first.replayed);
+        assert_eq!(output(&first), json!({"n": 1}));
+        let failed = invoke(&host(dir.path()), call("acme", "k2", "fail", json!({"message": "no"}))).await;
+        assert!(matches!(&failed.outcome, Some(pb::invoke_response::Outcome::Error(e)) if e.message == "no"));
+        let other = rusqlite::Connection::open(dir.path().join("tools.db")).expect("open");
+        let stored: i64 = other.query_row("SELECT count(*) FROM outcomes", [], |r| r.get(0)).expect("count");
+        assert_eq!(stored, 0, "a pure tool's outcome is not stored");
+        // Another writer holds the state file: a pure call does not need it.
+        other.execute_batch("BEGIN IMMEDIATE; INSERT INTO kv VALUES ('t', 'other', '1');").expect("hold");
         for host in [host(dir.path()), host(dir.path())] {
             let again = invoke(&host, call("acme", "k1", "echo", json!({"n": 1}))).await;
-            assert!(again.replayed, "{again:?}");
             assert_eq!(again.outcome, first.outcome);
+            assert!(!again.replayed, "run again, not replayed: {again:?}");
+            assert_eq!(
+                invoke(&host, call("acme", "k2", "fail", json!({"message": "no"}))).await.outcome,
+                failed.outcome
+            );
         }
-        assert_eq!(output(&first), json!({"n": 1}));
-        // Another writer holds the state file: the repeat cannot record, and is answered with
-        // the outcome read, as a look-up first would have answered it.
-        let other = rusqlite::Connection::open(dir.path().join("tools.db")).expect("open");
-        other.execute_batch("BEGIN IMMEDIATE; INSERT INTO kv VALUES ('t', 'other', '1');").expect("hold");
-        let again = invoke(&host(dir.path()), call("acme", "k1", "echo", json!({"n": 1}))).await;
-        assert!(again.replayed, "{again:?}");
-        assert_eq!(again.outcome, first.outcome);
-        let e = host(dir.path()).invoke(Request::new(call("acme", "k2", "echo", json!({"n": 2})))).await;
+        // A non-pure call still is not answered unrecorded.
+        let e = host(dir.path()).invoke(Request::new(call("acme", "k3", "kv.get", json!({"key": "a"})))).await;
         assert_eq!(
             e.expect_err("unrecorded").code(),
             tonic::Code::Unavailable,

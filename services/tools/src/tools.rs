@@ -503,8 +503,8 @@ impl Tool {
 
     /// Whether the tool answers at once as a function of its arguments and attempt alone,
     /// with no effect and nothing read: run again for a repeated key, it gives the outcome it
-    /// gave the first time. Such a call needs no look at the recorded outcomes before it
-    /// runs (see `ToolHostService::run_once`).
+    /// gave the first time. Such a call is simply run: its outcome is neither looked up nor
+    /// stored (see `ToolHostService::invoke`).
     pub fn pure(self) -> bool {
         match self {
             Tool::Echo | Tool::Upper | Tool::Fail | Tool::Flaky => true,
