@@ -244,6 +244,68 @@ async fn k13_an_exported_run_verifies_offline_and_tampering_is_named_on_postgres
     k13_an_exported_run_verifies_offline_and_tampering_is_named(Backend::Postgres).await;
 }
 
+/// A run waiting on its tool has the call's request as its head, stored with the request's
+/// acknowledgement as the head's proof (no head signature of its own): `GetSignedHead` signs
+/// `{run_id, seq, hash}` for it once that proof verifies, `VerifyRun` accepts it, and a proof
+/// altered in the store is refused by both.
+async fn a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked(backend: Backend) {
+    let mut opts = warden_testkit::MeshOptions::default();
+    opts.tenants[0].1.push("sleep".into());
+    let mesh = mesh_with(backend, opts).await;
+    let work = plan(&[("first", "echo", json!({"n": 1}), &[]), ("nap", "sleep", json!({"ms": 60_000}), &["first"])]);
+    let id = submit(&mesh, "acme", &work).await;
+    let requested = first_event(&mesh, "acme", &id, |e| e.event_type == "tool_requested" && e.step_id == "nap").await;
+    sqlx::any::install_default_drivers();
+    let url = if mesh.database_url.starts_with("sqlite") {
+        format!("{}?mode=rw", mesh.database_url)
+    } else {
+        mesh.database_url.clone()
+    };
+    let db = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(&url).await.expect("open the database");
+    let (proof, last_seq, signature): (String, i64, String) =
+        sqlx::query_as(&format!("SELECT head_proof, last_seq, head_signature FROM runs WHERE run_id = '{id}'"))
+            .fetch_one(&db)
+            .await
+            .expect("the run's row");
+    assert_eq!((proof.as_str(), last_seq as u64), ("ack", requested.seq), "the request is the head");
+
+    let mut ledger = mesh.ledger();
+    let head = ledger
+        .get_signed_head(pb::GetSignedHeadRequest { tenant: "acme".into(), run_id: id.clone() })
+        .await
+        .expect("a signed head")
+        .into_inner();
+    assert_eq!((head.seq, head.hash.as_str()), (requested.seq, requested.hash.as_str()));
+    let key =
+        ed25519_dalek::VerifyingKey::from_bytes(&head.public_key.clone().try_into().expect("32 bytes")).expect("key");
+    let signed = warden_core::head::Head { run_id: id.clone(), seq: head.seq, hash: head.hash.clone() };
+    assert!(signed.verify(&head.signature, &key), "signed as any head is");
+    assert!(verify(&mut ledger, "acme", &id).await.valid);
+
+    let altered = format!("{}{}", if signature.starts_with('0') { "1" } else { "0" }, &signature[1..]);
+    sqlx::query(&format!("UPDATE runs SET head_signature = '{altered}' WHERE run_id = '{id}'"))
+        .execute(&db)
+        .await
+        .expect("alter the proof");
+    let e = ledger
+        .get_signed_head(pb::GetSignedHeadRequest { tenant: "acme".into(), run_id: id.clone() })
+        .await
+        .expect_err("no head is signed on a proof that does not verify");
+    assert_eq!(e.code(), tonic::Code::DataLoss, "{e:?}");
+    let v = verify(&mut ledger, "acme", &id).await;
+    assert!(!v.valid && v.reason.contains("head"), "{v:?}");
+}
+
+#[tokio::test]
+async fn a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked_on_sqlite() {
+    a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked_on_postgres() {
+    a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked(Backend::Postgres).await;
+}
+
 async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger(backend: Backend) {
     let mesh = mesh_on(backend).await;
     let id = submit(&mesh, "acme", HELLO).await;

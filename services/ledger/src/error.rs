@@ -25,6 +25,10 @@ pub enum LedgerError {
     /// Too many submissions are waiting already: refused before anything was written.
     #[error("{0}")]
     Busy(String),
+    /// What is stored does not hold together (a head whose proof does not verify): altered
+    /// outside the ledger, or lost.
+    #[error("{0}")]
+    DataLoss(String),
     #[error("internal ledger error: {0}")]
     Internal(String),
 }
@@ -55,6 +59,7 @@ impl LedgerError {
             LedgerError::Moved(m) => LedgerError::Moved(m.clone()),
             LedgerError::Disconnected(m) => LedgerError::Disconnected(m.clone()),
             LedgerError::Busy(m) => LedgerError::Busy(m.clone()),
+            LedgerError::DataLoss(m) => LedgerError::DataLoss(m.clone()),
             LedgerError::Internal(m) => LedgerError::Internal(m.clone()),
         }
     }
@@ -105,6 +110,7 @@ impl From<LedgerError> for Status {
                 Status::unavailable(e.to_string())
             }
             LedgerError::Busy(m) => warden_grpc::busy(m, std::time::Duration::from_millis(RETRY_AFTER_BUSY_MS)),
+            LedgerError::DataLoss(_) => Status::data_loss(e.to_string()),
             LedgerError::Internal(_) => Status::internal(e.to_string()),
         }
     }

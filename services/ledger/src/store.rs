@@ -71,6 +71,8 @@ pub struct RunRow {
     pub updated_at_ms: i64,
     pub head_signature: String,
     pub head_key_id: String,
+    /// Which proof `head_signature` is ([`PROOF_HEAD`] or [`PROOF_ACK`]).
+    pub head_proof: String,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -216,7 +218,41 @@ type KeptConnection = (sqlx::pool::PoolConnection<sqlx::Any>, std::time::Instant
 /// pings connections idle this long) instead of being used.
 const KEPT_IDLE: Duration = Duration::from_secs(30);
 
-const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id";
+const RUN_COLUMNS: &str = "run_id, tenant, status, reason, plan_json, goal, cancel_policy, last_seq, head_hash, max_epoch, created_at_ms, updated_at_ms, head_signature, head_key_id, head_proof";
+
+/// `runs.head_proof` of a head whose `head_signature` signs `{run_id, seq, hash}`.
+pub const PROOF_HEAD: &str = "";
+/// `runs.head_proof` of a head that is a `tool_requested` event and whose `head_signature` is
+/// that request's acknowledgement (which signs the head's seq and hash with the call's ids).
+pub const PROOF_ACK: &str = "ack";
+
+/// What proves a stored head: a signature (hex), its key's id, and which of the two proofs it
+/// is ([`PROOF_HEAD`], [`PROOF_ACK`]).
+#[derive(Debug, Clone)]
+pub(crate) struct HeadProof {
+    pub signature: String,
+    pub key_id: String,
+    pub kind: &'static str,
+}
+
+/// The claims of the acknowledgement of `event`, a `tool_requested` of a run of `tenant`.
+fn ack_claims(tenant: &str, event: &ChainedEvent) -> warden_core::ack::RequestAckClaims {
+    let p = &event.body.payload;
+    let text = |k: &str| p.get(k).and_then(serde_json::Value::as_str).unwrap_or_default().to_string();
+    warden_core::ack::RequestAckClaims {
+        v: 1,
+        kind: String::new(),
+        key_id: String::new(),
+        tenant: tenant.to_string(),
+        run_id: event.body.run_id.clone(),
+        step_id: event.body.step_id.clone(),
+        attempt: p.get("attempt").and_then(serde_json::Value::as_u64).unwrap_or(0).min(u32::MAX as u64) as u32,
+        decision_id: text("decision_id"),
+        idempotency_key: text("idempotency_key"),
+        seq: event.body.seq,
+        event_hash: event.hash.clone(),
+    }
+}
 pub(crate) const EVENT_COLUMNS: &str =
     "run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash";
 
@@ -238,6 +274,7 @@ fn run_from_row(r: &AnyRow) -> Result<RunRow, LedgerError> {
         updated_at_ms: r.try_get("updated_at_ms")?,
         head_signature: r.try_get("head_signature")?,
         head_key_id: r.try_get("head_key_id")?,
+        head_proof: r.try_get("head_proof")?,
     })
 }
 
@@ -403,7 +440,11 @@ impl LedgerStore {
     /// once the batch is committed: done while the batch's statement is in flight, the signing
     /// costs a chain's step no time. Kept only after the write succeeded (`keep`).
     fn presign(&self, decided: &batch::Decided) -> Vec<((String, u64), Presigned)> {
-        let requests = || decided.events.iter().filter(|e| e.body.event_type == events::TOOL_REQUESTED);
+        let acked = |e: &ChainedEvent| {
+            decided.head_acks.contains_key(&e.body.run_id)
+                && decided.states.get(&e.body.run_id).is_some_and(|st| st.head.last_seq == e.body.seq)
+        };
+        let requests = || decided.events.iter().filter(|e| e.body.event_type == events::TOOL_REQUESTED && !acked(e));
         // A busy batch is left to its answers: its statement waits on a busy database, and
         // signing many here would hold its commit back (nothing is gained when the cores are
         // full anyway). A chain's batch holds one request.
@@ -432,22 +473,85 @@ impl LedgerStore {
     }
 
     fn sign_ack(&self, tenant: &str, event: &ChainedEvent) -> warden_core::auth::SignedClaims {
-        let p = &event.body.payload;
-        let text = |k: &str| p.get(k).and_then(serde_json::Value::as_str).unwrap_or_default().to_string();
-        let claims = warden_core::ack::RequestAckClaims {
-            v: 1,
-            kind: String::new(),
-            key_id: String::new(),
-            tenant: tenant.to_string(),
-            run_id: event.body.run_id.clone(),
-            step_id: event.body.step_id.clone(),
-            attempt: p.get("attempt").and_then(serde_json::Value::as_u64).unwrap_or(0).min(u32::MAX as u64) as u32,
-            decision_id: text("decision_id"),
-            idempotency_key: text("idempotency_key"),
-            seq: event.body.seq,
-            event_hash: event.hash.clone(),
-        };
-        warden_core::ack::sign_ack(claims, &self.key)
+        warden_core::ack::sign_ack(ack_claims(tenant, event), &self.key)
+    }
+
+    /// Signs, before `decided` is written, the acknowledgement of each request that ends its
+    /// run's part of the batch, and notes it in `decided.head_acks` as the proof of the head
+    /// the run moves to: such a head needs no signature of its own (`prove_head`). Returned to
+    /// be kept for the answers once the batch committed, as [`Self::presign`]'s are.
+    fn acknowledge_heads(&self, decided: &mut batch::Decided) -> Vec<((String, u64), Presigned)> {
+        let mut last: HashMap<&str, &Arc<ChainedEvent>> = HashMap::new();
+        for e in &decided.events {
+            last.insert(e.body.run_id.as_str(), e);
+        }
+        let mut signed = Vec::new();
+        for run in &decided.touched {
+            let (Some(st), Some(e)) = (decided.states.get(run), last.get(run.as_str())) else { continue };
+            if e.body.event_type != events::TOOL_REQUESTED || e.body.seq != st.head.last_seq {
+                continue;
+            }
+            let ack = self.sign_ack(&st.head.tenant, e);
+            let proof =
+                HeadProof { signature: hex::encode(&ack.signature), key_id: ack.key_id.clone(), kind: PROOF_ACK };
+            decided.head_acks.insert(run.clone(), proof);
+            let p = Presigned { tenant: st.head.tenant.clone(), hash: e.hash.clone(), ack };
+            signed.push(((run.clone(), e.body.seq), p));
+        }
+        signed
+    }
+
+    /// The proof stored with the head `st` moves to in `decided`: its request's
+    /// acknowledgement when [`Self::acknowledge_heads`] signed one, otherwise a signature of
+    /// the head.
+    pub(crate) fn prove_head(&self, decided: &batch::Decided, st: &hot::RunState) -> HeadProof {
+        match decided.head_acks.get(&st.head.run_id) {
+            Some(p) => p.clone(),
+            None => self.head_signed(&st.head.run_id, st.head.last_seq, &st.head.head_hash),
+        }
+    }
+
+    /// A head's own signature, as a proof.
+    pub(crate) fn head_signed(&self, run_id: &str, seq: u64, hash: &str) -> HeadProof {
+        let (signature, key_id) = self.sign_head(run_id, seq, hash);
+        HeadProof { signature, key_id, kind: PROOF_HEAD }
+    }
+
+    /// Whether `run`'s stored head proof is this ledger's, for the head `run` records:
+    /// `head_event` is the run's event at `last_seq` (needed for an acknowledgement proof).
+    pub fn head_proof_verifies(&self, run: &RunRow, head_event: Option<&ChainedEvent>) -> bool {
+        let Ok(signature) = hex::decode(&run.head_signature) else { return false };
+        let key = self.key.verifying_key();
+        match run.head_proof.as_str() {
+            PROOF_HEAD => Head { run_id: run.run_id.clone(), seq: run.last_seq, hash: run.head_hash.clone() }
+                .verify(&signature, &key),
+            PROOF_ACK => head_event.is_some_and(|e| {
+                e.body.run_id == run.run_id
+                    && e.body.seq == run.last_seq
+                    && e.hash == run.head_hash
+                    && e.body.event_type == events::TOOL_REQUESTED
+                    && warden_core::ack::ack_signed_by(ack_claims(&run.tenant, e), &signature, &key)
+            }),
+            _ => false,
+        }
+    }
+
+    /// `run`'s head signed as `{run_id, seq, hash}` (what `GetSignedHead` hands out): the
+    /// stored signature as it was written (whoever receives it checks it), or, when the stored
+    /// proof is the head request's acknowledgement, a signature made now once that proof
+    /// verified — so a head moved without this ledger's key is never signed.
+    pub fn signed_head(
+        &self,
+        run: &RunRow,
+        head_event: Option<&ChainedEvent>,
+    ) -> Result<(String, String), LedgerError> {
+        if run.head_proof == PROOF_HEAD {
+            return Ok((run.head_signature.clone(), run.head_key_id.clone()));
+        }
+        if !self.head_proof_verifies(run, head_event) {
+            return Err(LedgerError::DataLoss(format!("run '{}': the chain head's proof does not verify", run.run_id)));
+        }
+        Ok(self.sign_head(&run.run_id, run.last_seq, &run.head_hash))
     }
 
     /// The run acknowledgement of a run recorded with `plan_json` (its stored canonical JSON):
@@ -736,8 +840,14 @@ impl LedgerStore {
             // `write_decided_now`.
             let written = decided.results.iter().all(Result::is_ok)
                 && (decided.touched.is_empty()
-                    || decided.fits_one_query()
-                        && matches!(in_place.write(self, &decided), Ok(inplace::Written::Done)));
+                    || decided.fits_one_query() && {
+                        let heads = self.acknowledge_heads(&mut decided);
+                        let done = matches!(in_place.write(self, &decided), Ok(inplace::Written::Done));
+                        if done {
+                            self.keep_presigned(heads);
+                        }
+                        done
+                    });
             if !written {
                 // Decided on but not written (or refused): memory's state of the run is not the
                 // stored one any more, so the lane reads it.
@@ -801,12 +911,12 @@ impl LedgerStore {
                     .iter()
                     .map(Vec::as_slice)
                     .partition(|g| g.first().is_some_and(|e| states.contains_key(&e.run_id)));
-                let decided = batch::decide_groups(states, &held);
+                let mut decided = batch::decide_groups(states, &held);
                 // A refusal writes nothing that a moved head could refuse in turn, so it is
                 // decided again on the stored heads below (what memory held is dropped).
                 if decided.results.iter().all(Result::is_ok) {
                     if read.is_empty() {
-                        self.write_decided(&decided).await?;
+                        self.write_decided(&mut decided).await?;
                         self.hot.put(decided.states.into_values());
                         return Ok(decided.results);
                     }
@@ -862,9 +972,13 @@ impl LedgerStore {
 
     /// Writes a batch decided wholly from memory: one statement on PostgreSQL, one transaction
     /// on SQLite.
-    async fn write_decided(&self, decided: &batch::Decided) -> Result<(), LedgerError> {
-        // The requests' acknowledgements are signed while the statement is in flight (the
-        // database works on another core meanwhile), and kept only once it committed.
+    async fn write_decided(&self, decided: &mut batch::Decided) -> Result<(), LedgerError> {
+        // A request that ends its run's part of the batch has its acknowledgement signed now,
+        // as the proof of the head it moves to (no head signature is made for it). Other
+        // requests' acknowledgements are signed while the statement is in flight (the
+        // database works on another core meanwhile). Both are kept only once it committed.
+        let heads = self.acknowledge_heads(decided);
+        let decided = &*decided;
         let presign = async {
             // Polled again only after the write's first poll has sent the statement.
             tokio::task::yield_now().await;
@@ -872,6 +986,7 @@ impl LedgerStore {
         };
         let (written, signed) = tokio::join!(self.write_decided_now(decided), presign);
         written?;
+        self.keep_presigned(heads);
         self.keep_presigned(signed);
         Ok(())
     }
@@ -1003,7 +1118,8 @@ impl LedgerStore {
             batch::insert_receipts(tx, &[r]).await?;
         }
         state.head.advance(&event);
-        batch::write_head(self, tx, &state).await?;
+        let proof = self.head_signed(&state.head.run_id, state.head.last_seq, &state.head.head_hash);
+        batch::write_head(tx, &state, proof).await?;
         Ok((event, false))
     }
 

@@ -15,7 +15,7 @@ use warden_core::receipt::{Receipt, receipt_for, receipt_id};
 
 use super::checks::{self, RunHead};
 use super::hot::{self, RunState};
-use super::{Backend, EVENT_COLUMNS, LedgerStore, OwnedEvent, event_from_row};
+use super::{Backend, EVENT_COLUMNS, HeadProof, LedgerStore, OwnedEvent, event_from_row};
 use crate::error::LedgerError;
 use crate::group::GroupResult;
 
@@ -202,17 +202,17 @@ pub async fn insert_receipts(tx: &mut Tx<'_>, receipts: &[Receipt]) -> Result<()
     Ok(())
 }
 
-/// Writes a run's new head, signed once for however many events the batch added, on condition
-/// that the stored head is still the one the batch was decided against.
-pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, st: &RunState) -> Result<(), LedgerError> {
+/// Writes a run's new head with its proof (one for however many events the batch added), on
+/// condition that the stored head is still the one the batch was decided against.
+pub async fn write_head(tx: &mut Tx<'_>, st: &RunState, proof: HeadProof) -> Result<(), LedgerError> {
     let written = bind_head(
-        store,
         sqlx::query(
             "UPDATE runs SET last_seq = $2, head_hash = $3, max_epoch = $4, status = $5, reason = $6, updated_at_ms = $7,
-                 head_signature = $8, head_key_id = $9
-             WHERE run_id = $1 AND last_seq = $10",
+                 head_signature = $8, head_key_id = $9, head_proof = $10
+             WHERE run_id = $1 AND last_seq = $11",
         ),
         st,
+        proof,
     )
     .execute(&mut **tx)
     .await?;
@@ -222,31 +222,31 @@ pub async fn write_head(store: &LedgerStore, tx: &mut Tx<'_>, st: &RunState) -> 
     Ok(())
 }
 
-/// A head write's ten values, signed, in the order of [`write_head`]'s statement: run id, the
-/// new head's columns, then the stored `last_seq` it is conditional on.
-fn bind_head<'q>(store: &LedgerStore, q: Query<'q>, st: &'q RunState) -> Query<'q> {
-    bind_head_columns(store, q.bind(&st.head.run_id), st).bind(st.stored_seq as i64)
+/// A head write's eleven values in the order of [`write_head`]'s statement: run id, the new
+/// head's columns and proof, then the stored `last_seq` it is conditional on.
+fn bind_head<'q>(q: Query<'q>, st: &'q RunState, proof: HeadProof) -> Query<'q> {
+    bind_head_columns(q.bind(&st.head.run_id), st, proof).bind(st.stored_seq as i64)
 }
 
-/// The new head's eight columns, signed, in the order `UPDATE runs SET` lists them.
-fn bind_head_columns<'q>(store: &LedgerStore, q: Query<'q>, st: &'q RunState) -> Query<'q> {
+/// The new head's nine columns with its proof, in the order `UPDATE runs SET` lists them.
+fn bind_head_columns<'q>(q: Query<'q>, st: &'q RunState, proof: HeadProof) -> Query<'q> {
     let h = &st.head;
-    let (signature, key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
     q.bind(h.last_seq as i64)
         .bind(&h.head_hash)
         .bind(h.max_epoch as i64)
         .bind(&h.status)
         .bind(&h.reason)
         .bind(h.updated_at_ms)
-        .bind(signature)
-        .bind(key_id)
+        .bind(proof.signature)
+        .bind(proof.key_id)
+        .bind(proof.kind)
 }
 
 /// The head write of [`write_one_query`], with anonymous marks: the new head's columns, then
 /// the run id and the stored `last_seq` it is conditional on, in that order.
 pub(super) const UPDATE_HEAD_ANONYMOUS: &str =
     "UPDATE runs SET last_seq = ?, head_hash = ?, max_epoch = ?, status = ?, reason = ?,
-     updated_at_ms = ?, head_signature = ?, head_key_id = ?
+     updated_at_ms = ?, head_signature = ?, head_key_id = ?, head_proof = ?
  WHERE run_id = ? AND last_seq = ?";
 
 pub(super) fn moved(run_id: &str) -> LedgerError {
@@ -437,6 +437,9 @@ pub struct Decided {
     pub states: HashMap<String, RunState>,
     /// Runs whose head moves.
     pub touched: Vec<String>,
+    /// The proofs of heads that are requests, signed before the batch is written
+    /// (`LedgerStore::acknowledge_heads`); every other head is signed as it is written.
+    pub head_acks: HashMap<String, HeadProof>,
 }
 
 /// Decides every group in memory against the runs' states, each group all or nothing: a
@@ -499,7 +502,7 @@ pub fn decide_groups<G: AsRef<[OwnedEvent]>>(mut states: HashMap<String, RunStat
             }
         }
     }
-    Decided { results, events: new_events, receipts: new_receipts, states, touched }
+    Decided { results, events: new_events, receipts: new_receipts, states, touched, head_acks: HashMap::new() }
 }
 
 /// Writes what a batch decided inside `tx`.
@@ -510,7 +513,7 @@ pub async fn write(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<
     // Heads first: a head another writer moved refuses the batch before anything is written.
     for run in &d.touched {
         if let Some(st) = d.states.get(run) {
-            write_head(store, tx, st).await?;
+            write_head(tx, st, store.prove_head(d, st)).await?;
         }
     }
     insert_events(tx, &d.events).await?;
@@ -668,7 +671,7 @@ async fn run_one_query(
     let usual = heads.len() <= 2 && d.events.len() <= 8 && d.receipts.len() <= 2;
     let mut q = sqlx::query(sql).persistent(usual);
     for st in heads {
-        q = bind_head_columns(store, q, st).bind(&st.head.run_id).bind(st.stored_seq as i64);
+        q = bind_head_columns(q, st, store.prove_head(d, st)).bind(&st.head.run_id).bind(st.stored_seq as i64);
     }
     q = bind_events(q, &d.events);
     for r in &d.receipts {
@@ -744,7 +747,7 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
         .filter_map(|r| d.states.get(r))
         .map(|st| {
             let h = &st.head;
-            let (head_signature, head_key_id) = store.sign_head(&h.run_id, h.last_seq, &h.head_hash);
+            let proof = store.prove_head(d, st);
             HeadRow {
                 run_id: &h.run_id,
                 prev_seq: st.stored_seq as i64,
@@ -754,8 +757,9 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
                 status: &h.status,
                 reason: &h.reason,
                 updated_at_ms: h.updated_at_ms,
-                head_signature,
-                head_key_id,
+                head_signature: proof.signature,
+                head_key_id: proof.key_id,
+                head_proof: proof.kind,
             }
         })
         .collect();
@@ -785,13 +789,13 @@ fn rows_json<T: serde::Serialize>(rows: &[T]) -> Result<String, LedgerError> {
 const ONE_STATEMENT: &str = "\
 WITH h AS (SELECT * FROM json_to_recordset($1::json) AS x (run_id text, prev_seq bigint, last_seq bigint, \
              head_hash text, max_epoch bigint, status text, reason text, updated_at_ms bigint, head_signature text, \
-             head_key_id text)),
+             head_key_id text, head_proof text)),
      l AS (SELECT r.run_id FROM runs AS r JOIN h ON r.run_id = h.run_id AND r.last_seq = h.prev_seq
            ORDER BY r.run_id FOR UPDATE OF r),
      ok AS (SELECT count(*) = $4::bigint AS whole FROM l),
      u AS (UPDATE runs AS r SET last_seq = h.last_seq, head_hash = h.head_hash, max_epoch = h.max_epoch,
              status = h.status, reason = h.reason, updated_at_ms = h.updated_at_ms,
-             head_signature = h.head_signature, head_key_id = h.head_key_id
+             head_signature = h.head_signature, head_key_id = h.head_key_id, head_proof = h.head_proof
            FROM h WHERE r.run_id = h.run_id AND r.last_seq = h.prev_seq AND (SELECT whole FROM ok)
            RETURNING r.run_id),
      e AS (INSERT INTO events (run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, \
@@ -819,6 +823,7 @@ struct HeadRow<'a> {
     updated_at_ms: i64,
     head_signature: String,
     head_key_id: String,
+    head_proof: &'static str,
 }
 
 /// An `events` row as [`ONE_STATEMENT`] reads it.
@@ -959,6 +964,7 @@ mod tests {
             receipts: Vec::new(),
             states: HashMap::new(),
             touched: Vec::new(),
+            head_acks: HashMap::new(),
         };
         let (sql, statements) = one_query_sql(&heads, &d, true);
         assert_eq!(statements, 6, "BEGIN, two writes and their guards, COMMIT: {sql}");

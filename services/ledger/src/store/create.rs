@@ -154,6 +154,7 @@ impl LedgerStore {
                 updated_at_ms: new.now_ms,
                 head_signature,
                 head_key_id,
+                head_proof: super::PROOF_HEAD.to_string(),
             },
             submit_key: (!new.idempotency_key.is_empty()).then(|| new.idempotency_key.to_string()),
             chain,

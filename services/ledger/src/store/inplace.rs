@@ -195,18 +195,15 @@ fn is_busy(e: &rusqlite::Error) -> bool {
 
 /// The transaction of [`InPlace::write`]. Dropped unfinished (any `?`), rusqlite rolls it back.
 fn commit(store: &LedgerStore, conn: &mut Connection, d: &Decided) -> Result<(), Failed> {
-    // Heads signed before the file's lock is taken, so that it is held only for the writes.
-    let heads: Vec<_> = d
-        .touched
-        .iter()
-        .filter_map(|run| d.states.get(run))
-        .map(|st| (st, store.sign_head(&st.head.run_id, st.head.last_seq, &st.head.head_hash)))
-        .collect();
+    // Heads proven (signed) before the file's lock is taken, so that it is held only for the
+    // writes.
+    let heads: Vec<_> =
+        d.touched.iter().filter_map(|run| d.states.get(run)).map(|st| (st, store.prove_head(d, st))).collect();
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     {
         // In the order of `batch::bind_head_columns`, then the run and its stored seq.
         let mut head = tx.prepare_cached(UPDATE_HEAD_ANONYMOUS)?;
-        for (st, (signature, key_id)) in &heads {
+        for (st, proof) in &heads {
             let h = &st.head;
             let changed = head.execute(params![
                 h.last_seq as i64,
@@ -215,8 +212,9 @@ fn commit(store: &LedgerStore, conn: &mut Connection, d: &Decided) -> Result<(),
                 h.status,
                 h.reason,
                 h.updated_at_ms,
-                signature,
-                key_id,
+                proof.signature,
+                proof.key_id,
+                proof.kind,
                 h.run_id,
                 st.stored_seq as i64,
             ])?;
