@@ -244,11 +244,12 @@ async fn k13_an_exported_run_verifies_offline_and_tampering_is_named_on_postgres
     k13_an_exported_run_verifies_offline_and_tampering_is_named(Backend::Postgres).await;
 }
 
-/// A run waiting on its tool has the call's request as its head, stored with the request's
-/// acknowledgement as the head's proof (no head signature of its own): `GetSignedHead` signs
-/// `{run_id, seq, hash}` for it once that proof verifies, `VerifyRun` accepts it, and a proof
-/// altered in the store is refused by both.
-async fn a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked(backend: Backend) {
+/// A head the ledger writes is stored with its MAC, not a signature: `GetSignedHead` signs
+/// `{run_id, seq, hash}` once the MAC verifies, and `VerifyRun` accepts it. A MAC altered in
+/// the store is refused by both (`DATA_LOSS`: no head is signed on it). A head signature
+/// stored under the MAC's mark — what a ledger of the earlier version writes beside this one
+/// during an upgrade — is still taken.
+async fn a_head_stored_with_the_ledgers_mac_is_signed_when_asked(backend: Backend) {
     let mut opts = warden_testkit::MeshOptions::default();
     opts.tenants[0].1.push("sleep".into());
     let mesh = mesh_with(backend, opts).await;
@@ -262,48 +263,63 @@ async fn a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked(back
         mesh.database_url.clone()
     };
     let db = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(&url).await.expect("open the database");
-    let (proof, last_seq, signature): (String, i64, String) =
-        sqlx::query_as(&format!("SELECT head_proof, last_seq, head_signature FROM runs WHERE run_id = '{id}'"))
-            .fetch_one(&db)
-            .await
-            .expect("the run's row");
-    assert_eq!((proof.as_str(), last_seq as u64), ("ack", requested.seq), "the request is the head");
+    let stored = || {
+        let (db, id) = (db.clone(), id.clone());
+        async move {
+            let (proof, last_seq, mac): (String, i64, String) =
+                sqlx::query_as(&format!("SELECT head_proof, last_seq, head_signature FROM runs WHERE run_id = '{id}'"))
+                    .fetch_one(&db)
+                    .await
+                    .expect("the run's row");
+            (proof, last_seq as u64, mac)
+        }
+    };
+    let (proof, last_seq, mac) = stored().await;
+    assert_eq!((proof.as_str(), last_seq, mac.len()), ("mac", requested.seq, 64), "the request is the head");
 
     let mut ledger = mesh.ledger();
-    let head = ledger
-        .get_signed_head(pb::GetSignedHeadRequest { tenant: "acme".into(), run_id: id.clone() })
-        .await
-        .expect("a signed head")
-        .into_inner();
+    let signed_head = || {
+        let (mut ledger, id) = (mesh.ledger(), id.clone());
+        async move { ledger.get_signed_head(pb::GetSignedHeadRequest { tenant: "acme".into(), run_id: id }).await }
+    };
+    let head = signed_head().await.expect("a signed head").into_inner();
     assert_eq!((head.seq, head.hash.as_str()), (requested.seq, requested.hash.as_str()));
     let key =
         ed25519_dalek::VerifyingKey::from_bytes(&head.public_key.clone().try_into().expect("32 bytes")).expect("key");
-    let signed = warden_core::head::Head { run_id: id.clone(), seq: head.seq, hash: head.hash.clone() };
-    assert!(signed.verify(&head.signature, &key), "signed as any head is");
+    let as_signed = warden_core::head::Head { run_id: id.clone(), seq: head.seq, hash: head.hash.clone() };
+    assert!(as_signed.verify(&head.signature, &key), "signed as any head is");
     assert!(verify(&mut ledger, "acme", &id).await.valid);
 
-    let altered = format!("{}{}", if signature.starts_with('0') { "1" } else { "0" }, &signature[1..]);
-    sqlx::query(&format!("UPDATE runs SET head_signature = '{altered}' WHERE run_id = '{id}'"))
-        .execute(&db)
-        .await
-        .expect("alter the proof");
-    let e = ledger
-        .get_signed_head(pb::GetSignedHeadRequest { tenant: "acme".into(), run_id: id.clone() })
-        .await
-        .expect_err("no head is signed on a proof that does not verify");
+    let set = |signature: String| {
+        let (db, id) = (db.clone(), id.clone());
+        async move {
+            sqlx::query(&format!("UPDATE runs SET head_signature = '{signature}' WHERE run_id = '{id}'"))
+                .execute(&db)
+                .await
+                .expect("set the stored proof");
+        }
+    };
+    set(format!("{}{}", if mac.starts_with('0') { "1" } else { "0" }, &mac[1..])).await;
+    let e = signed_head().await.expect_err("no head is signed on a proof that does not verify");
     assert_eq!(e.code(), tonic::Code::DataLoss, "{e:?}");
     let v = verify(&mut ledger, "acme", &id).await;
     assert!(!v.valid && v.reason.contains("head"), "{v:?}");
+
+    // A head signature under the MAC's mark, as an earlier ledger writes it.
+    set(hex::encode(&head.signature)).await;
+    assert!(verify(&mut ledger, "acme", &id).await.valid);
+    let again = signed_head().await.expect("the stored signature").into_inner();
+    assert_eq!(again.signature, head.signature);
 }
 
 #[tokio::test]
-async fn a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked_on_sqlite() {
-    a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked(Backend::Sqlite).await;
+async fn a_head_stored_with_the_ledgers_mac_is_signed_when_asked_on_sqlite() {
+    a_head_stored_with_the_ledgers_mac_is_signed_when_asked(Backend::Sqlite).await;
 }
 
 #[tokio::test]
-async fn a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked_on_postgres() {
-    a_head_proven_by_its_requests_acknowledgement_is_signed_when_asked(Backend::Postgres).await;
+async fn a_head_stored_with_the_ledgers_mac_is_signed_when_asked_on_postgres() {
+    a_head_stored_with_the_ledgers_mac_is_signed_when_asked(Backend::Postgres).await;
 }
 
 async fn k20_another_tenant_cannot_read_or_write_a_run_in_the_ledger(backend: Backend) {

@@ -57,16 +57,6 @@ pub fn sign_ack(mut claims: RequestAckClaims, key: &SigningKey) -> SignedClaims 
     signed(&claims, claims.key_id.clone(), key)
 }
 
-/// Whether `signature` is `key`'s acknowledgement with exactly these claims (`kind` and
-/// `key_id` set here, as [`sign_ack`] sets them): how the ledger checks an acknowledgement it
-/// stored as a run head's proof, rebuilding the claims from the head event.
-pub fn ack_signed_by(mut claims: RequestAckClaims, signature: &[u8], key: &VerifyingKey) -> bool {
-    claims.key_id = key_id(key);
-    claims.kind = KIND_TOOL_REQUESTED.to_string();
-    ed25519_dalek::Signature::from_slice(signature)
-        .is_ok_and(|s| crate::signature::verify(key, canonical_json(&claims).as_bytes(), &s))
-}
-
 /// `claims` as RFC 8785 JSON, signed.
 fn signed(claims: &impl Serialize, key_id: String, key: &SigningKey) -> SignedClaims {
     let claims_json = canonical_json(claims).into_bytes();
@@ -194,21 +184,6 @@ mod tests {
         assert!(matches!(verify_ack(&s, lookup, &call()).unwrap_err(), AuthError::Malformed(_)));
         let request = sign_ack(claims(), sk);
         assert!(matches!(verify_run_ack(&request, lookup, "t", "r").unwrap_err(), AuthError::Malformed(_)));
-    }
-
-    #[test]
-    fn an_acknowledgement_is_checked_against_claims_rebuilt_and_nothing_else() {
-        let key = crate::auth::TestKey::new(3);
-        let signed = sign_ack(claims(), &key.sk);
-        let vk = key.sk.verifying_key();
-        assert!(ack_signed_by(claims(), &signed.signature, &vk));
-        let moved = RequestAckClaims { seq: 5, ..claims() };
-        assert!(!ack_signed_by(moved, &signed.signature, &vk), "another seq");
-        let other = RequestAckClaims { event_hash: "cd".into(), ..claims() };
-        assert!(!ack_signed_by(other, &signed.signature, &vk), "another event");
-        let elsewhere = SigningKey::from_bytes(&[4u8; 32]).verifying_key();
-        assert!(!ack_signed_by(claims(), &signed.signature, &elsewhere), "another key");
-        assert!(!ack_signed_by(claims(), &signed.signature[..10], &vk), "not a signature");
     }
 
     fn claims() -> RequestAckClaims {

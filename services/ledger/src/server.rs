@@ -674,15 +674,6 @@ impl LedgerService {
     }
 
     /// Recomputes the chain of a run page by page and checks the run's recorded head.
-    /// `run`'s event at its head, when its head's proof is the request's acknowledgement
-    /// (checking it rebuilds the claims from that event); `None` otherwise.
-    async fn head_event(&self, run: &RunRow) -> Result<Option<ChainedEvent>, LedgerError> {
-        if run.head_proof == crate::store::PROOF_HEAD || run.last_seq == 0 {
-            return Ok(None);
-        }
-        Ok(self.store.events(&run.run_id, run.last_seq - 1, 1).await?.into_iter().next())
-    }
-
     pub async fn verify(&self, run: &RunRow) -> Result<pb::VerifyRunResponse, LedgerError> {
         let invalid = |events: u64, first_bad_seq: u64, reason: String| pb::VerifyRunResponse {
             valid: false,
@@ -750,8 +741,7 @@ impl LedgerService {
         if let Some(seq) = receipts.keys().min() {
             return Ok(invalid(count, *seq, "a receipt cites no outcome event".into()));
         }
-        let head_event = self.head_event(run).await?;
-        if !self.store.head_proof_verifies(run, head_event.as_ref()) {
+        if !self.store.head_proof_verifies(run) {
             return Ok(invalid(count, count, "the chain head's signature does not verify".into()));
         }
         Ok(pb::VerifyRunResponse {
@@ -1286,10 +1276,9 @@ impl Ledger for LedgerService {
         warden_grpc::auth::check(&req, &req.get_ref().tenant)?;
         let r = req.into_inner();
         let run = self.visible_run(&r.tenant, &r.run_id).await?;
-        // A head proven by its request's acknowledgement is signed here, once that proof
-        // verified (`LedgerStore::signed_head`): what a client gets is the same either way.
-        let head_event = self.head_event(&run).await?;
-        let (signature, key_id) = self.store.signed_head(&run, head_event.as_ref())?;
+        // A head stored with the ledger's MAC is signed here, once the MAC verified
+        // (`LedgerStore::signed_head`): what a client gets is the same either way.
+        let (signature, key_id) = self.store.signed_head(&run)?;
         Ok(Response::new(pb::SignedHead {
             run_id: run.run_id,
             seq: run.last_seq,

@@ -437,9 +437,6 @@ pub struct Decided {
     pub states: HashMap<String, RunState>,
     /// Runs whose head moves.
     pub touched: Vec<String>,
-    /// The proofs of heads that are requests, signed before the batch is written
-    /// (`LedgerStore::acknowledge_heads`); every other head is signed as it is written.
-    pub head_acks: HashMap<String, HeadProof>,
 }
 
 /// Decides every group in memory against the runs' states, each group all or nothing: a
@@ -502,7 +499,7 @@ pub fn decide_groups<G: AsRef<[OwnedEvent]>>(mut states: HashMap<String, RunStat
             }
         }
     }
-    Decided { results, events: new_events, receipts: new_receipts, states, touched, head_acks: HashMap::new() }
+    Decided { results, events: new_events, receipts: new_receipts, states, touched }
 }
 
 /// Writes what a batch decided inside `tx`.
@@ -513,7 +510,7 @@ pub async fn write(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<
     // Heads first: a head another writer moved refuses the batch before anything is written.
     for run in &d.touched {
         if let Some(st) = d.states.get(run) {
-            write_head(tx, st, store.prove_head(d, st)).await?;
+            write_head(tx, st, store.prove_head(st)).await?;
         }
     }
     insert_events(tx, &d.events).await?;
@@ -525,7 +522,7 @@ const MAX_STATEMENT_PARAMS: usize = 30_000;
 
 impl Decided {
     fn params(&self) -> usize {
-        self.touched.len() * 10 + self.events.len() * 10 + self.receipts.len() * 8
+        self.touched.len() * 11 + self.events.len() * 10 + self.receipts.len() * 8
     }
 
     /// Whether [`write_one_query`] can take the batch (each `INSERT` within [`ROWS`] rows, as
@@ -671,7 +668,7 @@ async fn run_one_query(
     let usual = heads.len() <= 2 && d.events.len() <= 8 && d.receipts.len() <= 2;
     let mut q = sqlx::query(sql).persistent(usual);
     for st in heads {
-        q = bind_head_columns(q, st, store.prove_head(d, st)).bind(&st.head.run_id).bind(st.stored_seq as i64);
+        q = bind_head_columns(q, st, store.prove_head(st)).bind(&st.head.run_id).bind(st.stored_seq as i64);
     }
     q = bind_events(q, &d.events);
     for r in &d.receipts {
@@ -747,7 +744,7 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
         .filter_map(|r| d.states.get(r))
         .map(|st| {
             let h = &st.head;
-            let proof = store.prove_head(d, st);
+            let proof = store.prove_head(st);
             HeadRow {
                 run_id: &h.run_id,
                 prev_seq: st.stored_seq as i64,
@@ -964,7 +961,6 @@ mod tests {
             receipts: Vec::new(),
             states: HashMap::new(),
             touched: Vec::new(),
-            head_acks: HashMap::new(),
         };
         let (sql, statements) = one_query_sql(&heads, &d, true);
         assert_eq!(statements, 6, "BEGIN, two writes and their guards, COMMIT: {sql}");

@@ -114,7 +114,7 @@ impl InPlace {
     }
 
     /// Writes what `d` decided in one transaction on this thread, or defers it (see
-    /// [`Written`]). Heads are signed here, as the pooled path signs them.
+    /// [`Written`]). Heads are proven here (their MACs), as the pooled path proves them.
     pub fn write(&self, store: &LedgerStore, d: &Decided) -> Result<Written, LedgerError> {
         if self.unopenable.load(Ordering::Relaxed) {
             return Ok(self.defer());
@@ -195,10 +195,9 @@ fn is_busy(e: &rusqlite::Error) -> bool {
 
 /// The transaction of [`InPlace::write`]. Dropped unfinished (any `?`), rusqlite rolls it back.
 fn commit(store: &LedgerStore, conn: &mut Connection, d: &Decided) -> Result<(), Failed> {
-    // Heads proven (signed) before the file's lock is taken, so that it is held only for the
-    // writes.
+    // Heads proven before the file's lock is taken, so that it is held only for the writes.
     let heads: Vec<_> =
-        d.touched.iter().filter_map(|run| d.states.get(run)).map(|st| (st, store.prove_head(d, st))).collect();
+        d.touched.iter().filter_map(|run| d.states.get(run)).map(|st| (st, store.prove_head(st))).collect();
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     {
         // In the order of `batch::bind_head_columns`, then the run and its stored seq.
