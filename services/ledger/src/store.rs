@@ -549,16 +549,21 @@ impl LedgerStore {
     /// with the ledger's MAC, a signature made now once the MAC verified — so a head moved in
     /// the store without the ledger's key is never signed.
     pub fn signed_head(&self, run: &RunRow) -> Result<(String, String), LedgerError> {
+        let stored = || Ok((run.head_signature.clone(), run.head_key_id.clone()));
         if run.head_proof == PROOF_HEAD {
-            return Ok((run.head_signature.clone(), run.head_key_id.clone()));
+            return stored();
         }
-        let proof = hex::decode(&run.head_signature).unwrap_or_default();
-        if self.mac_verifies(run, &proof) {
-            return Ok(self.sign_head(&run.run_id, run.last_seq, &run.head_hash));
-        }
-        if self.head_proof_verifies(run) {
+        if run.head_proof == PROOF_MAC
+            && let Ok(proof) = hex::decode(&run.head_signature)
+        {
+            if self.mac_verifies(run, &proof) {
+                return Ok(self.sign_head(&run.run_id, run.last_seq, &run.head_hash));
+            }
             // A signature an earlier version wrote under the MAC's mark (see above).
-            return Ok((run.head_signature.clone(), run.head_key_id.clone()));
+            let head = Head { run_id: run.run_id.clone(), seq: run.last_seq, hash: run.head_hash.clone() };
+            if head.verify(&proof, &self.key.verifying_key()) {
+                return stored();
+            }
         }
         Err(LedgerError::DataLoss(format!("run '{}': the chain head's proof does not verify", run.run_id)))
     }
@@ -1330,6 +1335,50 @@ mod tests {
     use serde_json::json;
 
     use super::test_note as note;
+
+    /// A stored head's MAC is keyed by the ledger's key: another key's MAC, or an unkeyed
+    /// digest, of the same head does not verify, and nothing is signed on it.
+    #[tokio::test]
+    async fn a_heads_mac_is_the_ledgers_own() {
+        let (_dir, store) = test_sqlite().await;
+        let (_other_dir, other) = {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let url = format!("sqlite://{}/ledger.db", dir.path().display());
+            (dir, LedgerStore::connect(&url, 4, SigningKey::from_bytes(&[8; 32])).await.expect("store"))
+        };
+        let mut run = RunRow {
+            run_id: "r".into(),
+            tenant: "t".into(),
+            status: RunStatus::Active,
+            reason: String::new(),
+            plan_json: String::new(),
+            goal: String::new(),
+            cancel_policy: 0,
+            last_seq: 3,
+            head_hash: "ab".repeat(32),
+            max_epoch: 1,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+            head_signature: store.head_mac("r", 3, &"ab".repeat(32)),
+            head_key_id: store.key_id.clone(),
+            head_proof: PROOF_MAC.into(),
+        };
+        assert!(store.head_proof_verifies(&run));
+        let (signature, _) = store.signed_head(&run).expect("signed");
+        let head = Head { run_id: "r".into(), seq: 3, hash: "ab".repeat(32) };
+        assert!(head.verify(&hex::decode(signature).expect("hex"), &store.verifying_key()));
+        let unkeyed = warden_core::canonical::sha256_hex(warden_core::canonical_json(&head).as_bytes());
+        for forged in [other.head_mac("r", 3, &"ab".repeat(32)), unkeyed, "zz".into()] {
+            run.head_signature = forged;
+            assert!(!store.head_proof_verifies(&run), "{}", run.head_signature);
+            assert!(matches!(store.signed_head(&run), Err(LedgerError::DataLoss(_))));
+        }
+        run.head_signature = store.head_mac("r", 4, &"ab".repeat(32));
+        assert!(!store.head_proof_verifies(&run), "the MAC of another head");
+        run.head_proof = "other".into();
+        run.head_signature = store.head_mac("r", 3, &"ab".repeat(32));
+        assert!(!store.head_proof_verifies(&run) && store.signed_head(&run).is_err(), "an unknown mark");
+    }
 
     /// A root run of tenant `t`, started by an executor at epoch 1.
     fn new_run<'a>(run_id: &'a str, plan: &'a serde_json::Value) -> NewRun<'a> {
