@@ -252,24 +252,6 @@ fn head_mac_key(key: &SigningKey) -> [u8; 32] {
     h.finalize().into()
 }
 
-/// The claims of the acknowledgement of `event`, a `tool_requested` of a run of `tenant`.
-fn ack_claims(tenant: &str, event: &ChainedEvent) -> warden_core::ack::RequestAckClaims {
-    let p = &event.body.payload;
-    let text = |k: &str| p.get(k).and_then(serde_json::Value::as_str).unwrap_or_default().to_string();
-    warden_core::ack::RequestAckClaims {
-        v: 1,
-        kind: String::new(),
-        key_id: String::new(),
-        tenant: tenant.to_string(),
-        run_id: event.body.run_id.clone(),
-        step_id: event.body.step_id.clone(),
-        attempt: p.get("attempt").and_then(serde_json::Value::as_u64).unwrap_or(0).min(u32::MAX as u64) as u32,
-        decision_id: text("decision_id"),
-        idempotency_key: text("idempotency_key"),
-        seq: event.body.seq,
-        event_hash: event.hash.clone(),
-    }
-}
 pub(crate) const EVENT_COLUMNS: &str =
     "run_id, seq, event_type, payload_json, step_id, epoch, idempotency_key, timestamp_ms, prev_hash, hash";
 
@@ -488,7 +470,22 @@ impl LedgerStore {
     }
 
     fn sign_ack(&self, tenant: &str, event: &ChainedEvent) -> warden_core::auth::SignedClaims {
-        warden_core::ack::sign_ack(ack_claims(tenant, event), &self.key)
+        let p = &event.body.payload;
+        let text = |k: &str| p.get(k).and_then(serde_json::Value::as_str).unwrap_or_default().to_string();
+        let claims = warden_core::ack::RequestAckClaims {
+            v: 1,
+            kind: String::new(),
+            key_id: String::new(),
+            tenant: tenant.to_string(),
+            run_id: event.body.run_id.clone(),
+            step_id: event.body.step_id.clone(),
+            attempt: p.get("attempt").and_then(serde_json::Value::as_u64).unwrap_or(0).min(u32::MAX as u64) as u32,
+            decision_id: text("decision_id"),
+            idempotency_key: text("idempotency_key"),
+            seq: event.body.seq,
+            event_hash: event.hash.clone(),
+        };
+        warden_core::ack::sign_ack(claims, &self.key)
     }
 
     /// The proof stored with the head `st` moves to: the ledger's MAC of it
@@ -527,15 +524,17 @@ impl LedgerStore {
     /// column (a MAC and a signature differ in length, so one never passes for the other).
     pub fn head_proof_verifies(&self, run: &RunRow) -> bool {
         let Ok(proof) = hex::decode(&run.head_signature) else { return false };
-        let signed = || {
-            Head { run_id: run.run_id.clone(), seq: run.last_seq, hash: run.head_hash.clone() }
-                .verify(&proof, &self.key.verifying_key())
-        };
         match run.head_proof.as_str() {
-            PROOF_HEAD => signed(),
-            PROOF_MAC => self.mac_verifies(run, &proof) || signed(),
+            PROOF_HEAD => self.head_signature_verifies(run, &proof),
+            PROOF_MAC => self.mac_verifies(run, &proof) || self.head_signature_verifies(run, &proof),
             _ => false,
         }
+    }
+
+    /// Whether `proof` is the ledger's signature of `run`'s head.
+    fn head_signature_verifies(&self, run: &RunRow, proof: &[u8]) -> bool {
+        Head { run_id: run.run_id.clone(), seq: run.last_seq, hash: run.head_hash.clone() }
+            .verify(proof, &self.key.verifying_key())
     }
 
     /// Whether `proof` is the ledger's MAC of `run`'s head (compared in constant time).
@@ -560,8 +559,7 @@ impl LedgerStore {
                 return Ok(self.sign_head(&run.run_id, run.last_seq, &run.head_hash));
             }
             // A signature an earlier version wrote under the MAC's mark (see above).
-            let head = Head { run_id: run.run_id.clone(), seq: run.last_seq, hash: run.head_hash.clone() };
-            if head.verify(&proof, &self.key.verifying_key()) {
+            if self.head_signature_verifies(run, &proof) {
                 return stored();
             }
         }
