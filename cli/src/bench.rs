@@ -341,11 +341,12 @@ impl Counters {
         {
             // Transactions (pg_stat_database's counters are flushed too lazily to read between
             // workloads): the services commit through BEGIN … COMMIT, and the ledger's batch
-            // write of runs it holds in memory is one statement committed on its own.
+            // write of runs it holds in memory is one statement committed on its own (one
+            // form for several runs' heads, another for one run's).
             commits = sqlx::query_scalar::<_, i64>(
                 "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
                  WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-                   AND (query ILIKE 'COMMIT%' OR query ILIKE 'WITH h %')",
+                   AND (query ILIKE 'COMMIT%' OR query ILIKE 'WITH h %' OR query ILIKE 'WITH u AS (UPDATE runs %')",
             )
             .fetch_one(&mut c)
             .await

@@ -34,9 +34,15 @@ pub(crate) fn write_canonical(out: &mut String, value: &serde_json::Value) {
         Value::Bool(false) => out.push_str("false"),
         // Every number in ECMAScript form, integers included (RFC 8785 §3.2.2.3): JSON
         // numbers are IEEE 754 doubles to whoever verifies, so 2^63 reads 9223372036854776000.
-        Value::Number(n) => match n.as_f64().filter(|f| f.is_finite()) {
-            Some(f) => write_number(out, f),
-            None => panic!("number {n} has no canonical JSON form"),
+        Value::Number(n) => match (n.as_i64(), n.as_f64().filter(|f| f.is_finite())) {
+            // An integer a double holds exactly is written as ECMAScript writes that double:
+            // its decimal digits (what most numbers of a record are — seqs, attempts,
+            // times — without the shortest-double search).
+            (Some(i), _) if i.unsigned_abs() <= MAX_EXACT_INTEGER => {
+                out.push_str(itoa::Buffer::new().format(i));
+            }
+            (_, Some(f)) => write_number(out, f),
+            (_, None) => panic!("number {n} has no canonical JSON form"),
         },
         Value::String(s) => write_string(out, s),
         Value::Array(items) => {
@@ -53,8 +59,14 @@ pub(crate) fn write_canonical(out: &mut String, value: &serde_json::Value) {
             // Members sorted by their names' UTF-16 code units (RFC 8785 §3.2.3). That is the
             // byte order a `Map` iterates in, except for names with characters past U+FFFF
             // against U+E000..U+FFFF; sorting settles both.
+            // Names of ASCII alone (nearly every name) compare the same either way, and
+            // bytewise is much cheaper than re-encoding both names for every comparison.
             let mut members: Vec<(&String, &Value)> = map.iter().collect();
-            members.sort_unstable_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+            if members.iter().all(|(name, _)| name.is_ascii()) {
+                members.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            } else {
+                members.sort_unstable_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+            }
             out.push('{');
             for (i, (name, item)) in members.into_iter().enumerate() {
                 if i > 0 {
@@ -68,6 +80,10 @@ pub(crate) fn write_canonical(out: &mut String, value: &serde_json::Value) {
         }
     }
 }
+
+/// 2^53: every integer up to it in magnitude is a double exactly, and ECMAScript writes such
+/// a double as the integer's decimal digits (below 10^21, it never uses an exponent).
+const MAX_EXACT_INTEGER: u64 = 1 << 53;
 
 /// A finite number in ECMAScript form (RFC 8785 §3.2.2.3).
 pub(crate) fn write_number(out: &mut String, f: f64) {
@@ -157,6 +173,9 @@ mod tests {
             json!({"\u{10000}": 1, "\u{e000}": 2, "\u{ffff}": 3, "\u{7f}": 4, "é": 5, "\u{1f600}x": 6}),
             json!({"text": "line\nbreak\ttab\r\u{8}\u{c}", "emoji": "😀", "nested": {"k": [1, {"b": 2, "a": 1}]}}),
             json!(["\u{2028}\u{2029}", "<script>", 4.35, 5e-324, 1.7976931348623157e308, 9007199254740993u64]),
+            // Integers at and around the largest a double holds exactly, both signs.
+            json!([9007199254740992u64, 9007199254740991u64, -9007199254740992i64, -9007199254740993i64, 0, -1]),
+            json!([9007199254740994u64, 18014398509481984u64, -18014398509481985i64, 100000000000000000000.0]),
         ];
         for case in cases {
             assert_eq!(canonical_json(&case), serde_jcs::to_string(&case).expect("jcs"), "{case}");
