@@ -726,7 +726,9 @@ fn one_query_outcome(
 /// and only if every head was updated are the events and receipts inserted. So a head another
 /// writer moved writes nothing at all, for any run of the batch (`Moved`). Unique keys on
 /// `(run_id, seq)`, `(run_id, idempotency_key)` and `receipt_id` still hold: a violation fails
-/// the statement whole.
+/// the statement whole. A batch that moves one run's head is written by
+/// [`ONE_RUN_STATEMENT`] instead: its update locks the one row itself, so it needs neither `l`
+/// nor the count.
 ///
 /// The rows travel as three JSON arrays (`json_to_recordset`), not as one mark per value: the
 /// statement's text is then the same for every batch, so each connection prepares it (and
