@@ -762,6 +762,15 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
             }
         })
         .collect();
+    if heads.len() != d.touched.len() {
+        // Every run a batch moves was decided on a state it holds; a head missing here would
+        // have the statements write events for a head they do not move.
+        return Err(LedgerError::Internal(format!(
+            "a batch moves {} runs' heads and holds the state of {}",
+            d.touched.len(),
+            heads.len()
+        )));
+    }
     let events: Vec<EventRow<'_>> = d.events.iter().map(|e| EventRow::of(e)).collect();
     let receipts: Vec<ReceiptRow<'_>> = d.receipts.iter().map(ReceiptRow::of).collect();
     let q = match heads.as_slice() {
