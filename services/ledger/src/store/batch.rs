@@ -228,6 +228,13 @@ fn bind_head<'q>(q: Query<'q>, st: &'q RunState, proof: HeadProof) -> Query<'q> 
     bind_head_columns(q.bind(&st.head.run_id), st, proof).bind(st.stored_seq as i64)
 }
 
+/// A head write's eleven values with the run last: the new head's columns and proof, the run
+/// id, then the stored `last_seq` it is conditional on ([`UPDATE_HEAD_ANONYMOUS`] and
+/// [`ONE_RUN_STATEMENT`] take them in this order).
+fn bind_head_then_run<'q>(q: Query<'q>, st: &'q RunState, proof: HeadProof) -> Query<'q> {
+    bind_head_columns(q, st, proof).bind(&st.head.run_id).bind(st.stored_seq as i64)
+}
+
 /// The new head's nine columns with its proof, in the order `UPDATE runs SET` lists them.
 fn bind_head_columns<'q>(q: Query<'q>, st: &'q RunState, proof: HeadProof) -> Query<'q> {
     let h = &st.head;
@@ -521,6 +528,11 @@ pub async fn write(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<
 const MAX_STATEMENT_PARAMS: usize = 30_000;
 
 impl Decided {
+    /// The states of the runs whose heads the batch moves, in `touched` order.
+    fn moved_states(&self) -> Vec<&RunState> {
+        self.touched.iter().filter_map(|r| self.states.get(r)).collect()
+    }
+
     fn params(&self) -> usize {
         self.touched.len() * 11 + self.events.len() * 10 + self.receipts.len() * 8
     }
@@ -540,7 +552,7 @@ impl Decided {
 /// its own changes: a head write that changed no row means another writer moved the head,
 /// and the transaction is rolled back (dropped) unwritten as with [`write_head`].
 async fn write_one_query(store: &LedgerStore, tx: &mut Tx<'_>, d: &Decided) -> Result<(), LedgerError> {
-    let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
+    let heads = d.moved_states();
     let (sql, _) = one_query_sql(&heads, d, false);
     if sql.is_empty() {
         return Ok(());
@@ -568,7 +580,7 @@ pub async fn write_committed(
     conn: &mut sqlx::pool::PoolConnection<Any>,
     d: &Decided,
 ) -> Result<(), LedgerError> {
-    let heads: Vec<&RunState> = d.touched.iter().filter_map(|r| d.states.get(r)).collect();
+    let heads = d.moved_states();
     let (sql, statements) = one_query_sql(&heads, d, true);
     // sqlx does not know of a transaction begun by a query: should this future be dropped
     // half-way (the connection's worker then stops at its next answer, the transaction
@@ -668,7 +680,7 @@ async fn run_one_query(
     let usual = heads.len() <= 2 && d.events.len() <= 8 && d.receipts.len() <= 2;
     let mut q = sqlx::query(sql).persistent(usual);
     for st in heads {
-        q = bind_head_columns(q, st, store.prove_head(st)).bind(&st.head.run_id).bind(st.stored_seq as i64);
+        q = bind_head_then_run(q, st, store.prove_head(st));
     }
     q = bind_events(q, &d.events);
     for r in &d.receipts {
@@ -740,59 +752,27 @@ pub async fn write_one_statement(store: &LedgerStore, d: &Decided) -> Result<(),
     if d.touched.is_empty() {
         return Ok(());
     }
-    let heads: Vec<HeadRow<'_>> = d
-        .touched
-        .iter()
-        .filter_map(|r| d.states.get(r))
-        .map(|st| {
-            let h = &st.head;
-            let proof = store.prove_head(st);
-            HeadRow {
-                run_id: &h.run_id,
-                prev_seq: st.stored_seq as i64,
-                last_seq: h.last_seq as i64,
-                head_hash: &h.head_hash,
-                max_epoch: h.max_epoch as i64,
-                status: &h.status,
-                reason: &h.reason,
-                updated_at_ms: h.updated_at_ms,
-                head_signature: proof.signature,
-                head_key_id: proof.key_id,
-                head_proof: proof.kind,
-            }
-        })
-        .collect();
-    if heads.len() != d.touched.len() {
+    let states = d.moved_states();
+    if states.len() != d.touched.len() {
         // Every run a batch moves was decided on a state it holds; a head missing here would
         // have the statements write events for a head they do not move.
         return Err(LedgerError::Internal(format!(
             "a batch moves {} runs' heads and holds the state of {}",
             d.touched.len(),
-            heads.len()
+            states.len()
         )));
     }
     let events: Vec<EventRow<'_>> = d.events.iter().map(|e| EventRow::of(e)).collect();
     let receipts: Vec<ReceiptRow<'_>> = d.receipts.iter().map(ReceiptRow::of).collect();
-    let q = match heads.as_slice() {
-        [h] => sqlx::query(ONE_RUN_STATEMENT)
-            .bind(h.last_seq)
-            .bind(h.head_hash)
-            .bind(h.max_epoch)
-            .bind(h.status)
-            .bind(h.reason)
-            .bind(h.updated_at_ms)
-            .bind(h.head_signature.as_str())
-            .bind(h.head_key_id.as_str())
-            .bind(h.head_proof)
-            .bind(h.run_id)
-            .bind(h.prev_seq)
-            .bind(rows_json(&events)?)
-            .bind(rows_json(&receipts)?),
-        _ => sqlx::query(ONE_STATEMENT)
-            .bind(rows_json(&heads)?)
-            .bind(rows_json(&events)?)
-            .bind(rows_json(&receipts)?)
-            .bind(heads.len() as i64),
+    let (events, receipts) = (rows_json(&events)?, rows_json(&receipts)?);
+    let q = match states.as_slice() {
+        [st] => {
+            bind_head_then_run(sqlx::query(ONE_RUN_STATEMENT), st, store.prove_head(st)).bind(events).bind(receipts)
+        }
+        _ => {
+            let heads: Vec<HeadRow<'_>> = states.iter().map(|st| HeadRow::of(st, store.prove_head(st))).collect();
+            sqlx::query(ONE_STATEMENT).bind(rows_json(&heads)?).bind(events).bind(receipts).bind(heads.len() as i64)
+        }
     };
     let mut conn = store.write_conn().await?;
     let whole: bool = q.fetch_one(&mut *conn).await?.try_get(0)?;
@@ -874,6 +854,25 @@ struct HeadRow<'a> {
     head_signature: String,
     head_key_id: String,
     head_proof: &'static str,
+}
+
+impl<'a> HeadRow<'a> {
+    fn of(st: &'a RunState, proof: HeadProof) -> Self {
+        let h = &st.head;
+        HeadRow {
+            run_id: &h.run_id,
+            prev_seq: st.stored_seq as i64,
+            last_seq: h.last_seq as i64,
+            head_hash: &h.head_hash,
+            max_epoch: h.max_epoch as i64,
+            status: &h.status,
+            reason: &h.reason,
+            updated_at_ms: h.updated_at_ms,
+            head_signature: proof.signature,
+            head_key_id: proof.key_id,
+            head_proof: proof.kind,
+        }
+    }
 }
 
 /// An `events` row as [`ONE_STATEMENT`] reads it.
