@@ -368,6 +368,10 @@ impl Mesh {
                 ("WARDEN_CONFIG".to_string(), config.display().to_string()),
                 // Every process serves its metrics on a free port, announced on stdout.
                 ("WARDEN_METRICS_LISTEN".to_string(), "127.0.0.1:0".to_string()),
+                // One worker each, as `warden bench` runs the production shape on a small
+                // machine: the services run on the current-thread runtime, which the tests
+                // then hold to the contract too (the SDK's tests run them multi-threaded).
+                ("TOKIO_WORKER_THREADS".to_string(), "1".to_string()),
             ];
             env.extend(opts.env.iter().cloned());
             env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));

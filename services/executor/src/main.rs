@@ -5,10 +5,12 @@
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let l =
-        warden_grpc::launch::launch("warden-executor", "executor", |c| (&c.executor.listen, &c.executor.listen_unix))
-            .await?;
-    warden_executor::serve(&l.config.executor, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+fn main() -> anyhow::Result<()> {
+    warden_grpc::launch::run(async {
+        let l = warden_grpc::launch::launch("warden-executor", "executor", |c| {
+            (&c.executor.listen, &c.executor.listen_unix)
+        })
+        .await?;
+        warden_executor::serve(&l.config.executor, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+    })
 }

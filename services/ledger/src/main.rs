@@ -5,9 +5,10 @@
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let l =
-        warden_grpc::launch::launch("warden-ledger", "ledger", |c| (&c.ledger.listen, &c.ledger.listen_unix)).await?;
-    warden_ledger::serve(&l.config.ledger, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+fn main() -> anyhow::Result<()> {
+    warden_grpc::launch::run(async {
+        let l = warden_grpc::launch::launch("warden-ledger", "ledger", |c| (&c.ledger.listen, &c.ledger.listen_unix))
+            .await?;
+        warden_ledger::serve(&l.config.ledger, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+    })
 }

@@ -5,9 +5,11 @@
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let l = warden_grpc::launch::launch("warden-planner", "planner", |c| (&c.planner.listen, &c.planner.listen_unix))
-        .await?;
-    warden_planner::serve(&l.config.planner, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+fn main() -> anyhow::Result<()> {
+    warden_grpc::launch::run(async {
+        let l =
+            warden_grpc::launch::launch("warden-planner", "planner", |c| (&c.planner.listen, &c.planner.listen_unix))
+                .await?;
+        warden_planner::serve(&l.config.planner, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+    })
 }

@@ -5,8 +5,10 @@
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let l = warden_grpc::launch::launch("warden-tools", "tools", |c| (&c.tools.listen, &c.tools.listen_unix)).await?;
-    warden_tools::serve(&l.config.tools, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+fn main() -> anyhow::Result<()> {
+    warden_grpc::launch::run(async {
+        let l =
+            warden_grpc::launch::launch("warden-tools", "tools", |c| (&c.tools.listen, &c.tools.listen_unix)).await?;
+        warden_tools::serve(&l.config.tools, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+    })
 }
