@@ -284,6 +284,32 @@ async fn spans_reach_an_http_protobuf_receiver() {
     assert!(submit.parent_span_id.is_empty(), "the run's trace starts at SubmitRun");
 }
 
+/// A service asked to stop (SIGTERM) exports the spans still queued before it exits, over gRPC
+/// too, whose export runs on the service's own runtime: with one worker, that runtime has one
+/// thread, which must not be the one waiting for the export.
+// Multi-threaded: the receiver's tasks run here while the stop is waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_service_exports_its_last_spans_over_grpc() {
+    let receiver = OtlpReceiver::start().await.expect("OTLP receiver");
+    let mut env = otel_env(&receiver, "grpc");
+    // Nothing goes out on the exporter's schedule: only the stop exports.
+    env.retain(|(k, _)| k != "OTEL_BSP_SCHEDULE_DELAY");
+    env.push(("OTEL_BSP_SCHEDULE_DELAY".into(), "3600000".into()));
+    let mut mesh = mesh_with(Backend::Sqlite, MeshOptions { env, ..MeshOptions::default() }).await;
+    assert_eq!(mesh.policy.env_var("TOKIO_WORKER_THREADS"), Some("1"), "the one-thread runtime is under test");
+    let run_id = submit(&mesh, "acme", &plan(&[("greet", "echo", serde_json::json!({}), &[])])).await;
+    assert_eq!(settled(&mesh, "acme", &run_id).await.status(), pb::RunStatus::Completed);
+    let receipt = receipts_of(&mesh, "acme", &run_id, "").await.pop().expect("a receipt");
+    let authorized = |spans: &[ReceivedSpan]| {
+        spans.iter().any(|s| {
+            s.service == "warden-policy" && s.trace_id == receipt.trace_id && s.name == "/warden.v1.Policy/Authorize"
+        })
+    };
+    tokio::task::block_in_place(|| mesh.policy.terminate());
+    let spans = receiver.wait_for(Duration::from_secs(60), authorized).await;
+    assert!(authorized(&spans), "the policy's Authorize span never arrived\n{}", mesh.logs());
+}
+
 /// A goal run's model call is a span of the run's trace with the OpenTelemetry GenAI
 /// attributes, exported by the planner, and the provider receives its W3C context.
 #[tokio::test]

@@ -22,51 +22,70 @@ struct ServiceArgs {
 pub enum Flavor {
     /// Every task, the I/O driver and the timers on the thread that runs `main`.
     CurrentThread,
-    /// Tokio's work-stealing scheduler, `TOKIO_WORKER_THREADS` workers (by default one per
-    /// core).
+    /// Tokio's work-stealing scheduler.
     MultiThread,
 }
 
-/// The runtime flavor for `WARDEN_RUNTIME` (`current`, `multi`) and `TOKIO_WORKER_THREADS` as
-/// set in the environment (`None`: unset), on a machine of `cores` cores.
+/// The runtime for `WARDEN_RUNTIME` (`current`, `multi`) and `TOKIO_WORKER_THREADS` as set in
+/// the environment (`None`: unset), on a machine of `cores` cores (what the process may use:
+/// its affinity and CPU quota), for a binary that prefers `one_worker` when it has one worker:
+/// the flavor, and the workers of a multi-threaded one.
 ///
-/// Without `WARDEN_RUNTIME`, a service given one worker (`TOKIO_WORKER_THREADS=1`, or a
-/// machine or CPU quota of one core) runs on the current-thread runtime: measured on a
-/// 2-core machine with the five services sharing it, the production batch's CPU per step
-/// was about a sixth lower than with the multi-threaded scheduler restricted to one worker
-/// (BENCHMARKS.md, 2026-12-07), and the two run the same code. More workers keep the
-/// multi-threaded scheduler, whose point they are.
-pub fn flavor(runtime: Option<&str>, workers: Option<&str>, cores: usize) -> Result<Flavor, String> {
-    match runtime.map(str::trim) {
-        Some("current") => return Ok(Flavor::CurrentThread),
-        Some("multi") => return Ok(Flavor::MultiThread),
-        Some("") | None => {}
-        Some(other) => return Err(format!("WARDEN_RUNTIME must be 'current' or 'multi', not '{other}'")),
-    }
+/// Without `WARDEN_RUNTIME`, a service given one worker (`TOKIO_WORKER_THREADS=1`, or one
+/// core) runs on the runtime it prefers for that case. The mesh's services prefer the
+/// current-thread runtime: measured on a 2-core machine with the five services sharing it,
+/// the production batch's CPU per step was about a sixth lower than with the multi-threaded
+/// scheduler restricted to one worker (BENCHMARKS.md, 2026-12-07), and the code is the same.
+/// The demo tool host keeps the scheduler: a call that waits on its state file hands the
+/// others to another thread (`block_in_place`), which one thread could not. More workers
+/// keep the scheduler, whose point they are.
+pub fn flavor(
+    runtime: Option<&str>,
+    workers: Option<&str>,
+    cores: usize,
+    one_worker: Flavor,
+) -> Result<(Flavor, usize), String> {
     let workers = match workers {
-        None => cores,
+        None => cores.max(1),
         Some(v) => match v.trim().parse::<usize>() {
             Ok(n) if n > 0 => n,
             _ => return Err(format!("TOKIO_WORKER_THREADS must be a positive integer, not '{v}'")),
         },
     };
-    Ok(if workers == 1 { Flavor::CurrentThread } else { Flavor::MultiThread })
+    let flavor = match runtime.map(str::trim) {
+        Some("current") => Flavor::CurrentThread,
+        Some("multi") => Flavor::MultiThread,
+        Some("") | None if workers == 1 => one_worker,
+        Some("") | None => Flavor::MultiThread,
+        Some(other) => return Err(format!("WARDEN_RUNTIME must be 'current' or 'multi', not '{other}'")),
+    };
+    Ok((flavor, workers))
 }
 
 /// Runs a service binary's `main` future on the runtime [`flavor`] picks from the
-/// environment, and returns what it returns.
-pub fn run<F>(main: F) -> anyhow::Result<()>
+/// environment (`one_worker`: the binary's preference when it has one worker), and returns
+/// what it returns. A setting that names no runtime or worker count is an error, not a panic.
+pub fn run<F>(one_worker: Flavor, main: F) -> anyhow::Result<()>
 where
     F: std::future::Future<Output = anyhow::Result<()>>,
 {
-    let var = |k: &str| std::env::var(k).ok();
+    let var = |k: &str| match std::env::var(k) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(anyhow::anyhow!("{k} is not valid UTF-8")),
+    };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let flavor = flavor(var("WARDEN_RUNTIME").as_deref(), var("TOKIO_WORKER_THREADS").as_deref(), cores)
-        .map_err(anyhow::Error::msg)?;
+    let (runtime, workers) = (var("WARDEN_RUNTIME")?, var("TOKIO_WORKER_THREADS")?);
+    let (flavor, workers) =
+        flavor(runtime.as_deref(), workers.as_deref(), cores, one_worker).map_err(anyhow::Error::msg)?;
     let mut builder = match flavor {
         Flavor::CurrentThread => tokio::runtime::Builder::new_current_thread(),
-        // Reads TOKIO_WORKER_THREADS itself (checked above).
-        Flavor::MultiThread => tokio::runtime::Builder::new_multi_thread(),
+        Flavor::MultiThread => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            // Given, so that Tokio does not read (and panic on) the variable itself.
+            b.worker_threads(workers);
+            b
+        }
     };
     builder.enable_all().build()?.block_on(main)
 }
@@ -111,28 +130,32 @@ pub async fn launch(
 
 #[cfg(test)]
 mod tests {
-    use super::{Flavor, flavor};
+    use super::Flavor::{CurrentThread as Current, MultiThread as Multi};
+    use super::flavor;
 
     #[test]
-    fn one_worker_runs_on_the_current_thread_and_more_on_the_scheduler() {
-        assert_eq!(flavor(None, None, 1), Ok(Flavor::CurrentThread));
-        assert_eq!(flavor(None, None, 2), Ok(Flavor::MultiThread));
-        assert_eq!(flavor(None, Some("1"), 8), Ok(Flavor::CurrentThread));
-        assert_eq!(flavor(None, Some(" 1 "), 8), Ok(Flavor::CurrentThread));
-        assert_eq!(flavor(None, Some("2"), 1), Ok(Flavor::MultiThread));
-        assert_eq!(flavor(Some(""), Some("1"), 8), Ok(Flavor::CurrentThread));
+    fn one_worker_runs_on_the_runtime_the_binary_prefers_and_more_on_the_scheduler() {
+        assert_eq!(flavor(None, None, 1, Current), Ok((Current, 1)));
+        assert_eq!(flavor(None, None, 1, Multi), Ok((Multi, 1)));
+        assert_eq!(flavor(None, None, 2, Current), Ok((Multi, 2)));
+        assert_eq!(flavor(None, Some("1"), 8, Current), Ok((Current, 1)));
+        assert_eq!(flavor(None, Some(" 1 "), 8, Current), Ok((Current, 1)));
+        assert_eq!(flavor(None, Some(" 2 "), 1, Current), Ok((Multi, 2)));
+        assert_eq!(flavor(Some(""), Some("1"), 8, Current), Ok((Current, 1)));
         // WARDEN_RUNTIME wins either way.
-        assert_eq!(flavor(Some("multi"), Some("1"), 1), Ok(Flavor::MultiThread));
-        assert_eq!(flavor(Some("current"), Some("4"), 4), Ok(Flavor::CurrentThread));
+        assert_eq!(flavor(Some("multi"), Some("1"), 1, Current), Ok((Multi, 1)));
+        assert_eq!(flavor(Some("current"), Some("4"), 4, Multi), Ok((Current, 4)));
     }
 
     #[test]
     fn a_setting_that_names_no_flavor_or_count_is_an_error_naming_the_variable() {
-        for bad in ["0", "-1", "two", ""] {
-            let e = flavor(None, Some(bad), 2).expect_err(bad);
-            assert!(e.contains("TOKIO_WORKER_THREADS"), "{e}");
+        for runtime in [None, Some("multi"), Some("current")] {
+            for bad in ["0", "-1", "two", ""] {
+                let e = flavor(runtime, Some(bad), 2, Current).expect_err(bad);
+                assert!(e.contains("TOKIO_WORKER_THREADS"), "{e}");
+            }
         }
-        let e = flavor(Some("fast"), None, 2).expect_err("fast");
+        let e = flavor(Some("fast"), None, 2, Current).expect_err("fast");
         assert!(e.contains("WARDEN_RUNTIME"), "{e}");
     }
 }

@@ -116,9 +116,10 @@ fn start(runtime: &tokio::runtime::Handle, company: Arc<Company>) -> mpsc::Sende
     let (tx, mut rx) = mpsc::channel::<Job>(QUEUE);
     runtime.spawn(async move {
         while let Some(first) = rx.recv().await {
-            // Woken by the first caller, this task runs next (Tokio runs a task woken by the
-            // running one before the others): letting the tasks already runnable run first
-            // lets those with signatures queue them for this batch.
+            // Woken by the first caller, this task may run next (the multi-threaded scheduler
+            // runs a task woken by the running one before the others; the current-thread one
+            // queues it behind them): yielding lets the tasks already runnable run first, so
+            // that those with signatures queue them for this batch.
             tokio::task::yield_now().await;
             let mut count = first.0.len();
             let mut jobs = vec![first];

@@ -84,6 +84,23 @@ impl Telemetry {
     }
 }
 
+impl Telemetry {
+    /// Exports the spans still queued and stops the exporter (bounded by [`SHUTDOWN_TIMEOUT`]),
+    /// waiting on a blocking thread: the export may need the runtime's tasks (the gRPC
+    /// exporter's channel), which a current-thread runtime could not run while its one thread
+    /// waited here. A service's `main` calls this last; dropping the guard does the same
+    /// waiting in place.
+    pub async fn shutdown(mut self) {
+        let Some(provider) = self.provider.take() else { return };
+        let stopped = tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT)).await;
+        match stopped {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("warning: trace export did not finish at shutdown: {e}"),
+            Err(e) => eprintln!("warning: trace export did not finish at shutdown: {e}"),
+        }
+    }
+}
+
 impl Drop for Telemetry {
     fn drop(&mut self) {
         if let Some(p) = self.provider.take() {

@@ -6,11 +6,15 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    warden_grpc::launch::run(async {
+    warden_grpc::launch::run(warden_grpc::launch::Flavor::CurrentThread, async {
         let l = warden_grpc::launch::launch("warden-executor", "executor", |c| {
             (&c.executor.listen, &c.executor.listen_unix)
         })
         .await?;
-        warden_executor::serve(&l.config.executor, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+        let served =
+            warden_executor::serve(&l.config.executor, l.tokens, l.listener, warden_grpc::shutdown_signal()).await;
+        // Last: the spans of the stop included.
+        l.telemetry.shutdown().await;
+        served
     })
 }

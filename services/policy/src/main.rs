@@ -6,9 +6,12 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    warden_grpc::launch::run(async {
+    warden_grpc::launch::run(warden_grpc::launch::Flavor::CurrentThread, async {
         let l = warden_grpc::launch::launch("warden-policy", "policy", |c| (&c.policy.listen, &c.policy.listen_unix))
             .await?;
-        warden_policy::serve(&l.config.policy, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+        let served = warden_policy::serve(&l.config.policy, l.tokens, l.listener, warden_grpc::shutdown_signal()).await;
+        // Last: the spans of the stop included.
+        l.telemetry.shutdown().await;
+        served
     })
 }

@@ -6,9 +6,12 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    warden_grpc::launch::run(async {
+    warden_grpc::launch::run(warden_grpc::launch::Flavor::MultiThread, async {
         let l =
             warden_grpc::launch::launch("warden-tools", "tools", |c| (&c.tools.listen, &c.tools.listen_unix)).await?;
-        warden_tools::serve(&l.config.tools, l.tokens, l.listener, warden_grpc::shutdown_signal()).await
+        let served = warden_tools::serve(&l.config.tools, l.tokens, l.listener, warden_grpc::shutdown_signal()).await;
+        // Last: the spans of the stop included.
+        l.telemetry.shutdown().await;
+        served
     })
 }
