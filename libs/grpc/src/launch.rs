@@ -90,6 +90,30 @@ where
     builder.enable_all().build()?.block_on(main)
 }
 
+/// A service binary's whole `main`: on the runtime [`run`] picks, [`launch`] `binary` for the
+/// section `service`, serve with `serve` until the process is asked to stop, then export the
+/// last spans (off the runtime's thread: `Telemetry::shutdown`) and return what serving
+/// returned.
+pub fn main<S, Fut>(
+    binary: &'static str,
+    service: &'static str,
+    listen: fn(&WardenConfig) -> (&str, &str),
+    one_worker: Flavor,
+    serve: S,
+) -> anyhow::Result<()>
+where
+    S: FnOnce(WardenConfig, crate::auth::Tokens, crate::Listeners) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    run(one_worker, async move {
+        let Launched { config, listener, tokens, telemetry } = launch(binary, service, listen).await?;
+        let served = serve(config, tokens, listener).await;
+        // Last: the spans of the stop included.
+        telemetry.shutdown().await;
+        served
+    })
+}
+
 pub struct Launched {
     pub config: WardenConfig,
     /// The TCP listener, and the Unix domain socket when the section names one.

@@ -6,15 +6,14 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    warden_grpc::launch::run(warden_grpc::launch::Flavor::CurrentThread, async {
-        let l = warden_grpc::launch::launch("warden-executor", "executor", |c| {
-            (&c.executor.listen, &c.executor.listen_unix)
-        })
-        .await?;
-        let served =
-            warden_executor::serve(&l.config.executor, l.tokens, l.listener, warden_grpc::shutdown_signal()).await;
-        // Last: the spans of the stop included.
-        l.telemetry.shutdown().await;
-        served
-    })
+    use warden_grpc::launch::{Flavor, main};
+    main(
+        "warden-executor",
+        "executor",
+        |c| (&c.executor.listen, &c.executor.listen_unix),
+        Flavor::CurrentThread,
+        |config, tokens, listener| async move {
+            warden_executor::serve(&config.executor, tokens, listener, warden_grpc::shutdown_signal()).await
+        },
+    )
 }

@@ -6,12 +6,14 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    warden_grpc::launch::run(warden_grpc::launch::Flavor::CurrentThread, async {
-        let l = warden_grpc::launch::launch("warden-ledger", "ledger", |c| (&c.ledger.listen, &c.ledger.listen_unix))
-            .await?;
-        let served = warden_ledger::serve(&l.config.ledger, l.tokens, l.listener, warden_grpc::shutdown_signal()).await;
-        // Last: the spans of the stop included.
-        l.telemetry.shutdown().await;
-        served
-    })
+    use warden_grpc::launch::{Flavor, main};
+    main(
+        "warden-ledger",
+        "ledger",
+        |c| (&c.ledger.listen, &c.ledger.listen_unix),
+        Flavor::CurrentThread,
+        |config, tokens, listener| async move {
+            warden_ledger::serve(&config.ledger, tokens, listener, warden_grpc::shutdown_signal()).await
+        },
+    )
 }

@@ -6,14 +6,14 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    warden_grpc::launch::run(warden_grpc::launch::Flavor::CurrentThread, async {
-        let l =
-            warden_grpc::launch::launch("warden-planner", "planner", |c| (&c.planner.listen, &c.planner.listen_unix))
-                .await?;
-        let served =
-            warden_planner::serve(&l.config.planner, l.tokens, l.listener, warden_grpc::shutdown_signal()).await;
-        // Last: the spans of the stop included.
-        l.telemetry.shutdown().await;
-        served
-    })
+    use warden_grpc::launch::{Flavor, main};
+    main(
+        "warden-planner",
+        "planner",
+        |c| (&c.planner.listen, &c.planner.listen_unix),
+        Flavor::CurrentThread,
+        |config, tokens, listener| async move {
+            warden_planner::serve(&config.planner, tokens, listener, warden_grpc::shutdown_signal()).await
+        },
+    )
 }

@@ -6,12 +6,14 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    warden_grpc::launch::run(warden_grpc::launch::Flavor::CurrentThread, async {
-        let l = warden_grpc::launch::launch("warden-policy", "policy", |c| (&c.policy.listen, &c.policy.listen_unix))
-            .await?;
-        let served = warden_policy::serve(&l.config.policy, l.tokens, l.listener, warden_grpc::shutdown_signal()).await;
-        // Last: the spans of the stop included.
-        l.telemetry.shutdown().await;
-        served
-    })
+    use warden_grpc::launch::{Flavor, main};
+    main(
+        "warden-policy",
+        "policy",
+        |c| (&c.policy.listen, &c.policy.listen_unix),
+        Flavor::CurrentThread,
+        |config, tokens, listener| async move {
+            warden_policy::serve(&config.policy, tokens, listener, warden_grpc::shutdown_signal()).await
+        },
+    )
 }

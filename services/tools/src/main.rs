@@ -6,12 +6,16 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    warden_grpc::launch::run(warden_grpc::launch::Flavor::MultiThread, async {
-        let l =
-            warden_grpc::launch::launch("warden-tools", "tools", |c| (&c.tools.listen, &c.tools.listen_unix)).await?;
-        let served = warden_tools::serve(&l.config.tools, l.tokens, l.listener, warden_grpc::shutdown_signal()).await;
-        // Last: the spans of the stop included.
-        l.telemetry.shutdown().await;
-        served
-    })
+    // With one worker too, the multi-threaded runtime: a call waiting on the state file hands the
+    // host's other calls to another thread (`block_in_place`).
+    use warden_grpc::launch::{Flavor, main};
+    main(
+        "warden-tools",
+        "tools",
+        |c| (&c.tools.listen, &c.tools.listen_unix),
+        Flavor::MultiThread,
+        |config, tokens, listener| async move {
+            warden_tools::serve(&config.tools, tokens, listener, warden_grpc::shutdown_signal()).await
+        },
+    )
 }
