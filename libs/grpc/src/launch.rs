@@ -39,7 +39,7 @@ pub enum Flavor {
 /// The demo tool host keeps the scheduler: a call that waits on its state file hands the
 /// others to another thread (`block_in_place`), which one thread could not. More workers
 /// keep the scheduler, whose point they are.
-pub fn flavor(
+fn flavor(
     runtime: Option<&str>,
     workers: Option<&str>,
     cores: usize,
@@ -65,7 +65,7 @@ pub fn flavor(
 /// Runs a service binary's `main` future on the runtime [`flavor`] picks from the
 /// environment (`one_worker`: the binary's preference when it has one worker), and returns
 /// what it returns. A setting that names no runtime or worker count is an error, not a panic.
-pub fn run<F>(one_worker: Flavor, main: F) -> anyhow::Result<()>
+fn run<F>(one_worker: Flavor, main: F) -> anyhow::Result<()>
 where
     F: std::future::Future<Output = anyhow::Result<()>>,
 {

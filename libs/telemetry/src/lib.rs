@@ -82,9 +82,7 @@ impl Telemetry {
             tracing::warn!(error = %e, "trace flush failed");
         }
     }
-}
 
-impl Telemetry {
     /// Exports the spans still queued and stops the exporter (bounded by [`SHUTDOWN_TIMEOUT`]),
     /// waiting on a blocking thread: the export may need the runtime's tasks (the gRPC
     /// exporter's channel), which a current-thread runtime could not run while its one thread
@@ -92,22 +90,23 @@ impl Telemetry {
     /// waiting in place.
     pub async fn shutdown(mut self) {
         let Some(provider) = self.provider.take() else { return };
-        let stopped = tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT)).await;
-        match stopped {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("warning: trace export did not finish at shutdown: {e}"),
-            Err(e) => eprintln!("warning: trace export did not finish at shutdown: {e}"),
+        if let Err(e) = tokio::task::spawn_blocking(move || stop(provider)).await {
+            eprintln!("warning: trace export did not finish at shutdown: {e}");
         }
+    }
+}
+
+/// Stops `provider`, waiting (bounded) for its batch processor's last export on its own thread.
+fn stop(provider: SdkTracerProvider) {
+    if let Err(e) = provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT) {
+        eprintln!("warning: trace export did not finish at shutdown: {e}");
     }
 }
 
 impl Drop for Telemetry {
     fn drop(&mut self) {
         if let Some(p) = self.provider.take() {
-            // The batch processor exports on its own thread; this waits for it, bounded.
-            if let Err(e) = p.shutdown_with_timeout(SHUTDOWN_TIMEOUT) {
-                eprintln!("warning: trace export did not finish at shutdown: {e}");
-            }
+            stop(p);
         }
     }
 }
